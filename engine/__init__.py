@@ -1,0 +1,1 @@
+"""radixserve's inference engine as a library: no HTTP, no ZMQ."""

@@ -1,0 +1,1 @@
+"""RadixAttention: a radix tree over KV slots that shares prefixes across requests."""

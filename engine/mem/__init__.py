@@ -1,0 +1,7 @@
+"""KV memory: the two-level page table (request → token slots → per-layer K/V)."""
+
+from engine.mem.allocator import TokenToKVPoolAllocator
+from engine.mem.kv_pool import MHATokenToKVPool
+from engine.mem.req_to_token_pool import ReqToTokenPool
+
+__all__ = ["MHATokenToKVPool", "ReqToTokenPool", "TokenToKVPoolAllocator"]

@@ -1,0 +1,1 @@
+"""Model execution: config, weight loading, the networks, attention backends, the runner."""

@@ -1,0 +1,48 @@
+"""The seam between a model's attention layers and the kernels that run them."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.forward_batch import ForwardBatch
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """Static shape of one attention layer, as a backend needs it."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+
+
+class AttentionBackend(ABC):
+    """Computes causal attention for a ForwardBatch over the paged KV pool.
+
+    `forward` first writes the new tokens' K/V into the pool at `out_cache_loc`, then lets
+    each token attend to its request's prefix (read through `req_to_token`) and to the new
+    tokens before it. `q` is `[num_tokens, num_heads, head_dim]`, `k`/`v` are
+    `[num_tokens, num_kv_heads, head_dim]`; the result is `[num_tokens, num_heads, head_dim]`.
+    """
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Build per-batch index tensors once, before the first layer runs."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, layer, forward_batch)
+        return self.forward_extend(q, layer, forward_batch)
+
+    @abstractmethod
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor: ...
+
+    @abstractmethod
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor: ...

@@ -1,0 +1,62 @@
+"""What one forward pass needs to know about the batch, already laid out as tensors."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from engine.mem.kv_pool import MHATokenToKVPool
+from engine.mem.req_to_token_pool import ReqToTokenPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = enum.auto()
+    """Prefill: each request adds `extend_lens[i]` tokens after `prefix_lens[i]` cached ones."""
+    DECODE = enum.auto()
+    """Each request adds exactly one token."""
+    MIXED = enum.auto()
+    """Extend requests first, then decode requests riding along (extend_len 1)."""
+    IDLE = enum.auto()
+    """Nothing to run (keeps collective ops aligned under parallelism)."""
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+
+@dataclass
+class ForwardBatch:
+    """One batch, token-major. Every mode is described as "extend": request i has
+    `prefix_lens[i]` tokens already in the KV pool (read through `req_to_token`) and
+    `extend_lens[i]` new tokens whose K/V are written at `out_cache_loc`; a decode request
+    is an extend of length 1. `seq_lens = prefix_lens + extend_lens`.
+
+    Tensors live on the model's device; the `*_cpu` lists mirror the small per-request
+    vectors so that backends can plan shapes without a device sync.
+    """
+
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [batch] int64
+    seq_lens: torch.Tensor  # [batch] int64
+    prefix_lens: torch.Tensor  # [batch] int64
+    extend_lens: torch.Tensor  # [batch] int64
+    out_cache_loc: torch.Tensor  # [num_tokens] int64
+    seq_lens_cpu: list[int]
+    prefix_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHATokenToKVPool
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)

@@ -1,0 +1,1 @@
+"""Scheduling: request state, queue order, admission, retraction and the event loops."""

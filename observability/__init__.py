@@ -1,0 +1,1 @@
+"""Metric definitions, tracing setup, Grafana dashboards and alert rules."""

@@ -1,0 +1,1 @@
+"""The tokenizer, worker and detokenizer processes and what joins them."""

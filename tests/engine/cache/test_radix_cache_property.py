@@ -1,0 +1,106 @@
+"""Differential test: random interleavings of insert / match / lock / unlock / evict on
+the radix cache against a brute-force model that stores every cached prefix explicitly.
+
+Short sequences on a three-token alphabet make edges split constantly; three namespaces
+check that they never share anything.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from engine.cache.evict_policy import EVICTION_POLICIES
+from engine.cache.radix_cache import RadixCache, TreeNode
+from engine.cache.radix_key import RadixKey
+
+NUM_SLOTS = 40
+Position = tuple[str | None, tuple[int, ...]]  # (namespace, token prefix): one cached token
+
+namespaces = st.sampled_from([None, "a", "b"])
+sequences = st.lists(st.integers(0, 2), min_size=1, max_size=8)
+
+
+class RadixCacheVersusBruteForce(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.slot_of: dict[Position, int] = {}
+        self.lock_count: Counter[Position] = Counter()
+        self.locks: list[tuple[TreeNode, list[Position]]] = []
+
+    @initialize(policy=st.sampled_from(sorted(EVICTION_POLICIES)))
+    def make_cache(self, policy: str) -> None:
+        self.cache = RadixCache.create_simulated(num_slots=NUM_SLOTS, eviction_policy=policy)
+        self.allocator = self.cache.token_to_kv_pool_allocator
+
+    def cached_len(self, ns: str | None, seq: list[int]) -> int:
+        """The model is prefix-closed, so the longest cached prefix is the first gap."""
+        n = 0
+        while n < len(seq) and (ns, tuple(seq[: n + 1])) in self.slot_of:
+            n += 1
+        return n
+
+    @rule(ns=namespaces, seq=sequences)
+    def insert(self, ns: str | None, seq: list[int]) -> None:
+        if self.allocator.available_size() < len(seq):
+            self.evict(len(seq) - self.allocator.available_size())
+        slots = self.allocator.alloc(len(seq))
+        if slots is None:
+            return
+        expected = self.cached_len(ns, seq)
+        assert self.cache.insert(RadixKey(seq, ns), slots) == expected
+        self.allocator.free(slots[:expected])
+        for i in range(expected, len(seq)):
+            self.slot_of[(ns, tuple(seq[: i + 1]))] = int(slots[i])
+
+    @rule(ns=namespaces, seq=sequences, lock=st.booleans())
+    def match(self, ns: str | None, seq: list[int], lock: bool) -> None:
+        indices, last_node = self.cache.match_prefix(RadixKey(seq, ns))
+        n = self.cached_len(ns, seq)
+        path = [(ns, tuple(seq[: i + 1])) for i in range(n)]
+        assert indices.tolist() == [self.slot_of[p] for p in path]
+        assert len(last_node.key) > 0 or n == 0
+        if lock:
+            newly_locked = sum(self.lock_count[p] == 0 for p in path)
+            assert self.cache.inc_lock_ref(last_node) == -newly_locked
+            self.lock_count.update(path)
+            self.locks.append((last_node, path))
+
+    @precondition(lambda self: self.locks)
+    @rule(data=st.data())
+    def unlock(self, data: st.DataObject) -> None:
+        node, path = self.locks.pop(data.draw(st.integers(0, len(self.locks) - 1)))
+        self.lock_count.subtract(path)
+        freed = sum(self.lock_count[p] == 0 for p in path)
+        assert self.cache.dec_lock_ref(node) == freed
+
+    @rule(num_tokens=st.integers(1, NUM_SLOTS))
+    def evict(self, num_tokens: int) -> None:
+        evictable_before = self.cache.evictable_size()
+        evicted = self.cache.evict(num_tokens)
+        free = set(self.allocator.free_slots().tolist())
+        gone = {p for p, slot in self.slot_of.items() if slot in free}
+        assert evicted == len(gone)
+        assert evicted >= min(num_tokens, evictable_before)
+        assert not any(self.lock_count[p] for p in gone), "a locked node was evicted"
+        for p in gone:
+            del self.slot_of[p]
+        for ns, prefix in self.slot_of:
+            assert len(prefix) == 1 or (ns, prefix[:-1]) in self.slot_of, "eviction left a gap below a cached token"
+
+    @invariant()
+    def tree_agrees_with_the_model(self) -> None:
+        if not hasattr(self, "cache"):
+            return
+        self.cache.check_integrity()
+        protected = sum(1 for p in self.slot_of if self.lock_count[p] > 0)
+        assert self.cache.protected_size() == protected
+        assert self.cache.evictable_size() == len(self.slot_of) - protected
+        assert self.cache.total_size() == len(self.slot_of)
+
+
+RadixCacheVersusBruteForce.TestCase.settings = settings(max_examples=500, stateful_step_count=40)
+test_radix_cache_matches_brute_force_model = RadixCacheVersusBruteForce.TestCase
