@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import os
 
+# Triton reads TRITON_INTERPRET when it decorates a kernel, and transformers imports
+# triton.language early: without a GPU, the Triton kernels run under the interpreter only if
+# this is set before anything imports Triton.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 from hypothesis import HealthCheck, settings
 

@@ -53,6 +53,43 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: MHATokenToKVPool
 
+    @classmethod
+    def build(
+        cls,
+        forward_mode: ForwardMode,
+        input_ids: torch.Tensor,
+        req_pool_indices: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool: MHATokenToKVPool,
+    ) -> ForwardBatch:
+        """Lay out per-request lists as tensors on the pool's device (copies are
+        non-blocking: the lists stay on the host as the `*_cpu` mirrors)."""
+        device = token_to_kv_pool.device
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
+        return cls(
+            forward_mode=forward_mode,
+            input_ids=input_ids.to(device, non_blocking=True),
+            positions=positions.to(device, non_blocking=True),
+            req_pool_indices=tensor(req_pool_indices),
+            seq_lens=tensor(seq_lens),
+            prefix_lens=tensor(prefix_lens),
+            extend_lens=tensor(extend_lens),
+            out_cache_loc=out_cache_loc,
+            seq_lens_cpu=seq_lens,
+            prefix_lens_cpu=prefix_lens,
+            extend_lens_cpu=extend_lens,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool=token_to_kv_pool,
+        )
+
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)

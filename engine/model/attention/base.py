@@ -28,7 +28,17 @@ class AttentionBackend(ABC):
     each token attend to its request's prefix (read through `req_to_token`) and to the new
     tokens before it. `q` is `[num_tokens, num_heads, head_dim]`, `k`/`v` are
     `[num_tokens, num_kv_heads, head_dim]`; the result is `[num_tokens, num_heads, head_dim]`.
+    Every backend is built with the same keyword arguments, so the runner never branches on
+    which one it got.
     """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.device = torch.device(device)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build per-batch index tensors once, before the first layer runs."""

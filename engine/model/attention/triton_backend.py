@@ -1,0 +1,124 @@
+"""The GPU attention backend: Triton extend and split-KV decode kernels over the KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.attention.base import AttentionBackend, AttentionLayer
+from engine.model.attention.triton_ops import decode_attention_fwd, extend_attention_fwd
+from engine.model.forward_batch import ForwardBatch
+
+
+@dataclass
+class ForwardMetadata:
+    """Per-batch index tensors, built once and shared by every layer of the forward pass."""
+
+    qo_indptr: torch.Tensor  # [batch + 1] int32: request i's queries are rows qo_indptr[i]:qo_indptr[i+1]
+    kv_indptr: torch.Tensor  # [batch + 1] int32: request i's keys are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices: torch.Tensor  # [sum(seq_lens)] int32 KV slots: prefix from req_to_token, then out_cache_loc
+    max_extend_len: int
+    num_kv_splits: torch.Tensor | None  # decode only: [batch] int32
+    attn_logits: torch.Tensor | None  # decode only: [batch, heads, max_kv_splits, head_dim] fp32
+    attn_lse: torch.Tensor | None  # decode only: [batch, heads, max_kv_splits] fp32
+
+
+def get_num_kv_splits(seq_lens: torch.Tensor, max_kv_splits: int, min_kv_split_len: int) -> torch.Tensor:
+    """Cut each decode request's keys into splits of about `min_kv_split_len`, at most
+    `max_kv_splits`, then recount so that none is empty (`cdiv(s, n)` per split can cover
+    `s` in fewer than `n` splits once the cap binds). Computed on the device: no sync."""
+    wanted = torch.clamp((seq_lens + min_kv_split_len - 1) // min_kv_split_len, 1, max_kv_splits)
+    split_len = (seq_lens + wanted - 1) // wanted
+    return ((seq_lens + split_len - 1) // split_len).to(torch.int32)
+
+
+class TritonAttnBackend(AttentionBackend):
+    """Attention through Triton kernels; the GPU default, run on CPU only by the interpreter.
+
+    Decode splits each request's keys into `ceil(seq_len / min_kv_split_len)` pieces, at most
+    `max_kv_splits`. The count depends on the request's own length alone, never on the rest
+    of the batch, so a request's decode output does not change with its batch-mates.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: str | torch.device,
+        max_kv_splits: int = 8,
+        min_kv_split_len: int = 64,
+    ):
+        super().__init__(num_heads, num_kv_heads, head_dim, device)
+        self.max_kv_splits = max_kv_splits
+        self.min_kv_split_len = min_kv_split_len
+        self.forward_metadata: ForwardMetadata | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        batch_size = fb.batch_size
+        qo_indptr = self._indptr(fb.extend_lens)
+        kv_indptr = self._indptr(fb.seq_lens)
+        kv_indices = self._kv_indices(fb, qo_indptr, kv_indptr, sum(fb.seq_lens_cpu))
+        num_kv_splits = attn_logits = attn_lse = None
+        if fb.forward_mode.is_decode():
+            num_kv_splits = get_num_kv_splits(fb.seq_lens, self.max_kv_splits, self.min_kv_split_len)
+            shape = (batch_size, self.num_heads, self.max_kv_splits)
+            attn_logits = torch.empty((*shape, self.head_dim), dtype=torch.float32, device=self.device)
+            attn_lse = torch.empty(shape, dtype=torch.float32, device=self.device)
+        self.forward_metadata = ForwardMetadata(
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            max_extend_len=max(fb.extend_lens_cpu, default=0),
+            num_kv_splits=num_kv_splits,
+            attn_logits=attn_logits,
+            attn_lse=attn_lse,
+        )
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor:
+        md = self.forward_metadata
+        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        o = torch.empty_like(q)
+        extend_attention_fwd(
+            q, o, k_buffer, v_buffer, md.qo_indptr, md.kv_indptr, md.kv_indices, md.max_extend_len, layer.scaling
+        )
+        return o
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor:
+        md = self.forward_metadata
+        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        o = torch.empty_like(q)
+        decode_attention_fwd(
+            q,
+            o,
+            k_buffer,
+            v_buffer,
+            md.kv_indptr,
+            md.kv_indices,
+            md.num_kv_splits,
+            md.attn_logits,
+            md.attn_lse,
+            layer.scaling,
+        )
+        return o
+
+    def _indptr(self, lens: torch.Tensor) -> torch.Tensor:
+        indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=self.device)
+        indptr[1:] = torch.cumsum(lens, 0)
+        return indptr
+
+    def _kv_indices(
+        self, fb: ForwardBatch, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, total_kv: int
+    ) -> torch.Tensor:
+        """Flatten each request's KV slots: `req_to_token` for its prefix, `out_cache_loc` for
+        its new tokens (whose table entries the scheduler may not have written yet)."""
+        batch = torch.arange(fb.batch_size, device=self.device)
+        req = torch.repeat_interleave(batch, fb.seq_lens, output_size=total_kv)
+        pos = torch.arange(total_kv, device=self.device) - kv_indptr[req]
+        prefix_lens = fb.prefix_lens[req]
+        in_prefix = pos < prefix_lens
+        cached = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[req], torch.where(in_prefix, pos, 0)]
+        new = fb.out_cache_loc[torch.where(in_prefix, 0, qo_indptr[req] + pos - prefix_lens)]
+        return torch.where(in_prefix, cached, new.to(torch.int32))

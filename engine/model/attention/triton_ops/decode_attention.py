@@ -1,0 +1,211 @@
+"""Split-KV (flash-decoding) attention for one new token per request.
+
+A decode batch has too few queries to fill a GPU if each request is one program, so each
+request's keys are cut into `num_kv_splits[i]` contiguous splits. Stage 1 runs one program
+per (request, KV head, split): it loads every query head of the GQA group that shares the
+KV head, so each K/V tile is read once per group, and writes the split's normalised
+partial output with its log-sum-exp. Stage 2 merges the splits of each (request, head).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fwd_grouped_kernel_stage1(
+    Q,
+    K_Buffer,
+    V_Buffer,
+    kv_indptr,
+    kv_indices,
+    num_kv_splits,
+    sm_scale,
+    Att_Out,
+    Att_Lse,
+    stride_qbs,
+    stride_qh,
+    stride_buf_kbs,
+    stride_buf_kh,
+    stride_buf_vbs,
+    stride_buf_vh,
+    stride_mid_ob,
+    stride_mid_oh,
+    stride_mid_os,
+    stride_lse_b,
+    stride_lse_h,
+    kv_group_num: tl.constexpr,
+    Lk: tl.constexpr,
+    BLOCK_DMODEL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    cur_kv_head = tl.program_id(1)
+    split_kv_id = tl.program_id(2)
+
+    kv_splits = tl.load(num_kv_splits + cur_batch)
+    if split_kv_id >= kv_splits:
+        return
+    seq_start = tl.load(kv_indptr + cur_batch)
+    seq_len = tl.load(kv_indptr + cur_batch + 1) - seq_start
+    # The host picks split counts that leave no split empty.
+    split_len = tl.cdiv(seq_len, kv_splits)
+    split_start = split_len * split_kv_id
+    split_end = tl.minimum(split_start + split_len, seq_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < kv_group_num
+    cur_head = cur_kv_head * kv_group_num + offs_h
+    offs_d = tl.arange(0, BLOCK_DMODEL)
+    mask_d = offs_d < Lk
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q_ptrs = Q + cur_batch * stride_qbs + cur_head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(K_Buffer.dtype.element_ty)
+
+    # Padded head rows see q = 0, hence finite scores; they are never stored.
+    e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    e_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DMODEL], dtype=tl.float32)
+    for start_n in range(split_start, split_end, BLOCK_N):
+        kv_pos = start_n + offs_n
+        mask_n = kv_pos < split_end
+        slots = tl.load(kv_indices + seq_start + kv_pos, mask=mask_n, other=0).to(tl.int64)
+
+        k_ptrs = K_Buffer + slots[None, :] * stride_buf_kbs + cur_kv_head * stride_buf_kh + offs_d[:, None]
+        k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        qk = tl.dot(q, k, input_precision="ieee") * sm_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+
+        n_e_max = tl.maximum(e_max, tl.max(qk, 1))
+        re_scale = tl.exp(e_max - n_e_max)
+        p = tl.exp(qk - n_e_max[:, None])
+        e_sum = e_sum * re_scale + tl.sum(p, 1)
+
+        v_ptrs = V_Buffer + slots[:, None] * stride_buf_vbs + cur_kv_head * stride_buf_vh + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        e_max = n_e_max
+
+    mid_o = Att_Out + cur_batch * stride_mid_ob + cur_head[:, None] * stride_mid_oh + split_kv_id * stride_mid_os
+    tl.store(mid_o + offs_d[None, :], acc / e_sum[:, None], mask=mask_h[:, None] & mask_d[None, :])
+    mid_lse = Att_Lse + cur_batch * stride_lse_b + cur_head * stride_lse_h + split_kv_id
+    tl.store(mid_lse, e_max + tl.log(e_sum), mask=mask_h)
+
+
+@triton.jit
+def _fwd_kernel_stage2(
+    Att_Out,
+    Att_Lse,
+    O,
+    num_kv_splits,
+    stride_mid_ob,
+    stride_mid_oh,
+    stride_mid_os,
+    stride_lse_b,
+    stride_lse_h,
+    stride_obs,
+    stride_oh,
+    Lv: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    cur_batch = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    kv_splits = tl.load(num_kv_splits + cur_batch)
+
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask_d = offs_d < Lv
+    mid_o = Att_Out + cur_batch * stride_mid_ob + cur_head * stride_mid_oh
+    mid_lse = Att_Lse + cur_batch * stride_lse_b + cur_head * stride_lse_h
+
+    e_max = float("-inf")
+    e_sum = 0.0
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for split_kv_id in range(0, kv_splits):
+        tv = tl.load(mid_o + split_kv_id * stride_mid_os + offs_d, mask=mask_d, other=0.0)
+        tlse = tl.load(mid_lse + split_kv_id)
+        n_e_max = tl.maximum(tlse, e_max)
+        old_scale = tl.exp(e_max - n_e_max)
+        exp_lse = tl.exp(tlse - n_e_max)
+        acc = acc * old_scale + exp_lse * tv
+        e_sum = e_sum * old_scale + exp_lse
+        e_max = n_e_max
+
+    o_ptrs = O + cur_batch * stride_obs + cur_head * stride_oh + offs_d
+    tl.store(o_ptrs, (acc / e_sum).to(O.dtype.element_ty), mask=mask_d)
+
+
+def decode_attention_fwd(
+    q: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    attn_logits: torch.Tensor,
+    attn_lse: torch.Tensor,
+    sm_scale: float,
+) -> None:
+    """Write into `o` ([B, H, D]) the attention of the one query per request in `q` ([B, H, D]).
+
+    Request i's keys are `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`, cut into
+    `num_kv_splits[i]` splits. `attn_logits` ([B, H, max_kv_splits, D], fp32) and `attn_lse`
+    ([B, H, max_kv_splits], fp32) hold the per-split partial results; the grid spans
+    `max_kv_splits`, and programs past a request's own split count exit at once.
+    """
+    assert q.stride(-1) == 1 and o.stride(-1) == 1, "head_dim must be the contiguous axis"
+    assert attn_logits.stride(-1) == 1 and attn_lse.stride(-1) == 1, "partial buffers must be contiguous per row"
+    batch_size, num_heads, head_dim = q.shape
+    num_kv_heads = k_buffer.shape[1]
+    kv_group_num = num_heads // num_kv_heads
+    max_kv_splits = attn_logits.shape[2]
+    block_dmodel = triton.next_power_of_2(head_dim)
+    _fwd_grouped_kernel_stage1[(batch_size, num_kv_heads, max_kv_splits)](
+        q,
+        k_buffer,
+        v_buffer,
+        kv_indptr,
+        kv_indices,
+        num_kv_splits,
+        sm_scale,
+        attn_logits,
+        attn_lse,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        attn_logits.stride(0),
+        attn_logits.stride(1),
+        attn_logits.stride(2),
+        attn_lse.stride(0),
+        attn_lse.stride(1),
+        kv_group_num=kv_group_num,
+        Lk=head_dim,
+        BLOCK_DMODEL=block_dmodel,
+        # tl.dot needs at least 16 rows; one program covers the whole GQA group.
+        BLOCK_H=max(16, triton.next_power_of_2(kv_group_num)),
+        BLOCK_N=64 if k_buffer.element_size() <= 2 else 32,
+        num_warps=4,
+    )
+    _fwd_kernel_stage2[(batch_size, num_heads)](
+        attn_logits,
+        attn_lse,
+        o,
+        num_kv_splits,
+        attn_logits.stride(0),
+        attn_logits.stride(1),
+        attn_logits.stride(2),
+        attn_lse.stride(0),
+        attn_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        Lv=head_dim,
+        BLOCK_DV=block_dmodel,
+        num_warps=4,
+    )

@@ -1,0 +1,144 @@
+"""Extend (prefill) attention: every new token attends to its request's cached prefix and,
+causally, to the new tokens before it.
+
+Each request's keys are named by one run of `kv_indices` (the prefix slots from
+`req_to_token`, then the new tokens' slots from `out_cache_loc`), so a single online-softmax
+loop covers prefix and extension; the causal mask only bites in the last blocks, and blocks
+past a query tile's last position are never visited.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fwd_kernel(
+    Q,
+    O,
+    K_Buffer,
+    V_Buffer,
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    sm_scale,
+    stride_qbs,
+    stride_qh,
+    stride_obs,
+    stride_oh,
+    stride_buf_kbs,
+    stride_buf_kh,
+    stride_buf_vbs,
+    stride_buf_vh,
+    kv_group_num: tl.constexpr,
+    Lk: tl.constexpr,
+    BLOCK_DMODEL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    cur_seq = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    cur_block_m = tl.program_id(2)
+    cur_kv_head = cur_head // kv_group_num
+
+    q_start = tl.load(qo_indptr + cur_seq)
+    extend_len = tl.load(qo_indptr + cur_seq + 1) - q_start
+    if cur_block_m * BLOCK_M >= extend_len:
+        return
+    kv_start = tl.load(kv_indptr + cur_seq)
+    seq_len = tl.load(kv_indptr + cur_seq + 1) - kv_start
+    prefix_len = seq_len - extend_len
+
+    offs_m = cur_block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_DMODEL)
+    mask_m = offs_m < extend_len
+    mask_d = offs_d < Lk
+
+    q_ptrs = Q + (q_start + offs_m)[:, None] * stride_qbs + cur_head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(K_Buffer.dtype.element_ty)
+    q_pos = prefix_len + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DMODEL], dtype=tl.float32)
+
+    # Keys beyond this tile's last query position are masked for every row: skip them.
+    kv_end = tl.minimum(seq_len, prefix_len + (cur_block_m + 1) * BLOCK_M)
+    for start_n in range(0, kv_end, BLOCK_N):
+        kv_pos = start_n + offs_n
+        mask_n = kv_pos < kv_end
+        slots = tl.load(kv_indices + kv_start + kv_pos, mask=mask_n, other=0).to(tl.int64)
+
+        k_ptrs = K_Buffer + slots[None, :] * stride_buf_kbs + cur_kv_head * stride_buf_kh + offs_d[:, None]
+        k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        qk = tl.dot(q, k, input_precision="ieee") * sm_scale
+        causal = mask_n[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        qk = tl.where(causal, qk, float("-inf"))
+
+        # Key 0 is visible to every row in the first block, so m_new is finite from there on.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        re_scale = tl.exp(m_i - m_new)
+        p = tl.exp(qk - m_new[:, None])
+        l_i = l_i * re_scale + tl.sum(p, 1)
+
+        v_ptrs = V_Buffer + slots[:, None] * stride_buf_vbs + cur_kv_head * stride_buf_vh + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        m_i = m_new
+
+    o_ptrs = O + (q_start + offs_m)[:, None] * stride_obs + cur_head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def extend_attention_fwd(
+    q: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+) -> None:
+    """Write into `o` ([T, H, D]) the attention of `q` ([T, H, D]) over the KV pool.
+
+    Request i owns queries `qo_indptr[i]:qo_indptr[i+1]` and keys
+    `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`; its last `extend_len` keys are its own new
+    tokens, aligned with its queries. `max_extend_len` sizes the grid from host data, so
+    the launch never reads a device value.
+    """
+    assert q.stride(-1) == 1 and o.stride(-1) == 1, "head_dim must be the contiguous axis"
+    batch_size = qo_indptr.shape[0] - 1
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_group_num = num_heads // k_buffer.shape[1]
+    # fp32 tiles are twice as wide in shared memory: halve the key block to fit.
+    block_m, block_n = (64, 64) if k_buffer.element_size() <= 2 else (64, 32)
+    grid = (batch_size, num_heads, triton.cdiv(max_extend_len, block_m))
+    _fwd_kernel[grid](
+        q,
+        o,
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        sm_scale,
+        q.stride(0),
+        q.stride(1),
+        o.stride(0),
+        o.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        kv_group_num=kv_group_num,
+        Lk=head_dim,
+        BLOCK_DMODEL=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=4,
+    )

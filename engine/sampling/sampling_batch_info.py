@@ -1,0 +1,157 @@
+"""The sampling parameters of a whole batch, laid out once as device tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.sampling.penalties import (
+    apply_frequency_presence_penalties,
+    apply_repetition_penalty,
+    count_tokens,
+    token_mask,
+)
+from engine.sampling.sampling_params import SamplingParams
+from engine.sampling.vocab_mask import apply_vocab_mask
+
+
+class SamplingReq(Protocol):
+    """What the sampler reads from a request (the scheduler's `Req` provides it)."""
+
+    sampling_params: SamplingParams
+    origin_input_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass
+class SamplingBatchInfo:
+    """Per-row sampling state of one batch, as in SGLang.
+
+    Built on the host from Python lists and copied with `non_blocking=True`, so building it
+    never waits on the device. Optional tensors are None when no row needs them, so a batch
+    of plain requests pays nothing for penalties, biases, min-tokens or seeds. `sort_width`
+    and the `need_*` flags are host values for the same reason: the sampler branches on
+    them without reading a device value. A greedy row is taken by argmax, so here it has
+    temperature 1 and no top-k / top-p / min-p, and costs the filters nothing.
+    """
+
+    vocab_size: int
+    temperatures: torch.Tensor  # [B, 1] float32
+    top_ps: torch.Tensor  # [B, 1] float32
+    top_ks: torch.Tensor  # [B, 1] int64; "off" is vocab_size
+    min_ps: torch.Tensor  # [B, 1] float32
+    is_greedy: torch.Tensor  # [B] bool
+    is_all_greedy: bool
+    sort_width: int  # how many of the likeliest tokens top-k / top-p look at; 0 when no row uses them
+    need_top_p_sampling: bool
+    need_min_p_sampling: bool
+    return_logprob: bool
+    top_logprobs_num: int  # the largest any row asks for
+    frequency_penalties: torch.Tensor | None = None  # [B, 1], set together with presence_penalties
+    presence_penalties: torch.Tensor | None = None  # [B, 1]
+    output_token_counts: torch.Tensor | None = None  # [B, V] float32, output tokens only
+    repetition_penalties: torch.Tensor | None = None  # [B, 1]
+    seen_token_mask: torch.Tensor | None = None  # [B, V] bool, prompt + output tokens
+    logit_bias: torch.Tensor | None = None  # [B, V] float32, additive
+    min_tokens_rows: torch.Tensor | None = None  # [N] int64, with min_tokens_ids: (row, token) pairs
+    min_tokens_ids: torch.Tensor | None = None  # [N] int64, EOS / stop ids forbidden this step
+    seeded_rows: torch.Tensor | None = None  # [S] int64, rows that carry a seed
+    sampling_seeds: torch.Tensor | None = None  # [S] int64
+    seed_steps: torch.Tensor | None = None  # [S] int64, index of the output token being sampled
+    vocab_mask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32, set by the grammar backend
+
+    @classmethod
+    def from_reqs(
+        cls,
+        reqs: Sequence[SamplingReq],
+        vocab_size: int,
+        eos_token_ids: Collection[int],
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatchInfo:
+        """Lay out `reqs`' parameters; `eos_token_ids` are the model's end-of-sequence ids,
+        masked with each request's `stop_token_ids` until it has `min_new_tokens` outputs."""
+        device = torch.device(device)
+        params = [req.sampling_params for req in reqs]
+        sampled = [p for p in params if not p.is_greedy]
+
+        def column(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).view(-1, 1).to(device, non_blocking=True)
+
+        def as_tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        def top_k(p: SamplingParams) -> int:
+            return vocab_size if p.is_greedy or p.top_k == -1 else min(p.top_k, vocab_size)
+
+        # Top-p is measured inside the top-k set, so the filters need only the `top_k`
+        # likeliest tokens of a row, or all of them for top-p without top-k.
+        sort_width = max((top_k(p) for p in sampled if top_k(p) < vocab_size or p.top_p < 1.0), default=0)
+        info = cls(
+            vocab_size=vocab_size,
+            temperatures=column([1.0 if p.is_greedy else p.temperature for p in params], torch.float32),
+            top_ps=column([1.0 if p.is_greedy else p.top_p for p in params], torch.float32),
+            top_ks=column([top_k(p) for p in params], torch.int64),
+            min_ps=column([0.0 if p.is_greedy else p.min_p for p in params], torch.float32),
+            is_greedy=torch.tensor([p.is_greedy for p in params]).to(device, non_blocking=True),
+            is_all_greedy=not sampled,
+            sort_width=sort_width,
+            need_top_p_sampling=any(p.top_p < 1.0 for p in sampled),
+            need_min_p_sampling=any(p.min_p > 0.0 for p in sampled),
+            return_logprob=any(p.logprobs for p in params),
+            top_logprobs_num=max((p.top_logprobs_num for p in params), default=0),
+        )
+
+        if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+            info.frequency_penalties = column([p.frequency_penalty for p in params], torch.float32)
+            info.presence_penalties = column([p.presence_penalty for p in params], torch.float32)
+            info.output_token_counts = count_tokens([req.output_ids for req in reqs], vocab_size, device)
+        if any(p.repetition_penalty != 1.0 for p in params):
+            info.repetition_penalties = column([p.repetition_penalty for p in params], torch.float32)
+            all_ids = [req.origin_input_ids + req.output_ids for req in reqs]
+            info.seen_token_mask = token_mask(all_ids, vocab_size, device)
+
+        if any(p.logit_bias for p in params):
+            rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+            ids = [t for p in params for t in p.logit_bias]
+            bias = torch.tensor([b for p in params for b in p.logit_bias.values()], dtype=torch.float32)
+            info.logit_bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
+            info.logit_bias.index_put_((as_tensor(rows), as_tensor(ids)), bias.to(device, non_blocking=True))
+
+        min_rows: list[int] = []
+        min_ids: list[int] = []
+        for i, (req, p) in enumerate(zip(reqs, params)):
+            if len(req.output_ids) < p.min_new_tokens:
+                ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
+                min_rows += [i] * len(ids)
+                min_ids += sorted(ids)
+        if min_ids:
+            info.min_tokens_rows = as_tensor(min_rows)
+            info.min_tokens_ids = as_tensor(min_ids)
+
+        seeded_rows = [i for i, p in enumerate(params) if p.seed is not None]
+        if seeded_rows:
+            info.seeded_rows = as_tensor(seeded_rows)
+            info.sampling_seeds = as_tensor([params[i].seed for i in seeded_rows])
+            info.seed_steps = as_tensor([len(reqs[i].output_ids) for i in seeded_rows])
+        return info
+
+    def apply_logits_bias(self, logits: torch.Tensor) -> None:
+        """Everything that edits float32 logits `[B, V]` in place before temperature:
+        penalties (multiplicative repetition before the additive ones, as vLLM), then
+        logit_bias (after the penalties, as SGLang), then the min-tokens and grammar masks,
+        last so that nothing can lift a forbidden token back from -inf."""
+        if self.repetition_penalties is not None:
+            apply_repetition_penalty(logits, self.seen_token_mask, self.repetition_penalties)
+        if self.frequency_penalties is not None:
+            apply_frequency_presence_penalties(
+                logits, self.output_token_counts, self.frequency_penalties, self.presence_penalties
+            )
+        if self.logit_bias is not None:
+            logits.add_(self.logit_bias)
+        if self.min_tokens_rows is not None:
+            logits[self.min_tokens_rows, self.min_tokens_ids] = float("-inf")
+        if self.vocab_mask is not None:
+            apply_vocab_mask(logits, self.vocab_mask)
