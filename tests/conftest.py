@@ -1,4 +1,4 @@
-"""Suite-wide settings: the hypothesis profile and the rule for missing tools."""
+"""Suite-wide settings: Triton's interpreter on machines without a GPU, and the hypothesis profile."""
 
 from __future__ import annotations
 
@@ -10,10 +10,7 @@ import os
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
 from hypothesis import HealthCheck, settings
-
-IN_CI = bool(os.environ.get("CI"))
 
 settings.register_profile(
     "radixserve",
@@ -22,19 +19,3 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("radixserve")
-
-
-def _require_tool(available: bool, what: str) -> None:
-    if available:
-        return
-    if IN_CI:
-        pytest.fail(f"{what} is missing in CI; .ci/run must install it")
-    pytest.skip(f"{what} is not installed")
-
-
-@pytest.fixture
-def require_tool():
-    """`require_tool(available, what)`: skip a test whose tool is missing on a developer
-    machine, fail it in CI, where `.ci/run` installs every tool and a skip would hide a
-    broken install."""
-    return _require_tool

@@ -178,24 +178,25 @@ class RadixCache:
 
     # ----- request hooks --------------------------------------------------------------
 
-    def cache_finished_req(self, req: Req) -> None:
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Hand a finished request's KV to the tree and release its row.
 
         The request's committed tokens (input + output[:-1]: the last sampled token was
         never forwarded, so it has no KV) go into the tree; slots duplicating what the tree
-        already held are freed at once, as are slots allocated but never written.
+        already held are freed at once, as are slots allocated but never written. With
+        `is_insert=False` (retraction, abort) every slot the request owns is freed instead.
         """
         row = req.req_pool_idx
         indices = self.req_to_token_pool.req_to_token[row, : req.kv_allocated_len].to(torch.int64)
-        if self.disable:
-            self.token_to_kv_pool_allocator.free(indices)
+        if self.disable or not is_insert:
+            self.token_to_kv_pool_allocator.free(indices[len(req.prefix_indices) :])
         else:
             kv_len = req.kv_committed_len
             key = RadixKey(req.all_token_ids()[:kv_len], req.extra_key)
             present = self.insert(key, indices[:kv_len], req.priority)
             self.token_to_kv_pool_allocator.free(indices[len(req.prefix_indices) : present])
             self.token_to_kv_pool_allocator.free(indices[kv_len:])
-            self._unlock(req)
+        self._unlock(req)
         self.req_to_token_pool.free(row)
         req.req_pool_idx = None
         req.prefix_indices = self._empty_indices()

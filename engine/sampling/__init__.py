@@ -1,7 +1,4 @@
-"""Sampling: per-request parameters, their batched tensors, penalties and the sampler."""
+"""Sampling: per-request parameters, their batched tensors, penalties and the sampler.
 
-from engine.sampling.sampler import Sampler, SamplerOutput
-from engine.sampling.sampling_batch_info import SamplingBatchInfo
-from engine.sampling.sampling_params import SamplingParams
-
-__all__ = ["Sampler", "SamplerOutput", "SamplingBatchInfo", "SamplingParams"]
+Nothing is re-exported here: `sampling_params` must stay importable without torch, for the
+tokenizer and detokenizer processes."""

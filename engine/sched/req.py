@@ -2,13 +2,36 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.cache.radix_key import RadixKey
+from engine.sampling.sampling_params import SamplingParams
+
 if TYPE_CHECKING:
-    from engine.cache.radix_cache import TreeNode
+    from engine.cache.radix_cache import RadixCache, TreeNode
+
+
+class ReqStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request stopped, in OpenAI's words: "stop", "length" or "abort"."""
+
+    type: str
+    matched: int | str | None = None
+    """The stop token id or stop string that ended it."""
+    message: str | None = None
+    """For "abort": what went wrong, for the client."""
+    status_code: int | None = None
+    """For "abort": the HTTP status a server answers with (None: a server error)."""
 
 
 @dataclass(eq=False)
@@ -23,18 +46,54 @@ class Req:
 
     rid: str
     origin_input_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
     output_ids: list[int] = field(default_factory=list)
     extra_key: str | None = None
+    """Radix namespace: requests with different keys share no KV (cache_salt, LoRA id)."""
     priority: int = 0
+    routing_key: str | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    status: ReqStatus = ReqStatus.WAITING
+    finished_reason: FinishReason | None = None
+
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     last_node: TreeNode | None = None
     kv_allocated_len: int = 0
     kv_committed_len: int = 0
 
+    extend_input_len: int = 0
+    """Tokens this round's prefill computes (after the radix hit; truncated when chunked)."""
+    is_chunked: bool = False
+    """Its prefill was cut by --chunked-prefill-size and continues next round."""
+    cached_tokens: int | None = None
+    """Radix hit at first admission (None until admitted), reported as `cached_tokens`."""
+    num_retractions: int = 0
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    """(logprob, token id) per output token, when `sampling_params.logprobs`."""
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    """The `top_logprobs_num` likeliest (logprob, token id) per output token."""
+
     @property
     def seqlen(self) -> int:
         return len(self.origin_input_ids) + len(self.output_ids)
 
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
     def all_token_ids(self) -> list[int]:
+        """Prompt plus output: also what a retracted request prefills again."""
         return self.origin_input_ids + self.output_ids
+
+    def init_next_round_input(self, tree_cache: RadixCache) -> None:
+        """Match the radix tree before admission. The last token is always recomputed:
+        its logits are what the next token is sampled from."""
+        fill_ids = self.all_token_ids()
+        match = tree_cache.match_prefix(RadixKey(fill_ids[:-1], self.extra_key))
+        self.prefix_indices, self.last_node = match
+        self.extend_input_len = len(fill_ids) - len(self.prefix_indices)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = ReqStatus.FINISHED
+        self.finished_reason = reason

@@ -301,3 +301,18 @@ def test_module_main_prints_a_simulated_tree_with_lock_counts():
     assert "[1, 2] len=2 lock_ref=1" in out
     assert "[7] len=1 lock_ref=0" in out
     assert "evictable: 7, protected: 5" in out
+
+
+def test_finishing_without_insert_frees_owned_slots_and_unlocks_the_prefix():
+    cache = RadixCache.create_simulated()
+    insert_fresh(cache, [1, 2, 3, 4])
+    req = Req("retracted", [1, 2, 3, 4, 5, 6], output_ids=[7])
+    admit(cache, req, extra_slots=1)
+    assert len(req.prefix_indices) == 4 and cache.protected_size() == 4
+    req.kv_committed_len = 6
+
+    cache.cache_finished_req(req, is_insert=False)
+
+    assert cache.total_size() == 4 and cache.protected_size() == 0
+    assert cache.token_to_kv_pool_allocator.available_size() == 64 - 4
+    cache.check_integrity()

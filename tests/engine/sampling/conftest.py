@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.sampling import SamplingBatchInfo, SamplingParams
+from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass

@@ -8,8 +8,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from engine.sampling import SamplingBatchInfo, SamplingParams
 from engine.sampling.penalties import count_tokens, token_mask
+from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sampling.sampling_params import SamplingParams
 
 MakeInfo = Callable[..., SamplingBatchInfo]
 

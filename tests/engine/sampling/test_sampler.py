@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.sampling import Sampler, SamplerOutput, SamplingBatchInfo, SamplingParams
 from engine.sampling import sampler
-from engine.sampling.sampler import _apply_top_k_top_p_min_p, seeded_uniform
+from engine.sampling.sampler import Sampler, SamplerOutput, _apply_top_k_top_p_min_p, seeded_uniform
+from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sampling.sampling_params import SamplingParams
 
 MakeInfo = Callable[..., SamplingBatchInfo]
 DRAWS = 8000

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from engine.sampling import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 VOCAB = 100
 

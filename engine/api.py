@@ -1,0 +1,156 @@
+"""The offline Engine: generate in-process over the same scheduler the server runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from engine.args import EngineArgs
+from engine.detokenize import IncrementalDetokenizer
+from engine.model.loader import load_tokenizer
+from engine.model.runner import ModelRunner
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.req import Req
+from engine.sched.scheduler import Scheduler
+
+Prompt = str | Sequence[int]
+SamplingParamsArg = dict[str, Any] | Sequence[dict[str, Any]] | None
+
+
+class Engine:
+    """`Engine(model=None, **options)`: `None` is the embedded SmolLM2-135M-Instruct; the
+    options are EngineArgs fields, the snake_case of the server's flags."""
+
+    def __init__(self, model: str | None = None, **options: Any):
+        self.args = args = EngineArgs.from_options(model=model or "embedded", **options)
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        self.model_runner = ModelRunner(
+            args.model,
+            device=device,
+            dtype="bfloat16" if args.dtype == "auto" else args.dtype,
+            attention_backend=args.attention_backend,
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            max_running_requests=args.max_running_requests,
+            context_len=args.context_length,
+        )
+        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)
+        self.scheduler = Scheduler(args, self.model_runner, self._matched_stop_string if self.tokenizer else None)
+        self._rids = itertools.count()
+
+    def generate(self, prompt: Prompt | Sequence[Prompt], sampling_params: SamplingParamsArg = None) -> list[dict]:
+        """Generate for one prompt or a batch (text, or token ids); one result per prompt:
+        `{"text", "output_ids", "meta": {prompt_tokens, completion_tokens, cached_tokens,
+        finish_reason}}`. `sampling_params` is one dict for all prompts or one per prompt."""
+        prompts = _as_prompt_list(prompt)
+        params = _as_params_list(sampling_params, len(prompts))
+        reqs = [self._submit(p, sp) for p, sp in zip(prompts, params)]
+        try:
+            while not all(r.finished for r in reqs):
+                self.scheduler.step()
+        finally:
+            for req in reqs:
+                if not req.finished:
+                    self.scheduler.abort_request(req.rid)
+        return [self._result(req) for req in reqs]
+
+    def generate_stream(self, prompt: Prompt, sampling_params: dict[str, Any] | None = None) -> Iterator[dict]:
+        """Yield `{"text": delta, "output_ids": new ids}` as tokens arrive; the last chunk
+        also carries `meta`."""
+        req = self._submit(prompt, SamplingParams.from_dict(sampling_params or {}))
+        detok = self._detokenizer(req)
+        sent = 0
+        try:
+            while not req.finished:
+                self.scheduler.step()
+                new_ids = req.output_ids[sent:]
+                if new_ids or req.finished:
+                    sent = len(req.output_ids)
+                    text = detok.add_tokens(new_ids, finished=req.finished) if detok else ""
+                    chunk = {"text": text, "output_ids": new_ids}
+                    if req.finished:
+                        chunk["meta"] = _meta(req)
+                    yield chunk
+        finally:
+            if not req.finished:
+                self.scheduler.abort_request(req.rid)
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def _submit(self, prompt: Prompt, params: SamplingParams) -> Req:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init")
+            input_ids = self.tokenizer.encode(prompt)
+        else:
+            input_ids = list(prompt)
+        req = Req(str(next(self._rids)), input_ids, params)
+        self.scheduler.add_request(req)
+        return req
+
+    def _detokenizer(self, req: Req) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, req.sampling_params.stop, req.sampling_params.skip_special_tokens)
+
+    def _result(self, req: Req) -> dict:
+        detok = self._detokenizer(req)
+        text = ""
+        if detok is not None:
+            matched = req.finished_reason.matched if req.finished_reason else None
+            output_ids = req.output_ids[:-1] if isinstance(matched, int) else req.output_ids
+            detok.add_tokens(output_ids, finished=True)
+            text = detok.final_text()
+        return {"text": text, "output_ids": list(req.output_ids), "meta": _meta(req)}
+
+    def _matched_stop_string(self, req: Req) -> str | None:
+        """Stop strings are searched in the decoded tail only: a string of n characters
+        spans at most n tokens."""
+        stop = req.sampling_params.stop
+        tail = req.output_ids[-(max(len(s) for s in stop) + 1) :]
+        text = self.tokenizer.decode(tail, skip_special_tokens=req.sampling_params.skip_special_tokens)
+        return next((s for s in stop if s in text), None)
+
+
+def _meta(req: Req) -> dict:
+    reason = req.finished_reason
+    meta = {
+        "prompt_tokens": len(req.origin_input_ids),
+        "completion_tokens": len(req.output_ids),
+        "cached_tokens": req.cached_tokens or 0,
+        "finish_reason": None if reason is None else {
+            k: v for k, v in dataclasses.asdict(reason).items() if v is not None
+        },
+    }
+    if req.sampling_params.logprobs:
+        meta["output_token_logprobs"] = list(req.output_token_logprobs)
+        if req.sampling_params.top_logprobs_num:
+            meta["output_top_logprobs"] = list(req.output_top_logprobs)
+    return meta
+
+
+def _as_prompt_list(prompt: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise ValueError("no prompt given")
+    return list(prompt)
+
+
+def _as_params_list(sampling_params: SamplingParamsArg, n: int) -> list[SamplingParams]:
+    if sampling_params is None or isinstance(sampling_params, dict):
+        return [SamplingParams.from_dict(sampling_params or {}) for _ in range(n)]
+    if len(sampling_params) != n:
+        raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
+    return [SamplingParams.from_dict(p) for p in sampling_params]

@@ -1,0 +1,35 @@
+"""The seeds' scheduling constants, by their SGLang names, in one place.
+
+Each default can be overridden with a `RADIXSERVE_<NAME>` environment variable (read at
+import); the ones users tune per deployment are also engine options (see EngineArgs).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _env(name: str, default: float) -> float:
+    value = os.environ.get(f"RADIXSERVE_{name}")
+    return type(default)(value) if value is not None else default
+
+
+INIT_NEW_TOKEN_RATIO: float = _env("INIT_NEW_TOKEN_RATIO", 0.7)
+"""Starting overcommit ratio, multiplied by --schedule-conservativeness."""
+MIN_NEW_TOKEN_RATIO_FACTOR: float = _env("MIN_NEW_TOKEN_RATIO_FACTOR", 0.14)
+"""The ratio decays to this fraction of its starting value..."""
+NEW_TOKEN_RATIO_DECAY_STEPS: int = _env("NEW_TOKEN_RATIO_DECAY_STEPS", 600)
+"""...linearly over this many decode steps."""
+RETRACT_DECODE_STEPS: int = _env("RETRACT_DECODE_STEPS", 20)
+"""After a retraction, reserve enough for every survivor to decode this many more tokens."""
+CLIP_MAX_NEW_TOKENS: int = _env("CLIP_MAX_NEW_TOKENS", 4096)
+"""max_new_tokens is clipped to this in budget estimates only, never in generation."""
+IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD: int = _env("IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD", 32)
+"""lpm dedup considers only requests whose radix hit is at most this many tokens..."""
+IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD: int = _env("IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD", 32)
+"""...and defers those sharing at least this many tokens with a queue-mate."""
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
+"""Queue orders of engine/sched/policy.py."""
+
+LPM_MAX_QUEUE_LEN: int = _env("LPM_MAX_QUEUE_LEN", 128)
+"""Above this many waiting requests lpm falls back to fcfs: matching them all costs too much."""

@@ -1,0 +1,73 @@
+"""Incremental detokenization with stop-string trimming (shared by the detokenizer service
+and the offline Engine).
+
+Decoding token by token breaks multi-byte characters and merges; instead each step
+decodes a short window (`prefix_offset:`) and emits only what extends the text decoded so
+far, holding back an incomplete UTF-8 sequence ("\\ufffd") until the next token completes it.
+Text that could still become a stop string is held back too, so a stream never shows a
+stop string that the final text trims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.stop = list(stop)
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+        """All text decoded so far (stop strings not yet trimmed)."""
+        self.sent = 0
+        """How much of `text` has been emitted."""
+
+    def add_tokens(self, new_ids: Sequence[int], finished: bool = False) -> str:
+        """Append tokens; return the text that is now safe to emit."""
+        self.token_ids.extend(new_ids)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.text += new_text[len(prefix_text) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return self._emit(finished)
+
+    def _emit(self, finished: bool) -> str:
+        end = len(self.text)
+        for stop in self.stop:
+            hit = self.text.find(stop)
+            if hit != -1:
+                end = min(end, hit)
+                finished = True
+        if not finished:
+            end = min(end, self._safe_end())
+        delta = self.text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
+
+    def final_text(self) -> str:
+        """The whole output with the first stop string and what follows it removed."""
+        cuts = [i for i in (self.text.find(s) for s in self.stop) if i != -1]
+        return self.text[: min(cuts)] if cuts else self.text
+
+    def _safe_end(self) -> int:
+        """Hold back the longest tail that is a proper prefix of some stop string."""
+        end = len(self.text)
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(stop[:n]):
+                    end = min(end, len(self.text) - n)
+                    break
+        return end
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)

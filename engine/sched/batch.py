@@ -1,0 +1,111 @@
+"""ScheduleBatch: the scheduler's view of one forward pass, and its layout as tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.radix_cache import RadixCache
+from engine.mem.kv_pool import MHATokenToKVPool
+from engine.model.forward_batch import ForwardBatch, ForwardMode
+from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sched.future_map import FutureMap
+from engine.sched.req import Req
+
+
+@dataclass
+class ScheduleBatch:
+    """Requests of one forward pass — prefills (`extend_reqs`) first, then decodes — with
+    the tensors the forward side needs. The batch owns its tensors: nothing the scheduler
+    does to the pools afterwards changes what this batch reads."""
+
+    reqs: list[Req]
+    extend_lens: list[int]
+    num_extend_reqs: int
+    chunked: frozenset[int]
+    """`id`s of requests whose prefill continues after this batch: they sample nothing."""
+    forward_batch: ForwardBatch
+    sampling_info: SamplingBatchInfo
+
+    @property
+    def forward_mode(self) -> ForwardMode:
+        return self.forward_batch.forward_mode
+
+    @classmethod
+    def prepare(
+        cls,
+        extend_reqs: list[Req],
+        decode_reqs: list[Req],
+        tree_cache: RadixCache,
+        token_to_kv_pool: MHATokenToKVPool,
+        vocab_size: int,
+        eos_token_ids: Collection[int],
+        device: torch.device,
+    ) -> ScheduleBatch:
+        """Allocate rows and KV slots and lay the batch out.
+
+        A prefill continues from what the request's row already maps: its radix hit for a
+        new request, its earlier chunks for a chunked one. A decode's input is a future —
+        the token the previous batch is sampling for that row — resolved on the forward side.
+        """
+        req_to_token_pool = tree_cache.req_to_token_pool
+        input_ids: list[int] = []
+        prefix_lens: list[int] = []
+        extend_lens: list[int] = []
+        for req in extend_reqs:
+            if req.req_pool_idx is None:
+                (req.req_pool_idx,) = req_to_token_pool.alloc(1)
+                req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_indices)
+                req.kv_allocated_len = req.kv_committed_len = len(req.prefix_indices)
+            start = req.kv_allocated_len
+            input_ids += req.all_token_ids()[start : start + req.extend_input_len]
+            prefix_lens.append(start)
+            extend_lens.append(req.extend_input_len)
+        for req in decode_reqs:
+            prefix_lens.append(req.kv_allocated_len)
+            extend_lens.append(1)
+
+        out_cache_loc = alloc_token_slots(tree_cache, sum(extend_lens))
+        offset = 0
+        for req, extend_len in zip(extend_reqs + decode_reqs, extend_lens):
+            req_to_token_pool.write(req.req_pool_idx, req.kv_allocated_len, out_cache_loc[offset : offset + extend_len])
+            req.kv_allocated_len += extend_len
+            offset += extend_len
+
+        reqs = extend_reqs + decode_reqs
+        rows = [r.req_pool_idx for r in reqs]
+        futures = FutureMap.futures(torch.tensor(rows[len(extend_reqs) :], dtype=torch.int64))
+        if not extend_reqs:
+            mode = ForwardMode.DECODE
+        else:
+            mode = ForwardMode.MIXED if decode_reqs else ForwardMode.EXTEND
+        forward_batch = ForwardBatch.build(
+            mode,
+            torch.cat([torch.tensor(input_ids, dtype=torch.int64), futures]),
+            rows,
+            prefix_lens,
+            extend_lens,
+            out_cache_loc,
+            req_to_token_pool,
+            token_to_kv_pool,
+        )
+        sampling_info = SamplingBatchInfo.from_reqs(reqs, vocab_size, eos_token_ids, device)
+        chunked = frozenset(id(r) for r in extend_reqs if r.is_chunked)
+        return cls(reqs, extend_lens, len(extend_reqs), chunked, forward_batch, sampling_info)
+
+
+def alloc_token_slots(tree_cache: RadixCache, num_tokens: int) -> torch.Tensor:
+    """Take slots, evicting cache first when the free list alone is short. Admission and
+    the decode memory check guarantee they exist, so a shortfall is a scheduler bug."""
+    allocator = tree_cache.token_to_kv_pool_allocator
+    if allocator.available_size() < num_tokens:
+        tree_cache.evict(num_tokens - allocator.available_size())
+    slots = allocator.alloc(num_tokens)
+    if slots is None:
+        raise RuntimeError(
+            f"KV pool exhausted: {num_tokens} slots needed, {allocator.available_size()} free "
+            f"and {tree_cache.evictable_size()} evictable — admission control let a batch through that does not fit"
+        )
+    return slots

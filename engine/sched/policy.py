@@ -1,0 +1,113 @@
+"""Queue order: which waiting requests are offered to admission first."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+
+import torch
+
+from engine import constants
+from engine.cache.radix_cache import RadixCache, TreeNode
+from engine.cache.radix_key import RadixKey
+from engine.sched.req import Req
+
+SCHEDULE_POLICIES = constants.SCHEDULE_POLICIES
+CACHE_AWARE_POLICIES = ("lpm", "dfs-weight")
+
+
+class SchedulePolicy:
+    """Sorts the waiting queue in place, once per scheduling round.
+
+    - fcfs: arrival order (retracted requests sit at the head).
+    - lpm: longest radix hit first — cheap requests first, and their prefixes stay hot.
+      Above `LPM_MAX_QUEUE_LEN` waiting requests it falls back to fcfs.
+    - dfs-weight: depth-first over the tree, heavier subtrees first, so requests sharing a
+      subtree run together (the SGLang paper's theorem).
+    - lof: longest max_new_tokens first. random. priority: higher value first, then arrival.
+    - routing-key: requests whose routing key is most common in the running batch first.
+    """
+
+    def __init__(self, policy: str, tree_cache: RadixCache, seed: int = 0):
+        if policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"unknown schedule policy {policy!r}; choose one of {', '.join(SCHEDULE_POLICIES)}")
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.rng = random.Random(seed)
+        # A token-only tree of the waiting queue for in-batch prefix dedup: its "slots" are
+        # never read, so it gets a one-slot pool and placeholder values.
+        self.waiting_queue_radix_tree = RadixCache.create_simulated(num_slots=1, max_reqs=1, max_context_len=1)
+
+    def active_policy(self, waiting_queue: list[Req]) -> str:
+        if self.policy == "lpm" and len(waiting_queue) > constants.LPM_MAX_QUEUE_LEN:
+            return "fcfs"
+        if self.policy in CACHE_AWARE_POLICIES and self.tree_cache.disable:
+            return "fcfs"
+        return self.policy
+
+    def calc_priority(
+        self, waiting_queue: list[Req], running_reqs: Iterable[Req] = (), in_flight_prefill: Iterable[Req] = ()
+    ) -> set[str]:
+        """Sort `waiting_queue`; return the rids deferred by in-batch prefix dedup."""
+        policy = self.active_policy(waiting_queue)
+        deferred: set[str] = set()
+        if policy in CACHE_AWARE_POLICIES:
+            deferred = self._compute_prefix_matches(waiting_queue, in_flight_prefill)
+        if policy == "lpm":
+            waiting_queue.sort(key=lambda r: float("inf") if r.rid in deferred else -len(r.prefix_indices))
+        elif policy == "dfs-weight":
+            waiting_queue[:] = self._dfs_weight_order(waiting_queue)
+        elif policy == "lof":
+            waiting_queue.sort(key=lambda r: -r.sampling_params.max_new_tokens)
+        elif policy == "random":
+            self.rng.shuffle(waiting_queue)
+        elif policy == "priority":
+            waiting_queue.sort(key=lambda r: -r.priority)
+        elif policy == "routing-key":
+            counts = Counter(r.routing_key for r in running_reqs if r.routing_key is not None)
+            waiting_queue.sort(key=lambda r: -counts[r.routing_key] if r.routing_key is not None else 0)
+        return deferred
+
+    def _compute_prefix_matches(self, waiting_queue: list[Req], in_flight_prefill: Iterable[Req]) -> set[str]:
+        """Match every waiting request against the tree; defer those that hit little in the
+        tree but share a long prefix with an earlier queue-mate or an in-flight prefill, so
+        that one representative prefills it and the rest hit next round."""
+        sim = self.waiting_queue_radix_tree
+        sim.reset()
+        for req in in_flight_prefill:
+            self._sim_insert(RadixKey(req.all_token_ids(), req.extra_key))
+        deferred = set()
+        for req in waiting_queue:
+            req.init_next_round_input(self.tree_cache)
+            if len(req.prefix_indices) > constants.IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
+                continue
+            key = RadixKey(req.all_token_ids(), req.extra_key)
+            shared = len(sim.match_prefix(key).device_indices)
+            if shared >= constants.IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
+                deferred.add(req.rid)
+            else:
+                self._sim_insert(key)
+        return deferred
+
+    def _sim_insert(self, key: RadixKey) -> None:
+        self.waiting_queue_radix_tree.insert(key, torch.zeros(len(key), dtype=torch.int64))
+
+    def _dfs_weight_order(self, waiting_queue: list[Req]) -> list[Req]:
+        reqs_at: dict[TreeNode, list[Req]] = defaultdict(list)
+        for req in waiting_queue:
+            reqs_at[req.last_node].append(req)
+        weight: Counter[TreeNode] = Counter({node: len(reqs) for node, reqs in reqs_at.items()})
+        for node in list(reqs_at):  # every waiting request weighs on each ancestor once
+            ancestor = node.parent
+            while ancestor is not None:
+                weight[ancestor] += len(reqs_at[node])
+                ancestor = ancestor.parent
+        order: list[Req] = []
+        stack = [self.tree_cache.root_node]
+        while stack:
+            node = stack.pop()
+            order.extend(reqs_at.get(node, ()))
+            children = [c for c in node.children.values() if weight[c] > 0]
+            stack.extend(sorted(children, key=lambda c: weight[c]))  # heaviest popped first
+        return order

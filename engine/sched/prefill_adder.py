@@ -1,0 +1,95 @@
+"""Admission with overcommit: which waiting requests join the next prefill batch.
+
+Budget (`rem_total_tokens`) = free slots + evictable tree slots − what running requests
+are expected to still need. A running request reserves `min(max_new_tokens −
+len(output_ids), CLIP) × new_token_ratio`: overcommitted, because most requests stop
+early. A request being admitted must fit `extend_input_len + min(max_new_tokens, CLIP)`
+in full — the discount applies to requests already running, never to the newcomer.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+from engine.cache.radix_cache import RadixCache
+from engine.mem.allocator import TokenToKVPoolAllocator
+from engine.sched.req import Req
+
+
+class AddReqResult(enum.Enum):
+    CONTINUE = enum.auto()
+    """Admitted (or chunked); try the next request."""
+    NO_TOKEN = enum.auto()
+    """Out of KV budget: stop admitting this round."""
+    OTHER = enum.auto()
+    """Out of prefill-token or chunk budget: stop admitting this round."""
+
+
+class PrefillAdder:
+    def __init__(
+        self,
+        tree_cache: RadixCache,
+        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        running_reqs: Iterable[Req],
+        new_token_ratio: float,
+        clip_max_new_tokens: int,
+        max_prefill_tokens: int,
+        chunked_prefill_size: int | None,
+        mixed_with_decode_tokens: int = 0,
+    ):
+        self.tree_cache = tree_cache
+        self.allocator = token_to_kv_pool_allocator
+        self.clip_max_new_tokens = clip_max_new_tokens
+        self.rem_input_tokens = max_prefill_tokens - mixed_with_decode_tokens
+        self.rem_chunk_tokens = None if chunked_prefill_size is None else chunked_prefill_size - mixed_with_decode_tokens
+        self.rem_total_token_offset = mixed_with_decode_tokens + sum(
+            min(r.sampling_params.max_new_tokens - len(r.output_ids), clip_max_new_tokens) * new_token_ratio
+            for r in running_reqs
+        )
+        self.can_run_list: list[Req] = []
+        self.new_chunked_req: Req | None = None
+
+    @property
+    def rem_total_tokens(self) -> float:
+        """Recomputed on every read: locking a prefix shrinks `evictable_size`."""
+        return self.allocator.available_size() + self.tree_cache.evictable_size() - self.rem_total_token_offset
+
+    def budget_exhausted(self) -> bool:
+        return self.rem_total_tokens <= 0 or self.rem_input_tokens <= 0 or (
+            self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0
+        )
+
+    def add_chunked_req(self, req: Req) -> None:
+        """Continue a chunked prefill first, before any newcomer: it was admitted already."""
+        req.extend_input_len = len(req.all_token_ids()) - req.kv_allocated_len
+        self._add_prefill(req, max_new_tokens=0)
+
+    def add_one_req(self, req: Req) -> AddReqResult:
+        """Admit `req` (matched by `init_next_round_input`) if it fits; lock its prefix."""
+        total_tokens = req.extend_input_len + min(req.sampling_params.max_new_tokens, self.clip_max_new_tokens)
+        if total_tokens > self.rem_total_tokens:
+            return AddReqResult.NO_TOKEN
+        if req.extend_input_len > self.rem_input_tokens and self.can_run_list:
+            return AddReqResult.OTHER
+        self.tree_cache.inc_lock_ref(req.last_node)
+        if total_tokens > self.rem_total_tokens:  # the lock took the prefix out of `evictable`
+            self.tree_cache.dec_lock_ref(req.last_node)
+            return AddReqResult.NO_TOKEN
+        self._add_prefill(req, max_new_tokens=min(req.sampling_params.max_new_tokens, self.clip_max_new_tokens))
+        return AddReqResult.CONTINUE
+
+    def _add_prefill(self, req: Req, max_new_tokens: int) -> None:
+        """Admit `req`, truncated to the chunk budget if it does not fit in one piece."""
+        if self.rem_chunk_tokens is not None and req.extend_input_len > self.rem_chunk_tokens:
+            req.extend_input_len = self.rem_chunk_tokens
+            req.is_chunked = True
+            self.new_chunked_req = req
+            max_new_tokens = 0
+        else:
+            req.is_chunked = False
+        self.can_run_list.append(req)
+        self.rem_total_token_offset += req.extend_input_len + max_new_tokens
+        self.rem_input_tokens -= req.extend_input_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= req.extend_input_len

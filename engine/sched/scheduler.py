@@ -1,0 +1,365 @@
+"""The scheduler: continuous batching over the radix cache, with overcommit admission,
+retraction, and two event loops.
+
+Each round `get_next_batch_to_run` prefers a prefill batch (new requests in, their
+prefixes into the tree sooner) and otherwise decodes the running requests. The normal
+loop runs a batch and processes its result before building the next one. The overlap
+loop launches batch N on a forward thread, then processes N−1's result and builds N+1
+while N runs; N+1's decode inputs are futures in the FutureMap.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+from engine.args import EngineArgs
+from engine.cache.radix_cache import RadixCache
+from engine.sampling.sampler import Sampler
+from engine.sched.batch import ScheduleBatch
+from engine.sched.future_map import FutureMap
+from engine.sched.new_token_ratio import NewTokenRatioTracker
+from engine.sched.policy import SchedulePolicy
+from engine.sched.prefill_adder import AddReqResult, PrefillAdder
+from engine.sched.req import FinishReason, Req, ReqStatus
+from engine.sched.retract import check_decode_mem, release_req, retract_decode
+
+if TYPE_CHECKING:
+    from engine.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+StopStringChecker = Callable[[Req], str | None]
+"""Returns the stop string the request's decoded tail now contains, if any."""
+
+
+class BatchResult(NamedTuple):
+    next_token_ids: list[int]
+    next_token_logprobs: list[float] | None
+    top_logprobs: list[list[tuple[float, int]]] | None
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the observability layer exports."""
+
+    num_retractions: int = 0
+    retracted_input_tokens: int = 0
+    retracted_output_tokens: int = 0
+    prefill_tokens: int = 0
+    """Tokens actually computed by prefill (radix hits excluded)."""
+    cache_hit_tokens: int = 0
+    cache_query_tokens: int = 0
+    generation_tokens: int = 0
+    forward_modes: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, args: EngineArgs, model_runner: ModelRunner, stop_string_checker: StopStringChecker | None = None):
+        self.args = args
+        self.model_runner = model_runner
+        self.device = model_runner.device
+        self.model_config = model_runner.model_config
+        self.context_len = model_runner.context_len
+        self.max_total_tokens = model_runner.max_total_num_tokens
+        self.max_running_requests = model_runner.req_to_token_pool.size
+        self.stop_string_checker = stop_string_checker
+        self.tree_cache = RadixCache(
+            model_runner.req_to_token_pool,
+            model_runner.token_to_kv_pool_allocator,
+            disable=args.disable_radix_cache,
+            eviction_policy=args.radix_eviction_policy,
+        )
+        self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, seed=args.random_seed)
+        self.ratio = NewTokenRatioTracker(args.schedule_conservativeness)
+        self.sampler = Sampler()
+        self.future_map = FutureMap(self.max_running_requests, self.device, debug=args.debug_future_map)
+        self.waiting_queue: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.outputs: list[Req] = []
+        self.stats = SchedulerStats()
+        if args.disable_overlap_schedule is None:
+            self.overlap = self.device.type == "cuda"
+        else:
+            self.overlap = not args.disable_overlap_schedule
+        self.forward_thread = ThreadPoolExecutor(1, thread_name_prefix="forward") if self.overlap else None
+        self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None
+
+    # ----- requests in ------------------------------------------------------------------
+
+    def add_request(self, req: Req) -> None:
+        """Queue `req`, or raise ValueError if it can never run (never leave it waiting)."""
+        input_len = len(req.origin_input_ids)
+        if input_len == 0:
+            raise ValueError("the prompt is empty")
+        req.sampling_params.verify(self.model_config.vocab_size)
+        if max(req.origin_input_ids) >= self.model_config.vocab_size or min(req.origin_input_ids) < 0:
+            raise ValueError(f"prompt token ids must lie in [0, {self.model_config.vocab_size})")
+        if input_len >= self.context_len:
+            raise ValueError(f"the prompt has {input_len} tokens; the context length is {self.context_len}")
+        if req.sampling_params.stop and self.stop_string_checker is None:
+            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
+        params = req.sampling_params
+        params.max_new_tokens = min(params.max_new_tokens, self.context_len - input_len)
+        needed = input_len + min(params.max_new_tokens, self.args.clip_max_new_tokens)
+        if needed > self.max_total_tokens:
+            raise ValueError(
+                f"the prompt ({input_len} tokens) plus max_new_tokens ({params.max_new_tokens}) needs {needed} KV "
+                f"slots; the KV cache holds {self.max_total_tokens}. Lower max_tokens or raise --max-total-tokens"
+            )
+        req.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        req.status = ReqStatus.WAITING
+        self.waiting_queue.append(req)
+
+    def abort_request(self, rid: str) -> None:
+        """Finish `rid` now; its KV slots are freed at once, in flight or not."""
+        for req in self.waiting_queue:
+            if req.rid == rid:
+                self.waiting_queue.remove(req)
+                self._finish(req, FinishReason("abort", message="aborted by the client"))
+                return
+        for req in [*self.running, self.chunked_req]:
+            if req is not None and req.rid == rid and not req.finished:
+                if req is self.chunked_req:
+                    self.chunked_req = None
+                release_req(req, self.tree_cache)
+                self._finish(req, FinishReason("abort", message="aborted by the client"))
+                return
+
+    # ----- event loops ------------------------------------------------------------------
+
+    def step(self) -> list[Req]:
+        """One round of the configured loop; returns requests with new tokens or finished."""
+        if self.overlap:
+            self.step_overlap()
+        else:
+            self.step_normal()
+        outputs, self.outputs = self.outputs, []
+        return outputs
+
+    def step_normal(self) -> None:
+        batch = self.get_next_batch_to_run()
+        if batch is None:
+            self.ratio.on_idle()
+            return
+        self.process_batch_result(batch, self.run_batch(batch))
+
+    def step_overlap(self) -> None:
+        batch = self.get_next_batch_to_run()
+        launched = (batch, self.forward_thread.submit(self.run_batch, batch)) if batch is not None else None
+        self.resolve_in_flight()
+        self.in_flight = launched
+        if launched is None:
+            self.ratio.on_idle()
+
+    def event_loop_normal(self, recv_requests: Callable[[], None], should_stop: Callable[[], bool]) -> None:
+        while not should_stop():
+            recv_requests()
+            self.step_normal()
+
+    def event_loop_overlap(self, recv_requests: Callable[[], None], should_stop: Callable[[], bool]) -> None:
+        while not should_stop():
+            recv_requests()
+            self.step_overlap()
+
+    def resolve_in_flight(self) -> None:
+        """Wait for the batch on the forward side and process its result."""
+        if self.in_flight is not None:
+            batch, future = self.in_flight
+            self.in_flight = None
+            self.process_batch_result(batch, future.result())
+
+    def has_work(self) -> bool:
+        return bool(self.waiting_queue or self.running or self.chunked_req or self.in_flight)
+
+    def shutdown(self) -> None:
+        if self.forward_thread is not None:
+            self.forward_thread.shutdown(wait=True)
+
+    # ----- building batches -------------------------------------------------------------
+
+    def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        batch = self.get_new_batch_prefill()
+        if batch is None and self.running:
+            batch = self.update_running_batch()
+        return batch
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting_queue and self.chunked_req is None:
+            return None
+        if len(self.running) >= self.max_running_requests:
+            return None
+        in_flight_prefill = self.in_flight[0].reqs if self.in_flight is not None else []
+        deferred = self.policy.calc_priority(self.waiting_queue, self.running, in_flight_prefill)
+        mixed = self.args.enable_mixed_chunk and bool(self.running) and self._decode_fits_without_eviction()
+        adder = PrefillAdder(
+            self.tree_cache,
+            self.tree_cache.token_to_kv_pool_allocator,
+            self.running,
+            self.ratio.new_token_ratio,
+            self.args.clip_max_new_tokens,
+            self.args.max_prefill_tokens,
+            self.args.chunked_prefill_size,
+            mixed_with_decode_tokens=len(self.running) if mixed else 0,
+        )
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        for req in self.waiting_queue:
+            if req.rid in deferred:
+                continue
+            if len(self.running) + len(adder.can_run_list) >= self.max_running_requests or adder.budget_exhausted():
+                break
+            req.init_next_round_input(self.tree_cache)
+            if adder.add_one_req(req) is not AddReqResult.CONTINUE:
+                break
+        if not adder.can_run_list:
+            return None
+
+        admitted = {id(r) for r in adder.can_run_list}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        for req in adder.can_run_list:
+            if req.cached_tokens is None:  # first admission: count the radix hit once
+                req.cached_tokens = len(req.prefix_indices)
+                self.stats.cache_hit_tokens += len(req.prefix_indices)
+                self.stats.cache_query_tokens += len(req.origin_input_ids)
+            req.status = ReqStatus.RUNNING
+            self.stats.prefill_tokens += req.extend_input_len
+        self.chunked_req = adder.new_chunked_req
+        decode_reqs = list(self.running) if mixed else []
+        batch = self._prepare(adder.can_run_list, decode_reqs)
+        self.running += [r for r in adder.can_run_list if not r.is_chunked]
+        return batch
+
+    def update_running_batch(self) -> ScheduleBatch | None:
+        """A decode step for every running request, making room first: evict cache, then
+        retract (after the in-flight batch is processed, so nothing retracted is in flight)."""
+        if not check_decode_mem(len(self.running), self.tree_cache):
+            self.resolve_in_flight()
+            if not self.running:
+                return None
+            if not check_decode_mem(len(self.running), self.tree_cache):
+                self._retract()
+                if not self.running:
+                    return None
+        else:
+            self.ratio.on_decode_step()
+        return self._prepare([], list(self.running))
+
+    def _retract(self) -> None:
+        result = retract_decode(self.running, self.tree_cache)
+        self.running = result.kept
+        self.waiting_queue[:0] = result.retracted
+        for req in result.retracted:
+            self.stats.num_retractions += 1
+            self.stats.retracted_input_tokens += len(req.origin_input_ids)
+            self.stats.retracted_output_tokens += len(req.output_ids)
+        if result.aborted is not None:
+            self.outputs.append(result.aborted)
+        if result.kept:
+            self.ratio.on_retract(result.kept)
+        logger.info("retracted %d request(s); new_token_ratio %.3f", len(result.retracted), self.ratio.new_token_ratio)
+
+    def _decode_fits_without_eviction(self) -> bool:
+        return self.tree_cache.token_to_kv_pool_allocator.available_size() >= len(self.running)
+
+    def _prepare(self, extend_reqs: list[Req], decode_reqs: list[Req]) -> ScheduleBatch | None:
+        if self.in_flight is not None and any(_needs_output_history(r) for r in extend_reqs + decode_reqs):
+            # Penalties, min_new_tokens and seeded sampling read the output so far on the
+            # CPU side; wait for the in-flight batch rather than use a stale history.
+            self.resolve_in_flight()
+            decode_reqs = [r for r in decode_reqs if not r.finished]
+            if not extend_reqs and not decode_reqs:
+                return None
+        runner = self.model_runner
+        batch = ScheduleBatch.prepare(
+            extend_reqs,
+            decode_reqs,
+            self.tree_cache,
+            runner.token_to_kv_pool,
+            self.model_config.vocab_size,
+            self.model_config.eos_token_ids,
+            self.device,
+        )
+        mode = batch.forward_mode.name.lower()
+        self.stats.forward_modes[mode] = self.stats.forward_modes.get(mode, 0) + 1
+        return batch
+
+    # ----- the forward side -------------------------------------------------------------
+
+    def run_batch(self, batch: ScheduleBatch) -> BatchResult:
+        """Forward and sample. Runs on the forward thread under the overlap loop: it touches
+        only the batch's own tensors, the KV pool and the FutureMap."""
+        forward_batch = batch.forward_batch
+        forward_batch.input_ids = self.future_map.resolve(forward_batch.input_ids)
+        logits = self.model_runner.forward(forward_batch)
+        out = self.sampler(logits, batch.sampling_info)
+        self.future_map.store(forward_batch.req_pool_indices, out.next_token_ids)
+        logprobs = top = None
+        if out.next_token_logprobs is not None:
+            logprobs = out.next_token_logprobs.tolist()
+        if out.next_token_top_logprobs_val is not None:
+            top = [list(zip(v, i)) for v, i in zip(out.next_token_top_logprobs_val.tolist(),
+                                                  out.next_token_top_logprobs_idx.tolist())]
+        return BatchResult(out.next_token_ids.tolist(), logprobs, top)
+
+    # ----- results ----------------------------------------------------------------------
+
+    def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        for i, (req, extend_len, token) in enumerate(zip(batch.reqs, batch.extend_lens, result.next_token_ids)):
+            if req.finished:
+                continue  # finished or aborted while this batch ran; its KV is already freed
+            req.kv_committed_len += extend_len
+            if id(req) in batch.chunked:
+                self.tree_cache.cache_unfinished_req(req)
+                continue
+            req.output_ids.append(token)
+            self.stats.generation_tokens += 1
+            if req.sampling_params.logprobs:
+                req.output_token_logprobs.append((result.next_token_logprobs[i], token))
+                if req.sampling_params.top_logprobs_num:
+                    req.output_top_logprobs.append(result.top_logprobs[i][: req.sampling_params.top_logprobs_num])
+            reason = self._check_finished(req)
+            if reason is not None:
+                self.tree_cache.cache_finished_req(req)
+                self._finish(req, reason)
+            else:
+                if i < batch.num_extend_reqs:  # share the fresh prefill with later requests now
+                    self.tree_cache.cache_unfinished_req(req)
+                self.outputs.append(req)
+
+    def _check_finished(self, req: Req) -> FinishReason | None:
+        params = req.sampling_params
+        token = req.output_ids[-1]
+        if len(req.output_ids) >= params.max_new_tokens:
+            return FinishReason("length")
+        if len(req.output_ids) >= params.min_new_tokens:
+            if token in params.stop_token_ids or (not params.ignore_eos and token in req.eos_token_ids):
+                return FinishReason("stop", matched=token)
+            if params.stop and self.stop_string_checker is not None:
+                matched = self.stop_string_checker(req)
+                if matched is not None:
+                    return FinishReason("stop", matched=matched)
+        if req.seqlen >= self.context_len:
+            return FinishReason("length")
+        return None
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish(reason)
+        if req in self.running:
+            self.running.remove(req)
+        self.outputs.append(req)
+
+
+def _needs_output_history(req: Req) -> bool:
+    params = req.sampling_params
+    return bool(
+        params.frequency_penalty
+        or params.presence_penalty
+        or params.repetition_penalty != 1.0
+        or len(req.output_ids) < params.min_new_tokens
+        or (params.seed is not None and not params.is_greedy)
+    )
