@@ -1,0 +1,269 @@
+"""ZMQ sockets between the three processes (DESIGN.md §1), and peer liveness.
+
+Each PULL socket binds 127.0.0.1 and its PUSH peer connects, so startup order is free
+(ZMQ reconnects). Sends never block a loop: a PUSH socket only queues for a connected
+peer (`zmq.IMMEDIATE`) and up to its high-water mark; past that `Sender.send` returns
+False and the caller decides (fail the request with a clear error). Receivers drop bytes
+that are not a valid message instead of raising. `PeerMonitor` turns the `Hello` /
+`Heartbeat` stream into "alive", "dead" (three missed heartbeats) and "restarted" (a new
+epoch), and rejects messages from a restarted peer's previous life.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from services.protocol import Heartbeat, Hello, Message, ProtocolError, decode, encode
+
+logger = logging.getLogger(__name__)
+
+LOCALHOST = "127.0.0.1"
+DEFAULT_HWM = 10_000
+"""Messages queued per socket before sends report failure (requests, or output batches)."""
+DEFAULT_LINGER_MS = 100
+"""How long close() may wait to flush queued messages: short, so a stopping process stops."""
+MAX_MESSAGE_BYTES = 64 * 2**20
+"""A peer sending more in one message is disconnected (a 128k-token prompt is ~0.6 MB)."""
+WARN_INTERVAL_S = 5.0
+"""At most one warning per socket per this many seconds, with a count of what was dropped."""
+
+
+def bind_pull(ctx: zmq.Context, port: int, hwm: int = DEFAULT_HWM) -> zmq.Socket:
+    """A PULL socket on tcp://127.0.0.1:`port` (never all interfaces: the processes share a
+    pod or a host, and nothing else may inject requests). Port 0 picks a free port; read it
+    back with `bound_port`."""
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://{LOCALHOST}:{port or '*'}"
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot bind {endpoint}: {e.strerror} (another process holds the port? "
+                               "each port has a --*-port flag)") from e
+    return sock
+
+
+def bound_port(sock: zmq.Socket) -> int:
+    return int(sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+
+
+def connect_push(
+    ctx: zmq.Context, port: int, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS
+) -> zmq.Socket:
+    """A PUSH socket to tcp://127.0.0.1:`port` that queues only while the peer is connected
+    (`IMMEDIATE`): messages for an absent peer are refused at once, not delivered to a
+    restarted peer long after their requests were failed."""
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.SNDHWM, hwm)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.connect(f"tcp://{LOCALHOST}:{port}")
+    return sock
+
+
+class _Throttle:
+    """Counts events and says when a warning about them is due (at most one per interval)."""
+
+    def __init__(self, interval: float = WARN_INTERVAL_S):
+        self.interval = interval
+        self.count = 0
+        self._last_warn = -float("inf")
+
+    def hit(self) -> int:
+        """Record one event; return how many happened since the last warning if one is due
+        now, else 0."""
+        self.count += 1
+        now = time.monotonic()
+        if now - self._last_warn < self.interval:
+            return 0
+        self._last_warn, count, self.count = now, self.count, 0
+        return count
+
+
+class Sender:
+    """Non-blocking sends of protocol messages, stamped with this process's role and epoch.
+
+    Needs a plain (not asyncio) socket: a NOBLOCK send never waits, so it is safe inside an
+    event loop, and it reports failure as a return value rather than a failed future."""
+
+    def __init__(self, sock: zmq.Socket, sender: str, epoch: str, heartbeat_interval: float = 1.0):
+        if isinstance(sock, zmq.asyncio.Socket):
+            raise TypeError("Sender needs a plain zmq socket (from zmq.Context), not a zmq.asyncio one")
+        self.sock = sock
+        self.sender = sender
+        self.epoch = epoch
+        self.heartbeat_interval = heartbeat_interval
+        self._last_heartbeat = -float("inf")
+        self._dropped = _Throttle()
+
+    def send(self, msg: Message) -> bool:
+        """Queue `msg` for the peer; False (and a rate-limited warning) when no peer is
+        connected or the queue is full. Never blocks."""
+        msg = msgspec.structs.replace(msg, sender=self.sender, epoch=self.epoch)
+        try:
+            self.sock.send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            if isinstance(msg, (Hello, Heartbeat)):
+                return False  # expected while the peer is down or connecting; the next one follows
+            dropped = self._dropped.hit()
+            if dropped:
+                logger.warning(
+                    "%s → %s: peer not connected or send queue full; dropped %d message(s) (latest %s)",
+                    self.sender, self.sock.getsockopt_string(zmq.LAST_ENDPOINT), dropped, type(msg).__name__,
+                )
+            return False
+        return True
+
+    def hello(self) -> bool:
+        return self.send(Hello())
+
+    def heartbeat_if_due(self) -> None:
+        """Send a Heartbeat if `heartbeat_interval` has passed since the last attempt; call it
+        from the process's loop at least that often."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.heartbeat_interval:
+            self._last_heartbeat = now
+            self.send(Heartbeat())
+
+
+class _Decoder:
+    """Frames → message, or None with a rate-limited warning: bad bytes are never fatal."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._bad = _Throttle()
+
+    def __call__(self, frames: list[bytes]) -> Message | None:
+        try:
+            if len(frames) != 1:
+                raise ProtocolError(f"expected one frame, got {len(frames)}")
+            return decode(frames[0])
+        except ProtocolError as e:
+            dropped = self._bad.hit()
+            if dropped:
+                logger.warning("%s: dropped %d malformed message(s); latest: %s", self.name, dropped, e)
+            return None
+
+
+class Receiver:
+    """Drains a PULL socket into decoded messages, dropping malformed ones."""
+
+    def __init__(self, sock: zmq.Socket, name: str = "receiver"):
+        self.sock = sock
+        self._decode = _Decoder(name)
+
+    def recv_all(self, timeout_ms: int | None = 0, limit: int | None = None) -> list[Message]:
+        """Wait up to `timeout_ms` (None: forever) for a message, then return everything
+        queued (at most `limit`, so one flood cannot starve the caller's loop)."""
+        if not self.sock.poll(timeout_ms, zmq.POLLIN):
+            return []
+        messages: list[Message] = []
+        while limit is None or len(messages) < limit:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            msg = self._decode(frames)
+            if msg is not None:
+                messages.append(msg)
+        return messages
+
+
+class AsyncReceiver:
+    """The tokenizer's side: `await recv()` yields the next valid message from a
+    `zmq.asyncio` PULL socket, dropping malformed ones."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, name: str = "receiver"):
+        self.sock = sock
+        self._decode = _Decoder(name)
+
+    async def recv(self) -> Message:
+        while True:
+            msg = self._decode(await self.sock.recv_multipart())
+            if msg is not None:
+                return msg
+
+
+class PeerEvent(NamedTuple):
+    peer: str
+    kind: Literal["up", "restart", "dead"]
+    """up: first seen, or heard from again after being dead; restart: a new epoch (its
+    previous life's requests are lost); dead: `misses` heartbeat intervals of silence."""
+    epoch: str
+
+
+@dataclass
+class _Peer:
+    epoch: str
+    last_seen: float
+    alive: bool = True
+    retired: set[str] = field(default_factory=set)
+    """Epochs this peer has had before: their messages are stale."""
+
+
+class PeerMonitor:
+    """Liveness and epochs of the peers a process receives from, keyed by sender role.
+
+    Any stamped message counts as a sign of life (Hello and Heartbeat carry nothing else).
+    Epochs are compared for identity, not order: an epoch seen before the current one is
+    retired, and its messages are rejected."""
+
+    def __init__(self, interval: float = 1.0, misses: int = 3):
+        self.interval = interval
+        self.misses = misses
+        self._peers: dict[str, _Peer] = {}
+        self._events: list[PeerEvent] = []
+
+    def accept(self, msg: Message) -> bool:
+        """Record `msg`'s sender as alive; False if it comes from a retired epoch (drop it).
+        Unstamped messages (no sender) are accepted: there is nothing to judge them by."""
+        if not msg.sender:
+            return True
+        now = time.monotonic()
+        peer = self._peers.get(msg.sender)
+        if peer is None:
+            self._peers[msg.sender] = _Peer(msg.epoch, now)
+            self._events.append(PeerEvent(msg.sender, "up", msg.epoch))
+            return True
+        if msg.epoch in peer.retired:
+            return False
+        if msg.epoch != peer.epoch:
+            # Its Hello may have been refused while the connection came up, so the first
+            # message of a new life need not be a Hello.
+            peer.retired.add(peer.epoch)
+            peer.epoch, peer.alive = msg.epoch, True
+            self._events.append(PeerEvent(msg.sender, "restart", msg.epoch))
+        elif not peer.alive:
+            peer.alive = True
+            self._events.append(PeerEvent(msg.sender, "up", msg.epoch))
+        peer.last_seen = now
+        return True
+
+    def is_alive(self, peer: str) -> bool:
+        """Heard from within `misses` heartbeat intervals (never heard from: False)."""
+        state = self._peers.get(peer)
+        return state is not None and time.monotonic() - state.last_seen <= self.misses * self.interval
+
+    def epoch(self, peer: str) -> str | None:
+        state = self._peers.get(peer)
+        return None if state is None else state.epoch
+
+    def poll(self) -> list[PeerEvent]:
+        """Events since the last poll, deaths included (found here, so call it each loop);
+        each transition is reported once."""
+        for name, state in self._peers.items():
+            if state.alive and not self.is_alive(name):
+                state.alive = False
+                self._events.append(PeerEvent(name, "dead", state.epoch))
+        events, self._events = self._events, []
+        return events

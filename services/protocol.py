@@ -1,0 +1,236 @@
+"""Messages between the tokenizer, worker and detokenizer (DESIGN.md §1).
+
+Every message is a `msgspec.Struct` in the tagged union `Message` (tag field "type",
+tag value the class name), encoded as msgpack. Decoding is typed: bytes that are not a
+well-formed message of a known type raise `ProtocolError` and nothing else, so a
+receiver can drop them. No pickle: a socket must never be a way to run code.
+
+Who sends what to whom (ports are Settings fields):
+
+    tokenizer   → worker       (worker_port):            TokenizedGenerateReqInput, AbortReq,
+                                                          FlushCacheReq, GetServerInfoReq
+    worker      → detokenizer  (detokenizer_port):       BatchTokenIDOutput
+    detokenizer → tokenizer    (tokenizer_port):         BatchStrOutput
+    worker      → tokenizer    (tokenizer_control_port): WorkerReady, FlushCacheReqOutput,
+                                                          GetServerInfoReqOutput
+    every process, on every socket it sends on:          Hello (once), Heartbeat (every second)
+
+Every message carries `sender` (the process role) and `epoch` (unique per process start);
+`services.ipc.Sender` stamps both, and `services.ipc.PeerMonitor` uses them to drop
+messages from a restarted peer's previous life.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+
+from engine.sampling.sampling_params import SamplingParams
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a valid message: malformed, truncated, or of an unknown type."""
+
+
+def new_epoch() -> str:
+    """A fresh, unique process-start id; a peer with a new epoch has restarted."""
+    return uuid.uuid4().hex
+
+
+class _Msg(msgspec.Struct, tag_field="type", tag=True, kw_only=True, omit_defaults=True):
+    sender: str = ""
+    """Role of the sending process: "tokenizer", "worker" or "detokenizer"."""
+    epoch: str = ""
+    """The sender's `new_epoch()` at start; "" when the message was never stamped."""
+
+
+# ----- liveness ---------------------------------------------------------------------------
+
+
+class Hello(_Msg):
+    """Any process → each peer it sends to, once at start: "I am `sender`, life `epoch`"."""
+
+
+class Heartbeat(_Msg):
+    """Any process → each peer it sends to, every `heartbeat_interval` seconds."""
+
+
+# ----- requests (tokenizer → worker) ------------------------------------------------------
+
+
+class TokenizedGenerateReqInput(_Msg):
+    """Tokenizer → worker: one request, already tokenized.
+
+    `sampling_params` is the engine's own `SamplingParams` dataclass: msgspec checks its
+    field types on decode, and the worker checks values with `verify(vocab_size)` (the
+    token-id range is only known there). Logprobs are asked for with
+    `sampling_params.logprobs` / `top_logprobs_num`, so there is no separate flag.
+    """
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
+    stream: bool = False
+    extra_key: str | None = None
+    """Radix namespace (`cache_salt`, tenant): requests with different keys share no KV."""
+    priority: int = 0
+    routing_key: str | None = None
+    trace_context: dict[str, str] = msgspec.field(default_factory=dict)
+    """W3C trace-context carrier (`traceparent`, `tracestate`) so spans join across processes."""
+
+
+class AbortReq(_Msg):
+    """Tokenizer → worker: stop `rid` now and free its KV (client gone, or asked to)."""
+
+    rid: str
+
+
+class FlushCacheReq(_Msg):
+    """Tokenizer → worker: empty the radix cache (refused while requests are in flight)."""
+
+    rid: str = ""
+    """Pairs the reply with its request, so a late reply is not taken for the next one's."""
+
+
+class GetServerInfoReq(_Msg):
+    """Tokenizer → worker: ask for the worker's live state (pool sizes, queues, stats)."""
+
+    rid: str = ""
+
+
+# ----- control replies (worker → tokenizer, on the control socket) ------------------------
+
+
+class WorkerReady(_Msg):
+    """Worker → tokenizer, once the model is loaded (and again after each restart):
+    `/health` turns 200 and requests can be checked against these limits."""
+
+    model_path: str
+    served_model_name: str
+    max_total_tokens: int
+    context_length: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    max_running_requests: int
+
+
+class FlushCacheReqOutput(_Msg):
+    """Worker → tokenizer: whether the flush happened, and why not."""
+
+    success: bool
+    message: str = ""
+    rid: str = ""
+
+
+class GetServerInfoReqOutput(_Msg):
+    """Worker → tokenizer: the answer to `GetServerInfoReq`, a msgpack-able dict."""
+
+    info: dict[str, Any]
+    rid: str = ""
+
+
+# ----- outputs ----------------------------------------------------------------------------
+
+
+class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Wire form of `engine.sched.req.FinishReason` (same fields; that module imports torch,
+    which the tokenizer does not need). The worker may put the engine's dataclass in an
+    output as is: it encodes to the same map and decodes as this struct."""
+
+    type: str
+    """"stop", "length" or "abort"."""
+    matched: int | str | None = None
+    message: str | None = None
+    status_code: int | None = None
+    """For an "abort": the HTTP status the tokenizer answers (400 when the worker rejected
+    the request at submission, e.g. it can never fit the KV pool; 500 otherwise)."""
+
+
+class _BatchOutput(_Msg, kw_only=True):
+    """Per-request columns of one scheduler step, one entry per rid (SGLang's layout).
+    Lengths are checked on construction and on decode, so a column can never be misread
+    as another request's."""
+
+    rids: list[str]
+    output_ids: list[list[int]]
+    """Token ids new since the previous output of that rid."""
+    finished_reasons: list[FinishReason | None]
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    cached_tokens: list[int]
+    """Prompt tokens served from the radix cache (OpenAI's `cached_tokens`)."""
+    output_token_logprobs_val: list[list[float]] | None = None
+    """Per rid, the sampled tokens' logprobs (one per new id; [] for a rid that asked none)."""
+    output_top_logprobs_val: list[list[list[float]]] | None = None
+    """Per rid, per new id, the `top_logprobs_num` best logprobs; `_idx` holds their token ids."""
+    output_top_logprobs_idx: list[list[list[int]]] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.rids)
+        for name in self._per_rid_fields():
+            column = getattr(self, name)
+            if column is not None and len(column) != n:
+                raise ValueError(f"{type(self).__name__}.{name} has {len(column)} entries for {n} rids")
+        for name in ("output_token_logprobs_val", "output_top_logprobs_val", "output_top_logprobs_idx"):
+            column = getattr(self, name)
+            for rid, ids, values in zip(self.rids, self.output_ids, column or ()):
+                if values and len(values) != len(ids):
+                    raise ValueError(f"{name} of {rid!r} has {len(values)} entries for {len(ids)} new tokens")
+
+    def _per_rid_fields(self) -> tuple[str, ...]:
+        return tuple(f for f in self.__struct_fields__ if f not in ("sender", "epoch", "rids"))
+
+
+class BatchTokenIDOutput(_BatchOutput, kw_only=True):
+    """Worker → detokenizer: new token ids of every request that advanced or finished.
+
+    Carries per rid what the detokenizer needs to turn ids into text on its own."""
+
+    skip_special_tokens: list[bool]
+    stop: list[list[str]]
+    """Stop strings to trim from the text (the scheduler already stopped on them)."""
+
+
+class BatchStrOutput(_BatchOutput, kw_only=True):
+    """Detokenizer → tokenizer: the same columns, plus the text each rid gained."""
+
+    output_strs: list[str]
+    """Text delta per rid: safe to show (no broken UTF-8, no partial stop string)."""
+
+
+Message = (
+    Hello
+    | Heartbeat
+    | TokenizedGenerateReqInput
+    | AbortReq
+    | FlushCacheReq
+    | GetServerInfoReq
+    | WorkerReady
+    | FlushCacheReqOutput
+    | GetServerInfoReqOutput
+    | BatchTokenIDOutput
+    | BatchStrOutput
+)
+
+MESSAGE_TYPES: tuple[type[_Msg], ...] = Message.__args__
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """msgpack bytes of one message; anything not in `Message` is a TypeError here rather
+    than bytes the peer cannot read."""
+    if not isinstance(msg, MESSAGE_TYPES):
+        raise TypeError(f"not a protocol message: {type(msg).__name__}")
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """The message in `data`, or ProtocolError saying what is wrong with it."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: absurdly nested input
+        raise ProtocolError(f"invalid message ({len(data)} bytes): {e}") from e

@@ -1,0 +1,184 @@
+"""One settings object for the tokenizer, worker and detokenizer.
+
+`Settings` is `EngineArgs` plus the service fields, so every engine option is a server
+flag without being listed twice. The command line is generated from the fields: field
+`max_total_tokens` is flag `--max-total-tokens` and environment variable
+`RADIXSERVE_MAX_TOTAL_TOKENS`; the flag beats the variable, the variable beats the default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from engine.args import EngineArgs
+
+ENV_PREFIX = "RADIXSERVE_"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
+
+
+def _opt(default: Any, help: str, **kwargs: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kwargs})
+
+
+@dataclass
+class Settings(EngineArgs):
+    """Every engine option plus what the three processes need to find each other and serve."""
+
+    host: str = _opt("0.0.0.0", "HTTP bind address (the ZMQ sockets always bind 127.0.0.1)")
+    port: int = _opt(30000, "HTTP port of the OpenAI-compatible API")
+    served_model_name: str | None = _opt(None, "model id in the API (default: --model)")
+    worker_port: int = _opt(30010, "ZMQ tokenizer → worker")
+    detokenizer_port: int = _opt(30011, "ZMQ worker → detokenizer")
+    tokenizer_port: int = _opt(30012, "ZMQ detokenizer → tokenizer")
+    tokenizer_control_port: int = _opt(30013, "ZMQ worker → tokenizer (ready, control replies, heartbeats)")
+    worker_metrics_port: int = _opt(30001, "worker /metrics and /health")
+    detokenizer_metrics_port: int = _opt(30002, "detokenizer /metrics and /health")
+    grammar_backend: str = _opt("xgrammar", "structured output backend", choices=GRAMMAR_BACKENDS)
+    # repr=False: settings get logged at startup, the key must not be.
+    api_key: str | None = field(
+        default=None, repr=False,
+        metadata={"help": "bearer key required on the API (not on /metrics, /health*); prefer the env variable"},
+    )
+    log_level: str = _opt("info", "logging level", choices=LOG_LEVELS)
+    max_tokens_cap: int = _opt(4096, "server-side cap on a request's max_tokens, protecting the KV pool")
+    heartbeat_interval: float = _opt(1.0, "seconds between heartbeats; a peer silent for 3 intervals is dead")
+
+    def __post_init__(self) -> None:
+        if hasattr(super(), "__post_init__"):  # keep EngineArgs' checks should it gain any
+            super().__post_init__()
+        if self.served_model_name is None:
+            self.served_model_name = self.model
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+        by_port: dict[int, list[str]] = {}
+        for name in _PORT_FIELDS:
+            port = getattr(self, name)
+            if not 1 <= port <= 65535:
+                raise ValueError(f"{name} must be in [1, 65535], got {port}")
+            by_port.setdefault(port, []).append(name)
+        clashes = [names for names in by_port.values() if len(names) > 1]
+        if clashes:
+            raise ValueError(f"ports must differ; these share one: {clashes}")
+        if self.max_tokens_cap < 1:
+            raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
+        if not self.heartbeat_interval > 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
+
+    def to_engine_args(self) -> EngineArgs:
+        return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})
+
+    @classmethod
+    def from_cli(
+        cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, prog: str | None = None
+    ) -> Settings:
+        """Parse flags (default: sys.argv[1:]) over `RADIXSERVE_*` variables (default:
+        os.environ). Bad values exit with status 2 and a message naming the flag or variable."""
+        parser = build_parser(os.environ if env is None else env, prog)
+        namespace = parser.parse_args(argv)
+        try:
+            return cls(**vars(namespace))
+        except ValueError as e:
+            parser.error(str(e))
+
+
+_PORT_FIELDS = (
+    "port", "worker_port", "detokenizer_port", "tokenizer_port", "tokenizer_control_port",
+    "worker_metrics_port", "detokenizer_metrics_port",
+)
+
+
+def build_parser(env: Mapping[str, str], prog: str | None = None) -> argparse.ArgumentParser:
+    """An argparse parser with one flag per Settings field, defaults taken from `env`.
+    No abbreviations: `--max-tokens` must not quietly mean `--max-tokens-cap`."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="radixserve: every flag can also be set as RADIXSERVE_<FLAG_IN_CAPS> in the environment.",
+        allow_abbrev=False,
+    )
+    hints = typing.get_type_hints(Settings)
+    for f in fields(Settings):
+        base, optional = _scalar_type(hints[f.name], f.name)
+        parse = _parser_for(base, optional)
+        default = f.default
+        env_name = ENV_PREFIX + f.name.upper()
+        if env_name in env:
+            try:
+                default = parse(env[env_name])
+            except argparse.ArgumentTypeError as e:
+                parser.error(f"environment variable {env_name}={env[env_name]!r}: {e}")
+        # The shown default is the resolved one, except for secrets (repr=False).
+        shown = f" (default: {default})" if f.repr and default is not None else ""
+        help_text = f"{f.metadata.get('help', '')}{shown} [env {env_name}]".replace("%", "%%")
+        flag = "--" + f.name.replace("_", "-")
+        if base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:
+            choices = f.metadata.get("choices")
+            parser.add_argument(
+                flag, type=parse, default=default, help=help_text,
+                choices=choices, metavar=None if choices else f.name.upper(),
+            )
+    return parser
+
+
+def _scalar_type(hint: Any, name: str) -> tuple[type, bool]:
+    """(base type, whether None is allowed) of `T` or `T | None`, T in str, int, float, bool."""
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    if optional and len(args) == 2:
+        hint = next(a for a in args if a is not type(None))
+    if hint not in (str, int, float, bool):
+        raise TypeError(f"settings field {name}: cannot make a flag for type {hint}")
+    return hint, optional
+
+
+def _parser_for(base: type, optional: bool) -> Callable[[str], Any]:
+    """Text → value for flags and variables. For optional numbers and bools "none" means
+    None (e.g. `--chunked-prefill-size none`); optional strings stay literal, so
+    RADIXSERVE_API_KEY=none cannot switch authentication off."""
+
+    def parse(text: str) -> Any:
+        if optional and base is not str and text.strip().lower() == "none":
+            return None
+        return _PARSERS[base](text)
+
+    return parse
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        hint = " (Kubernetes service links set <SERVICE>_PORT; set enableServiceLinks: false)" if "://" in text else ""
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}{hint}") from None
+
+
+def _parse_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false (1/0, yes/no, on/off), got {text!r}")
+
+
+_PARSERS: dict[type, Callable[[str], Any]] = {str: str, int: _parse_int, float: _parse_float, bool: _parse_bool}

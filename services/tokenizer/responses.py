@@ -1,0 +1,318 @@
+"""Results out: finished engine choices to OpenAI responses, stream deltas to SSE events,
+and SGLang's native `/generate` answer.
+
+Choices are numbered as OpenAI numbers them: with `p` prompts and `n` samples each, choice
+`i * n + j` is sample `j` of prompt `i` (chat has one prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from engine.sched.req import FinishReason
+from services.tokenizer.adapters import RequestError, error_body
+from services.tokenizer.openai_api import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionTokenLogprob,
+    ChatMessage,
+    ChoiceLogprobs,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    CompletionResponseChoice,
+    DeltaMessage,
+    FinishReasonName,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TopLogprob,
+    UsageInfo,
+)
+
+SSE_DONE = "data: [DONE]\n\n"
+"""The last event of every OpenAI stream."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's logprob and its most likely alternatives, with their text."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """One finished choice, as the tokenizer service holds it once detokenized."""
+
+    text: str
+    output_ids: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    """Present only when the request asked for logprobs."""
+
+    @classmethod
+    def from_engine_result(cls, result: dict[str, Any]) -> ChoiceOutput:
+        """From the offline Engine's `{"text", "output_ids", "meta"}`."""
+        meta = result["meta"]
+        return cls(
+            text=result["text"],
+            output_ids=list(result["output_ids"]),
+            finish_reason=FinishReason(**meta["finish_reason"]),
+            prompt_tokens=meta["prompt_tokens"],
+            completion_tokens=meta["completion_tokens"],
+            cached_tokens=meta["cached_tokens"],
+        )
+
+
+@dataclass(frozen=True)
+class ResponseHeader:
+    """What every response and chunk of one request repeats."""
+
+    id: str
+    model: str
+    created: int
+
+    @classmethod
+    def new(cls, model: str, prefix: str) -> ResponseHeader:
+        """`prefix` is OpenAI's: "chatcmpl" for chat, "cmpl" for completions."""
+        return cls(id=f"{prefix}-{uuid.uuid4().hex}", model=model, created=int(time.time()))
+
+    def fields(self) -> dict[str, Any]:
+        return {"id": self.id, "model": self.model, "created": self.created}
+
+
+def openai_finish_reason(reason: FinishReason) -> FinishReasonName:
+    """An abort has no OpenAI finish reason: the request failed, and the client gets an
+    error instead of a truncated answer that looks complete."""
+    if reason.type == "abort":
+        raise RequestError(reason.message or "the request was aborted", code="request_aborted", status=500)
+    return "length" if reason.type == "length" else "stop"
+
+
+def usage_info(choices: Sequence[ChoiceOutput], n: int) -> UsageInfo:
+    """Usage of a whole request. Each prompt is counted once, not once per sample: it is
+    computed once and its copies hit it in the radix cache; its cached tokens are its
+    smallest hit among those copies, the one the first prefill had."""
+    groups = [choices[i : i + n] for i in range(0, len(choices), n)]
+    prompt = sum(group[0].prompt_tokens for group in groups)
+    completion = sum(c.completion_tokens for c in choices)
+    cached = sum(min(c.cached_tokens for c in group) for group in groups)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
+
+
+def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> ChoiceLogprobs:
+    def entry(lp: TokenLogprob) -> TopLogprob:
+        return TopLogprob(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()))
+
+    return ChoiceLogprobs(
+        content=[
+            ChatCompletionTokenLogprob(**entry(lp).model_dump(), top_logprobs=[entry(t) for t in lp.top_logprobs])
+            for lp in logprobs
+        ]
+    )
+
+
+def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int = 0) -> CompletionLogprobs:
+    """The legacy completions shape; `text_offset` is where these tokens start in the
+    choice's text (non-zero for the later chunks of a stream)."""
+    offsets = []
+    for lp in logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.token)
+    return CompletionLogprobs(
+        text_offset=offsets,
+        token_logprobs=[lp.logprob for lp in logprobs],
+        tokens=[lp.token for lp in logprobs],
+        top_logprobs=[{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
+    )
+
+
+def chat_completion_response(header: ResponseHeader, choices: Sequence[ChoiceOutput]) -> ChatCompletionResponse:
+    return ChatCompletionResponse(
+        **header.fields(),
+        choices=[
+            ChatCompletionResponseChoice(
+                index=i,
+                message=ChatMessage(content=c.text),
+                logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs),
+                finish_reason=openai_finish_reason(c.finish_reason),
+            )
+            for i, c in enumerate(choices)
+        ],
+        usage=usage_info(choices, n=len(choices)),
+    )
+
+
+def completion_response(header: ResponseHeader, choices: Sequence[ChoiceOutput], n: int) -> CompletionResponse:
+    return CompletionResponse(
+        **header.fields(),
+        choices=[
+            CompletionResponseChoice(
+                index=i,
+                text=c.text,
+                logprobs=None if c.logprobs is None else completion_logprobs(c.logprobs),
+                finish_reason=openai_finish_reason(c.finish_reason),
+            )
+            for i, c in enumerate(choices)
+        ],
+        usage=usage_info(choices, n),
+    )
+
+
+def sse_event(obj: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event: `data: <json>` and a blank line."""
+    payload = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+class _Stream(ABC):
+    """SSE events of one streamed request, in OpenAI's order: per choice its deltas and a
+    chunk with its finish reason; then, with `include_usage`, a chunk with empty choices
+    and the usage of the whole request; then `[DONE]`. Chat and completions differ only
+    in how a choice's chunk looks and whether a choice opens with a role."""
+
+    chunk_model: type[ChatCompletionChunk | CompletionChunk]
+
+    def __init__(self, header: ResponseHeader, n: int = 1, include_usage: bool = False):
+        self.header = header
+        self.n = n
+        self.include_usage = include_usage
+        self.outputs: dict[int, ChoiceOutput] = {}
+
+    def delta(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[str]:
+        """Events for new text of choice `index` (none for an empty delta)."""
+        events = self._open(index)
+        if text or logprobs:
+            events.append(self._event(self._choice(index, text, logprobs, None)))
+        return events
+
+    def finish(
+        self, index: int, output: ChoiceOutput, text: str = "", logprobs: Sequence[TokenLogprob] = ()
+    ) -> list[str]:
+        """Events for the last text of choice `index` and its end. Raises `RequestError`
+        for an aborted choice: pass it to `error`."""
+        reason = openai_finish_reason(output.finish_reason)
+        events = self.delta(index, text, logprobs)
+        self.outputs[index] = output
+        events.append(self._event(self._choice(index, "", (), reason)))
+        return events
+
+    def end(self) -> list[str]:
+        """The closing events, once every choice has finished."""
+        events = []
+        if self.include_usage:
+            usage = usage_info([self.outputs[i] for i in sorted(self.outputs)], self.n)
+            events.append(sse_event(self.chunk_model(**self.header.fields(), choices=[], usage=usage)))
+        return [*events, SSE_DONE]
+
+    def error(self, err: RequestError) -> list[str]:
+        """A stream cannot change its HTTP status once started: the error is an event."""
+        return [sse_event(error_body(err)), SSE_DONE]
+
+    def _event(self, choice: BaseModel) -> str:
+        return sse_event(self.chunk_model(**self.header.fields(), choices=[choice]))
+
+    def _open(self, index: int) -> list[str]:
+        return []
+
+    @abstractmethod
+    def _choice(
+        self, index: int, text: str, logprobs: Sequence[TokenLogprob], reason: FinishReasonName | None
+    ) -> BaseModel:
+        """One choice's entry in a chunk."""
+
+
+class ChatCompletionStream(_Stream):
+    """Each choice opens with a `{"role": "assistant", "content": ""}` delta."""
+
+    chunk_model = ChatCompletionChunk
+
+    def __init__(self, header: ResponseHeader, n: int = 1, include_usage: bool = False):
+        super().__init__(header, n, include_usage)
+        self.opened: set[int] = set()
+
+    def _open(self, index: int) -> list[str]:
+        if index in self.opened:
+            return []
+        self.opened.add(index)
+        role = DeltaMessage(role="assistant", content="")
+        return [self._event(ChatCompletionResponseStreamChoice(index=index, delta=role))]
+
+    def _choice(
+        self, index: int, text: str, logprobs: Sequence[TokenLogprob], reason: FinishReasonName | None
+    ) -> ChatCompletionResponseStreamChoice:
+        return ChatCompletionResponseStreamChoice(
+            index=index,
+            delta=DeltaMessage(content=text or None),
+            logprobs=chat_logprobs(logprobs) if logprobs else None,
+            finish_reason=reason,
+        )
+
+
+class CompletionStream(_Stream):
+    """Logprob text offsets continue across a choice's chunks."""
+
+    chunk_model = CompletionChunk
+
+    def __init__(self, header: ResponseHeader, n: int = 1, include_usage: bool = False):
+        super().__init__(header, n, include_usage)
+        self.text_offsets: dict[int, int] = {}
+
+    def _choice(
+        self, index: int, text: str, logprobs: Sequence[TokenLogprob], reason: FinishReasonName | None
+    ) -> CompletionResponseChoice:
+        offset = self.text_offsets.get(index, 0)
+        self.text_offsets[index] = offset + len(text)
+        return CompletionResponseChoice(
+            index=index,
+            text=text,
+            logprobs=completion_logprobs(logprobs, offset) if logprobs else None,
+            finish_reason=reason,
+        )
+
+
+def generate_response(output: ChoiceOutput) -> dict[str, Any]:
+    """SGLang's native answer for one prompt (one sample). An abort is reported in
+    `finish_reason`, as SGLang does, not turned into an error: native clients read it."""
+    reason = output.finish_reason
+    meta_info: dict[str, Any] = {
+        "prompt_tokens": output.prompt_tokens,
+        "completion_tokens": output.completion_tokens,
+        "cached_tokens": output.cached_tokens,
+        "finish_reason": {
+            k: v for k, v in {"type": reason.type, "matched": reason.matched, "message": reason.message}.items()
+            if v is not None
+        },
+    }
+    if output.logprobs is not None:
+        meta_info["output_token_logprobs"] = [[lp.logprob, lp.token_id, lp.token] for lp in output.logprobs]
+        meta_info["output_top_logprobs"] = [
+            [[t.logprob, t.token_id, t.token] for t in lp.top_logprobs] for lp in output.logprobs
+        ]
+    return {"text": output.text, "output_ids": list(output.output_ids), "meta_info": meta_info}
+
+
+def model_list(model: str, max_model_len: int, created: int) -> ModelList:
+    return ModelList(data=[ModelCard(id=model, created=created, max_model_len=max_model_len)])
