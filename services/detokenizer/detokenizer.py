@@ -1,0 +1,72 @@
+"""The detokenizer: turns each `BatchTokenIDOutput` into a `BatchStrOutput`.
+
+It runs apart from the worker so that decoding text never delays a scheduler round. One
+`IncrementalDetokenizer` per live rid holds back broken UTF-8 and anything that could
+still turn into a stop string, so every delta it sends is final.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine.detokenize import IncrementalDetokenizer
+from engine.model.loader import load_tokenizer
+from services.ipc import PeerEvent
+from services.process import Service
+from services.protocol import BatchStrOutput, BatchTokenIDOutput, FinishReason, Message
+from services.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+_PASSED_THROUGH = tuple(f for f in BatchStrOutput.__struct_fields__ if f not in ("sender", "epoch", "output_strs"))
+"""Columns a BatchStrOutput copies from its BatchTokenIDOutput unchanged."""
+
+
+class Detokenizer(Service):
+    role = "detokenizer"
+
+    def __init__(self, settings: Settings):
+        # With skip_tokenizer_init the API returns token ids only, and the text stays empty.
+        self.tokenizer = None if settings.skip_tokenizer_init else load_tokenizer(settings.tokenizer or settings.model)
+        super().__init__(settings, settings.detokenizer_port)
+        self.to_tokenizer = self.connect(settings.tokenizer_port)
+        self.decode_status: dict[str, IncrementalDetokenizer] = {}
+        """rid → its incremental state, from its first output until it finishes."""
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, BatchTokenIDOutput):
+            self.to_tokenizer.send(self.detokenize(msg))
+        else:
+            logger.warning("dropped a %s from %s: not a detokenizer message", type(msg).__name__, msg.sender or "?")
+
+    def on_peer_event(self, event: PeerEvent) -> None:
+        if event.peer == "worker" and event.kind == "restart" and self.decode_status:
+            # The worker's previous life will never finish these rids.
+            logger.info("worker restarted; dropped the state of %d request(s)", len(self.decode_status))
+            self.decode_status.clear()
+
+    def detokenize(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
+        texts = [
+            self.text_delta(rid, ids, reason, stop, skip)
+            for rid, ids, reason, stop, skip in zip(
+                batch.rids, batch.output_ids, batch.finished_reasons, batch.stop, batch.skip_special_tokens
+            )
+        ]
+        return BatchStrOutput(**{name: getattr(batch, name) for name in _PASSED_THROUGH}, output_strs=texts)
+
+    def text_delta(
+        self, rid: str, new_ids: list[int], reason: FinishReason | None, stop: list[str], skip_special_tokens: bool
+    ) -> str:
+        """The text `new_ids` add to `rid`'s output that is safe to show; all of what is
+        left once it finishes."""
+        if self.tokenizer is None:
+            return ""
+        state = self.decode_status.get(rid)
+        if state is None:
+            state = self.decode_status[rid] = IncrementalDetokenizer(self.tokenizer, stop, skip_special_tokens)
+        if reason is None:
+            return state.add_tokens(new_ids)
+        del self.decode_status[rid]
+        if isinstance(reason.matched, int) and new_ids:
+            new_ids = new_ids[:-1]  # the stop token ended the output; it is not part of its text
+        return state.add_tokens(new_ids, finished=True)

@@ -1,0 +1,237 @@
+"""The worker: the engine's scheduler behind a ZMQ loop.
+
+Requests arrive from the tokenizer already tokenized; each scheduler round's new tokens
+go to the detokenizer as one `BatchTokenIDOutput`, and control replies (ready, flush,
+server info) go straight back to the tokenizer on the control socket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from engine.api import Engine
+from engine.sched.req import FinishReason, Req
+from services.ipc import PeerEvent
+from services.process import Service
+from services.protocol import (
+    AbortReq,
+    BatchTokenIDOutput,
+    FlushCacheReq,
+    FlushCacheReqOutput,
+    GetServerInfoReq,
+    GetServerInfoReqOutput,
+    Message,
+    TokenizedGenerateReqInput,
+    WorkerReady,
+)
+from services.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _ReqState:
+    """What the worker remembers of a live request beyond the scheduler's `Req`."""
+
+    tokenizer_epoch: str
+    """The tokenizer life that sent it: a restarted tokenizer has no client for it."""
+    sent: int = 0
+    """Output ids already sent to the detokenizer."""
+
+
+class Worker(Service):
+    role = "worker"
+
+    def __init__(self, settings: Settings):
+        # Load before binding: until the model is in memory there is nobody to send
+        # heartbeats, and a tokenizer pushing requests meanwhile gets a clear refusal
+        # (IMMEDIATE) instead of a queue that nobody drains.
+        engine_args = dataclasses.asdict(settings.to_engine_args())
+        self.engine = Engine(**engine_args)
+        self.scheduler = self.engine.scheduler
+        logger.info(
+            "loaded %s: max_total_tokens=%d context_length=%d max_running_requests=%d device=%s",
+            settings.model, self.scheduler.max_total_tokens, self.scheduler.context_len,
+            self.scheduler.max_running_requests, self.scheduler.device,
+        )
+        super().__init__(settings, settings.worker_port)
+        self.to_detokenizer = self.connect(settings.detokenizer_port)
+        self.to_tokenizer = self.connect(settings.tokenizer_control_port)
+        self.live: dict[str, _ReqState] = {}
+        """rid → state of each request queued or running in the scheduler."""
+        self.rejected: list[Req] = []
+        """Requests refused at submission, reported with the next output batch."""
+        self.ready_pending = True
+        """WorkerReady is owed to the tokenizer: not yet delivered, or the tokenizer restarted."""
+
+    # ----- the loop hooks ---------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.has_work() or self.scheduler.outputs or self.rejected)
+
+    def step(self) -> None:
+        """One scheduler round (which also collects aborts finished outside it), then one
+        output message for everything that advanced, finished or was rejected."""
+        entries = [(req, 0) for req in self.rejected]
+        self.rejected = []
+        # Under the overlap loop a req can advance and then be retracted-and-aborted in one round.
+        for req in {id(r): r for r in self.scheduler.step()}.values():
+            state = self.live[req.rid]
+            entries.append((req, state.sent))
+            state.sent = len(req.output_ids)
+            if req.finished:
+                del self.live[req.rid]
+        if entries:
+            self.send_batch_output(entries)
+
+    def run_once(self) -> None:
+        if self.ready_pending:
+            self.send_ready()
+        super().run_once()
+
+    def on_peer_event(self, event: PeerEvent) -> None:
+        if event.peer != "tokenizer" or event.kind == "dead":
+            return
+        # A tokenizer that is new or restarted must learn the limits (its /health waits on it).
+        self.ready_pending = True
+        if event.kind == "restart":
+            # Its clients went with its previous life: nobody will read these outputs.
+            orphans = [rid for rid, state in self.live.items() if state.tokenizer_epoch != event.epoch]
+            if orphans:
+                logger.info("tokenizer restarted; aborting %d request(s) of its previous life", len(orphans))
+            for rid in orphans:
+                self.scheduler.abort_request(rid)
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, TokenizedGenerateReqInput):
+            self.add_request(msg)
+        elif isinstance(msg, AbortReq):
+            if msg.rid in self.live:
+                self.scheduler.abort_request(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            self.to_tokenizer.send(self.flush_cache(msg.rid))
+        elif isinstance(msg, GetServerInfoReq):
+            self.to_tokenizer.send(GetServerInfoReqOutput(info=self.server_info(), rid=msg.rid))
+        else:
+            logger.warning("dropped a %s from %s: not a worker message", type(msg).__name__, msg.sender or "?")
+
+    # ----- requests ---------------------------------------------------------------------
+
+    def add_request(self, msg: TokenizedGenerateReqInput) -> None:
+        req = Req(
+            msg.rid,
+            msg.input_ids,
+            msg.sampling_params,
+            extra_key=msg.extra_key,
+            priority=msg.priority,
+            routing_key=msg.routing_key,
+        )
+        try:
+            if msg.rid in self.live:
+                raise ValueError(f"request id {msg.rid!r} is already in use")
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            req.finish(FinishReason("abort", message=str(e), status_code=400))
+            self.rejected.append(req)
+            logger.info("rejected request %s: %s", msg.rid, e)
+            return
+        self.live[msg.rid] = _ReqState(msg.epoch)
+
+    def send_batch_output(self, entries: list[tuple[Req, int]]) -> None:
+        """One column entry per (req, start): its output ids from `start` on, which are the
+        ids the detokenizer has not seen yet."""
+        want_logprobs = any(req.sampling_params.logprobs for req, _ in entries)
+        want_top = any(req.sampling_params.top_logprobs_num for req, _ in entries)
+        out = BatchTokenIDOutput(
+            rids=[], output_ids=[], finished_reasons=[], prompt_tokens=[], completion_tokens=[],
+            cached_tokens=[], skip_special_tokens=[], stop=[],
+            output_token_logprobs_val=[] if want_logprobs else None,
+            output_top_logprobs_val=[] if want_top else None,
+            output_top_logprobs_idx=[] if want_top else None,
+        )
+        for req, start in entries:
+            params = req.sampling_params
+            out.rids.append(req.rid)
+            out.output_ids.append(req.output_ids[start:])
+            out.finished_reasons.append(req.finished_reason)
+            out.prompt_tokens.append(len(req.origin_input_ids))
+            out.completion_tokens.append(len(req.output_ids))
+            out.cached_tokens.append(req.cached_tokens or 0)
+            out.skip_special_tokens.append(params.skip_special_tokens)
+            out.stop.append(params.stop)
+            if want_logprobs:
+                out.output_token_logprobs_val.append(
+                    [lp for lp, _ in req.output_token_logprobs[start:]] if params.logprobs else []
+                )
+            if want_top:
+                top = req.output_top_logprobs[start:] if params.top_logprobs_num else []
+                out.output_top_logprobs_val.append([[lp for lp, _ in entry] for entry in top])
+                out.output_top_logprobs_idx.append([[tid for _, tid in entry] for entry in top])
+        self.to_detokenizer.send(out)
+
+    # ----- control ----------------------------------------------------------------------
+
+    def send_ready(self) -> None:
+        """Send WorkerReady once the tokenizer's socket is connected (until then a send is
+        refused, and the next loop turn tries again)."""
+        if not self.to_tokenizer.sock.poll(0, zmq.POLLOUT):
+            return
+        sched = self.scheduler
+        ready = WorkerReady(
+            model_path=self.settings.model,
+            served_model_name=self.settings.served_model_name,
+            max_total_tokens=sched.max_total_tokens,
+            context_length=sched.context_len,
+            vocab_size=sched.model_config.vocab_size,
+            eos_token_ids=sorted(sched.model_config.eos_token_ids),
+            max_running_requests=sched.max_running_requests,
+        )
+        if self.to_tokenizer.send(ready):
+            self.ready_pending = False
+            logger.info("sent WorkerReady to the tokenizer")
+
+    def flush_cache(self, rid: str) -> FlushCacheReqOutput:
+        """Empty the radix tree and both pools; refused while any request holds KV or waits
+        for it (SGLang answers such a flush with 409)."""
+        sched = self.scheduler
+        if sched.has_work():
+            message = (f"cannot flush the cache while requests are in flight "
+                       f"({self.num_running()} running, {len(sched.waiting_queue)} waiting)")
+            logger.info("refused flush_cache: %s", message)
+            return FlushCacheReqOutput(success=False, message=message, rid=rid)
+        sched.tree_cache.reset()
+        sched.tree_cache.token_to_kv_pool_allocator.clear()
+        sched.tree_cache.req_to_token_pool.clear()
+        logger.info("flushed the cache")
+        return FlushCacheReqOutput(success=True, message="cache flushed", rid=rid)
+
+    def server_info(self) -> dict[str, Any]:
+        sched = self.scheduler
+        tree = sched.tree_cache
+        return {
+            "model_path": self.settings.model,
+            "served_model_name": self.settings.served_model_name,
+            "max_total_tokens": sched.max_total_tokens,
+            "context_length": sched.context_len,
+            "max_running_requests": sched.max_running_requests,
+            "available_kv_tokens": tree.token_to_kv_pool_allocator.available_size(),
+            "evictable_kv_tokens": tree.evictable_size(),
+            "protected_kv_tokens": tree.protected_size(),
+            "num_running_reqs": self.num_running(),
+            "num_waiting_reqs": len(sched.waiting_queue),
+            "new_token_ratio": sched.ratio.new_token_ratio,
+            "scheduler_stats": dataclasses.asdict(sched.stats),
+        }
+
+    def num_running(self) -> int:
+        """Running requests, counting one whose prefill is still being chunked."""
+        return len(self.scheduler.running) + int(self.scheduler.chunked_req is not None)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        super().close()
