@@ -10,6 +10,7 @@ message arrives or a heartbeat falls due.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 import signal
 import sys
 import types
@@ -43,7 +44,7 @@ def configure_logging(level: str, role: str) -> None:
     )
 
 
-class Service:
+class Service(ABC):
     """A process on the wire: receives on `in_port`, sends through `connect(port)`."""
 
     role: str = ""
@@ -67,9 +68,9 @@ class Service:
 
     # ----- what a service implements ----------------------------------------------------
 
+    @abstractmethod
     def handle(self, msg: Message) -> None:
         """React to one message that is not a Hello or a Heartbeat."""
-        raise NotImplementedError
 
     def has_work(self) -> bool:
         """True while `step` has something to do: the loop then polls without waiting."""

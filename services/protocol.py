@@ -3,7 +3,7 @@
 Every message is a `msgspec.Struct` in the tagged union `Message` (tag field "type",
 tag value the class name), encoded as msgpack. Decoding is typed: bytes that are not a
 well-formed message of a known type raise `ProtocolError` and nothing else, so a
-receiver can drop them. No pickle: a socket must never be a way to run code.
+receiver can drop them. Nothing is unpickled: a socket must never be a way to run code.
 
 Who sends what to whom (ports are Settings fields):
 
