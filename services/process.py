@@ -10,10 +10,10 @@ message arrives or a heartbeat falls due.
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
 import signal
 import sys
 import types
+from abc import ABC, abstractmethod
 
 import zmq
 
