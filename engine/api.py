@@ -48,8 +48,10 @@ class Engine:
         finish_reason}}`. `sampling_params` is one dict for all prompts or one per prompt."""
         prompts = _as_prompt_list(prompt)
         params = _as_params_list(sampling_params, len(prompts))
-        reqs = [self._submit(p, sp) for p, sp in zip(prompts, params)]
-        try:
+        reqs: list[Req] = []
+        try:  # a rejected prompt, or an interrupt, must not leave its batch-mates queued
+            for p, sp in zip(prompts, params):
+                reqs.append(self._submit(p, sp))
             while not all(r.finished for r in reqs):
                 self.scheduler.step()
         finally:

@@ -191,6 +191,9 @@ def test_requests_that_can_never_fit_are_rejected_at_submission(make_engine):
         make_engine(context_length=64).generate(list(range(3, 67)), {"max_new_tokens": 4})
     with pytest.raises(ValueError, match="top_p"):
         engine.generate([5, 6, 7], {"top_p": 1.5})
+    with pytest.raises(ValueError, match="KV cache holds 600"):
+        engine.generate([[5, 6, 7], [8, 9], list(range(3, 253)) * 3], {"max_new_tokens": 4})
+    assert not engine.scheduler.has_work(), "the rejected prompt's batch-mates were left queued"
     assert engine.generate([5, 6, 7], {**GREEDY, "max_new_tokens": 3})[0]["meta"]["completion_tokens"] == 3
     assert_idle_and_leak_free(engine)
 
