@@ -1,0 +1,26 @@
+"""`python -m services.tokenizer [flags]`: the HTTP API on --host/--port; flags and
+RADIXSERVE_* variables as in `Settings`."""
+
+import uvicorn
+
+from engine.model.loader import load_tokenizer
+from services.process import configure_logging
+from services.settings import Settings
+from services.tokenizer.server import create_app
+
+GRACEFUL_SHUTDOWN_S = 5
+"""Open streams get this long to finish on SIGTERM before they are cut."""
+
+
+def main() -> None:
+    settings = Settings.from_cli(prog="python -m services.tokenizer")
+    configure_logging(settings.log_level, "tokenizer")
+    tokenizer = None if settings.skip_tokenizer_init else load_tokenizer(settings.tokenizer or settings.model)
+    uvicorn.run(
+        create_app(settings, tokenizer), host=settings.host, port=settings.port, log_config=None,
+        log_level=settings.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,293 @@
+"""The HTTP API against the three real processes on free ports: the official `openai`
+client, SGLang's native endpoints, the bad-input table, concurrency, and disconnects that
+must give back their KV. One server (tiny random-weight model) serves the whole module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+
+from engine.api import Engine
+from services.tokenizer.adapters import apply_chat_template
+from services.tokenizer.openai_api import ChatCompletionMessageParam
+from tests.services.conftest import TINY_CONTEXT_LENGTH, ServiceLauncher
+
+API_KEY = "test-key"
+MODEL = "tiny-llama"
+MAX_TOTAL_TOKENS = 4096
+ENGINE_FLAGS = ["--dtype", "float32", "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--device", "cpu"]
+USER = [{"role": "user", "content": "Tell me a story about a cat."}]
+LONG = {"max_tokens": 3000, "ignore_eos": True}
+"""Runs long enough to act on it mid-stream."""
+
+
+@pytest.fixture(scope="session")
+def base_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    launcher = ServiceLauncher(tmp_path_factory.mktemp("http-api-logs"))
+    ports = {f: launcher.free_port() for f in (
+        "port", "worker-port", "detokenizer-port", "tokenizer-port", "tokenizer-control-port",
+        "worker-metrics-port", "detokenizer-metrics-port",
+    )}
+    flags = [
+        "--model", str(tiny_llama_dir), *ENGINE_FLAGS, "--api-key", API_KEY, "--served-model-name", MODEL,
+        "--host", "127.0.0.1",
+    ]
+    flags += [arg for name, port in ports.items() for arg in (f"--{name}", str(port))]
+    for role in ("worker", "detokenizer", "tokenizer"):
+        launcher.start(role, flags)
+    url = f"http://127.0.0.1:{ports['port']}"
+    try:
+        wait_until(lambda: _status(url + "/health") == 200, 120, "/health 200")
+        yield url
+    finally:
+        launcher.stop_all()
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx2.get(url, timeout=2).status_code
+    except httpx2.TransportError:
+        return None
+
+
+def wait_until(condition: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return result
+
+
+@pytest.fixture(scope="session")
+def http(base_url: str) -> Iterator[httpx2.Client]:
+    with httpx2.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture(scope="session")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_llama_dir: Path) -> Iterator[Engine]:
+    with Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=MAX_TOTAL_TOKENS, device="cpu") as engine:
+        yield engine
+
+
+def server_info(http: httpx2.Client) -> dict[str, Any]:
+    response = http.get("/get_server_info")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def all_kv_free(http: httpx2.Client) -> bool:
+    info = server_info(http)
+    return (
+        info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["protected_kv_tokens"] == 0
+        and info["available_kv_tokens"] + info["evictable_kv_tokens"] == MAX_TOTAL_TOKENS
+    )
+
+
+# ----- health, auth, info ---------------------------------------------------------------------
+
+
+def test_probes_need_no_key_and_the_api_does(base_url: str, http: httpx2.Client):
+    assert httpx2.get(base_url + "/health").status_code == 200
+    assert httpx2.get(base_url + "/healthz").status_code == 200
+    assert httpx2.get(base_url + "/health_generate", timeout=30).status_code == 200
+    denied = httpx2.get(base_url + "/v1/models")
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == TINY_CONTEXT_LENGTH
+
+
+def test_model_and_server_info(http: httpx2.Client, tiny_llama_dir: Path):
+    model = http.get("/get_model_info").json()
+    assert model["model_path"] == str(tiny_llama_dir) and model["context_length"] == TINY_CONTEXT_LENGTH
+    info = server_info(http)
+    assert info["max_total_tokens"] == MAX_TOTAL_TOKENS and "api_key" not in info
+
+
+# ----- the openai client ----------------------------------------------------------------------
+
+
+def test_greedy_chat_equals_the_offline_engine(client: openai.OpenAI, offline: Engine, tokenizer):
+    response = client.chat.completions.create(
+        model=MODEL, messages=USER, temperature=0, max_tokens=16, extra_body={"ignore_eos": True}
+    )
+    input_ids = apply_chat_template(tokenizer, [ChatCompletionMessageParam(**m) for m in USER])
+    expected = offline.generate(input_ids, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})[0]
+    choice = response.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == expected["text"]
+    assert choice.finish_reason == "length"
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(input_ids), 16)
+    assert response.usage.total_tokens == len(input_ids) + 16
+
+
+def test_chat_stream_equals_the_non_streamed_answer(client: openai.OpenAI):
+    options = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(**options)
+    chunks = list(client.chat.completions.create(**options, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == 12
+    # The same prompt again is served from the radix cache.
+    assert usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completion_stream_and_usage(client: openai.OpenAI):
+    options = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0, "max_tokens": 10}
+    whole = client.completions.create(**options, extra_body={"ignore_eos": True})
+    chunks = list(client.completions.create(
+        **options, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+    ))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert whole.usage.completion_tokens == 10 and chunks[-1].usage.completion_tokens == 10
+    assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0
+
+
+def test_n_samples_each_prompt(client: openai.OpenAI):
+    response = client.completions.create(
+        model=MODEL, prompt=["Once upon a time", "In a galaxy"], n=2, max_tokens=6, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.usage.completion_tokens == 24
+    stream = client.chat.completions.create(model=MODEL, messages=USER, n=2, max_tokens=5, seed=3, stream=True,
+                                            extra_body={"ignore_eos": True})
+    finished = {c.choices[0].index for c in stream if c.choices and c.choices[0].finish_reason}
+    assert finished == {0, 1}
+
+
+def test_stop_string_ends_the_text_before_it(client: openai.OpenAI):
+    options = {
+        "model": MODEL, "prompt": "Once upon a time", "temperature": 0, "max_tokens": 24,
+        "extra_body": {"ignore_eos": True},
+    }
+    text = client.completions.create(**options).choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip(), f"no usable stop string in {text!r}"
+    choice = client.completions.create(**options, stop=[stop]).choices[0]
+    assert choice.text == text[: text.index(stop)] and choice.finish_reason == "stop"
+
+
+def test_native_generate_single_and_batch(http: httpx2.Client):
+    params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    one = http.post("/generate", json={"text": "Hello", "sampling_params": params}).json()
+    assert len(one["output_ids"]) == 5 and one["meta_info"]["finish_reason"]["type"] == "length"
+    batch = http.post("/generate", json={"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": params}).json()
+    assert [r["meta_info"]["prompt_tokens"] for r in batch] == [3, 2]
+
+
+def test_32_concurrent_streams_all_complete(base_url: str):
+    async def run() -> list[str | None]:
+        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0) as aclient:
+
+            async def one(i: int) -> str | None:
+                stream = await aclient.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"Count to {i}"}], max_tokens=8, stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+                reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
+                return reasons[-1]
+
+            return await asyncio.gather(*(one(i) for i in range(32)))
+
+    assert asyncio.run(run()) == ["length"] * 32
+
+
+# ----- disconnects, abort, flush --------------------------------------------------------------
+
+
+def test_client_that_disconnects_mid_stream_frees_its_kv(http: httpx2.Client):
+    with http.stream("POST", "/v1/chat/completions", json={"messages": USER, "stream": True, **LONG}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+        busy = http.post("/flush_cache")
+        assert busy.status_code == 409 and "in flight" in busy.json()["error"]["message"]
+    wait_until(lambda: all_kv_free(http), 10, "the KV of the disconnected stream to be freed")
+
+
+def test_client_that_disconnects_while_waiting_frees_its_kv(http: httpx2.Client):
+    with pytest.raises(httpx2.ReadTimeout):
+        http.post("/v1/completions", json={"prompt": "Hello", **LONG}, timeout=1.0)
+    wait_until(lambda: all_kv_free(http), 10, "the KV of the disconnected request to be freed")
+
+
+def test_abort_request_ends_a_stream_with_an_error_event(http: httpx2.Client):
+    with http.stream("POST", "/v1/completions", json={"prompt": "Hello", "stream": True, **LONG}) as response:
+        events = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+        rid = json.loads(next(events))["id"]
+        assert http.post("/abort_request", json={"rid": rid}).json() == {"aborted": 1}
+        rest = list(events)
+    assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "request_aborted"
+    wait_until(lambda: all_kv_free(http), 10, "the KV of the aborted request to be freed")
+
+
+def test_flush_cache_when_idle(http: httpx2.Client):
+    wait_until(lambda: all_kv_free(http), 10, "an idle server")
+    assert http.post("/flush_cache").status_code == 200
+    assert server_info(http)["available_kv_tokens"] == MAX_TOTAL_TOKENS
+
+
+# ----- bad input ------------------------------------------------------------------------------
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+TOO_LONG_PROMPT = [1] * (TINY_CONTEXT_LENGTH + 8)
+BAD_INPUT = [
+    ("malformed-json", CHAT, '{"messages": [', 400),
+    ("wrong-content-type", CHAT, ("text/plain", json.dumps({"messages": USER})), 415),
+    ("missing-messages", CHAT, {}, 400),
+    ("empty-messages", CHAT, {"messages": []}, 400),
+    ("missing-prompt", COMPLETIONS, {}, 400),
+    ("empty-prompt", COMPLETIONS, {"prompt": ""}, 400),
+    ("empty-prompt-list", COMPLETIONS, {"prompt": []}, 400),
+    ("unknown-model", CHAT, {"model": "gpt-9", "messages": USER}, 404),
+    ("temperature-as-string", CHAT, {"messages": USER, "temperature": "hot"}, 400),
+    ("n-as-string", COMPLETIONS, {"prompt": "hi", "n": "2"}, 400),
+    ("messages-not-a-list", CHAT, {"messages": "hi"}, 400),
+    ("max-tokens-zero", CHAT, {"messages": USER, "max_tokens": 0}, 400),
+    ("max-tokens-negative", COMPLETIONS, {"prompt": "hi", "max_tokens": -5}, 400),
+    ("max-tokens-beyond-context", CHAT, {"messages": USER, "max_tokens": 10**6}, 400),
+    ("prompt-longer-than-context", COMPLETIONS, {"prompt": TOO_LONG_PROMPT}, 400),
+    ("temperature-negative", CHAT, {"messages": USER, "temperature": -0.5}, 400),
+    ("top-p-zero", CHAT, {"messages": USER, "top_p": 0}, 400),
+    ("top-p-above-one", COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, 400),
+    ("n-zero", CHAT, {"messages": USER, "n": 0}, 400),
+    ("unknown-role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    ("logit-bias-id-out-of-vocab", CHAT, {"messages": USER, "logit_bias": {"99999999": 5}}, 400),
+    ("logit-bias-id-not-a-number", COMPLETIONS, {"prompt": "hi", "logit_bias": {"abc": 5}}, 400),
+    ("oversize-body", COMPLETIONS, {"prompt": "x" * (17 * 2**20)}, 413),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_gets_an_openai_error(http: httpx2.Client, path: str, body: Any, status: int):
+    if isinstance(body, dict):
+        response = http.post(path, json=body)
+    else:
+        content_type, content = body if isinstance(body, tuple) else ("application/json", body)
+        response = http.post(path, content=content, headers={"Content-Type": content_type})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert "Traceback" not in response.text
+
+
+def test_server_keeps_serving_after_bad_input(client: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=USER, temperature=-1)
+    response = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4)
+    assert response.choices[0].finish_reason in ("length", "stop")

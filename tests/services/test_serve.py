@@ -1,0 +1,75 @@
+"""`radixserve serve` as a user runs it: one command brings up a server that answers, and
+the death of any one process takes the whole group down with a non-zero status."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+
+from tests.services.conftest import HEARTBEAT_INTERVAL, REPO_ROOT, ServiceLauncher
+
+PORT_FLAGS = (
+    "--port", "--worker-port", "--detokenizer-port", "--tokenizer-port", "--tokenizer-control-port",
+    "--worker-metrics-port", "--detokenizer-metrics-port",
+)
+
+
+@pytest.mark.timeout(180)
+def test_serve_answers_then_fails_fast_and_exits_non_zero_when_the_detokenizer_dies(tiny_llama_dir: Path, tmp_path: Path):
+    script = shutil.which("radixserve") or str(Path(sys.executable).parent / "radixserve")
+    ports = {flag: ServiceLauncher.free_port() for flag in PORT_FLAGS}
+    flags = [
+        "--model", str(tiny_llama_dir), "--dtype", "float32", "--max-total-tokens", "2048", "--device", "cpu",
+        "--host", "127.0.0.1", "--heartbeat-interval", str(HEARTBEAT_INTERVAL),
+        *(arg for flag, port in ports.items() for arg in (flag, str(port))),
+    ]
+    log = tmp_path / "children.log"
+    with open(log, "wb") as stderr:
+        serve = subprocess.Popen(
+            [script, "serve", *flags], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        pids, url = {}, None
+        for line in serve.stdout:  # the launcher prints the children's pids, then the URL when ready
+            if match := re.match(r"radixserve: started (\w+) \(pid (\d+)\)", line):
+                pids[match[1]] = int(match[2])
+            elif match := re.match(r"radixserve: serving .* at (\S+)", line):
+                url = match[1]
+                break
+        assert url == f"http://127.0.0.1:{ports['--port']}/v1", log.read_text()
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        answer = client.chat.completions.create(
+            model=str(tiny_llama_dir), messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert answer.choices[0].finish_reason in ("length", "stop")
+
+        # A stream in flight when the detokenizer dies fails with a clear error, not a hang.
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx2.stream("POST", url + "/chat/completions", json=body, timeout=10) as stream:
+            events = (line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: "))
+            assert json.loads(next(events))["choices"]
+            killed_at = time.monotonic()
+            os.kill(pids["detokenizer"], signal.SIGKILL)
+            rest = list(events)
+        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "service_unavailable"
+        assert serve.wait(10) != 0
+        assert time.monotonic() - killed_at < 10
+        for role in ("worker", "tokenizer"):  # the survivors were stopped, not orphaned
+            with pytest.raises(ProcessLookupError):
+                os.kill(pids[role], 0)
+    finally:
+        if serve.poll() is None:
+            serve.send_signal(signal.SIGTERM)
+            serve.wait(15)
