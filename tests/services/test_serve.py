@@ -1,5 +1,6 @@
-"""`radixserve serve` as a user runs it: one command brings up a server that answers, and
-the death of any one process takes the whole group down with a non-zero status."""
+"""`radixserve serve` as a user runs it, on the embedded model: one command brings up a
+server whose greedy answers equal the offline Engine's, and the death of any one process
+takes the whole group down with a non-zero status."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import httpx2
 import openai
 import pytest
 
+from engine.api import Engine
 from tests.services.conftest import HEARTBEAT_INTERVAL, REPO_ROOT, ServiceLauncher
 
 PORT_FLAGS = (
@@ -25,12 +27,12 @@ PORT_FLAGS = (
 )
 
 
-@pytest.mark.timeout(180)
-def test_serve_answers_then_fails_fast_and_exits_non_zero_when_the_detokenizer_dies(tiny_llama_dir: Path, tmp_path: Path):
+@pytest.mark.timeout(240)
+def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_dies(tokenizer, tmp_path: Path):
     script = shutil.which("radixserve") or str(Path(sys.executable).parent / "radixserve")
     ports = {flag: ServiceLauncher.free_port() for flag in PORT_FLAGS}
-    flags = [
-        "--model", str(tiny_llama_dir), "--dtype", "float32", "--max-total-tokens", "2048", "--device", "cpu",
+    flags = [  # no --model: the embedded SmolLM2-135M-Instruct
+        "--dtype", "float32", "--max-total-tokens", "4096", "--device", "cpu",
         "--host", "127.0.0.1", "--heartbeat-interval", str(HEARTBEAT_INTERVAL),
         *(arg for flag, port in ports.items() for arg in (flag, str(port))),
     ]
@@ -50,10 +52,17 @@ def test_serve_answers_then_fails_fast_and_exits_non_zero_when_the_detokenizer_d
                 break
         assert url == f"http://127.0.0.1:{ports['--port']}/v1", log.read_text()
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
-        answer = client.chat.completions.create(
-            model=str(tiny_llama_dir), messages=[{"role": "user", "content": "hi"}], max_tokens=4
-        )
-        assert answer.choices[0].finish_reason in ("length", "stop")
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        answer = client.chat.completions.create(model="embedded", messages=messages, max_tokens=16, temperature=0)
+        assert "Paris" in answer.choices[0].message.content
+
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        served = client.completions.create(model="embedded", prompt=prompt_ids, max_tokens=24, temperature=0)
+        with Engine(dtype="float32", max_total_tokens=4096) as engine:
+            offline = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": 24})[0]
+        assert served.choices[0].text == offline["text"]
+        assert offline["text"].startswith(answer.choices[0].message.content)  # the chat path renders the same ids
 
         # A stream in flight when the detokenizer dies fails with a clear error, not a hang.
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000, "ignore_eos": True, "stream": True}
