@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.sampling.sampling_params import MAX_SEED, SamplingParams
+from observability.metrics import TokenizerMetrics
 from services.protocol import TokenizedGenerateReqInput
 from services.settings import Settings
 from services.tokenizer.adapters import (
@@ -111,6 +113,27 @@ class BodySizeLimit:
             return message
 
         await self.app(scope, limited_receive, send)
+
+
+class RequestMetrics:
+    """Counts every answered request by route (not raw path: no unbounded label values)."""
+
+    def __init__(self, app: ASGIApp, metrics: TokenizerMetrics, routes: frozenset[str]):
+        self.app = app
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        endpoint = scope["path"] if scope["path"] in self.routes else "other"
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.count_request(endpoint, message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
 
 
 class ApiKeyAuth:
@@ -373,6 +396,8 @@ def create_app(
 
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
+    registry = CollectorRegistry()
+    metrics = TokenizerMetrics(registry, settings.served_model_name)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key)
@@ -428,6 +453,10 @@ def create_app(
         except RequestError as err:
             return JSONResponse(error_body(err), err.status)
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -492,6 +521,8 @@ def create_app(
             raise RequestError("give a rid, or abort_all: true", param="rid")
         return {"aborted": state(request).manager.abort("" if body.abort_all else body.rid)}
 
+    routes = frozenset(route.path for route in app.routes)
+    app.add_middleware(RequestMetrics, metrics=metrics, routes=routes)
     return app
 
 

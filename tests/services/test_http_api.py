@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -291,3 +292,18 @@ def test_server_keeps_serving_after_bad_input(client: openai.OpenAI):
         client.chat.completions.create(model=MODEL, messages=USER, temperature=-1)
     response = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4)
     assert response.choices[0].finish_reason in ("length", "stop")
+
+
+def test_metrics_count_requests_by_endpoint_and_outcome_without_a_key(base_url: str, http: httpx2.Client):
+    def count(endpoint: str, outcome: str) -> float:
+        text = httpx2.get(base_url + "/metrics").text
+        pattern = rf'radixserve_requests_total{{[^}}]*endpoint="{re.escape(endpoint)}"[^}}]*outcome="{outcome}"[^}}]*}} (\S+)'
+        match = re.search(pattern, text)
+        return float(match[1]) if match else 0.0
+
+    assert httpx2.get(base_url + "/metrics").status_code == 200
+    ok, bad = count("/v1/completions", "success"), count("/v1/completions", "client_error")
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}).status_code == 400
+    assert count("/v1/completions", "success") == ok + 1
+    assert count("/v1/completions", "client_error") == bad + 1
