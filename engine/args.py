@@ -38,7 +38,7 @@ class EngineArgs:
     disable_radix_cache: bool = _opt(False, "no prefix sharing")
     disable_overlap_schedule: bool | None = _opt(
         None, "run the normal event loop instead of the overlap loop (default: overlap on CUDA; on CPU the "
-              "normal loop, which benchmarks/offline_bench.py measures ~25% faster with two cores and one GIL)")
+              "normal loop, which benchmarks/offline_bench.py measures ~20% faster with two cores and one GIL)")
     attention_backend: str | None = _opt(None, "torch | triton (default: triton on CUDA, torch on CPU)")
     random_seed: int = _opt(0, "seed for the random schedule policy and unseeded sampling")
     debug_future_map: bool = _opt(False, "poison the FutureMap and assert every future is written before read")
