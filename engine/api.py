@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 
 from engine.args import EngineArgs
 from engine.detokenize import IncrementalDetokenizer
+from engine.grammar import GrammarBackend
 from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
 from engine.sampling.sampling_params import SamplingParams
@@ -39,13 +41,29 @@ class Engine:
             context_len=args.context_length,
         )
         self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)
-        self.scheduler = Scheduler(args, self.model_runner, self._matched_stop_string if self.tokenizer else None)
+        grammar_backend = None
+        if self.tokenizer is not None:
+            model_config = self.model_runner.model_config
+            grammar_backend = GrammarBackend(
+                self.tokenizer,
+                model_config.vocab_size,
+                stop_token_ids=model_config.eos_token_ids,
+                max_workers=args.grammar_compile_workers,
+                compile_timeout_s=args.grammar_compile_timeout,
+                max_grammar_bytes=args.grammar_max_bytes,
+                max_nesting_depth=args.grammar_max_nesting_depth,
+            )
+        self.scheduler = Scheduler(
+            args, self.model_runner, self._matched_stop_string if self.tokenizer else None, grammar_backend
+        )
         self._rids = itertools.count()
 
     def generate(self, prompt: Prompt | Sequence[Prompt], sampling_params: SamplingParamsArg = None) -> list[dict]:
         """Generate for one prompt or a batch (text, or token ids); one result per prompt:
         `{"text", "output_ids", "meta": {prompt_tokens, completion_tokens, cached_tokens,
-        finish_reason}}`. `sampling_params` is one dict for all prompts or one per prompt."""
+        finish_reason}}`. `sampling_params` is one dict for all prompts or one per prompt;
+        `json_schema` may be a dict. A grammar that fails to compile comes back as a result
+        whose finish_reason is an abort with status_code 400, not as an exception."""
         prompts = _as_prompt_list(prompt)
         params = _as_params_list(sampling_params, len(prompts))
         reqs: list[Req] = []
@@ -63,7 +81,7 @@ class Engine:
     def generate_stream(self, prompt: Prompt, sampling_params: dict[str, Any] | None = None) -> Iterator[dict]:
         """Yield `{"text": delta, "output_ids": new ids}` as tokens arrive; the last chunk
         also carries `meta`."""
-        req = self._submit(prompt, SamplingParams.from_dict(sampling_params or {}))
+        req = self._submit(prompt, _sampling_params(sampling_params or {}))
         detok = self._detokenizer(req)
         sent = 0
         try:
@@ -152,7 +170,14 @@ def _as_prompt_list(prompt: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 def _as_params_list(sampling_params: SamplingParamsArg, n: int) -> list[SamplingParams]:
     if sampling_params is None or isinstance(sampling_params, dict):
-        return [SamplingParams.from_dict(sampling_params or {}) for _ in range(n)]
+        return [_sampling_params(sampling_params or {}) for _ in range(n)]
     if len(sampling_params) != n:
         raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
-    return [SamplingParams.from_dict(p) for p in sampling_params]
+    return [_sampling_params(p) for p in sampling_params]
+
+
+def _sampling_params(params: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from a dict, accepting `json_schema` as an object as well as a JSON string."""
+    if isinstance(params.get("json_schema"), dict):
+        params = {**params, "json_schema": json.dumps(params["json_schema"])}
+    return SamplingParams.from_dict(params)

@@ -41,6 +41,11 @@ class EngineArgs:
               "normal loop, which benchmarks/offline_bench.py measures ~20% faster with two cores and one GIL)")
     attention_backend: str | None = _opt(None, "torch | triton (default: triton on CUDA, torch on CPU)")
     random_seed: int = _opt(0, "seed for the random schedule policy and unseeded sampling")
+    grammar_compile_workers: int = _opt(2, "threads compiling json_schema / regex / ebnf grammars")
+    grammar_compile_timeout: float = _opt(30.0, "seconds a request waits for its grammar to compile before a 400")
+    grammar_max_bytes: int = _opt(65536, "largest json_schema / regex / ebnf accepted, in bytes")
+    grammar_max_nesting_depth: int = _opt(64, "deepest nesting accepted: JSON containers of a schema, brackets "
+                                              "of a regex or ebnf (xgrammar recurses natively over them)")
     debug_future_map: bool = _opt(False, "poison the FutureMap and assert every future is written before read")
 
     @classmethod

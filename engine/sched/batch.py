@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache.radix_cache import RadixCache
+from engine.grammar import allocate_vocab_mask
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
@@ -93,7 +94,24 @@ class ScheduleBatch:
         )
         sampling_info = SamplingBatchInfo.from_reqs(reqs, vocab_size, eos_token_ids, device)
         chunked = frozenset(id(r) for r in extend_reqs if r.is_chunked)
+        sampling_info.vocab_mask = build_vocab_mask(reqs, chunked, vocab_size, device)
         return cls(reqs, extend_lens, len(extend_reqs), chunked, forward_batch, sampling_info)
+
+
+def build_vocab_mask(
+    reqs: list[Req], chunked: frozenset[int], vocab_size: int, device: torch.device
+) -> torch.Tensor | None:
+    """The grammar bitmask of a batch, None when no request has a grammar. Each grammar
+    row is filled by its matcher in one native call; other rows, and chunked prefills
+    (which sample nothing), stay all-allowed. The matchers must already have accepted
+    every token sampled so far: the scheduler resolves the in-flight batch first."""
+    rows = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and id(r) not in chunked]
+    if not rows:
+        return None
+    vocab_mask = allocate_vocab_mask(len(reqs), vocab_size)
+    for i, grammar in rows:
+        grammar.fill_vocab_mask(vocab_mask, i)
+    return vocab_mask.to(device, non_blocking=True)
 
 
 def alloc_token_slots(tree_cache: RadixCache, num_tokens: int) -> torch.Tensor:

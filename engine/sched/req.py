@@ -13,6 +13,7 @@ from engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.cache.radix_cache import RadixCache, TreeNode
+    from engine.grammar import GrammarMatcher, PendingGrammar
 
 
 class ReqStatus(enum.Enum):
@@ -73,6 +74,10 @@ class Req:
     """(logprob, token id) per output token, when `sampling_params.logprobs`."""
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     """The `top_logprobs_num` likeliest (logprob, token id) per output token."""
+    pending_grammar: PendingGrammar | None = None
+    """The compile this request waits for in the grammar queue."""
+    grammar: GrammarMatcher | None = None
+    """Its grammar's state once compiled: masks each next token, accepts each sampled one."""
 
     @property
     def seqlen(self) -> int:

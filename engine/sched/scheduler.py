@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from engine.args import EngineArgs
 from engine.cache.radix_cache import RadixCache
+from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher
 from engine.sampling.sampler import Sampler
 from engine.sched.batch import ScheduleBatch
 from engine.sched.future_map import FutureMap
@@ -34,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 StopStringChecker = Callable[[Req], str | None]
 """Returns the stop string the request's decoded tail now contains, if any."""
+
+GRAMMAR_POLL_INTERVAL_S = 0.005
+"""With only compiling requests to serve, a round waits this long for a compile to end
+rather than spin; short, so that the event loop still receives new requests promptly."""
 
 
 class BatchResult(NamedTuple):
@@ -58,7 +63,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, args: EngineArgs, model_runner: ModelRunner, stop_string_checker: StopStringChecker | None = None):
+    def __init__(
+        self,
+        args: EngineArgs,
+        model_runner: ModelRunner,
+        stop_string_checker: StopStringChecker | None = None,
+        grammar_backend: GrammarBackend | None = None,
+    ):
         self.args = args
         self.model_runner = model_runner
         self.device = model_runner.device
@@ -67,6 +78,7 @@ class Scheduler:
         self.max_total_tokens = model_runner.max_total_num_tokens
         self.max_running_requests = model_runner.req_to_token_pool.size
         self.stop_string_checker = stop_string_checker
+        self.grammar_backend = grammar_backend
         self.tree_cache = RadixCache(
             model_runner.req_to_token_pool,
             model_runner.token_to_kv_pool_allocator,
@@ -78,6 +90,8 @@ class Scheduler:
         self.sampler = Sampler()
         self.future_map = FutureMap(self.max_running_requests, self.device, debug=args.debug_future_map)
         self.waiting_queue: list[Req] = []
+        self.grammar_queue: list[Req] = []
+        """Requests whose grammar is compiling; they join the waiting queue when it is done."""
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
         self.outputs: list[Req] = []
@@ -111,17 +125,25 @@ class Scheduler:
                 f"the prompt ({input_len} tokens) plus max_new_tokens ({params.max_new_tokens}) needs {needed} KV "
                 f"slots; the KV cache holds {self.max_total_tokens}. Lower max_tokens or raise --max-total-tokens"
             )
+        grammar = params.grammar
+        if grammar is not None and self.grammar_backend is None:
+            raise ValueError("json_schema, regex and ebnf need a tokenizer; this engine runs with skip_tokenizer_init")
         req.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         req.status = ReqStatus.WAITING
-        self.waiting_queue.append(req)
+        if grammar is not None:
+            req.pending_grammar = self.grammar_backend.submit(*grammar)
+            self.grammar_queue.append(req)
+        else:
+            self.waiting_queue.append(req)
 
     def abort_request(self, rid: str) -> None:
         """Finish `rid` now; its KV slots are freed at once, in flight or not."""
-        for req in self.waiting_queue:
-            if req.rid == rid:
-                self.waiting_queue.remove(req)
-                self._finish(req, FinishReason("abort", message="aborted by the client"))
-                return
+        for queue in (self.waiting_queue, self.grammar_queue):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    self._finish(req, FinishReason("abort", message="aborted by the client"))
+                    return
         for req in [*self.running, self.chunked_req]:
             if req is not None and req.rid == rid and not req.finished:
                 if req is self.chunked_req:
@@ -174,15 +196,19 @@ class Scheduler:
             self.process_batch_result(batch, future.result())
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.running or self.chunked_req or self.in_flight)
+        return bool(self.waiting_queue or self.grammar_queue or self.running or self.chunked_req or self.in_flight)
 
     def shutdown(self) -> None:
         if self.forward_thread is not None:
             self.forward_thread.shutdown(wait=True)
+        if self.grammar_backend is not None:
+            self.grammar_backend.shutdown()
 
     # ----- building batches -------------------------------------------------------------
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
+        if self.grammar_queue:
+            self.move_ready_grammar_requests()
         batch = self.get_new_batch_prefill()
         if batch is None and self.running:
             batch = self.update_running_batch()
@@ -234,6 +260,27 @@ class Scheduler:
         self.running += [r for r in adder.can_run_list if not r.is_chunked]
         return batch
 
+    def move_ready_grammar_requests(self) -> None:
+        """Compiled requests join the waiting queue; a failed or timed-out compile fails its
+        request alone with a 400. Waits briefly for a compile when nothing else can run."""
+        if not (self.waiting_queue or self.running or self.chunked_req or self.in_flight):
+            pending = [r.pending_grammar.future for r in self.grammar_queue]
+            wait(pending, timeout=GRAMMAR_POLL_INTERVAL_S, return_when=FIRST_COMPLETED)
+        still_compiling: list[Req] = []
+        for req in self.grammar_queue:
+            try:
+                compiled = req.pending_grammar.result()
+            except GrammarError as e:
+                self._finish(req, FinishReason("abort", message=str(e), status_code=400))
+                continue
+            if compiled is None:
+                still_compiling.append(req)
+                continue
+            req.grammar = GrammarMatcher(compiled)
+            req.pending_grammar = None
+            self.waiting_queue.append(req)
+        self.grammar_queue = still_compiling
+
     def update_running_batch(self) -> ScheduleBatch | None:
         """A decode step for every running request, making room first: evict cache, then
         retract (after the in-flight batch is processed, so nothing retracted is in flight)."""
@@ -268,8 +315,8 @@ class Scheduler:
 
     def _prepare(self, extend_reqs: list[Req], decode_reqs: list[Req]) -> ScheduleBatch | None:
         if self.in_flight is not None and any(_needs_output_history(r) for r in extend_reqs + decode_reqs):
-            # Penalties, min_new_tokens and seeded sampling read the output so far on the
-            # CPU side; wait for the in-flight batch rather than use a stale history.
+            # Penalties, min_new_tokens, seeded sampling and grammars read the output so far
+            # on the CPU side; wait for the in-flight batch rather than use a stale history.
             self.resolve_in_flight()
             decode_reqs = [r for r in decode_reqs if not r.finished]
             if not extend_reqs and not decode_reqs:
@@ -322,7 +369,8 @@ class Scheduler:
                 req.output_token_logprobs.append((result.next_token_logprobs[i], token))
                 if req.sampling_params.top_logprobs_num:
                     req.output_top_logprobs.append(result.top_logprobs[i][: req.sampling_params.top_logprobs_num])
-            reason = self._check_finished(req)
+            reason = self._accept_grammar_token(req, token) if req.grammar is not None else None
+            reason = reason or self._check_finished(req)
             if reason is not None:
                 self.tree_cache.cache_finished_req(req)
                 self._finish(req, reason)
@@ -330,6 +378,16 @@ class Scheduler:
                 if i < batch.num_extend_reqs:  # share the fresh prefill with later requests now
                     self.tree_cache.cache_unfinished_req(req)
                 self.outputs.append(req)
+
+    def _accept_grammar_token(self, req: Req, token: int) -> FinishReason | None:
+        """Advance the matcher; a terminated grammar ends the request, its stop token (the
+        model's EOS) counting as the matched stop token."""
+        if not req.grammar.accept_token(token):
+            # The mask allowed only grammar tokens, so this is a bug, not the client's fault.
+            return FinishReason("abort", message=f"token {token} was sampled outside the grammar")
+        if req.grammar.is_terminated():
+            return FinishReason("stop", matched=token)
+        return None
 
     def _check_finished(self, req: Req) -> FinishReason | None:
         params = req.sampling_params
@@ -362,4 +420,5 @@ def _needs_output_history(req: Req) -> bool:
         or params.repetition_penalty != 1.0
         or len(req.output_ids) < params.min_new_tokens
         or (params.seed is not None and not params.is_greedy)
+        or req.grammar is not None
     )

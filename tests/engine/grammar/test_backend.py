@@ -1,0 +1,76 @@
+"""The xgrammar backend: compile off the caller's thread, cache, clear errors, matchers."""
+
+import time
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, PendingGrammar, allocate_vocab_mask
+from engine.model.loader import load_tokenizer
+from engine.sampling.vocab_mask import apply_vocab_mask
+
+VOCAB = 49152  # SmolLM2's; the embedded tokenizer has exactly this many tokens
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("embedded")
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    backend = GrammarBackend(tokenizer, VOCAB, stop_token_ids=[EOS], max_nesting_depth=8)
+    yield backend
+    backend.shutdown()
+
+
+def compiled(pending: PendingGrammar):
+    while (result := pending.result()) is None:
+        time.sleep(0.005)
+    return result
+
+
+def test_the_same_grammar_text_shares_one_cached_compile(backend):
+    first = backend.submit("regex", "[ab]{2}")
+    assert backend.submit("regex", "[ab]{2}").future is first.future
+    assert backend.submit("ebnf", "[ab]{2}").future is not first.future  # keyed by kind too
+
+
+def test_compile_errors_read_without_xgrammars_log_prefix(backend):
+    with pytest.raises(GrammarError) as e:
+        compiled(backend.submit("regex", "(abc"))
+    assert str(e.value) == "invalid regex: Regex parsing error at position 5: The parenthesis is not closed."
+    with pytest.raises(GrammarError, match=r'^invalid json_schema: Unsupported type "foo"'):
+        compiled(backend.submit("json_schema", '{"type": "foo"}'))
+
+
+def test_a_grammar_over_the_limits_fails_without_compiling(backend):
+    pending = backend.submit("regex", "(" * 9 + ")" * 9)
+    assert pending.future.done()
+    with pytest.raises(GrammarError, match="regex nests 9 levels deep; the limit is 8"):
+        pending.result()
+
+
+def test_a_compile_past_its_deadline_fails_with_a_timeout():
+    never: Future = Future()
+    assert PendingGrammar("ebnf", never, timeout_s=60).result() is None
+    with pytest.raises(GrammarError, match="compiling the ebnf took longer than 0 s"):
+        PendingGrammar("ebnf", never, timeout_s=0).result()
+
+
+def test_matcher_masks_accepts_and_terminates_on_the_stop_token(backend, tokenizer):
+    matcher = GrammarMatcher(compiled(backend.submit("regex", "yes|no")))
+    vocab_mask = allocate_vocab_mask(2, VOCAB)
+    matcher.fill_vocab_mask(vocab_mask, 1)
+    logits = torch.zeros(2, VOCAB)
+    apply_vocab_mask(logits, vocab_mask)
+    assert torch.isfinite(logits[0]).all()  # a row the matcher did not fill stays all-allowed
+    allowed = {tokenizer.decode([t]) for t in torch.isfinite(logits[1]).nonzero().flatten().tolist()}
+    assert allowed and all("yes".startswith(s) or "no".startswith(s) for s in allowed)
+    assert not matcher.accept_token(tokenizer.encode("maybe")[0])
+    for token in tokenizer.encode("yes"):
+        assert matcher.accept_token(token)
+    assert not matcher.is_terminated()
+    assert matcher.accept_token(EOS) and matcher.is_terminated()

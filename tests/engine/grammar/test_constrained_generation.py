@@ -1,0 +1,205 @@
+"""Constrained decoding end to end through the offline Engine on the embedded model."""
+
+import json
+import re
+
+import pytest
+import xgrammar as xgr
+
+from engine.api import Engine
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.req import Req
+
+POINT = {
+    "type": "object",
+    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "y": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["x", "y"],
+}
+SCHEMAS = {
+    "nested object": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "address": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 12},
+                    "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
+                },
+                "required": ["city", "zip"],
+            },
+        },
+        "required": ["name", "address"],
+    },
+    "array with min/max items": {
+        "type": "object",
+        "properties": {"colors": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 2, "maxItems": 3}},
+        "required": ["colors"],
+    },
+    "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    "integer and number bounds": {
+        "type": "object",
+        "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}, "score": {"type": "number", "minimum": 0, "maximum": 10}},
+        "required": ["age", "score"],
+    },
+    "optional field": {
+        "type": "object",
+        "properties": {"title": {"type": "string", "maxLength": 10}, "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
+        "required": ["title"],
+    },
+    "$defs and $ref": {
+        "$defs": {"point": POINT},
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
+        "required": ["a", "b"],
+    },
+    "anyOf": {
+        "type": "object",
+        "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 100}, {"type": "boolean"}]}},
+        "required": ["v"],
+    },
+    "string maxLength": {"type": "object", "properties": {"word": {"type": "string", "maxLength": 5}}, "required": ["word"]},
+    "top-level array": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 1, "maxItems": 4},
+    "boolean and nested enum": {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "level": {"type": "object", "properties": {"name": {"enum": ["low", "high"]}}, "required": ["name"]}},
+        "required": ["ok", "level"],
+    },
+}
+PROMPTS = {
+    "nested object": "Describe a person with an address as JSON.",
+    "array with min/max items": "List some colors as JSON.",
+    "enum": "Pick a color as JSON.",
+    "integer and number bounds": "Give a person's age and test score as JSON.",
+    "optional field": "A book as JSON.",
+    "$defs and $ref": "Two points as JSON.",
+    "anyOf": "A value as JSON.",
+    "string maxLength": "One short word as JSON.",
+    "top-level array": "A few digits as a JSON array.",
+    "boolean and nested enum": "A status as JSON.",
+}
+ARITHMETIC = """root ::= expr
+expr ::= num op num | "(" num op num ")" op num
+num ::= [1-9] | [1-9] [0-9]
+op ::= "+" | "-" | "*"
+"""
+GREEDY = {"temperature": 0, "max_new_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=True) as engine:
+        yield engine
+
+
+def validate(instance, schema: dict, root: dict) -> None:
+    """The subset of JSON Schema these tests use (jsonschema is not installed here)."""
+    if "$ref" in schema:
+        schema = root["$defs"][schema["$ref"].removeprefix("#/$defs/")]
+    if "anyOf" in schema:
+        errors = []
+        for option in schema["anyOf"]:
+            try:
+                return validate(instance, option, root)
+            except AssertionError as e:
+                errors.append(e)
+        raise AssertionError(f"{instance!r} matches no anyOf option: {errors}")
+    if "enum" in schema:
+        assert instance in schema["enum"]
+    kind = schema.get("type")
+    types = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": (int, float)}
+    if kind is not None:
+        assert isinstance(instance, types[kind]) and (kind == "boolean" or not isinstance(instance, bool)), instance
+    if kind == "object":
+        assert set(schema.get("required", ())) <= set(instance) <= set(schema["properties"]), instance
+        for key, value in instance.items():
+            validate(value, schema["properties"][key], root)
+    if kind == "array":
+        assert schema.get("minItems", 0) <= len(instance) <= schema.get("maxItems", len(instance))
+        for item in instance:
+            validate(item, schema["items"], root)
+    if kind == "string":
+        assert len(instance) <= schema.get("maxLength", len(instance))
+    if kind in ("integer", "number"):
+        assert schema.get("minimum", instance) <= instance <= schema.get("maximum", instance)
+
+
+def test_json_schemas_give_valid_json_that_stops(engine):
+    names = list(SCHEMAS)
+    params = [{**GREEDY, "json_schema": SCHEMAS[n] if i % 2 else json.dumps(SCHEMAS[n])} for i, n in enumerate(names)]
+    results = engine.generate([PROMPTS[n] for n in names], params)
+    for name, result in zip(names, results):
+        assert result["meta"]["finish_reason"]["type"] == "stop", (name, result)
+        validate(json.loads(result["text"]), SCHEMAS[name], SCHEMAS[name])
+
+
+def test_regex_output_fullmatches(engine):
+    pattern = r"\(\d{3}\) \d{3}-\d{4}"
+    result = engine.generate("A US phone number:", {**GREEDY, "regex": pattern})[0]
+    assert re.fullmatch(pattern, result["text"])
+    assert result["meta"]["finish_reason"]["type"] == "stop"
+
+
+def test_ebnf_output_is_accepted_by_the_grammar(engine):
+    result = engine.generate("Write a small sum:", {**GREEDY, "ebnf": ARITHMETIC})[0]
+    assert result["meta"]["finish_reason"]["type"] == "stop"
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=49152))
+    matcher = xgr.GrammarMatcher(compiler.compile_grammar(ARITHMETIC))
+    assert matcher.accept_string(result["text"]) and matcher.is_completed(), result["text"]
+    assert isinstance(eval(result["text"]), int)
+
+
+def test_grammar_and_plain_requests_in_one_batch_are_both_correct(engine):
+    plain = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    alone = engine.generate("The three primary colors are", plain)[0]
+    schema = SCHEMAS["enum"]
+    mixed = engine.generate(
+        ["The three primary colors are", PROMPTS["enum"]], [plain, {**GREEDY, "json_schema": schema}]
+    )
+    assert mixed[0]["output_ids"] == alone["output_ids"]
+    validate(json.loads(mixed[1]["text"]), schema, schema)
+
+
+def test_overlap_and_normal_loops_give_the_same_constrained_outputs(engine):
+    names = ["nested object", "$defs and $ref", "top-level array"]
+    prompts = [PROMPTS[n] for n in names] + ["Write a small sum:"]
+    params = [{**GREEDY, "json_schema": SCHEMAS[n]} for n in names] + [{**GREEDY, "ebnf": ARITHMETIC}]
+    normal = engine.generate(prompts, params)
+    with Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=False) as overlap_engine:
+        assert overlap_engine.scheduler.overlap
+        overlapped = overlap_engine.generate(prompts, params)
+    assert [r["output_ids"] for r in overlapped] == [r["output_ids"] for r in normal]
+    assert all(r["meta"]["finish_reason"]["type"] == "stop" for r in overlapped)
+
+
+def test_bad_grammars_fail_alone_with_400_while_a_plain_request_finishes(engine):
+    deep: dict = {"type": "integer"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    results = engine.generate(
+        ["a", "b", "c", "d"],
+        [{"json_schema": "{bad"}, {"regex": "(abc"}, {"json_schema": deep}, {"max_new_tokens": 4, "ignore_eos": True}],
+    )
+    messages = ["json_schema is not valid JSON", "invalid regex: Regex parsing error", "json_schema nests 81 levels deep"]
+    for result, message in zip(results, messages):
+        reason = result["meta"]["finish_reason"]
+        assert reason["type"] == "abort" and reason["status_code"] == 400 and message in reason["message"]
+        assert result["output_ids"] == []
+    assert results[3]["meta"]["finish_reason"] == {"type": "length"}
+    assert engine.scheduler.grammar_queue == []
+
+
+def test_a_grammar_request_waits_in_the_grammar_queue_until_compiled(engine):
+    req = Req("queued", engine.tokenizer.encode("Pick:"), SamplingParams(temperature=0, max_new_tokens=8, regex="a|b"))
+    engine.scheduler.add_request(req)
+    assert engine.scheduler.grammar_queue == [req] and req not in engine.scheduler.waiting_queue
+    while not req.finished:
+        engine.scheduler.step()
+    assert engine.tokenizer.decode(req.output_ids, skip_special_tokens=True) in ("a", "b")
+    assert req.finished_reason.type == "stop" and not engine.scheduler.has_work()
+
+
+def test_grammars_need_a_tokenizer(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="need a tokenizer"):
+        engine.generate([5, 6, 7], {"regex": "a"})
