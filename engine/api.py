@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -81,7 +80,7 @@ class Engine:
     def generate_stream(self, prompt: Prompt, sampling_params: dict[str, Any] | None = None) -> Iterator[dict]:
         """Yield `{"text": delta, "output_ids": new ids}` as tokens arrive; the last chunk
         also carries `meta`."""
-        req = self._submit(prompt, _sampling_params(sampling_params or {}))
+        req = self._submit(prompt, SamplingParams.from_dict(sampling_params or {}))
         detok = self._detokenizer(req)
         sent = 0
         try:
@@ -170,14 +169,8 @@ def _as_prompt_list(prompt: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 def _as_params_list(sampling_params: SamplingParamsArg, n: int) -> list[SamplingParams]:
     if sampling_params is None or isinstance(sampling_params, dict):
-        return [_sampling_params(sampling_params or {}) for _ in range(n)]
+        return [SamplingParams.from_dict(sampling_params or {}) for _ in range(n)]
     if len(sampling_params) != n:
         raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
-    return [_sampling_params(p) for p in sampling_params]
+    return [SamplingParams.from_dict(p) for p in sampling_params]
 
-
-def _sampling_params(params: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from a dict, accepting `json_schema` as an object as well as a JSON string."""
-    if isinstance(params.get("json_schema"), dict):
-        params = {**params, "json_schema": json.dumps(params["json_schema"])}
-    return SamplingParams.from_dict(params)

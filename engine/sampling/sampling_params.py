@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -58,6 +59,8 @@ class SamplingParams:
         if not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
         self.logit_bias = {_token_id_key(k): v for k, v in self.logit_bias.items()}
+        if isinstance(self.json_schema, dict):  # clients send the schema as an object or as text
+            self.json_schema = json.dumps(self.json_schema)
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> SamplingParams:

@@ -190,6 +190,17 @@ def test_native_generate_single_and_batch(http: httpx2.Client):
     assert [r["meta_info"]["prompt_tokens"] for r in batch] == [3, 2]
 
 
+def test_native_generate_honours_a_json_schema_object_and_a_regex(http: httpx2.Client):
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    params = {"max_new_tokens": 32, "temperature": 0, "json_schema": schema}
+    result = http.post("/generate", json={"text": "Answer:", "sampling_params": params}).json()
+    assert json.loads(result["text"])["answer"] in ("yes", "no")
+    assert result["meta_info"]["finish_reason"]["type"] == "stop"
+    params = {"max_new_tokens": 16, "temperature": 0, "regex": "(red|green|blue)"}
+    result = http.post("/generate", json={"text": "Color:", "sampling_params": params}).json()
+    assert re.fullmatch("(red|green|blue)", result["text"])
+
+
 def test_32_concurrent_streams_all_complete(base_url: str):
     async def run() -> list[str | None]:
         async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0) as aclient:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -84,7 +85,7 @@ def test_logit_bias_that_is_not_keyed_by_token_ids_is_rejected() -> None:
         ("logprobs", "true"),
         ("top_logprobs_num", -1),
         ("top_logprobs_num", VOCAB + 1),
-        ("json_schema", {"type": "object"}),
+        ("json_schema", ["not", "a", "schema"]),
     ],
 )
 def test_verify_rejects_bad_value_naming_the_field(field: str, value: Any) -> None:
@@ -121,3 +122,9 @@ def test_more_than_one_grammar_is_rejected() -> None:
     with pytest.raises(ValueError, match=r"only one of json_schema, regex, ebnf.*\['json_schema', 'regex'\]"):
         SamplingParams(json_schema='{"type": "string"}', regex="[a-z]+").verify(VOCAB)
     assert SamplingParams(regex="[a-z]+").grammar == ("regex", "[a-z]+")
+
+
+def test_a_json_schema_object_is_kept_as_json_text():
+    params = SamplingParams.from_dict({"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}})
+    assert json.loads(params.json_schema) == {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert params.grammar == ("json_schema", params.json_schema)
