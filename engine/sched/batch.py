@@ -69,12 +69,6 @@ class ScheduleBatch:
             extend_lens.append(1)
 
         out_cache_loc = alloc_token_slots(tree_cache, sum(extend_lens))
-        offset = 0
-        for req, extend_len in zip(extend_reqs + decode_reqs, extend_lens):
-            req_to_token_pool.write(req.req_pool_idx, req.kv_allocated_len, out_cache_loc[offset : offset + extend_len])
-            req.kv_allocated_len += extend_len
-            offset += extend_len
-
         reqs = extend_reqs + decode_reqs
         rows = [r.req_pool_idx for r in reqs]
         futures = FutureMap.futures(torch.tensor(rows[len(extend_reqs) :], dtype=torch.int64))
@@ -92,6 +86,13 @@ class ScheduleBatch:
             req_to_token_pool,
             token_to_kv_pool,
         )
+        # Point every new token's table entry at its slot in one indexed write (no per-request op).
+        token_rows = torch.repeat_interleave(
+            forward_batch.req_pool_indices, forward_batch.extend_lens, output_size=len(out_cache_loc)
+        )
+        req_to_token_pool.req_to_token[token_rows, forward_batch.positions] = out_cache_loc.to(torch.int32)
+        for req, extend_len in zip(reqs, extend_lens):
+            req.kv_allocated_len += extend_len
         sampling_info = SamplingBatchInfo.from_reqs(reqs, vocab_size, eos_token_ids, device)
         chunked = frozenset(id(r) for r in extend_reqs if r.is_chunked)
         sampling_info.vocab_mask = build_vocab_mask(reqs, chunked, vocab_size, device)
