@@ -19,7 +19,12 @@ import openai
 import pytest
 
 from engine.api import Engine
-from tests.services.conftest import HEARTBEAT_INTERVAL, REPO_ROOT, ServiceLauncher
+from tests.services.conftest import REPO_ROOT, ServiceLauncher
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+# Longer than the other service tests' 0.2 s: the embedded model's prefill runs between
+# heartbeats, and a busy CI machine must not make the worker look dead.
+HEARTBEAT_INTERVAL = 1.0
 
 PORT_FLAGS = (
     "--port", "--worker-port", "--detokenizer-port", "--tokenizer-port", "--tokenizer-control-port",
@@ -29,6 +34,12 @@ PORT_FLAGS = (
 
 @pytest.mark.timeout(240)
 def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_dies(tokenizer, tmp_path: Path):
+    # The offline reference first, so that it does not compete with the server for the CPU.
+    text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+    with Engine(dtype="float32", max_total_tokens=4096) as engine:
+        offline = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": 24})[0]
+
     script = shutil.which("radixserve") or str(Path(sys.executable).parent / "radixserve")
     ports = {flag: ServiceLauncher.free_port() for flag in PORT_FLAGS}
     flags = [  # no --model: the embedded SmolLM2-135M-Instruct
@@ -52,15 +63,10 @@ def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_
                 break
         assert url == f"http://127.0.0.1:{ports['--port']}/v1", log.read_text()
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
-        messages = [{"role": "user", "content": "What is the capital of France?"}]
-        answer = client.chat.completions.create(model="embedded", messages=messages, max_tokens=16, temperature=0)
+        answer = client.chat.completions.create(model="embedded", messages=MESSAGES, max_tokens=16, temperature=0)
         assert "Paris" in answer.choices[0].message.content
 
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
         served = client.completions.create(model="embedded", prompt=prompt_ids, max_tokens=24, temperature=0)
-        with Engine(dtype="float32", max_total_tokens=4096) as engine:
-            offline = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": 24})[0]
         assert served.choices[0].text == offline["text"]
         assert offline["text"].startswith(answer.choices[0].message.content)  # the chat path renders the same ids
 
