@@ -25,3 +25,10 @@ serve: install
 
 clean:
 	rm -rf $(VENV)
+
+# The chart's pod run for real (deploy/pod_test.py): an offline podman build of the CPU image,
+# `podman kube play` of the rendered Deployment, probes, a chat completion, a read-only run.
+# Needs root and Debian's podman, buildah, debootstrap and runc.
+.PHONY: pod-test
+pod-test: install
+	$(PY) deploy/pod_test.py

@@ -79,18 +79,25 @@ class Engine:
 
     def generate_stream(self, prompt: Prompt, sampling_params: dict[str, Any] | None = None) -> Iterator[dict]:
         """Yield `{"text": delta, "output_ids": new ids}` as tokens arrive; the last chunk
-        also carries `meta`."""
+        also carries `meta`. With jump-forward a chunk may carry `"rollback": k`: the last k
+        ids already yielded were re-encoded and `output_ids` replaces them (the text only
+        ever grows)."""
         req = self._submit(prompt, SamplingParams.from_dict(sampling_params or {}))
         detok = self._detokenizer(req)
         sent = 0
         try:
             while not req.finished:
                 self.scheduler.step()
-                new_ids = req.output_ids[sent:]
+                rollback, req.output_rollback = min(req.output_rollback, sent), 0
+                new_ids = req.output_ids[sent - rollback :]
                 if new_ids or req.finished:
                     sent = len(req.output_ids)
+                    if detok and rollback:
+                        detok.rollback(rollback)
                     text = detok.add_tokens(new_ids, finished=req.finished) if detok else ""
                     chunk = {"text": text, "output_ids": new_ids}
+                    if rollback:
+                        chunk["rollback"] = rollback
                     if req.finished:
                         chunk["meta"] = _meta(req)
                     yield chunk

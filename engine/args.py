@@ -46,6 +46,8 @@ class EngineArgs:
     grammar_max_bytes: int = _opt(65536, "largest json_schema / regex / ebnf accepted, in bytes")
     grammar_max_nesting_depth: int = _opt(64, "deepest nesting accepted: JSON containers of a schema, brackets "
                                               "of a regex or ebnf (xgrammar recurses natively over them)")
+    enable_jump_forward: bool = _opt(False, "append text a grammar forces without a forward pass per token "
+                                            "(needs the radix cache)")
     debug_future_map: bool = _opt(False, "poison the FutureMap and assert every future is written before read")
 
     @classmethod

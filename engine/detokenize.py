@@ -41,6 +41,16 @@ class IncrementalDetokenizer:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return self._emit(finished)
 
+    def rollback(self, num_tokens: int) -> None:
+        """Drop the last `num_tokens` ids: a grammar jump-forward re-encoded them together
+        with the forced text. Their replacements decode to the same text and more, so what
+        was already emitted stays a prefix of the output; the text is rebuilt from the ids
+        that remain (jump-forward only rolls back to a character boundary)."""
+        del self.token_ids[len(self.token_ids) - num_tokens :]
+        if self.read_offset > len(self.token_ids):
+            self.prefix_offset = self.read_offset = len(self.token_ids)
+            self.text = self._decode(self.token_ids)
+
     def _emit(self, finished: bool) -> str:
         end = len(self.text)
         for stop in self.stop:

@@ -258,11 +258,13 @@ class PeerMonitor:
         state = self._peers.get(peer)
         return None if state is None else state.epoch
 
-    def poll(self) -> list[PeerEvent]:
+    def poll(self, check_deaths: bool = True) -> list[PeerEvent]:
         """Events since the last poll, deaths included (found here, so call it each loop);
-        each transition is reported once."""
+        each transition is reported once. `check_deaths=False` only hands over the events
+        `accept` recorded: call it after each message, so that a restart is acted on before
+        the messages of the peer's new life; judge deaths only once every socket is drained."""
         for name, state in self._peers.items():
-            if state.alive and not self.is_alive(name):
+            if check_deaths and state.alive and not self.is_alive(name):
                 state.alive = False
                 self._events.append(PeerEvent(name, "dead", state.epoch))
         events, self._events = self._events, []

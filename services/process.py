@@ -4,19 +4,30 @@ Hello at start, heartbeats while alive, peer liveness, and a clean exit on SIGTE
 A service subclasses `Service` and implements `handle` (one non-liveness message) and,
 if it computes between messages, `has_work` and `step`. The loop never spins: it polls
 without waiting only while `has_work()` is true, and otherwise sleeps in the poll until a
-message arrives or a heartbeat falls due.
+message arrives or a peer may have died. Each service also serves `/metrics` and
+`/healthz` on its metrics port; `/healthz` fails once the loop stops turning.
+
+Heartbeats go out from a thread of their own, so that a long scheduler round (a big
+prefill on a CPU) is not mistaken for a death; that thread's watchdog ends a process whose
+loop has stopped turning, so that its peers do see a death and Kubernetes restarts it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import threading
+import time
 import types
 from abc import ABC, abstractmethod
 
 import zmq
+from prometheus_client import CollectorRegistry
 
+from observability.metrics_server import MetricsServer, start_metrics_server
+from observability.tracing import setup_tracing
 from services.ipc import (
     PeerEvent,
     PeerMonitor,
@@ -32,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 RECV_BATCH_LIMIT = 1024
 """Messages taken per loop turn, so a flood cannot starve the scheduler step."""
+WATCHDOG_EXIT_CODE = 3
+"""Exit status of a process its watchdog ended (distinct from a crash's 1)."""
 
 
 def configure_logging(level: str, role: str) -> None:
@@ -56,14 +69,32 @@ class Service(ABC):
         self.receiver = Receiver(bind_pull(self.ctx, in_port), name=self.role)
         self.monitor = PeerMonitor(settings.heartbeat_interval)
         self.senders: list[Sender] = []
+        self.peer_ports: list[int] = []
+        self.heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeats", daemon=True)
         self.stopping = False
-        # Half an interval: a heartbeat is never more than 1.5 intervals late, well inside
-        # the three intervals after which a peer is declared dead.
+        self.registry = CollectorRegistry()
+        self.metrics_server: MetricsServer | None = None
+        self.tracing = setup_tracing(self.role)
+        self.last_turn = time.monotonic()
+        """When the loop last finished a turn; /healthz fails once it is too long ago."""
+        # Half an interval: a peer's death is noticed within 3.5 intervals of its last beat.
         self.idle_timeout_ms = max(1, int(settings.heartbeat_interval * 500))
+
+    def serve_metrics(self, port: int) -> None:
+        """Start `/metrics` (of `self.registry`) and `/healthz` on `settings.host`."""
+        self.metrics_server = start_metrics_server(self.settings.host, port, self.registry, self.stalled)
+
+    def stalled(self) -> str | None:
+        """Why the loop looks stuck, or None while it turns."""
+        idle = time.monotonic() - self.last_turn
+        if idle < self.settings.stall_timeout:
+            return None
+        return f"the {self.role} loop has not finished a turn for {idle:.0f} s"
 
     def connect(self, port: int) -> Sender:
         sender = Sender(connect_push(self.ctx, port), self.role, self.epoch, self.settings.heartbeat_interval)
         self.senders.append(sender)
+        self.peer_ports.append(port)
         return sender
 
     # ----- what a service implements ----------------------------------------------------
@@ -90,6 +121,7 @@ class Service(ABC):
         try:
             for sender in self.senders:
                 sender.hello()
+            self.heartbeats.start()
             logger.info("%s serving (epoch %s)", self.role, self.epoch)
             while not self.stopping:
                 self.run_once()
@@ -102,20 +134,57 @@ class Service(ABC):
     def run_once(self) -> None:
         timeout_ms = 0 if self.has_work() else self.idle_timeout_ms
         for msg in self.receiver.recv_all(timeout_ms, limit=RECV_BATCH_LIMIT):
-            if self.monitor.accept(msg) and not isinstance(msg, (Hello, Heartbeat)):
+            accepted = self.monitor.accept(msg)
+            # A peer's restart is acted on before the first message of its new life.
+            self._dispatch_peer_events(self.monitor.poll(check_deaths=False))
+            if accepted and not isinstance(msg, (Hello, Heartbeat)):
                 try:
                     self.handle(msg)
                 except Exception:  # a message must never take the process down
                     logger.exception("dropped %s after an error handling it", type(msg).__name__)
-        for event in self.monitor.poll():
-            logger.info("peer %s %s (epoch %s)", event.peer, event.kind, event.epoch)
-            self.on_peer_event(event)
+        self._dispatch_peer_events(self.monitor.poll())
         if self.has_work():
             self.step()
-        for sender in self.senders:
-            sender.heartbeat_if_due()
+        self.last_turn = time.monotonic()
+
+    def _dispatch_peer_events(self, events: list[PeerEvent]) -> None:
+        for event in events:
+            logger.info("peer %s %s (epoch %s)", event.peer, event.kind, event.epoch)
+            try:
+                self.on_peer_event(event)
+            except Exception:  # as with a message: log it, keep serving
+                logger.exception("error handling peer %s %s", event.peer, event.kind)
+
+    def _heartbeat_loop(self) -> None:
+        """Beat to every peer on sockets of this thread's own (a zmq socket belongs to one
+        thread); exit the process once the loop has not turned for `watchdog_timeout`."""
+        senders = [Sender(connect_push(self.ctx, port), self.role, self.epoch, self.settings.heartbeat_interval)
+                   for port in self.peer_ports]
+        try:
+            while not self.stopping:
+                for sender in senders:
+                    sender.heartbeat_if_due()
+                idle = time.monotonic() - self.last_turn
+                if idle > self.settings.watchdog_timeout:
+                    logger.critical(
+                        "watchdog: the %s loop has not finished a turn for %.0f s (--watchdog-timeout %g); exiting",
+                        self.role, idle, self.settings.watchdog_timeout,
+                    )
+                    logging.shutdown()
+                    os._exit(WATCHDOG_EXIT_CODE)
+                time.sleep(self.settings.heartbeat_interval / 2)
+        finally:
+            for sender in senders:
+                sender.sock.close(linger=0)
 
     def close(self) -> None:
+        self.stopping = True
+        if self.heartbeats.is_alive():
+            self.heartbeats.join()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
         self.ctx.destroy(linger=100)
 
     def _request_stop(self, signum: int, frame: types.FrameType | None) -> None:

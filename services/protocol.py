@@ -98,6 +98,9 @@ class GetServerInfoReq(_Msg):
     """Tokenizer → worker: ask for the worker's live state (pool sizes, queues, stats)."""
 
     rid: str = ""
+    check_integrity: bool = False
+    """Also run the radix tree's integrity check (idle workers only; a walk of every node
+    and KV slot, so not for every scrape)."""
 
 
 # ----- control replies (worker → tokenizer, on the control socket) ------------------------
@@ -166,6 +169,9 @@ class _BatchOutput(_Msg, kw_only=True):
     output_top_logprobs_val: list[list[list[float]]] | None = None
     """Per rid, per new id, the `top_logprobs_num` best logprobs; `_idx` holds their token ids."""
     output_top_logprobs_idx: list[list[list[int]]] | None = None
+    rollbacks: list[int] | None = None
+    """Per rid, how many ids sent before this `output_ids` a grammar jump-forward replaced
+    (re-encoded with the forced text; the text only grows). None when no rid rolled back."""
 
     def __post_init__(self) -> None:
         n = len(self.rids)
@@ -191,6 +197,10 @@ class BatchTokenIDOutput(_BatchOutput, kw_only=True):
     skip_special_tokens: list[bool]
     stop: list[list[str]]
     """Stop strings to trim from the text (the scheduler already stopped on them)."""
+    trace_contexts: list[dict[str, str]] | None = None
+    """Per rid, its W3C trace context in the batch where it finishes ({} before, and for an
+    untraced request), so the detokenizer can add its span to the request's trace. None
+    when no rid of the batch has one."""
 
 
 class BatchStrOutput(_BatchOutput, kw_only=True):

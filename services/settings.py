@@ -38,8 +38,14 @@ class Settings(EngineArgs):
     detokenizer_port: int = _opt(30011, "ZMQ worker → detokenizer")
     tokenizer_port: int = _opt(30012, "ZMQ detokenizer → tokenizer")
     tokenizer_control_port: int = _opt(30013, "ZMQ worker → tokenizer (ready, control replies, heartbeats)")
-    worker_metrics_port: int = _opt(30001, "worker /metrics and /health")
-    detokenizer_metrics_port: int = _opt(30002, "detokenizer /metrics and /health")
+    worker_metrics_port: int = _opt(30001, "worker /metrics and /healthz (bound on --host)")
+    detokenizer_metrics_port: int = _opt(30002, "detokenizer /metrics and /healthz (bound on --host)")
+    stall_timeout: float = _opt(
+        60.0, "worker and detokenizer /healthz answer 503 once their loop has not finished a turn for this long (s)"
+    )
+    watchdog_timeout: float = _opt(
+        300.0, "worker and detokenizer exit (status 3) once their loop has not finished a turn for this long (s)"
+    )
     grammar_backend: str = _opt("xgrammar", "structured output backend", choices=GRAMMAR_BACKENDS)
     # repr=False: settings get logged at startup, the key must not be.
     api_key: str | None = field(
@@ -49,6 +55,13 @@ class Settings(EngineArgs):
     log_level: str = _opt("info", "logging level", choices=LOG_LEVELS)
     max_tokens_cap: int = _opt(4096, "server-side cap on a request's max_tokens, protecting the KV pool")
     heartbeat_interval: float = _opt(1.0, "seconds between heartbeats; a peer silent for 3 intervals is dead")
+    max_queued_requests: int | None = _opt(
+        None, "load shedding: answer 429 while this many requests wait for their first token (none: no limit)"
+    )
+    request_timeout: float | None = _opt(
+        None, "abort a request (504) still unfinished this many seconds after submission, freeing its KV "
+        "(none: no limit)"
+    )
 
     def __post_init__(self) -> None:
         if hasattr(super(), "__post_init__"):  # keep EngineArgs' checks should it gain any
@@ -72,6 +85,14 @@ class Settings(EngineArgs):
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if not self.heartbeat_interval > 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
+        if not self.stall_timeout > 0:
+            raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout}")
+        if not self.watchdog_timeout > 0:
+            raise ValueError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1 (or none), got {self.max_queued_requests}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 (or none), got {self.request_timeout}")
 
     def to_engine_args(self) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})

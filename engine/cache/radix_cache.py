@@ -94,6 +94,8 @@ class RadixCache:
         self.eviction_policy = eviction_policy
         self.evict_key = get_evict_key(eviction_policy)
         self.device = token_to_kv_pool_allocator.device
+        self.evicted_tokens = 0
+        """Tokens evicted since creation; a counter, so `reset` leaves it alone."""
         self.reset()
 
     @classmethod
@@ -284,6 +286,7 @@ class RadixCache:
             self._delete_leaf(node)
         if freed:
             self.token_to_kv_pool_allocator.free(torch.cat(freed))
+        self.evicted_tokens += num_evicted
         return num_evicted
 
     # ----- sizes ------------------------------------------------------------------------

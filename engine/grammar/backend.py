@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -13,9 +12,7 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from engine.grammar.limits import GrammarError, check_grammar_limits
-
-_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-"""xgrammar's messages start with "[time] source.cc:line: ", which tells a client nothing."""
+from engine.grammar.validate import grammar_error
 
 __all__ = ["GrammarBackend", "GrammarError", "GrammarMatcher", "PendingGrammar", "allocate_vocab_mask"]
 
@@ -38,6 +35,14 @@ class GrammarMatcher:
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""
         return self._matcher.is_terminated()
+
+    def find_jump_forward_string(self) -> str:
+        """The text the grammar forces next ("" if the next token is a real choice)."""
+        return self._matcher.find_jump_forward_string()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (jump-forward re-tokenizes them)."""
+        self._matcher.rollback(num_tokens)
 
 
 class PendingGrammar:
@@ -84,6 +89,8 @@ class GrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) if stop_token_ids else None
         )
+        self.tokenizer = tokenizer
+        """Also what jump-forward re-encodes forced text with."""
         self.vocab_size = vocab_size
         self.compiler = xgr.GrammarCompiler(info, max_threads=max_workers, cache_enabled=False)
         self.executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
@@ -92,6 +99,9 @@ class GrammarBackend:
         self.max_nesting_depth = max_nesting_depth
         self.cache_size = cache_size
         self.cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
+        self.on_compile: Callable[[float | None], None] | None = None
+        """Hears the seconds of each compile, or None for each grammar refused (the worker's
+        metrics); called on the compile threads. Cache hits are not compiles."""
 
     def submit(self, kind: str, source: str) -> PendingGrammar:
         """Start compiling (or reuse the cached compile of) `source`; never blocks. A
@@ -104,6 +114,7 @@ class GrammarBackend:
             try:
                 check_grammar_limits(kind, source, self.max_grammar_bytes, self.max_nesting_depth)
             except GrammarError as e:
+                self._report(None)
                 future = Future()
                 future.set_exception(e)
                 return PendingGrammar(kind, future, self.compile_timeout_s)
@@ -117,6 +128,20 @@ class GrammarBackend:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
     def _compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
+        start = time.perf_counter()
+        try:
+            compiled = self._run_compiler(kind, source)
+        except GrammarError:
+            self._report(None)
+            raise
+        self._report(time.perf_counter() - start)
+        return compiled
+
+    def _report(self, seconds: float | None) -> None:
+        if self.on_compile is not None:
+            self.on_compile(seconds)
+
+    def _run_compiler(self, kind: str, source: str) -> xgr.CompiledGrammar:
         try:
             if kind == "json_schema":
                 return self.compiler.compile_json_schema(source, any_whitespace=False)
@@ -125,7 +150,7 @@ class GrammarBackend:
             if kind == "ebnf":
                 return self.compiler.compile_grammar(source)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses for bad input
-            raise GrammarError(f"invalid {kind}: {_XGRAMMAR_LOG_PREFIX.sub('', str(e)).strip()}") from None
+            raise grammar_error(kind, e) from None
         raise GrammarError(f"unknown grammar kind {kind!r}")
 
 

@@ -78,6 +78,10 @@ class Req:
     """The compile this request waits for in the grammar queue."""
     grammar: GrammarMatcher | None = None
     """Its grammar's state once compiled: masks each next token, accepts each sampled one."""
+    output_rollback: int = 0
+    """Output ids a jump-forward replaced since whoever streams the output last read it
+    (re-encoded with the forced text). The reader drops those of them it had already read
+    (at most all it read) and resets this to 0."""
 
     @property
     def seqlen(self) -> int:

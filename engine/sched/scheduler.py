@@ -11,14 +11,16 @@ while N runs; N+1's decode inputs are futures in the FutureMap.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from engine.args import EngineArgs
 from engine.cache.radix_cache import RadixCache
 from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher
+from engine.grammar.jump_forward import JumpForward, decodes_concatenatively, plan_jump_forward
 from engine.sampling.sampler import Sampler
 from engine.sched.batch import ScheduleBatch
 from engine.sched.future_map import FutureMap
@@ -47,9 +49,20 @@ class BatchResult(NamedTuple):
     top_logprobs: list[list[tuple[float, int]]] | None
 
 
+class SchedulerObserver(Protocol):
+    """Hears the per-request and per-batch events that counters cannot carry (the worker
+    turns them into histograms and trace spans)."""
+
+    def on_admit(self, req: Req) -> None:
+        """`req` joins a batch for the first time (not after a retraction or a chunk)."""
+
+    def on_forward(self, mode: str, batch_size: int, seconds: float) -> None:
+        """A forward pass and its sampling took `seconds`; on the forward thread under overlap."""
+
+
 @dataclass
 class SchedulerStats:
-    """Counters the observability layer exports."""
+    """Counters the observability layer exports, and the observer of events, if any."""
 
     num_retractions: int = 0
     retracted_input_tokens: int = 0
@@ -60,6 +73,15 @@ class SchedulerStats:
     cache_query_tokens: int = 0
     generation_tokens: int = 0
     forward_modes: dict[str, int] = field(default_factory=dict)
+    jump_forwards: int = 0
+    jump_forward_tokens: int = 0
+    """Output tokens taken from grammar-forced text: each is a decode pass saved."""
+    observer: SchedulerObserver | None = field(default=None, repr=False, compare=False)
+
+    def counters(self) -> dict[str, Any]:
+        """The plain numbers (a copy), e.g. for a status endpoint."""
+        return {f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
+                for f in fields(self) if f.name != "observer"}
 
 
 class Scheduler:
@@ -96,6 +118,12 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.outputs: list[Req] = []
         self.stats = SchedulerStats()
+        if args.enable_jump_forward and args.disable_radix_cache:
+            raise ValueError("enable_jump_forward needs the radix cache: a jump hands the request's KV to the tree")
+        self.jump_forward = args.enable_jump_forward and grammar_backend is not None
+        if self.jump_forward and not decodes_concatenatively(grammar_backend.tokenizer):
+            logger.warning("jump-forward is off: this tokenizer's pieces do not decode independently")
+            self.jump_forward = False
         if args.disable_overlap_schedule is None:
             self.overlap = self.device.type == "cuda"
         else:
@@ -252,6 +280,8 @@ class Scheduler:
                 req.cached_tokens = len(req.prefix_indices)
                 self.stats.cache_hit_tokens += len(req.prefix_indices)
                 self.stats.cache_query_tokens += len(req.origin_input_ids)
+                if self.stats.observer is not None:
+                    self.stats.observer.on_admit(req)
             req.status = ReqStatus.RUNNING
             self.stats.prefill_tokens += req.extend_input_len
         self.chunked_req = adder.new_chunked_req
@@ -318,7 +348,8 @@ class Scheduler:
             # Penalties, min_new_tokens, seeded sampling and grammars read the output so far
             # on the CPU side; wait for the in-flight batch rather than use a stale history.
             self.resolve_in_flight()
-            decode_reqs = [r for r in decode_reqs if not r.finished]
+            running = {id(r) for r in self.running}  # finished or jumped forward: no longer decoding
+            decode_reqs = [r for r in decode_reqs if id(r) in running]
             if not extend_reqs and not decode_reqs:
                 return None
         runner = self.model_runner
@@ -340,6 +371,7 @@ class Scheduler:
     def run_batch(self, batch: ScheduleBatch) -> BatchResult:
         """Forward and sample. Runs on the forward thread under the overlap loop: it touches
         only the batch's own tensors, the KV pool and the FutureMap."""
+        start = time.perf_counter()
         forward_batch = batch.forward_batch
         forward_batch.input_ids = self.future_map.resolve(forward_batch.input_ids)
         logits = self.model_runner.forward(forward_batch)
@@ -351,7 +383,11 @@ class Scheduler:
         if out.next_token_top_logprobs_val is not None:
             top = [list(zip(v, i)) for v, i in zip(out.next_token_top_logprobs_val.tolist(),
                                                   out.next_token_top_logprobs_idx.tolist())]
-        return BatchResult(out.next_token_ids.tolist(), logprobs, top)
+        result = BatchResult(out.next_token_ids.tolist(), logprobs, top)  # .tolist() waits for the device
+        if self.stats.observer is not None:
+            elapsed = time.perf_counter() - start
+            self.stats.observer.on_forward(batch.forward_mode.name.lower(), len(batch.reqs), elapsed)
+        return result
 
     # ----- results ----------------------------------------------------------------------
 
@@ -374,10 +410,12 @@ class Scheduler:
             if reason is not None:
                 self.tree_cache.cache_finished_req(req)
                 self._finish(req, reason)
-            else:
-                if i < batch.num_extend_reqs:  # share the fresh prefill with later requests now
-                    self.tree_cache.cache_unfinished_req(req)
-                self.outputs.append(req)
+                continue
+            if i < batch.num_extend_reqs:  # share the fresh prefill with later requests now
+                self.tree_cache.cache_unfinished_req(req)
+            if self.jump_forward and req.grammar is not None:
+                self._jump_forward(req)
+            self.outputs.append(req)
 
     def _accept_grammar_token(self, req: Req, token: int) -> FinishReason | None:
         """Advance the matcher; a terminated grammar ends the request, its stop token (the
@@ -388,6 +426,56 @@ class Scheduler:
         if req.grammar.is_terminated():
             return FinishReason("stop", matched=token)
         return None
+
+    def _jump_forward(self, req: Req) -> None:
+        """Take the text the grammar forces now, if any. The request leaves the running batch
+        with its KV handed to the radix tree and returns through the waiting queue as an
+        extend of the forced tokens: one forward pass instead of one per token. Under the
+        overlap loop nothing of it is in flight here: `_prepare` resolved its last batch
+        before building the next, as for every grammar request."""
+        params = req.sampling_params
+        forced = req.grammar.find_jump_forward_string()
+        if not forced or params.logprobs:  # forced tokens have no sampled logprobs to report
+            return
+        plan = plan_jump_forward(self.grammar_backend.tokenizer, req.output_ids, forced)
+        if plan is None:
+            return
+        new_len = len(req.output_ids) - plan.rollback + len(plan.token_ids)
+        if new_len >= params.max_new_tokens or len(req.origin_input_ids) + new_len >= self.context_len:
+            return  # the forced text would end the request: decode up to the limit instead
+        if params.stop and self._forced_text_hits_stop(req, forced):
+            return  # decode it token by token, so that the stop check ends the request
+        if not self._retokenize_grammar(req, plan):
+            return
+        self.tree_cache.cache_finished_req(req)
+        del req.output_ids[len(req.output_ids) - plan.rollback :]
+        req.output_ids += plan.token_ids
+        req.output_rollback = plan.rollback
+        req.status = ReqStatus.WAITING
+        self.running.remove(req)
+        self.waiting_queue.insert(0, req)
+        self.stats.jump_forwards += 1
+        self.stats.jump_forward_tokens += len(plan.token_ids) - plan.rollback
+
+    def _retokenize_grammar(self, req: Req, plan: JumpForward) -> bool:
+        """Move the matcher onto the re-encoded tokens; False (matcher unchanged) if it
+        refuses one, which only a special token inside the forced text could cause."""
+        matcher = req.grammar
+        replaced = req.output_ids[len(req.output_ids) - plan.rollback :]
+        matcher.rollback(plan.rollback)
+        for n, token in enumerate(plan.token_ids):
+            if not matcher.accept_token(token):
+                matcher.rollback(n)
+                for old in replaced:
+                    matcher.accept_token(old)
+                return False
+        return True
+
+    def _forced_text_hits_stop(self, req: Req, forced: str) -> bool:
+        stop = req.sampling_params.stop
+        tail = req.output_ids[-max(len(s) for s in stop) :]
+        text = self.grammar_backend.tokenizer.decode(tail, skip_special_tokens=False) + forced
+        return any(s in text for s in stop)
 
     def _check_finished(self, req: Req) -> FinishReason | None:
         params = req.sampling_params

@@ -2,15 +2,18 @@
 
 It runs apart from the worker so that decoding text never delays a scheduler round. One
 `IncrementalDetokenizer` per live rid holds back broken UTF-8 and anything that could
-still turn into a stop string, so every delta it sends is final.
+still turn into a stop string, so every delta it sends is final. It serves `/metrics` and
+`/healthz` on its metrics port, and adds a detokenize span to each traced request.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from engine.detokenize import IncrementalDetokenizer
 from engine.model.loader import load_tokenizer
+from observability.detokenizer_metrics import DetokenizerMetrics
 from services.ipc import PeerEvent
 from services.process import Service
 from services.protocol import BatchStrOutput, BatchTokenIDOutput, FinishReason, Message
@@ -32,10 +35,19 @@ class Detokenizer(Service):
         self.to_tokenizer = self.connect(settings.tokenizer_port)
         self.decode_status: dict[str, IncrementalDetokenizer] = {}
         """rid → its incremental state, from its first output until it finishes."""
+        self.first_seen: dict[str, float] = {}
+        """rid → when its first output arrived (time.monotonic()); kept only while tracing."""
+        self.metrics = DetokenizerMetrics(self.registry, settings.served_model_name, lambda: len(self.decode_status))
+        self.serve_metrics(settings.detokenizer_metrics_port)
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, BatchTokenIDOutput):
+            start = time.monotonic()
             self.to_tokenizer.send(self.detokenize(msg))
+            end = time.monotonic()
+            self.metrics.observe_batch(end - start)
+            if self.tracing is not None:
+                self.trace(msg, start, end)
         else:
             logger.warning("dropped a %s from %s: not a detokenizer message", type(msg).__name__, msg.sender or "?")
 
@@ -44,29 +56,44 @@ class Detokenizer(Service):
             # The worker's previous life will never finish these rids.
             logger.info("worker restarted; dropped the state of %d request(s)", len(self.decode_status))
             self.decode_status.clear()
+            self.first_seen.clear()
 
     def detokenize(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
+        rollbacks = batch.rollbacks or [0] * len(batch.rids)
         texts = [
-            self.text_delta(rid, ids, reason, stop, skip)
-            for rid, ids, reason, stop, skip in zip(
-                batch.rids, batch.output_ids, batch.finished_reasons, batch.stop, batch.skip_special_tokens
+            self.text_delta(rid, ids, reason, stop, skip, rollback)
+            for rid, ids, reason, stop, skip, rollback in zip(
+                batch.rids, batch.output_ids, batch.finished_reasons, batch.stop, batch.skip_special_tokens, rollbacks
             )
         ]
         return BatchStrOutput(**{name: getattr(batch, name) for name in _PASSED_THROUGH}, output_strs=texts)
 
     def text_delta(
-        self, rid: str, new_ids: list[int], reason: FinishReason | None, stop: list[str], skip_special_tokens: bool
+        self, rid: str, new_ids: list[int], reason: FinishReason | None, stop: list[str], skip_special_tokens: bool,
+        rollback: int = 0,
     ) -> str:
         """The text `new_ids` add to `rid`'s output that is safe to show; all of what is
-        left once it finishes."""
+        left once it finishes. `new_ids` first replace the last `rollback` ids (jump-forward)."""
         if self.tokenizer is None:
             return ""
         state = self.decode_status.get(rid)
         if state is None:
             state = self.decode_status[rid] = IncrementalDetokenizer(self.tokenizer, stop, skip_special_tokens)
+        if rollback:
+            state.rollback(rollback)
         if reason is None:
             return state.add_tokens(new_ids)
         del self.decode_status[rid]
         if isinstance(reason.matched, int) and new_ids:
             new_ids = new_ids[:-1]  # the stop token ended the output; it is not part of its text
         return state.add_tokens(new_ids, finished=True)
+
+    def trace(self, batch: BatchTokenIDOutput, start: float, end: float) -> None:
+        """Remember when each rid first came; a finished one gets its detokenize span, from
+        its first output to its last (the carrier comes with the last)."""
+        contexts = batch.trace_contexts or [{}] * len(batch.rids)
+        for rid, reason, context in zip(batch.rids, batch.finished_reasons, contexts):
+            first = self.first_seen.setdefault(rid, start)
+            if reason is not None:
+                del self.first_seen[rid]
+                self.tracing.record("detokenize", context, first, end, **{"radixserve.rid": rid})

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 from pydantic import ValidationError
 
+from engine.grammar.limits import GrammarError
+from engine.grammar.validate import validate_grammar
 from engine.sampling.sampling_params import SamplingParams
 from services.tokenizer.openai_api import (
     ChatCompletionMessageParam,
@@ -94,6 +96,8 @@ def to_sampling_params(
     max_tokens_cap: int,
     context_len: int,
     vocab_size: int,
+    grammar_max_bytes: int,
+    grammar_max_nesting_depth: int,
 ) -> SamplingParams:
     """Map a request onto the engine's `SamplingParams` and check it, for a prompt of
     `prompt_len` tokens (one call per prompt of a batch: each has its own room).
@@ -104,6 +108,8 @@ def to_sampling_params(
     Omitted, it is the room left in the context (OpenAI's default; /generate keeps the
     engine's default of 128, as SGLang does), up to the cap. Ranges are
     `SamplingParams.verify`'s; its errors come back under the request's own field names.
+    A grammar (json_schema, regex, ebnf, response_format) is checked against the limits
+    and parsed here, so that a bad one is a 400 before the request is queued.
     """
     if isinstance(request, GenerateRequest):
         names, kwargs, requested = _native_kwargs(request)
@@ -127,6 +133,13 @@ def to_sampling_params(
         params.verify(vocab_size)
     except ValueError as exc:
         raise _renamed(str(exc), names, prefix) from None
+    if params.grammar is not None:
+        kind, source = params.grammar
+        try:
+            validate_grammar(kind, source, grammar_max_bytes, grammar_max_nesting_depth)
+        except GrammarError as exc:
+            param = names.get(kind, prefix + kind)
+            raise RequestError(str(exc).replace(kind, param, 1), param=param) from None
     return params
 
 
@@ -152,7 +165,12 @@ def _openai_kwargs(
         "logit_bias": request.logit_bias,
         "seed": request.seed,
         "n": request.n,
+        "regex": request.regex,
+        "ebnf": request.ebnf,
     }
+    if request.response_format is not None:
+        kwargs["json_schema"] = request.response_format.grammar_schema()
+        names["json_schema"] = "response_format"
     requested = request.max_tokens
     if isinstance(request, ChatCompletionRequest):
         kwargs.update(logprobs=request.logprobs, top_logprobs_num=request.top_logprobs)

@@ -5,6 +5,11 @@ detokenizer and control replies from the worker, and routes each output to the r
 group waiting for it. A group is what one HTTP request became (`n` samples of each prompt);
 leaving it early (client gone) aborts its unfinished requests in the worker. A dead or
 restarted peer fails every in-flight group with a 503 instead of leaving it waiting.
+Load shedding happens here too: past `--max-queued-requests` requests waiting for their
+first token a new one gets a 429, and a request unfinished after `--request-timeout`
+seconds is aborted (504) and its KV freed.
+It also times each request as the client sees it (TTFT, inter-token, end to end) and puts
+the current trace context into each request it sends.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +27,8 @@ from typing import TYPE_CHECKING
 import zmq
 import zmq.asyncio
 
+from observability.metrics import RequestTimer, TokenizerMetrics
+from observability.tracing import Tracing
 from services.ipc import AsyncReceiver, PeerEvent, PeerMonitor, Sender, bind_pull, connect_push
 from services.protocol import (
     AbortReq,
@@ -56,6 +64,10 @@ def unavailable(message: str) -> RequestError:
     return RequestError(message, code="service_unavailable", status=503)
 
 
+def overloaded(message: str) -> RequestError:
+    return RequestError(message, code="too_many_requests", status=429)
+
+
 @dataclass(frozen=True)
 class ReqOutput:
     """What one BatchStrOutput brought one request: its text and ids since the previous one."""
@@ -70,20 +82,29 @@ class ReqOutput:
     completion_tokens: int
     cached_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
+    rollback: int = 0
+    """How many ids of the previous outputs `output_ids` replaces (grammar jump-forward)."""
 
 
 @dataclass
 class _Group:
     queue: asyncio.Queue[ReqOutput | RequestError] = field(default_factory=asyncio.Queue)
     unfinished: set[str] = field(default_factory=set)
+    queued: set[str] = field(default_factory=set)
+    """Rids with no output yet: waiting in the worker, compiling a grammar or prefilling."""
 
 
 class TokenizerManager:
     """Owns the sockets; create it inside the running event loop and `start()` it."""
 
-    def __init__(self, settings: Settings, tokenizer: PreTrainedTokenizerBase | None):
+    def __init__(
+        self, settings: Settings, tokenizer: PreTrainedTokenizerBase | None,
+        metrics: TokenizerMetrics | None = None, tracing: Tracing | None = None,
+    ):
         self.settings = settings
         self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.tracing = tracing
         self.epoch = new_epoch()
         self.ctx = zmq.Context()
         self.actx = zmq.asyncio.Context()
@@ -99,6 +120,8 @@ class TokenizerManager:
         """The worker's limits; None until it announces itself (and after it restarts)."""
         self.groups: dict[str, _Group] = {}
         """rid → the group waiting for its outputs, from submission until it finishes."""
+        self.num_queued = 0
+        """Requests submitted that have had no output yet (the sum of the groups' `queued`)."""
         self.control: dict[str, asyncio.Future[Message]] = {}
         self.tasks: list[asyncio.Task] = []
 
@@ -118,16 +141,40 @@ class TokenizerManager:
 
     # ----- state ------------------------------------------------------------------------
 
-    def require_ready(self) -> WorkerReady:
+    def require_ready(self, peers: Sequence[str] = PEERS) -> WorkerReady:
+        """The worker's limits, or a 503 unless it is loaded and every one of `peers` is alive."""
         if self.worker_info is None:
             raise unavailable("the model is still loading; retry when /health answers 200")
-        dead = [p for p in PEERS if not self.monitor.is_alive(p)]
+        dead = [p for p in peers if not self.monitor.is_alive(p)]
         if dead:
             raise unavailable(f"the {' and '.join(dead)} process is not responding; retry later")
+        if not self.to_worker.sock.poll(0, zmq.POLLOUT):
+            # A restarted worker is heard (and announces itself) before this side's
+            # reconnection to it is up; or its queue is full.
+            raise unavailable("not connected to the worker yet, or its queue is full; retry later")
         return self.worker_info
 
     def num_in_flight(self) -> int:
         return len(self.groups)
+
+    def check_capacity(self, num_reqs: int) -> None:
+        """Load shedding (`--max-queued-requests`): refuse, with a 429, `num_reqs` more
+        requests when they would leave more than the limit waiting for their first token.
+        Counted here rather than in the worker so that a stream is refused with a real 429
+        before its response starts."""
+        limit = self.settings.max_queued_requests
+        if limit is None:
+            return
+        if num_reqs > limit:
+            raise RequestError(
+                f"this request fans out into {num_reqs} sequences (prompts × n); at most {limit} may wait at "
+                "once on this server (--max-queued-requests)", param="n",
+            )
+        if self.num_queued + num_reqs > limit:
+            raise overloaded(
+                f"the server is overloaded: {self.num_queued} request(s) are already waiting for their first token "
+                f"(--max-queued-requests {limit}); retry later"
+            )
 
     # ----- requests ---------------------------------------------------------------------
 
@@ -135,13 +182,30 @@ class TokenizerManager:
     def new_rid(prefix: str = "req") -> str:
         return f"{prefix}-{uuid.uuid4().hex}"
 
-    async def generate(self, reqs: Sequence[TokenizedGenerateReqInput]) -> AsyncIterator[ReqOutput]:
+    async def generate(
+        self, reqs: Sequence[TokenizedGenerateReqInput], observed: bool = True
+    ) -> AsyncIterator[ReqOutput]:
         """Submit `reqs` as one group and yield their outputs as they arrive, until all have
-        finished. Raises `RequestError` (503) if a peer dies meanwhile. Leaving the loop
-        early aborts the requests that have not finished."""
+        finished. Raises `RequestError`: 503 if a peer dies meanwhile, 429 past
+        `--max-queued-requests`, 504 past `--request-timeout`. Leaving the loop early aborts
+        the requests that have not finished. `observed=False` (probes) keeps them out of the
+        metrics and traces, and out of load shedding."""
         self.require_ready()
-        group = _Group(unfinished={r.rid for r in reqs})
+        if observed:
+            self.check_capacity(len(reqs))
+        rids = {r.rid for r in reqs}
+        group = _Group(unfinished=set(rids), queued=set(rids))
+        self.num_queued += len(rids)
+        timeout = self.settings.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         index = {r.rid: i for i, r in enumerate(reqs)}
+        metrics = self.metrics if observed else None
+        if observed and self.tracing is not None:
+            context = self.tracing.carrier()
+            for req in reqs:
+                req.trace_context = context
+        now = time.monotonic()
+        timers = {r.rid: RequestTimer(metrics, now) for r in reqs} if metrics else {}
         for req in reqs:
             self.groups[req.rid] = group
         try:
@@ -149,22 +213,50 @@ class TokenizerManager:
                 if not self.to_worker.send(req):
                     raise unavailable("the worker is not accepting requests (not connected, or its queue is full)")
             while group.unfinished:
-                item = await group.queue.get()
+                item = await self._next_output(group, deadline)
                 if isinstance(item, RequestError):
                     raise item
                 if item.finished_reason is not None:
                     group.unfinished.discard(item.rid)
+                if metrics is not None:
+                    self._observe(metrics, timers[item.rid], item)
                 yield dataclasses.replace(item, index=index[item.rid])
         finally:
+            self.num_queued -= len(group.queued)
+            group.queued.clear()
             for rid in index:
                 self.groups.pop(rid, None)
             for rid in group.unfinished:
                 self.to_worker.send(AbortReq(rid=rid))
+            if metrics is not None and group.unfinished:
+                metrics.aborted.inc(len(group.unfinished))  # the client left, or a peer failed
+
+    async def _next_output(self, group: _Group, deadline: float | None) -> ReqOutput | RequestError:
+        if deadline is None:
+            return await group.queue.get()
+        try:
+            return await asyncio.wait_for(group.queue.get(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            timeout = self.settings.request_timeout
+            message = f"the request did not finish within {timeout:g} s (--request-timeout); it was aborted"
+            raise RequestError(message, code="request_timeout", status=504) from None
+
+    @staticmethod
+    def _observe(metrics: TokenizerMetrics, timer: RequestTimer, out: ReqOutput) -> None:
+        now = time.monotonic()
+        timer.tokens(now, len(out.output_ids))
+        reason = out.finished_reason
+        if reason is None:
+            return
+        if reason.type == "abort":
+            metrics.aborted.inc()
+        else:
+            timer.finish(now, out.prompt_tokens, out.completion_tokens)
 
     def abort(self, rid: str) -> int:
         """Abort `rid`, or every request whose rid starts with `rid-` (all choices of one
         response id), or everything when `rid` is empty; returns how many were asked to stop."""
-        rids = [r for r in self.groups if not rid or r == rid or r.startswith(rid + "-")]
+        rids = [r for r in self.groups if not rid or r == rid or (r.startswith(rid + "-") and r[len(rid) + 1:].isdigit())]
         for r in rids:
             self.to_worker.send(AbortReq(rid=r))
         return len(rids)
@@ -172,12 +264,12 @@ class TokenizerManager:
     async def flush_cache(self) -> FlushCacheReqOutput:
         return await self._control(FlushCacheReq(rid=self.new_rid("flush")))
 
-    async def server_info(self) -> dict:
-        reply = await self._control(GetServerInfoReq(rid=self.new_rid("info")))
+    async def server_info(self, check_integrity: bool = False) -> dict:
+        reply = await self._control(GetServerInfoReq(rid=self.new_rid("info"), check_integrity=check_integrity))
         return reply.info
 
     async def _control(self, msg: FlushCacheReq | GetServerInfoReq) -> Message:
-        self.require_ready()
+        self.require_ready(peers=("worker",))  # answered by the worker alone
         future = self.control[msg.rid] = asyncio.get_running_loop().create_future()
         try:
             if not self.to_worker.send(msg):
@@ -194,7 +286,12 @@ class TokenizerManager:
     async def _recv_loop(self, receiver: AsyncReceiver) -> None:
         while True:
             msg = await receiver.recv()
-            if not self.monitor.accept(msg) or isinstance(msg, (Hello, Heartbeat)):
+            accepted = self.monitor.accept(msg)
+            # A peer's restart is acted on before the first message of its new life (its
+            # WorkerReady must not be undone by a restart handled later).
+            for event in self.monitor.poll(check_deaths=False):
+                self._on_peer_event(event)
+            if not accepted or isinstance(msg, (Hello, Heartbeat)):
                 continue
             try:
                 self._handle(msg)
@@ -220,6 +317,9 @@ class TokenizerManager:
             group = self.groups.get(rid)
             if group is None:
                 continue  # its client left, or it belongs to a failed group
+            if rid in group.queued:
+                group.queued.discard(rid)
+                self.num_queued -= 1
             group.queue.put_nowait(ReqOutput(
                 index=0,
                 rid=rid,
@@ -230,6 +330,7 @@ class TokenizerManager:
                 completion_tokens=batch.completion_tokens[i],
                 cached_tokens=batch.cached_tokens[i],
                 logprobs=self._logprobs(batch, i),
+                rollback=batch.rollbacks[i] if batch.rollbacks else 0,
             ))
 
     def _logprobs(self, batch: BatchStrOutput, i: int) -> tuple[TokenLogprob, ...]:
@@ -251,12 +352,19 @@ class TokenizerManager:
         return str(token_id) if self.tokenizer is None else self.tokenizer.decode([token_id])
 
     async def _liveness_loop(self) -> None:
-        """Heartbeats to the worker, and the peer deaths and restarts that fail requests."""
+        """Heartbeats to the worker, and the peer deaths that fail requests."""
+        interval = self.settings.heartbeat_interval
+        last_tick = time.monotonic()
         while True:
             self.to_worker.heartbeat_if_due()
-            for event in self.monitor.poll():
+            now = time.monotonic()
+            # After this event loop stalled (a huge prompt to tokenize), the peers' heartbeats
+            # wait unread in the sockets: let the receive loops drain them before judging.
+            responsive = now - last_tick <= interval
+            last_tick = now
+            for event in self.monitor.poll(check_deaths=responsive):
                 self._on_peer_event(event)
-            await asyncio.sleep(self.settings.heartbeat_interval / 2)
+            await asyncio.sleep(interval / 2)
 
     def _on_peer_event(self, event: PeerEvent) -> None:
         logger.info("peer %s %s (epoch %s)", event.peer, event.kind, event.epoch)
@@ -265,7 +373,8 @@ class TokenizerManager:
                 self.to_worker.hello()
             return
         if event.peer == "worker" and event.kind == "restart":
-            self.worker_info = None  # its new life announces its limits again
+            if self.worker_info is not None and self.worker_info.epoch != event.epoch:
+                self.worker_info = None  # its new life announces its limits again
         verb = "stopped responding" if event.kind == "dead" else "restarted"
         self.fail_all(unavailable(f"the {event.peer} process {verb}; the request was lost, retry it"))
 
@@ -283,10 +392,11 @@ class TokenizerManager:
 
 @contextlib.asynccontextmanager
 async def running_manager(
-    settings: Settings, tokenizer: PreTrainedTokenizerBase | None
+    settings: Settings, tokenizer: PreTrainedTokenizerBase | None,
+    metrics: TokenizerMetrics | None = None, tracing: Tracing | None = None,
 ) -> AsyncIterator[TokenizerManager]:
     """A started manager, closed (tasks cancelled, sockets shut) on exit."""
-    manager = TokenizerManager(settings, tokenizer)
+    manager = TokenizerManager(settings, tokenizer, metrics, tracing)
     manager.start()
     try:
         yield manager

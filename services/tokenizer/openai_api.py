@@ -85,12 +85,35 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class ResponseFormat(_Request):
-    """Kept as sent: the grammar backend turns it into a constraint."""
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`: the schema under `schema`, with a name."""
 
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """`text` (no constraint), `json_object` (any JSON object) or `json_schema`."""
+
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_when_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object: {"name": ..., "schema": {...}}')
+        return self
+
+    def grammar_schema(self) -> dict[str, Any] | None:
+        """The JSON schema this format constrains output to, None for plain text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.schema_
+        return None
 
 
 class SamplingRequest(_Request):
@@ -112,6 +135,10 @@ class SamplingRequest(_Request):
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     # Extras beyond OpenAI, with vLLM's and SGLang's names.
+    regex: str | None = None
+    """Constrain the output to this regular expression (xgrammar's syntax)."""
+    ebnf: str | None = None
+    """Constrain the output to this EBNF grammar (xgrammar's GBNF dialect, `root` first)."""
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.sampling.sampling_params import MAX_SEED, SamplingParams
 from observability.metrics import TokenizerMetrics
+from observability.tracing import Tracing, maybe_span, setup_tracing
 from services.protocol import TokenizedGenerateReqInput
 from services.settings import Settings
 from services.tokenizer.adapters import (
@@ -64,6 +65,10 @@ logger = logging.getLogger(__name__)
 MAX_REQUEST_BODY_BYTES = 16 * 2**20
 """Larger bodies get a 413 before they are read: a 128k-token prompt is well under 1 MB."""
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+MAX_SEQUENCES_PER_REQUEST = 1024
+"""Prompts × n of one HTTP request. Past it the request is refused (400) before it is
+tokenized or fanned out, so one body cannot become millions of requests (OpenAI caps n at
+128)."""
 OPEN_PATHS = ("/health", "/healthz", "/health_generate", "/metrics")
 """Probes and scrapers carry no API key."""
 
@@ -136,6 +141,32 @@ class RequestMetrics:
         await self.app(scope, receive, counting_send)
 
 
+class TraceRequests:
+    """One server span per API request (not probes or scrapes): the root of the request's
+    trace, or a child of the client's `traceparent`. Handlers run inside it, so what they
+    send to the worker carries its context."""
+
+    def __init__(self, app: ASGIApp, tracing: Tracing, routes: frozenset[str]):
+        self.app = app
+        self.tracing = tracing
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in self.routes else "other"
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        with self.tracing.server_span(f"{scope['method']} {route}", headers) as span:
+            span.set_attribute("http.route", route)
+
+            async def traced_send(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    span.set_attribute("http.response.status_code", message["status"])
+                await send(message)
+
+            await self.app(scope, receive, traced_send)
+
+
 class ApiKeyAuth:
     """`Authorization: Bearer <api_key>` on every path but the probes'."""
 
@@ -166,6 +197,14 @@ async def parse_body(request: Request, model: type[RequestT]) -> RequestT:
             status=415,
         )
     return model.model_validate_json(await request.body())
+
+
+def check_fan_out(num_sequences: int, param: str) -> None:
+    if num_sequences > MAX_SEQUENCES_PER_REQUEST:
+        raise RequestError(
+            f"this request asks for {num_sequences} sequences (prompts × n); at most {MAX_SEQUENCES_PER_REQUEST} "
+            "are served per request", param=param,
+        )
 
 
 def fan_out(
@@ -207,7 +246,9 @@ class ChoiceAccumulator:
     def add(self, out: ReqOutput) -> ChoiceOutput | None:
         """The finished choice when `out` is its last output, else None."""
         self.texts.setdefault(out.index, []).append(out.text)
-        self.ids.setdefault(out.index, []).extend(out.output_ids)
+        ids = self.ids.setdefault(out.index, [])
+        del ids[len(ids) - out.rollback :]
+        ids.extend(out.output_ids)
         self.logprobs.setdefault(out.index, []).extend(out.logprobs)
         if out.finished_reason is None:
             return None
@@ -294,10 +335,15 @@ async def _serve_openai(request: Request, endpoint: _OpenAIEndpoint) -> Response
     body = await parse_body(request, endpoint.request_model)
     check_model(body, state.settings.served_model_name)
     info = state.manager.require_ready()
-    prompts = endpoint.prompts(body, state.tokenizer, info.vocab_size)
+    num_prompts = len(body.prompt) if isinstance(body, CompletionRequest) else 1
+    check_fan_out(num_prompts, "prompt")
+    check_fan_out(num_prompts * body.n, "n")
+    with maybe_span(state.tracing, "tokenize"):
+        prompts = endpoint.prompts(body, state.tokenizer, info.vocab_size)
     params = [state.sampling_params(body, len(ids)) for ids in prompts]
     header = ResponseHeader.new(state.settings.served_model_name, endpoint.id_prefix)
     reqs = fan_out(header.id, prompts, params, body.n, body.stream, body.cache_salt, body.priority)
+    state.manager.check_capacity(len(reqs))  # before a stream's 200, so that shedding is a real 429
     want_logprobs = params[0].logprobs
     if body.stream:
         stream = endpoint.stream_cls(header, n=body.n, include_usage=body.include_usage)
@@ -373,6 +419,7 @@ class _AppState:
     tokenizer: PreTrainedTokenizerBase | None
     manager: TokenizerManager
     started: int
+    tracing: Tracing | None
 
     def sampling_params(self, body: ChatCompletionRequest | CompletionRequest | GenerateRequest,
                         prompt_len: int) -> SamplingParams:
@@ -380,6 +427,8 @@ class _AppState:
         return to_sampling_params(
             body, prompt_len, max_tokens_cap=self.settings.max_tokens_cap,
             context_len=info.context_length, vocab_size=info.vocab_size,
+            grammar_max_bytes=self.settings.grammar_max_bytes,
+            grammar_max_nesting_depth=self.settings.grammar_max_nesting_depth,
         )
 
 
@@ -388,16 +437,22 @@ def create_app(
 ) -> FastAPI:
     """The ASGI app; its TokenizerManager (and so its sockets) lives as long as the app runs."""
 
+    registry = CollectorRegistry()
+    metrics = TokenizerMetrics(registry, settings.served_model_name)
+    tracing = setup_tracing("tokenizer")
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with running_manager(settings, tokenizer) as manager:
-            app.state.radixserve = _AppState(settings, tokenizer, manager, int(time.time()))
-            yield
+        try:
+            async with running_manager(settings, tokenizer, metrics, tracing) as manager:
+                app.state.radixserve = _AppState(settings, tokenizer, manager, int(time.time()), tracing)
+                yield
+        finally:
+            if tracing is not None:
+                tracing.shutdown()
 
     app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     _add_error_handlers(app)
-    registry = CollectorRegistry()
-    metrics = TokenizerMetrics(registry, settings.served_model_name)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyAuth, api_key=settings.api_key)
@@ -424,10 +479,14 @@ def create_app(
         st = state(request)
         body = await parse_body(request, GenerateRequest)
         info = st.manager.require_ready()
-        prompts = tokenize_prompts(body, st.tokenizer, info.vocab_size)
+        check_fan_out(len(body.prompts), body.prompt_field)
+        with maybe_span(st.tracing, "tokenize"):
+            prompts = tokenize_prompts(body, st.tokenizer, info.vocab_size)
         params = [st.sampling_params(body, len(ids)) for ids in prompts]
         n = params[0].n
+        check_fan_out(len(prompts) * n, "sampling_params.n")
         reqs = fan_out(st.manager.new_rid("gen"), prompts, params, n, body.stream)
+        st.manager.check_capacity(len(reqs))
         want_logprobs = params[0].logprobs
         if body.stream:
             return StreamingResponse(_generate_events(st.manager, reqs, want_logprobs), media_type="text/event-stream")
@@ -474,7 +533,7 @@ def create_app(
         )
 
         async def run() -> None:
-            async with aclosing(st.manager.generate([probe])) as outputs:
+            async with aclosing(st.manager.generate([probe], observed=False)) as outputs:
                 async for _ in outputs:
                     pass
 
@@ -502,10 +561,15 @@ def create_app(
     @app.get("/get_server_info")
     async def get_server_info(request: Request) -> dict[str, Any]:
         """The settings (never the API key) and the worker's live state; the worker's
-        values win where both have one (the KV size it actually allocated)."""
+        values win where both have one (the KV size it actually allocated).
+        `?check_integrity=true` adds `radix_integrity` ("ok", "failed: ...", or "skipped"
+        while requests run): the radix tree's full check, a debugging aid."""
         st = state(request)
+        check = request.query_params.get("check_integrity", "").lower() in ("1", "true", "yes")
         settings = {k: v for k, v in dataclasses.asdict(st.settings).items() if k != "api_key"}
-        return {**settings, **await st.manager.server_info(), "num_in_flight_requests": st.manager.num_in_flight()}
+        info = await st.manager.server_info(check_integrity=check)
+        return {**settings, **info, "num_in_flight_requests": st.manager.num_in_flight(),
+                "num_queued_requests": st.manager.num_queued}
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
@@ -523,6 +587,8 @@ def create_app(
 
     routes = frozenset(route.path for route in app.routes)
     app.add_middleware(RequestMetrics, metrics=metrics, routes=routes)
+    if tracing is not None:
+        app.add_middleware(TraceRequests, tracing=tracing, routes=routes)
     return app
 
 

@@ -2,20 +2,24 @@
 
 Requests arrive from the tokenizer already tokenized; each scheduler round's new tokens
 go to the detokenizer as one `BatchTokenIDOutput`, and control replies (ready, flush,
-server info) go straight back to the tokenizer on the control socket.
+server info) go straight back to the tokenizer on the control socket. Once the model is
+loaded the worker serves `/metrics` and `/healthz` on its metrics port, and a traced
+request gets its queue-wait, prefill and decode spans when it finishes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
-from typing import Any
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import zmq
 
 from engine.api import Engine
 from engine.sched.req import FinishReason, Req
+from observability.worker_metrics import WorkerMetrics, WorkerSample
 from services.ipc import PeerEvent
 from services.process import Service
 from services.protocol import (
@@ -33,6 +37,20 @@ from services.settings import Settings
 
 logger = logging.getLogger(__name__)
 
+METRICS_SAMPLE_INTERVAL_S = 0.25
+"""How often the loop copies the scheduler's counters for scrapes: fresh, and cheap."""
+
+
+class _Entry(NamedTuple):
+    """One request's column entry in an output batch."""
+
+    req: Req
+    sent: int
+    """Output ids the detokenizer has seen."""
+    rollback: int
+    """How many of those a jump-forward replaced: the entry's ids start at `sent - rollback`."""
+    trace_context: dict[str, str]
+
 
 @dataclass
 class _ReqState:
@@ -42,6 +60,11 @@ class _ReqState:
     """The tokenizer life that sent it: a restarted tokenizer has no client for it."""
     sent: int = 0
     """Output ids already sent to the detokenizer."""
+    trace_context: dict[str, str] = field(default_factory=dict)
+    arrived: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
+    """First admission into a batch (time.monotonic(), as all times here)."""
+    first_token: float | None = None
 
 
 class Worker(Service):
@@ -68,6 +91,15 @@ class Worker(Service):
         """Requests refused at submission, reported with the next output batch."""
         self.ready_pending = True
         """WorkerReady is owed to the tokenizer: not yet delivered, or the tokenizer restarted."""
+        self.metrics = WorkerMetrics(self.registry, settings.served_model_name,
+                                     page_size=self.scheduler.tree_cache.page_size)
+        self.scheduler.stats.observer = self
+        if self.scheduler.grammar_backend is not None:
+            self.scheduler.grammar_backend.on_compile = self.metrics.observe_grammar_compile
+        self.metrics.publish(self.sample())
+        self.next_sample = 0.0
+        # Only now: a startupProbe on /healthz must not pass before the model is loaded.
+        self.serve_metrics(settings.worker_metrics_port)
 
     # ----- the loop hooks ---------------------------------------------------------------
 
@@ -77,15 +109,22 @@ class Worker(Service):
     def step(self) -> None:
         """One scheduler round (which also collects aborts finished outside it), then one
         output message for everything that advanced, finished or was rejected."""
-        entries = [(req, 0) for req in self.rejected]
+        entries = [_Entry(req, 0, 0, {}) for req in self.rejected]
         self.rejected = []
         # Under the overlap loop a req can advance and then be retracted-and-aborted in one round.
-        for req in {id(r): r for r in self.scheduler.step()}.values():
+        outputs = {id(r): r for r in self.scheduler.step()}.values()
+        now = time.monotonic()
+        for req in outputs:
             state = self.live[req.rid]
-            entries.append((req, state.sent))
+            if state.first_token is None and req.output_ids:
+                state.first_token = now
+            rollback, req.output_rollback = min(req.output_rollback, state.sent), 0
+            entries.append(_Entry(req, state.sent, rollback, state.trace_context if req.finished else {}))
             state.sent = len(req.output_ids)
             if req.finished:
                 del self.live[req.rid]
+                if self.tracing is not None:
+                    self.trace_finished(req, state, now)
         if entries:
             self.send_batch_output(entries)
 
@@ -93,6 +132,20 @@ class Worker(Service):
         if self.ready_pending:
             self.send_ready()
         super().run_once()
+        if self.last_turn >= self.next_sample:
+            self.metrics.publish(self.sample())
+            self.next_sample = self.last_turn + METRICS_SAMPLE_INTERVAL_S
+
+    # ----- what the scheduler tells its observer ----------------------------------------
+
+    def on_admit(self, req: Req) -> None:
+        state = self.live.get(req.rid)
+        if state is not None:
+            state.admitted = time.monotonic()
+            self.metrics.queue_time.observe(state.admitted - state.arrived)
+
+    def on_forward(self, mode: str, batch_size: int, seconds: float) -> None:
+        self.metrics.observe_forward(mode, batch_size, seconds)
 
     def on_peer_event(self, event: PeerEvent) -> None:
         if event.peer != "tokenizer" or event.kind == "dead":
@@ -116,7 +169,10 @@ class Worker(Service):
         elif isinstance(msg, FlushCacheReq):
             self.to_tokenizer.send(self.flush_cache(msg.rid))
         elif isinstance(msg, GetServerInfoReq):
-            self.to_tokenizer.send(GetServerInfoReqOutput(info=self.server_info(), rid=msg.rid))
+            info = self.server_info()
+            if msg.check_integrity:
+                info["radix_integrity"] = self.check_integrity()
+            self.to_tokenizer.send(GetServerInfoReqOutput(info=info, rid=msg.rid))
         else:
             logger.warning("dropped a %s from %s: not a worker message", type(msg).__name__, msg.sender or "?")
 
@@ -131,6 +187,7 @@ class Worker(Service):
             priority=msg.priority,
             routing_key=msg.routing_key,
         )
+        state = _ReqState(msg.epoch, trace_context=msg.trace_context)
         try:
             if msg.rid in self.live:
                 raise ValueError(f"request id {msg.rid!r} is already in use")
@@ -140,13 +197,14 @@ class Worker(Service):
             self.rejected.append(req)
             logger.info("rejected request %s: %s", msg.rid, e)
             return
-        self.live[msg.rid] = _ReqState(msg.epoch)
+        self.live[msg.rid] = state
 
-    def send_batch_output(self, entries: list[tuple[Req, int]]) -> None:
-        """One column entry per (req, start): its output ids from `start` on, which are the
-        ids the detokenizer has not seen yet."""
-        want_logprobs = any(req.sampling_params.logprobs for req, _ in entries)
-        want_top = any(req.sampling_params.top_logprobs_num for req, _ in entries)
+    def send_batch_output(self, entries: list[_Entry]) -> None:
+        """One column entry per request: the output ids the detokenizer has not seen yet, or
+        that replace ids a jump-forward rolled back (with the count in `rollbacks`)."""
+        want_logprobs = any(e.req.sampling_params.logprobs for e in entries)
+        want_top = any(e.req.sampling_params.top_logprobs_num for e in entries)
+        contexts = [e.trace_context for e in entries]
         out = BatchTokenIDOutput(
             rids=[], output_ids=[], finished_reasons=[], prompt_tokens=[], completion_tokens=[],
             cached_tokens=[], skip_special_tokens=[], stop=[],
@@ -154,7 +212,12 @@ class Worker(Service):
             output_top_logprobs_val=[] if want_top else None,
             output_top_logprobs_idx=[] if want_top else None,
         )
-        for req, start in entries:
+        if any(contexts):
+            out.trace_contexts = contexts
+        if any(e.rollback for e in entries):
+            out.rollbacks = [e.rollback for e in entries]
+        for req, sent, rollback, _ in entries:
+            start = sent - rollback
             params = req.sampling_params
             out.rids.append(req.rid)
             out.output_ids.append(req.output_ids[start:])
@@ -173,6 +236,27 @@ class Worker(Service):
                 out.output_top_logprobs_val.append([[lp for lp, _ in entry] for entry in top])
                 out.output_top_logprobs_idx.append([[tid for _, tid in entry] for entry in top])
         self.to_detokenizer.send(out)
+
+    def trace_finished(self, req: Req, state: _ReqState, now: float) -> None:
+        """The request's worker spans, from the times kept while it ran: queue wait until
+        its first admission, prefill until its first token, decode until now."""
+        carrier, reason = state.trace_context, req.finished_reason
+        error = (reason.message or "aborted") if reason.type == "abort" else None
+        attributes = {"radixserve.rid": req.rid}
+        if state.admitted is None:
+            self.tracing.record("queue_wait", carrier, state.arrived, now, error, **attributes)
+            return
+        self.tracing.record("queue_wait", carrier, state.arrived, state.admitted, **attributes)
+        first_token = state.first_token or now
+        self.tracing.record(
+            "prefill", carrier, state.admitted, first_token, None if state.first_token else error, **attributes,
+            **{"radixserve.prompt_tokens": len(req.origin_input_ids), "radixserve.cached_tokens": req.cached_tokens},
+        )
+        if state.first_token is not None:
+            self.tracing.record(
+                "decode", carrier, first_token, now, error, **attributes,
+                **{"radixserve.completion_tokens": len(req.output_ids), "radixserve.retractions": req.num_retractions},
+            )
 
     # ----- control ----------------------------------------------------------------------
 
@@ -225,8 +309,46 @@ class Worker(Service):
             "num_running_reqs": self.num_running(),
             "num_waiting_reqs": len(sched.waiting_queue),
             "new_token_ratio": sched.ratio.new_token_ratio,
-            "scheduler_stats": dataclasses.asdict(sched.stats),
+            "scheduler_stats": sched.stats.counters(),
         }
+
+    def check_integrity(self) -> str:
+        """The radix tree's integrity check (every KV slot accounted for exactly once, the
+        size ledgers and the evictable set right): "ok", what is wrong, or "skipped" while
+        requests hold KV (their slots are mid-flight under the overlap loop)."""
+        sched = self.scheduler
+        if sched.has_work():
+            return f"skipped: {self.num_running()} running and {len(sched.waiting_queue)} waiting request(s)"
+        try:
+            sched.tree_cache.check_integrity()
+        except AssertionError as e:
+            logger.error("radix tree integrity check failed: %s", e)
+            return f"failed: {e}"
+        return "ok"
+
+    def sample(self) -> WorkerSample:
+        """The scheduler's counters and sizes now, for the metrics (taken between steps)."""
+        sched, tree = self.scheduler, self.scheduler.tree_cache
+        stats = sched.stats
+        return WorkerSample(
+            time=time.monotonic(),
+            cache_hit_tokens=stats.cache_hit_tokens,
+            cache_query_tokens=stats.cache_query_tokens,
+            prompt_tokens=stats.prefill_tokens,
+            generation_tokens=stats.generation_tokens,
+            retracted_requests=stats.num_retractions,
+            retracted_input_tokens=stats.retracted_input_tokens,
+            retracted_output_tokens=stats.retracted_output_tokens,
+            evicted_tokens=tree.evicted_tokens,
+            new_token_ratio=sched.ratio.new_token_ratio,
+            evictable_tokens=tree.evictable_size(),
+            protected_tokens=tree.protected_size(),
+            available_tokens=tree.token_to_kv_pool_allocator.available_size(),
+            total_tokens=sched.max_total_tokens,
+            num_running=self.num_running(),
+            num_waiting=len(sched.waiting_queue),
+            num_grammar_queue=len(sched.grammar_queue),
+        )
 
     def num_running(self) -> int:
         """Running requests, counting one whose prefill is still being chunked."""

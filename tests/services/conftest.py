@@ -15,7 +15,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import httpx2
 import pytest
 import torch
 import zmq
@@ -65,12 +67,30 @@ def tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
     return load_tokenizer(str(tiny_llama_dir))
 
 
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll `condition` until it is truthy (its value is returned) or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
+        time.sleep(interval)
+    return result
+
+
+def http_status(url: str) -> int | None:
+    """The status of a GET, or None while nothing answers."""
+    try:
+        return httpx2.get(url, timeout=2).status_code
+    except httpx2.TransportError:
+        return None
+
+
 class ServiceLauncher:
     """Starts `python -m services.<role>` processes with their logs in one folder, and stops
     whatever is still running at teardown."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, heartbeat_interval: float = HEARTBEAT_INTERVAL):
         self.log_dir = log_dir
+        self.heartbeat_interval = heartbeat_interval
         self.procs: dict[str, subprocess.Popen] = {}
 
     @staticmethod
@@ -83,7 +103,7 @@ class ServiceLauncher:
     def start(self, role: str, flags: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"{role}.log", "wb") as log:
             self.procs[role] = subprocess.Popen(
-                [sys.executable, "-m", f"services.{role}", *flags, "--heartbeat-interval", str(HEARTBEAT_INTERVAL)],
+                [sys.executable, "-m", f"services.{role}", *flags, "--heartbeat-interval", str(self.heartbeat_interval)],
                 cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         return self.procs[role]

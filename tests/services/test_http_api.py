@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import pytest
 from engine.api import Engine
 from services.tokenizer.adapters import apply_chat_template
 from services.tokenizer.openai_api import ChatCompletionMessageParam
-from tests.services.conftest import TINY_CONTEXT_LENGTH, ServiceLauncher
+from tests.services.conftest import TINY_CONTEXT_LENGTH, ServiceLauncher, http_status, wait_until
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
@@ -46,25 +45,10 @@ def base_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         launcher.start(role, flags)
     url = f"http://127.0.0.1:{ports['port']}"
     try:
-        wait_until(lambda: _status(url + "/health") == 200, 120, "/health 200")
+        wait_until(lambda: http_status(url + "/health") == 200, 120, "/health 200")
         yield url
     finally:
         launcher.stop_all()
-
-
-def _status(url: str) -> int | None:
-    try:
-        return httpx2.get(url, timeout=2).status_code
-    except httpx2.TransportError:
-        return None
-
-
-def wait_until(condition: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return result
 
 
 @pytest.fixture(scope="session")

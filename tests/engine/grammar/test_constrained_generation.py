@@ -3,81 +3,18 @@
 import json
 import re
 
+import jsonschema
 import pytest
 import xgrammar as xgr
 
 from engine.api import Engine
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import Req
+from tests.grammar_schemas import SCHEMAS
 
-POINT = {
-    "type": "object",
-    "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}, "y": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["x", "y"],
-}
-SCHEMAS = {
-    "nested object": {
-        "type": "object",
-        "properties": {
-            "name": {"type": "string", "maxLength": 12},
-            "address": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string", "maxLength": 12},
-                    "zip": {"type": "integer", "minimum": 10000, "maximum": 99999},
-                },
-                "required": ["city", "zip"],
-            },
-        },
-        "required": ["name", "address"],
-    },
-    "array with min/max items": {
-        "type": "object",
-        "properties": {"colors": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 2, "maxItems": 3}},
-        "required": ["colors"],
-    },
-    "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
-    "integer and number bounds": {
-        "type": "object",
-        "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120}, "score": {"type": "number", "minimum": 0, "maximum": 10}},
-        "required": ["age", "score"],
-    },
-    "optional field": {
-        "type": "object",
-        "properties": {"title": {"type": "string", "maxLength": 10}, "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
-        "required": ["title"],
-    },
-    "$defs and $ref": {
-        "$defs": {"point": POINT},
-        "type": "object",
-        "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
-        "required": ["a", "b"],
-    },
-    "anyOf": {
-        "type": "object",
-        "properties": {"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 100}, {"type": "boolean"}]}},
-        "required": ["v"],
-    },
-    "string maxLength": {"type": "object", "properties": {"word": {"type": "string", "maxLength": 5}}, "required": ["word"]},
-    "top-level array": {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 1, "maxItems": 4},
-    "boolean and nested enum": {
-        "type": "object",
-        "properties": {"ok": {"type": "boolean"}, "level": {"type": "object", "properties": {"name": {"enum": ["low", "high"]}}, "required": ["name"]}},
-        "required": ["ok", "level"],
-    },
-}
-PROMPTS = {
-    "nested object": "Describe a person with an address as JSON.",
-    "array with min/max items": "List some colors as JSON.",
-    "enum": "Pick a color as JSON.",
-    "integer and number bounds": "Give a person's age and test score as JSON.",
-    "optional field": "A book as JSON.",
-    "$defs and $ref": "Two points as JSON.",
-    "anyOf": "A value as JSON.",
-    "string maxLength": "One short word as JSON.",
-    "top-level array": "A few digits as a JSON array.",
-    "boolean and nested enum": "A status as JSON.",
-}
+PROMPTS = {name: prompt for name, (prompt, _) in SCHEMAS.items()}
+SCHEMA = {name: schema for name, (_, schema) in SCHEMAS.items()}
+
 ARITHMETIC = """root ::= expr
 expr ::= num op num | "(" num op num ")" op num
 num ::= [1-9] | [1-9] [0-9]
@@ -92,45 +29,13 @@ def engine():
         yield engine
 
 
-def validate(instance, schema: dict, root: dict) -> None:
-    """The subset of JSON Schema these tests use (jsonschema is not installed here)."""
-    if "$ref" in schema:
-        schema = root["$defs"][schema["$ref"].removeprefix("#/$defs/")]
-    if "anyOf" in schema:
-        errors = []
-        for option in schema["anyOf"]:
-            try:
-                return validate(instance, option, root)
-            except AssertionError as e:
-                errors.append(e)
-        raise AssertionError(f"{instance!r} matches no anyOf option: {errors}")
-    if "enum" in schema:
-        assert instance in schema["enum"]
-    kind = schema.get("type")
-    types = {"object": dict, "array": list, "string": str, "boolean": bool, "integer": int, "number": (int, float)}
-    if kind is not None:
-        assert isinstance(instance, types[kind]) and (kind == "boolean" or not isinstance(instance, bool)), instance
-    if kind == "object":
-        assert set(schema.get("required", ())) <= set(instance) <= set(schema["properties"]), instance
-        for key, value in instance.items():
-            validate(value, schema["properties"][key], root)
-    if kind == "array":
-        assert schema.get("minItems", 0) <= len(instance) <= schema.get("maxItems", len(instance))
-        for item in instance:
-            validate(item, schema["items"], root)
-    if kind == "string":
-        assert len(instance) <= schema.get("maxLength", len(instance))
-    if kind in ("integer", "number"):
-        assert schema.get("minimum", instance) <= instance <= schema.get("maximum", instance)
-
-
 def test_json_schemas_give_valid_json_that_stops(engine):
-    names = list(SCHEMAS)
-    params = [{**GREEDY, "json_schema": SCHEMAS[n] if i % 2 else json.dumps(SCHEMAS[n])} for i, n in enumerate(names)]
+    names = list(SCHEMA)
+    params = [{**GREEDY, "json_schema": SCHEMA[n] if i % 2 else json.dumps(SCHEMA[n])} for i, n in enumerate(names)]
     results = engine.generate([PROMPTS[n] for n in names], params)
     for name, result in zip(names, results):
         assert result["meta"]["finish_reason"]["type"] == "stop", (name, result)
-        validate(json.loads(result["text"]), SCHEMAS[name], SCHEMAS[name])
+        jsonschema.validate(json.loads(result["text"]), SCHEMA[name])
 
 
 def test_regex_output_fullmatches(engine):
@@ -152,18 +57,18 @@ def test_ebnf_output_is_accepted_by_the_grammar(engine):
 def test_grammar_and_plain_requests_in_one_batch_are_both_correct(engine):
     plain = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
     alone = engine.generate("The three primary colors are", plain)[0]
-    schema = SCHEMAS["enum"]
+    schema = SCHEMA["enum"]
     mixed = engine.generate(
         ["The three primary colors are", PROMPTS["enum"]], [plain, {**GREEDY, "json_schema": schema}]
     )
     assert mixed[0]["output_ids"] == alone["output_ids"]
-    validate(json.loads(mixed[1]["text"]), schema, schema)
+    jsonschema.validate(json.loads(mixed[1]["text"]), schema)
 
 
 def test_overlap_and_normal_loops_give_the_same_constrained_outputs(engine):
     names = ["nested object", "$defs and $ref", "top-level array"]
     prompts = [PROMPTS[n] for n in names] + ["Write a small sum:"]
-    params = [{**GREEDY, "json_schema": SCHEMAS[n]} for n in names] + [{**GREEDY, "ebnf": ARITHMETIC}]
+    params = [{**GREEDY, "json_schema": SCHEMA[n]} for n in names] + [{**GREEDY, "ebnf": ARITHMETIC}]
     normal = engine.generate(prompts, params)
     with Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=False) as overlap_engine:
         assert overlap_engine.scheduler.overlap

@@ -27,7 +27,8 @@ MODEL = "smollm2"
 CONTEXT_LEN = 64
 MAX_TOKENS_CAP = 32
 VOCAB = 49152
-LIMITS = {"max_tokens_cap": MAX_TOKENS_CAP, "context_len": CONTEXT_LEN, "vocab_size": VOCAB}
+GRAMMAR_LIMITS = {"grammar_max_bytes": 4096, "grammar_max_nesting_depth": 8}
+LIMITS = {"max_tokens_cap": MAX_TOKENS_CAP, "context_len": CONTEXT_LEN, "vocab_size": VOCAB, **GRAMMAR_LIMITS}
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -107,6 +108,30 @@ BAD_INPUT = [
     ("generate max_new_tokens a string", GENERATE, {"text": "a", "sampling_params": {"max_new_tokens": "9"}}, 400,
      "sampling_params.max_new_tokens"),
     ("generate input id beyond the vocabulary", GENERATE, {"input_ids": [[1], [VOCAB]]}, 400, "input_ids"),
+    ("response_format of an unknown type", CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400,
+     "response_format.type"),
+    ("json_schema format without its schema", CHAT, {"messages": USER, "response_format": {"type": "json_schema"}},
+     400, "response_format"),
+    ("json_schema format with a schema that is not an object", CHAT,
+     {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "int"}}},
+     400, "response_format.json_schema.schema"),
+    ("invalid json schema", CHAT,
+     {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     400, "response_format"),
+    ("json schema nested beyond the limit", CHAT,
+     {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": json.loads(
+         '{"type": "array", "items": ' * 9 + '{"type": "integer"}' + "}" * 9)}}}, 400, "response_format"),
+    ("invalid regex", COMPLETION, {"prompt": "hi", "regex": "[a-z"}, 400, "regex"),
+    ("regex with a lookahead", COMPLETION, {"prompt": "hi", "regex": "a(?=b)"}, 400, "regex"),
+    ("ebnf with an undefined rule", CHAT, {"messages": USER, "ebnf": "root ::= foo"}, 400, "ebnf"),
+    ("regex and response_format together", CHAT,
+     {"messages": USER, "regex": "a+", "response_format": {"type": "json_object"}}, 400, None),
+    ("generate invalid json schema", GENERATE, {"text": "a", "sampling_params": {"json_schema": '{"type": 5}'}},
+     400, "sampling_params.json_schema"),
+    ("generate schema that is not JSON", GENERATE, {"text": "a", "sampling_params": {"json_schema": "{oops"}},
+     400, "sampling_params.json_schema"),
+    ("generate grammar over the size limit", GENERATE,
+     {"text": "a", "sampling_params": {"regex": "a" * 5000}}, 400, "sampling_params.regex"),
 ]
 
 
@@ -193,10 +218,28 @@ def test_every_chat_field_maps_to_its_native_name():
         ignore_eos=True,
         stop_token_ids=[2],
         skip_special_tokens=False,
+        json_schema='{"type": "object"}',
     )
     # Not sampling parameters: the service reads them from the request.
     assert (request.cache_salt, request.priority) == ("tenant-a", 4)
-    assert request.response_format.json_schema["schema"] == {"type": "object"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "grammar"),
+    [
+        ({"response_format": {"type": "json_object"}}, ("json_schema", '{"type": "object"}')),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
+         ("json_schema", '{"type": "integer"}')),
+        ({"response_format": {"type": "text"}}, None),
+        ({"regex": "[a-z]+"}, ("regex", "[a-z]+")),
+        ({"ebnf": 'root ::= "yes" | "no"'}, ("ebnf", 'root ::= "yes" | "no"')),
+    ],
+    ids=["json_object", "json_schema", "text", "regex", "ebnf"],
+)
+def test_response_format_and_grammar_extras_become_one_grammar(fields, grammar):
+    for model, body in ((CHAT, {"messages": USER}), (COMPLETION, {"prompt": "hi"})):
+        params = to_sampling_params(model.model_validate({**body, **fields}), 1, **LIMITS)
+        assert params.grammar == grammar
 
 
 def test_unset_fields_keep_the_engine_defaults_and_max_tokens_fills_the_context_up_to_the_cap():
@@ -230,7 +273,7 @@ def test_generate_takes_native_names_and_logprob_flags_beside_them():
         max_new_tokens=8, min_new_tokens=1, temperature=0, stop=["x"], logprobs=True, top_logprobs_num=2
     )
     default = GenerateRequest.model_validate({"input_ids": [1, 2]})
-    assert to_sampling_params(default, 2, max_tokens_cap=4096, context_len=2048, vocab_size=VOCAB).max_new_tokens == 128
+    assert to_sampling_params(default, 2, max_tokens_cap=4096, context_len=2048, vocab_size=VOCAB, **GRAMMAR_LIMITS).max_new_tokens == 128
 
 
 @pytest.mark.parametrize(

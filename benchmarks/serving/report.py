@@ -1,0 +1,320 @@
+"""The comparison's record rendered for people: `<out>.md` (command, machine, method,
+tables, the issue's target ratios) and the plots in `<out>/` (`plots.py`). Everything is
+computed from the JSON record, so `compare --report-only` can redo it without rerunning
+anything."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+NOTES_MARKER = "<!-- Notes below this line are kept when compare.py rewrites this file. -->"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HF_REFERENCE = "hf-bf16"
+RADIX_OFF = "rs-radix-off"
+OVERLAP_ON, OVERLAP_OFF = "rs-all-on", "rs-overlap-off"
+RADIX_ON_PEERS = (OVERLAP_ON, OVERLAP_OFF)
+THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
+"""Variables that change how torch's CPU threads behave: recorded, since on a busy two-core
+machine they move small ops from microseconds to milliseconds."""
+
+METHOD = """\
+- Client (`benchmarks/serving/client.py`): streaming `/v1/completions` with token-id
+  prompts, greedy, `max_tokens` = the workload's output length and `ignore_eos`, so every
+  peer generates the same number of tokens; at most *c* requests in flight (closed loop),
+  all due at the start. A request's clock starts when it is sent. TTFT: to the first chunk
+  with text; ITL: gaps between chunks with text; TPOT: (end-to-end - TTFT) / (tokens - 1);
+  tokens counted from the closing usage chunk. Throughputs count completed requests over
+  the whole run's wall time. "cached" is the prompt tokens the server reported as cached
+  (`usage.prompt_tokens_details.cached_tokens`); "radix hit" is the delta of
+  `radixserve_prefix_cache_{hit,query}_tokens_total` on /metrics over the run (`-` where
+  the server does not export them).
+- transformers `generate` (`benchmarks/serving/hf_peer.py`): the same weights (the embedded
+  GGUF as radixserve's loader dequantizes it) in `LlamaForCausalLM`, SDPA, greedy, no EOS
+  stop; the workload in order, in left-padded static batches of *c* (cut early where a
+  multi-turn request depends on one in the batch), one batch after the other. Every request
+  of a batch counts as sent when the batch starts: TTFT is the batch's prefill, ITLs are its
+  decode steps. No HTTP, no tokenizer, no scheduler: what a server adds has to pay for itself.
+- radixserve peers: a fresh `radixserve serve` per peer, `/flush_cache` before every cell
+  and one short unrelated warm-up request; client and server share the machine's cores.
+- Decode: *batch* unique prompts of *context* tokens at concurrency *batch*; decode tokens/s
+  = batch / ITL p50 (the steady-state step time; TPOT also counts the waits while other
+  requests of the wave prefill, and ITL would undercount if chunks carried several tokens:
+  read the two side by side). Ceiling: one step reads every weight and every request's KV
+  once (`benchmarks/serving/decode_ceiling.py`), at the mean context over the decode, over
+  the bandwidth given."""
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _cpuinfo_field(cpuinfo: str, name: str) -> str:
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return ""
+
+
+def _git(*args: str) -> str:
+    """Read-only git (`--no-optional-locks`: never takes the index lock others may hold)."""
+    try:
+        return subprocess.run(["git", "--no-optional-locks", *args], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    flags = set(_cpuinfo_field(cpuinfo, "flags").split())
+    meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
+    mem_kib = _cpuinfo_field(meminfo, "MemTotal").split()
+    return {
+        "cpu": _cpuinfo_field(cpuinfo, "model name") or platform.processor(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "amx_bf16": "amx_bf16" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "memory_gib": round(int(mem_kib[0]) / 2**20, 1) if mem_kib else None,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "thread_env": {name: os.environ[name] for name in THREAD_ENV if name in os.environ},
+        "transformers": version("transformers"),
+        "python": platform.python_version(),
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "load_average_start": load_average(),
+    }
+
+
+def grouped(record: dict[str, Any]) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
+    """Cells by (peer, workload, concurrency): one entry per repeat."""
+    cells: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for entry in record["results"]:
+        cells[entry["peer"], entry["workload"], entry["concurrency"]].append(entry)
+    return cells
+
+
+def median(entries: list[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]) -> float | None:
+    """Median over the repeats of a cell of one summary figure; None if none had it."""
+    values = [v for e in entries if (v := get(e["summary"])) is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _spread(entries: list[dict[str, Any]], key: str) -> str:
+    """Median over repeats, with min-max when there was more than one."""
+    values = [e["summary"][key] for e in entries]
+    text = _fmt(statistics.median(values), ".1f")
+    return text if len(values) == 1 else f"{text} ({min(values):.1f}-{max(values):.1f})"
+
+
+def _latency(entries: list[dict[str, Any]], key: str, *ps: str) -> str:
+    return " / ".join(_fmt(median(entries, lambda s, p=p: s[key][p])) for p in ps)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _errors(entries: list[dict[str, Any]]) -> str:
+    merged: dict[str, int] = defaultdict(int)
+    for e in entries:
+        for kind, n in e["summary"]["errors"].items():
+            merged[kind] += n
+    return ", ".join(f"{kind} {n}" for kind, n in merged.items()) or "0"
+
+
+def workload_table(record: dict[str, Any], workload: str) -> list[str]:
+    cells = grouped(record)
+    lines = [
+        "| c | peer | req/s | out tok/s | total tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p99 ms | "
+        "TPOT p50 ms | E2E p50 / p99 ms | cached | radix hit | errors |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for c in record["concurrency"]:
+        for peer in record["peers"]:
+            if not (entries := cells.get((peer, workload, c))):
+                continue
+            lines.append(
+                f"| {c} | {peer} | {_spread(entries, 'request_throughput')} | "
+                f"{_spread(entries, 'output_throughput')} | {_spread(entries, 'total_throughput')} | "
+                f"{_latency(entries, 'ttft_ms', 'p50', 'p90', 'p99')} | "
+                f"{_latency(entries, 'itl_ms', 'p50', 'p99')} | {_latency(entries, 'tpot_ms', 'p50')} | "
+                f"{_latency(entries, 'e2e_ms', 'p50', 'p99')} | "
+                f"{_percent(median(entries, lambda s: s['cached_prompt_fraction']))} | "
+                f"{_percent(median(entries, lambda s: s['radix_hit_rate']))} | {_errors(entries)} |"
+            )
+    return lines
+
+
+def decode_rates(record: dict[str, Any]) -> dict[str, float]:
+    """Decode tokens/s per peer: batch over the median inter-token gap."""
+    batch = record["decode"]["batch"]
+    rates = {}
+    for (peer, workload, _), entries in grouped(record).items():
+        itl = median(entries, lambda s: s["itl_ms"]["p50"])
+        if workload == "decode" and itl:
+            rates[peer] = batch / itl * 1000
+    return rates
+
+
+def decode_table(record: dict[str, Any]) -> list[str]:
+    decode, bound = record["decode"], record["decode"]["ceiling"]
+    rates = decode_rates(record)
+    reference = rates.get(HF_REFERENCE)
+    cells = grouped(record)
+    lines = [
+        f"Ceiling: {bound['weight_bytes'] / 1e6:.0f} MB of weights + {bound['kv_bytes'] / 1e6:.0f} MB of KV per step "
+        f"(batch {decode['batch']}, mean context {decode['mean_context']}, bf16) at {bound['bandwidth_gbs']:g} GB/s "
+        f"= {bound['step_ms']:.1f} ms/step, **{bound['tokens_per_s']:,.0f} tokens/s**.",
+        "",
+        f"| peer | ITL p50 ms (step) | TPOT p50 ms | decode tok/s | of the ceiling | vs {HF_REFERENCE} | "
+        "TTFT p50 ms (prefill) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for peer in record["peers"]:
+        if peer not in rates:
+            continue
+        entries = cells[peer, "decode", decode["batch"]]
+        lines.append(
+            f"| {peer} | {_latency(entries, 'itl_ms', 'p50')} | {_latency(entries, 'tpot_ms', 'p50')} | "
+            f"{rates[peer]:.0f} | "
+            f"{rates[peer] / bound['tokens_per_s']:.0%} | {_ratio(rates[peer], reference)} | "
+            f"{_latency(entries, 'ttft_ms', 'p50')} |"
+        )
+    return lines
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def target_rows(record: dict[str, Any]) -> Iterable[str]:
+    """The issue's targets as ratios between peers of this run, for each radix-on peer."""
+    cells = grouped(record)
+
+    def figure(peer: str, workload: str, c: int, get: Callable[[dict[str, Any]], float | None]) -> float | None:
+        return median(cells[peer, workload, c], get) if (peer, workload, c) in cells else None
+
+    def out(s: dict[str, Any]) -> float:
+        return s["output_throughput"]
+
+    def ttft(s: dict[str, Any]) -> float | None:
+        return s["ttft_ms"]["p50"]
+
+    checks = [
+        ("shared-prefix out tok/s", "shared-prefix", HF_REFERENCE, out, ">= 3x"),
+        ("shared-prefix out tok/s", "shared-prefix", RADIX_OFF, out, ">= 2x"),
+        ("shared-prefix TTFT p50", "shared-prefix", RADIX_OFF, ttft, "<= 0.33x"),
+        ("random out tok/s", "random", RADIX_OFF, out, ">= 1x"),
+    ]
+    for peer in RADIX_ON_PEERS:
+        for what, workload, other, get, goal in checks:
+            for c in record["concurrency"]:
+                ours, theirs = figure(peer, workload, c, get), figure(other, workload, c, get)
+                if ours is not None and theirs:
+                    ratio, bound = ours / theirs, float(goal.split()[1].rstrip("x"))
+                    met = ratio >= bound if goal.startswith(">=") else ratio <= bound
+                    yield f"| {what} | {peer} vs {other} | {c} | {ratio:.2f}x | {goal} | {'yes' if met else 'no'} |"
+        rates = decode_rates(record)
+        if peer in rates and HF_REFERENCE in rates:
+            ratio = rates[peer] / rates[HF_REFERENCE]
+            yield (f"| decode tok/s, batch {record['decode']['batch']} | {peer} vs {HF_REFERENCE} | "
+                   f"{record['decode']['batch']} | {ratio:.2f}x | >= 2x (aim) | {'yes' if ratio >= 2 else 'no'} |")
+    for workload in record["workloads"]:
+        for c in record["concurrency"]:
+            on, off = figure(OVERLAP_ON, workload, c, out), figure(OVERLAP_OFF, workload, c, out)
+            if on is not None and off:
+                yield (f"| {workload} out tok/s | {OVERLAP_ON} vs {OVERLAP_OFF} (overlap loop) | {c} | "
+                       f"{on / off:.2f}x | - | - |")
+
+
+def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
+    m = record["machine"]
+    cfg = record["workload_config"]
+    isa = ", ".join(name for name in ("amx_bf16", "avx512_bf16") if m.get(name)) or "neither"
+    thread_env = ", ".join(f"{k}={v}" for k, v in m.get("thread_env", {}).items()) or "no OMP/MKL variables set"
+    duration = f"{record['duration_s'] / 60:.1f} min" if "duration_s" in record else "unfinished"
+    lines = [
+        "# Serving benchmark: radixserve beside transformers `generate`",
+        "",
+        f"Generated by `benchmarks/serving/compare.py` ({duration}, started {record['started']}); rerun the "
+        "command to refresh it. Raw figures: "
+        f"[`{plots_dir}/results.json`]({plots_dir}/results.json).",
+        "",
+        "```bash",
+        record["command"],
+        "```",
+        "",
+        f"Machine: {m['cpu']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical CPUs ({isa}), "
+        f"{m['memory_gib']} GiB; torch {m['torch']} with {m['torch_threads']} threads "
+        f"({thread_env}), transformers "
+        f"{m['transformers']}, Python {m['python']}; commit {m['git_commit']}"
+        f"{' + local changes' if m['git_dirty'] else ''}. "
+        f"Load average at the start {m['load_average_start']}, at the end {m.get('load_average_end', '-')}: "
+        "anything above ~0.5 means other jobs shared the cores, and single figures move by tens of percent; "
+        "read ratios within one run.",
+        "",
+        "## Peers",
+        "",
+        *(f"- `{name}`: {desc}" for name, desc in record["peers"].items()),
+        "",
+        "## Workloads (`benchmarks/serving/workloads.py`, seed "
+        f"{cfg['seed']}, {cfg['output_len']} output tokens per request)",
+        "",
+        f"- `shared-prefix`: {cfg['requests']} requests in {cfg['groups']} groups; each group shares a "
+        f"{cfg['system_len']}-token system prompt, then a {cfg['question_len']}-token question; groups interleaved.",
+        f"- `multi-turn`: {cfg['requests'] // cfg['turns']} conversations x {cfg['turns']} turns; a turn resends "
+        f"the history ({cfg['user_len']}-token user messages, {cfg['output_len']}-token replies) and waits for the "
+        "previous turn.",
+        f"- `few-shot`: {cfg['requests']} requests share one {cfg['shots']} x {cfg['shot_len']}-token exemplar "
+        f"block, then a {cfg['question_len']}-token question.",
+        f"- `random`: {cfg['requests']} unique prompts of {cfg['random_len'] // 2}-{cfg['random_len']} tokens.",
+        "",
+        "## Method",
+        "",
+        METHOD,
+        "",
+        "## Results",
+        "",
+        "Median over rounds (min-max in brackets when there were several). c: concurrency.",
+    ]
+    for workload in record["workloads"]:
+        lines += ["", f"### {workload}", "", *workload_table(record, workload)]
+    decode = record["decode"]
+    lines += ["", f"### Decode at batch {decode['batch']} with {decode['context']}-token contexts", "",
+              *decode_table(record)]
+    targets = list(target_rows(record))
+    if targets:
+        lines += ["", "### The issue's targets, as ratios within this run", "",
+                  "| figure | peers | c | ratio | goal | met |", "|---|---|---:|---:|---|---|", *targets]
+    if record["workloads"]:
+        lines += ["", "### Plots", "", f"![output throughput against concurrency]({plots_dir}/throughput.png)", "",
+                  f"![TTFT distribution]({plots_dir}/ttft.png)"]
+    return "\n".join([*lines, "", NOTES_MARKER, notes.rstrip("\n"), ""]).rstrip("\n") + "\n"
+
+
+def write(record: dict[str, Any], out: Path) -> None:
+    """`<out>.md`, keeping what follows NOTES_MARKER in an existing one, and the plots."""
+    doc = out.with_suffix(".md")
+    notes = doc.read_text().partition(NOTES_MARKER)[2].lstrip("\n") if doc.exists() else ""
+    doc.write_text(markdown(record, os.path.relpath(out, doc.parent), notes))
+    if record["workloads"]:
+        from benchmarks.serving.plots import plot_all
+
+        plot_all(record, out)

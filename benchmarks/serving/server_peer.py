@@ -1,0 +1,104 @@
+"""radixserve as a benchmark peer: `radixserve serve` in a subprocess on free ports, so a
+run never collides with a server or a test already on the machine."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import httpx2
+
+PORT_FLAGS = (
+    "--port", "--worker-port", "--detokenizer-port", "--tokenizer-port", "--tokenizer-control-port",
+    "--worker-metrics-port", "--detokenizer-metrics-port",
+)
+START_TIMEOUT_S = 300.0
+STOP_TIMEOUT_S = 30.0
+FLUSH_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ServerPeer:
+    name: str
+    flags: tuple[str, ...]
+    """Besides --model and --dtype, which every radixserve peer shares."""
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free right now (all sockets held open until all are chosen)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class RadixServer:
+    """`with RadixServer(flags) as server:` serves until the block ends; `server.base_url`,
+    `server.metrics_urls` (the tokenizer's and the worker's /metrics), `server.flush_cache()`."""
+
+    def __init__(self, flags: list[str], log_dir: Path | None = None):
+        ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
+        self.base_url = f"http://127.0.0.1:{ports['--port']}"
+        self.metrics_urls = [f"{self.base_url}/metrics", f"http://127.0.0.1:{ports['--worker-metrics-port']}/metrics"]
+        self.argv = [str(Path(sys.executable).with_name("radixserve")), "serve", "--host", "127.0.0.1", *flags,
+                     *(x for flag, port in ports.items() for x in (flag, str(port)))]
+        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="radixserve-bench-")) / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> RadixServer:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"radixserve did not become healthy; log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.5)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _healthy(self) -> bool:
+        try:
+            return httpx2.get(f"{self.base_url}/health", timeout=2.0, trust_env=False).status_code == 200
+        except httpx2.HTTPError:
+            return False
+
+    def flush_cache(self) -> None:
+        """Empties the radix tree, so no cell of the matrix inherits the previous one's
+        prefixes. The server refuses (409) while requests run: after a failed cell some may
+        still be finishing, so it is retried for a while."""
+        deadline = time.monotonic() + FLUSH_TIMEOUT_S
+        url = f"{self.base_url}/flush_cache"
+        while (response := httpx2.post(url, timeout=30.0, trust_env=False)).status_code == 409:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(1.0)
+        response.raise_for_status()
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self) -> None:
+        """SIGTERM to the launcher, which stops its three children."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()

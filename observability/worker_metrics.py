@@ -1,0 +1,202 @@
+"""The worker's Prometheus metrics (DESIGN.md §4).
+
+The scheduler keeps plain counters and sizes; the worker copies them into a
+`WorkerSample` on its event loop, between steps, a few times a second. A scrape only reads
+the latest sample, so it never sees a half-done step and costs the loop nothing. Per-event
+values (queue time, batch size, forward time, grammar compiles) are histograms the worker
+observes as the events happen.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+ROLLING_WINDOW_S = 60.0
+"""How far back the rolling hit-rate and throughput gauges look."""
+ROLLING_POINT_S = 1.0
+"""Spacing of the samples kept for them."""
+
+QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+FORWARD_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+COMPILE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
+
+
+@dataclass(frozen=True)
+class WorkerSample:
+    """The worker's counters and sizes at one moment, in plain numbers."""
+
+    time: float
+    """time.monotonic() when it was taken."""
+    cache_hit_tokens: int
+    cache_query_tokens: int
+    prompt_tokens: int
+    """Tokens computed by prefill (radix hits excluded)."""
+    generation_tokens: int
+    retracted_requests: int
+    retracted_input_tokens: int
+    retracted_output_tokens: int
+    evicted_tokens: int
+    new_token_ratio: float
+    evictable_tokens: int
+    protected_tokens: int
+    available_tokens: int
+    total_tokens: int
+    num_running: int
+    num_waiting: int
+    num_grammar_queue: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the pool held by live requests: what the tree could give back is free."""
+        if self.total_tokens <= 0:
+            return 0.0
+        used = self.total_tokens - self.available_tokens - self.evictable_tokens
+        return min(1.0, max(0.0, used / self.total_tokens))
+
+
+class _Rolling:
+    """Hit rate and generation throughput over the last ROLLING_WINDOW_S of samples."""
+
+    def __init__(self) -> None:
+        self.points: deque[WorkerSample] = deque()
+        self.hit_rate = 0.0
+
+    def add(self, sample: WorkerSample) -> None:
+        if self.points and sample.time - self.points[-1].time < ROLLING_POINT_S:
+            self.points[-1] = sample  # keep the newest; the spacing bounds the deque
+        else:
+            self.points.append(sample)
+        while len(self.points) > 2 and sample.time - self.points[1].time >= ROLLING_WINDOW_S:
+            self.points.popleft()
+        oldest = self.points[0]
+        queries = sample.cache_query_tokens - oldest.cache_query_tokens
+        if len(self.points) == 1 and sample.cache_query_tokens:
+            self.hit_rate = sample.cache_hit_tokens / sample.cache_query_tokens
+        elif queries > 0:  # no admission in the window: the last known rate stands
+            self.hit_rate = (sample.cache_hit_tokens - oldest.cache_hit_tokens) / queries
+
+    def throughput(self) -> float:
+        if not self.points:
+            return 0.0
+        oldest, newest = self.points[0], self.points[-1]
+        elapsed = newest.time - oldest.time
+        return (newest.generation_tokens - oldest.generation_tokens) / elapsed if elapsed > 0 else 0.0
+
+
+class WorkerMetrics(Collector):
+    """Every worker metric, on `registry`, labelled `model_name` and `tp_rank`."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, tp_rank: int = 0, page_size: int = 1):
+        self.labels = {"model_name": model_name, "tp_rank": str(tp_rank)}
+        self.page_size = page_size
+        self.lock = threading.Lock()
+        self.latest: WorkerSample | None = None
+        self.rolling = _Rolling()
+        names, values = list(self.labels), list(self.labels.values())
+        self.queue_time = Histogram(
+            "radixserve_queue_time_seconds", "Seconds from arrival at the worker to first admission into a batch",
+            names, registry=registry, buckets=QUEUE_TIME_BUCKETS,
+        ).labels(*values)
+        self.batch_size = Histogram(
+            "radixserve_batch_size", "Requests per forward batch, by forward mode",
+            [*names, "mode"], registry=registry, buckets=BATCH_SIZE_BUCKETS,
+        )
+        self.forward_time = Histogram(
+            "radixserve_forward_time_seconds", "Seconds per forward pass and sampling, by forward mode",
+            [*names, "mode"], registry=registry, buckets=FORWARD_TIME_BUCKETS,
+        )
+        self.grammar_compile_time = Histogram(
+            "radixserve_grammar_compile_time_seconds", "Seconds to compile a grammar (cache hits excluded)",
+            names, registry=registry, buckets=COMPILE_TIME_BUCKETS,
+        ).labels(*values)
+        self.grammar_compile_failures = Counter(
+            "radixserve_grammar_compile_failures", "Grammars refused: invalid, or over the size and nesting limits",
+            names, registry=registry,
+        ).labels(*values)
+        registry.register(self)
+
+    # ----- what the worker calls --------------------------------------------------------
+
+    def publish(self, sample: WorkerSample) -> None:
+        with self.lock:
+            self.latest = sample
+            self.rolling.add(sample)
+
+    def observe_forward(self, mode: str, batch_size: int, seconds: float) -> None:
+        values = (*self.labels.values(), mode)
+        self.batch_size.labels(*values).observe(batch_size)
+        self.forward_time.labels(*values).observe(seconds)
+
+    def observe_grammar_compile(self, seconds: float | None) -> None:
+        """`seconds` of a finished compile, or None for a refused grammar."""
+        if seconds is None:
+            self.grammar_compile_failures.inc()
+        else:
+            self.grammar_compile_time.observe(seconds)
+
+    # ----- the scrape -------------------------------------------------------------------
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # the families depend on the sample; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        with self.lock:
+            s, hit_rate, throughput = self.latest, self.rolling.hit_rate, self.rolling.throughput()
+        if s is None:
+            return
+        counters = (
+            ("radixserve_prefix_cache_hit_tokens", "Prompt tokens served from the radix tree, once per request at "
+             "first admission", s.cache_hit_tokens),
+            ("radixserve_prefix_cache_query_tokens", "Prompt tokens of those same first admissions",
+             s.cache_query_tokens),
+            ("radixserve_prompt_tokens", "Prompt tokens computed by prefill (radix hits excluded; a retracted "
+             "request's re-prefill counts again)", s.prompt_tokens),
+            ("radixserve_generation_tokens", "Tokens generated", s.generation_tokens),
+            ("radixserve_retracted_requests", "Running requests sent back to the queue for lack of KV slots",
+             s.retracted_requests),
+            ("radixserve_retracted_input_tokens", "Prompt tokens of retracted requests", s.retracted_input_tokens),
+            ("radixserve_retracted_output_tokens", "Generated tokens of retracted requests, to be recomputed",
+             s.retracted_output_tokens),
+            ("radixserve_radix_evicted_tokens", "Tokens evicted from the radix tree", s.evicted_tokens),
+        )
+        for name, doc, value in counters:
+            yield self._family(CounterMetricFamily, name, doc, value)
+        gauges = (
+            ("radixserve_cache_hit_rate", f"Prefix-cache hit tokens / query tokens over the last "
+             f"{ROLLING_WINDOW_S:g} s (dashboards use the counters)", hit_rate),
+            ("radixserve_generation_tokens_per_second", f"Generated tokens per second over the last "
+             f"{ROLLING_WINDOW_S:g} s", throughput),
+            ("radixserve_new_token_ratio", "Current overcommit ratio applied to running requests' reservations",
+             s.new_token_ratio),
+            ("radixserve_radix_evictable_tokens", "Tokens in the radix tree that no request holds",
+             s.evictable_tokens),
+            ("radixserve_radix_protected_tokens", "Tokens in the radix tree locked by running requests",
+             s.protected_tokens),
+            ("radixserve_kv_usage_ratio", "(total - available - evictable) / total: KV held by live requests",
+             s.kv_usage),
+            ("radixserve_kv_total_tokens", "KV pool size in tokens", s.total_tokens),
+            ("radixserve_num_requests_running", "Requests in the running batch", s.num_running),
+            ("radixserve_num_requests_waiting", "Requests waiting for admission", s.num_waiting),
+            ("radixserve_num_requests_grammar_queue", "Requests waiting for their grammar to compile",
+             s.num_grammar_queue),
+        )
+        for name, doc, value in gauges:
+            yield self._family(GaugeMetricFamily, name, doc, value)
+        info = GaugeMetricFamily(
+            "radixserve_cache_config_info", "KV cache layout (value 1)", labels=[*self.labels, "page_size", "num_pages"]
+        )
+        info.add_metric([*self.labels.values(), str(self.page_size), str(s.total_tokens // self.page_size)], 1)
+        yield info
+
+    def _family(self, cls: type, name: str, doc: str, value: float) -> Metric:
+        family = cls(name, doc, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), value)
+        return family
