@@ -43,6 +43,9 @@ class Settings(EngineArgs):
     stall_timeout: float = _opt(
         60.0, "worker and detokenizer /healthz answer 503 once their loop has not finished a turn for this long (s)"
     )
+    graceful_shutdown_timeout: float = _opt(
+        5.0, "on SIGTERM the tokenizer stops accepting and gives open streams this long to finish (s)"
+    )
     watchdog_timeout: float = _opt(
         300.0, "worker and detokenizer exit (status 3) once their loop has not finished a turn for this long (s)"
     )
@@ -87,6 +90,8 @@ class Settings(EngineArgs):
             raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
         if not self.stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout}")
+        if not self.graceful_shutdown_timeout >= 0:
+            raise ValueError(f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
         if not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:

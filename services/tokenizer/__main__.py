@@ -8,9 +8,6 @@ from services.process import configure_logging
 from services.settings import Settings
 from services.tokenizer.server import create_app
 
-GRACEFUL_SHUTDOWN_S = 5
-"""Open streams get this long to finish on SIGTERM before they are cut."""
-
 
 def main() -> None:
     settings = Settings.from_cli(prog="python -m services.tokenizer")
@@ -18,7 +15,7 @@ def main() -> None:
     tokenizer = None if settings.skip_tokenizer_init else load_tokenizer(settings.tokenizer or settings.model)
     uvicorn.run(
         create_app(settings, tokenizer), host=settings.host, port=settings.port, log_config=None,
-        log_level=settings.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        log_level=settings.log_level, timeout_graceful_shutdown=settings.graceful_shutdown_timeout,
     )
 
 

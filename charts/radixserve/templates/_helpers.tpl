@@ -96,6 +96,7 @@ and the tokenizer and detokenizer load the same tokenizer as the worker's model.
 - --dtype={{ $e.dtype }}
 - --max-tokens-cap={{ int64 $e.maxTokensCap }}
 - --heartbeat-interval={{ $e.heartbeatInterval }}
+- --graceful-shutdown-timeout={{ .Values.gracefulShutdown.streamDrainSeconds }}
 - --log-level={{ $e.logLevel }}
 {{- range $e.extraArgs }}
 - {{ . | quote }}
