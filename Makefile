@@ -32,3 +32,11 @@ clean:
 .PHONY: pod-test
 pod-test: install
 	$(PY) deploy/pod_test.py
+
+# Soak (benchmarks/soak.py): thousands of mixed requests (streams, disconnects, aborts, grammars,
+# bad input, load shedding) against the three services, then KV-leak, radix-integrity and
+# memory checks; about two minutes on the tiny model. Not part of `make test`.
+# Options with SOAK_ARGS, e.g. SOAK_ARGS="--requests 10000 --model embedded".
+.PHONY: soak
+soak: install
+	$(PY) -m benchmarks.soak $(SOAK_ARGS)

@@ -3,7 +3,8 @@
 Each PULL socket binds 127.0.0.1 and its PUSH peer connects, so startup order is free
 (ZMQ reconnects). Sends never block a loop: a PUSH socket only queues for a connected
 peer (`zmq.IMMEDIATE`) and up to its high-water mark; past that `Sender.send` returns
-False and the caller decides (fail the request with a clear error). Receivers drop bytes
+False and the caller decides (fail the request with a clear error); an `Outbox` holds a
+stream of outputs across a peer's short absence instead. Receivers drop bytes
 that are not a valid message instead of raising. `PeerMonitor` turns the `Hello` /
 `Heartbeat` stream into "alive", "dead" (three missed heartbeats) and "restarted" (a new
 epoch), and rejects messages from a restarted peer's previous life.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -33,6 +35,8 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 """A peer sending more in one message is disconnected (a 128k-token prompt is ~0.6 MB)."""
 WARN_INTERVAL_S = 5.0
 """At most one warning per socket per this many seconds, with a count of what was dropped."""
+MAX_HELD_MESSAGES = 10_000
+"""Messages an `Outbox` holds for an unreachable peer before it drops the oldest."""
 
 
 def bind_pull(ctx: zmq.Context, port: int, hwm: int = DEFAULT_HWM) -> zmq.Socket:
@@ -134,6 +138,41 @@ class Sender:
         if now - self._last_heartbeat >= self.heartbeat_interval:
             self._last_heartbeat = now
             self.send(Heartbeat())
+
+
+class Outbox:
+    """Messages to one peer that must arrive, in order, across a short disconnection: a
+    restarting peer, or this side's reconnection to a peer that restarted (its first
+    ~100 ms). `put` sends at once when the peer is connected and otherwise holds the message;
+    `flush` (each loop turn) sends what is held, oldest first. A lost output batch would
+    leave its requests waiting for tokens that never come, or with text missing.
+
+    Held messages are bounded (`max_held`): past it the oldest are dropped, with a warning.
+    A peer that stays away that long has been declared dead by the tokenizer, whose
+    requests failed and were aborted anyway."""
+
+    def __init__(self, sender: Sender, max_held: int = MAX_HELD_MESSAGES):
+        self.sender = sender
+        self.max_held = max_held
+        self.held: deque[Message] = deque()
+        self._dropped = _Throttle()
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def put(self, msg: Message) -> None:
+        self.held.append(msg)
+        self.flush()
+
+    def flush(self) -> None:
+        while self.held and self.sender.sock.poll(0, zmq.POLLOUT) and self.sender.send(self.held[0]):
+            self.held.popleft()
+        while len(self.held) > self.max_held:
+            msg = self.held.popleft()
+            dropped = self._dropped.hit()
+            if dropped:
+                logger.warning("%s: peer unreachable; held %d message(s), dropped %d (latest %s)",
+                               self.sender.sender, len(self.held), dropped, type(msg).__name__)
 
 
 class _Decoder:

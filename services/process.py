@@ -29,6 +29,7 @@ from prometheus_client import CollectorRegistry
 from observability.metrics_server import MetricsServer, start_metrics_server
 from observability.tracing import setup_tracing
 from services.ipc import (
+    Outbox,
     PeerEvent,
     PeerMonitor,
     Receiver,
@@ -45,6 +46,8 @@ RECV_BATCH_LIMIT = 1024
 """Messages taken per loop turn, so a flood cannot starve the scheduler step."""
 WATCHDOG_EXIT_CODE = 3
 """Exit status of a process its watchdog ended (distinct from a crash's 1)."""
+HELD_RETRY_MS = 10
+"""How often an idle loop retries messages its outboxes hold for an unreachable peer."""
 
 
 def configure_logging(level: str, role: str) -> None:
@@ -69,6 +72,7 @@ class Service(ABC):
         self.receiver = Receiver(bind_pull(self.ctx, in_port), name=self.role)
         self.monitor = PeerMonitor(settings.heartbeat_interval)
         self.senders: list[Sender] = []
+        self.outboxes: list[Outbox] = []
         self.peer_ports: list[int] = []
         self.heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeats", daemon=True)
         self.stopping = False
@@ -96,6 +100,12 @@ class Service(ABC):
         self.senders.append(sender)
         self.peer_ports.append(port)
         return sender
+
+    def outbox(self, port: int) -> Outbox:
+        """`connect(port)` for messages that must not be lost to a short disconnection."""
+        outbox = Outbox(self.connect(port))
+        self.outboxes.append(outbox)
+        return outbox
 
     # ----- what a service implements ----------------------------------------------------
 
@@ -132,7 +142,14 @@ class Service(ABC):
         logger.info("%s stopped", self.role)
 
     def run_once(self) -> None:
-        timeout_ms = 0 if self.has_work() else self.idle_timeout_ms
+        held = False
+        for outbox in self.outboxes:
+            outbox.flush()
+            held = held or len(outbox) > 0
+        if self.has_work():
+            timeout_ms = 0
+        else:
+            timeout_ms = HELD_RETRY_MS if held else self.idle_timeout_ms
         for msg in self.receiver.recv_all(timeout_ms, limit=RECV_BATCH_LIMIT):
             accepted = self.monitor.accept(msg)
             # A peer's restart is acted on before the first message of its new life.

@@ -32,7 +32,7 @@ class Detokenizer(Service):
         # With skip_tokenizer_init the API returns token ids only, and the text stays empty.
         self.tokenizer = None if settings.skip_tokenizer_init else load_tokenizer(settings.tokenizer or settings.model)
         super().__init__(settings, settings.detokenizer_port)
-        self.to_tokenizer = self.connect(settings.tokenizer_port)
+        self.to_tokenizer = self.outbox(settings.tokenizer_port)
         self.decode_status: dict[str, IncrementalDetokenizer] = {}
         """rid → its incremental state, from its first output until it finishes."""
         self.first_seen: dict[str, float] = {}
@@ -43,7 +43,7 @@ class Detokenizer(Service):
     def handle(self, msg: Message) -> None:
         if isinstance(msg, BatchTokenIDOutput):
             start = time.monotonic()
-            self.to_tokenizer.send(self.detokenize(msg))
+            self.to_tokenizer.put(self.detokenize(msg))
             end = time.monotonic()
             self.metrics.observe_batch(end - start)
             if self.tracing is not None:

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
+_INT64 = (-(2**63), 2**63 - 1)
+"""msgpack carries 64-bit integers: a larger one could not reach the worker."""
 _VALIDATION_CODES = {"missing": "missing_required_parameter", "json_invalid": "invalid_json"}
 """OpenAI-style codes for the pydantic error types that have one of their own."""
 
@@ -131,6 +133,7 @@ def to_sampling_params(
     try:
         params = SamplingParams.from_dict(kwargs)
         params.verify(vocab_size)
+        _check_int64(params)
     except ValueError as exc:
         raise _renamed(str(exc), names, prefix) from None
     if params.grammar is not None:
@@ -141,6 +144,13 @@ def to_sampling_params(
             param = names.get(kind, prefix + kind)
             raise RequestError(str(exc).replace(kind, param, 1), param=param) from None
     return params
+
+
+def _check_int64(params: SamplingParams) -> None:
+    for f in fields(params):
+        value = getattr(params, f.name)
+        if isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]:
+            raise ValueError(f"{f.name} must be in [{_INT64[0]}, {_INT64[1]}], got {value}")
 
 
 def _openai_kwargs(

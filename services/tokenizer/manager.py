@@ -160,8 +160,12 @@ class TokenizerManager:
     def check_capacity(self, num_reqs: int) -> None:
         """Load shedding (`--max-queued-requests`): refuse, with a 429, `num_reqs` more
         requests when they would leave more than the limit waiting for their first token.
+
         Counted here rather than in the worker so that a stream is refused with a real 429
-        before its response starts."""
+        before its response starts. Requests count from `generate`'s first step, so a burst
+        checked in the same instant can overshoot the limit by its own size; never
+        reserving ahead means that a client gone before its stream started cannot leak
+        capacity."""
         limit = self.settings.max_queued_requests
         if limit is None:
             return
@@ -186,16 +190,13 @@ class TokenizerManager:
         self, reqs: Sequence[TokenizedGenerateReqInput], observed: bool = True
     ) -> AsyncIterator[ReqOutput]:
         """Submit `reqs` as one group and yield their outputs as they arrive, until all have
-        finished. Raises `RequestError`: 503 if a peer dies meanwhile, 429 past
-        `--max-queued-requests`, 504 past `--request-timeout`. Leaving the loop early aborts
-        the requests that have not finished. `observed=False` (probes) keeps them out of the
-        metrics and traces, and out of load shedding."""
+        finished. Raises `RequestError`: 503 if a peer dies meanwhile, 504 past
+        `--request-timeout`. Leaving the loop early aborts the requests that have not
+        finished. `observed=False` (probes) keeps them out of the metrics and traces.
+        Load shedding is the caller's (`check_capacity`), before a stream's response starts."""
         self.require_ready()
-        if observed:
-            self.check_capacity(len(reqs))
         rids = {r.rid for r in reqs}
         group = _Group(unfinished=set(rids), queued=set(rids))
-        self.num_queued += len(rids)
         timeout = self.settings.request_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         index = {r.rid: i for i, r in enumerate(reqs)}
@@ -208,9 +209,14 @@ class TokenizerManager:
         timers = {r.rid: RequestTimer(metrics, now) for r in reqs} if metrics else {}
         for req in reqs:
             self.groups[req.rid] = group
+        self.num_queued += len(rids)
         try:
             for req in reqs:
-                if not self.to_worker.send(req):
+                try:
+                    sent = self.to_worker.send(req)
+                except OverflowError:  # the adapters check the known fields; a safety net for the rest
+                    raise RequestError("a number in the request does not fit in 64 bits") from None
+                if not sent:
                     raise unavailable("the worker is not accepting requests (not connected, or its queue is full)")
             while group.unfinished:
                 item = await self._next_output(group, deadline)
@@ -254,9 +260,14 @@ class TokenizerManager:
             timer.finish(now, out.prompt_tokens, out.completion_tokens)
 
     def abort(self, rid: str) -> int:
-        """Abort `rid`, or every request whose rid starts with `rid-` (all choices of one
-        response id), or everything when `rid` is empty; returns how many were asked to stop."""
-        rids = [r for r in self.groups if not rid or r == rid or (r.startswith(rid + "-") and r[len(rid) + 1:].isdigit())]
+        """Abort `rid`, or every request whose rid is `rid-<choice number>` (all choices of
+        one response id; a bare prefix such as "cmpl" matches nothing), or everything when
+        `rid` is empty; returns how many were asked to stop."""
+
+        def matches(r: str) -> bool:
+            return not rid or r == rid or (r.startswith(rid + "-") and r[len(rid) + 1:].isdigit())
+
+        rids = [r for r in self.groups if matches(r)]
         for r in rids:
             self.to_worker.send(AbortReq(rid=r))
         return len(rids)

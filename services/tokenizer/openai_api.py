@@ -148,7 +148,8 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool | None = None
     cache_salt: str | None = None
     """Radix-cache namespace: requests with different salts share no KV."""
-    priority: int = 0
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
+    """Any 64-bit integer (the wire carries no more)."""
 
     @property
     def include_usage(self) -> bool:

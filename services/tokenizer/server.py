@@ -343,7 +343,7 @@ async def _serve_openai(request: Request, endpoint: _OpenAIEndpoint) -> Response
     params = [state.sampling_params(body, len(ids)) for ids in prompts]
     header = ResponseHeader.new(state.settings.served_model_name, endpoint.id_prefix)
     reqs = fan_out(header.id, prompts, params, body.n, body.stream, body.cache_salt, body.priority)
-    state.manager.check_capacity(len(reqs))  # before a stream's 200, so that shedding is a real 429
+    state.manager.check_capacity(len(reqs))  # before a stream's 200: shedding is a real 429
     want_logprobs = params[0].logprobs
     if body.stream:
         stream = endpoint.stream_cls(header, n=body.n, include_usage=body.include_usage)

@@ -83,7 +83,7 @@ class Worker(Service):
             self.scheduler.max_running_requests, self.scheduler.device,
         )
         super().__init__(settings, settings.worker_port)
-        self.to_detokenizer = self.connect(settings.detokenizer_port)
+        self.to_detokenizer = self.outbox(settings.detokenizer_port)
         self.to_tokenizer = self.connect(settings.tokenizer_control_port)
         self.live: dict[str, _ReqState] = {}
         """rid → state of each request queued or running in the scheduler."""
@@ -235,7 +235,7 @@ class Worker(Service):
                 top = req.output_top_logprobs[start:] if params.top_logprobs_num else []
                 out.output_top_logprobs_val.append([[lp for lp, _ in entry] for entry in top])
                 out.output_top_logprobs_idx.append([[tid for _, tid in entry] for entry in top])
-        self.to_detokenizer.send(out)
+        self.to_detokenizer.put(out)
 
     def trace_finished(self, req: Req, state: _ReqState, now: float) -> None:
         """The request's worker spans, from the times kept while it ran: queue wait until
