@@ -91,7 +91,8 @@ def free_port() -> int:
 
 
 def build_tiny_model(path: Path) -> None:
-    """Random weights with SmolLM2's vocabulary and tokenizer (as tests/services/conftest.py)."""
+    """Random weights with SmolLM2's vocabulary and tokenizer, scaled up so greedy choices are
+    clear-cut rather than near-ties (also the service tests' `tiny_llama_dir`)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx2
 import pytest
-import torch
 import zmq
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
+from benchmarks.soak import build_tiny_model
 from engine.model.loader import load_tokenizer
 from services.ipc import Receiver, Sender, bind_pull, bound_port, connect_push
 from services.protocol import BatchStrOutput, Heartbeat, Hello, Message, new_epoch
@@ -38,27 +38,7 @@ HEARTBEAT_INTERVAL = 0.2
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random weights, scaled up so greedy choices are clear-cut rather than near-ties."""
     path = tmp_path_factory.mktemp("tiny-llama-smollm2-vocab")
-    tokenizer = load_tokenizer("embedded")
-    tokenizer.save_pretrained(path)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=TINY_CONTEXT_LENGTH,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param)
-            param.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.3 * noise)
-    model.save_pretrained(path)
+    build_tiny_model(path)
     return path
 
 
