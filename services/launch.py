@@ -119,3 +119,7 @@ def _is_ready(base_url: str) -> bool:
             return response.status == 200
     except (urllib.error.URLError, OSError):
         return False
+
+
+if __name__ == "__main__":
+    main()

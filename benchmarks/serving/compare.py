@@ -28,6 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 from benchmarks.serving import client, report
 from benchmarks.serving.client import RunResult
 from benchmarks.serving.decode_ceiling import DEFAULT_BANDWIDTH_GBS, ceiling
@@ -73,8 +75,8 @@ class ServerRunner:
 
 
 class HFRunner:
-    def __init__(self, dtype: str, warmup: list[int]):
-        self.peer = HFGeneratePeer.embedded(dtype)
+    def __init__(self, dtype: str, device: str, warmup: list[int]):
+        self.peer = HFGeneratePeer.embedded(dtype, device)
         self.peer.run_batch([BenchRequest(warmup, 4)])
 
     def run(self, requests: list[BenchRequest], concurrency: int) -> RunResult:
@@ -83,17 +85,18 @@ class HFRunner:
 
 
 @contextmanager
-def open_peer(name: str, server_args: list[str], warmup: list[int]) -> Iterator[Runner]:
+def open_peer(name: str, server_args: list[str], warmup: list[int], hf_device: str) -> Iterator[Runner]:
     if name in HF_PEERS:
-        yield HFRunner(HF_PEERS[name], warmup)
+        yield HFRunner(HF_PEERS[name], hf_device, warmup)
         return
     with RadixServer([*COMMON_SERVER_FLAGS, *server_args, *SERVER_PEERS[name].flags]) as server:
         print(f"  server log: {server.log_path}", flush=True)
         yield ServerRunner(server, warmup)
 
 
-def peer_descriptions(server_args: list[str]) -> dict[str, str]:
-    described = {name: f"transformers `generate`, static batches, {dtype}" for name, dtype in HF_PEERS.items()}
+def peer_descriptions(server_args: list[str], hf_device: str) -> dict[str, str]:
+    described = {name: f"transformers `generate`, static batches, {dtype} on {hf_device}"
+                 for name, dtype in HF_PEERS.items()}
     for name, peer in SERVER_PEERS.items():
         flags = shlex.join([*COMMON_SERVER_FLAGS, *server_args, *peer.flags])
         described[name] = f"radixserve: {peer.name} (`radixserve serve {flags}`)"
@@ -117,7 +120,7 @@ def run_matrix(args: argparse.Namespace, cfg: WorkloadConfig, record: dict[str, 
     for repeat in range(args.repeat):
         for peer in args.peers:
             print(f"[{time.perf_counter() - start:6.0f} s] {peer} (round {repeat + 1}/{args.repeat})", flush=True)
-            with open_peer(peer, server_args, warmup_prompt(cfg)) as runner:
+            with open_peer(peer, server_args, warmup_prompt(cfg), args.hf_device) as runner:
                 for workload, concurrency, requests in cells:
                     entry = cell_record(peer, repeat, workload, concurrency, runner.run(requests, concurrency))
                     record["results"].append(entry)
@@ -140,6 +143,8 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="only the decode cell of each peer")
     parser.add_argument("--bandwidth-gbs", type=float, default=DEFAULT_BANDWIDTH_GBS,
                         help="memory bandwidth for the decode ceiling")
+    parser.add_argument("--hf-device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="device of the transformers peers; radixserve picks its own (default: %(default)s)")
     parser.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
                         help="extra `radixserve serve` flags for every radixserve peer, written with `=` as in "
                              "--server-args='--schedule-policy fcfs' (default: %(default)s)")
@@ -175,7 +180,7 @@ def main() -> None:
         "workload_config": dataclasses.asdict(cfg),
         "workloads": [] if args.decode_only else args.workloads,
         "concurrency": args.concurrency,
-        "peers": {name: desc for name, desc in peer_descriptions(shlex.split(args.server_args)).items()
+        "peers": {name: desc for name, desc in peer_descriptions(shlex.split(args.server_args), args.hf_device).items()
                   if name in args.peers},
         "decode": {"batch": args.decode_batch, "context": args.decode_context, "mean_context": decode_context,
                    "ceiling": {**dataclasses.asdict(bound), "step_ms": bound.step_ms,

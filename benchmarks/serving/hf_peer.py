@@ -47,8 +47,8 @@ def static_batches(requests: Sequence[BenchRequest], size: int) -> list[list[int
 
 
 class StepClock(BaseStreamer):
-    """`generate` hands a streamer the prompt, then each step's new tokens: the times of
-    those calls are when each step's tokens existed."""
+    """`generate` hands a streamer the prompt, then each step's new tokens, already copied
+    to the CPU (a device sync): the times of those calls are when each step's tokens existed."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -68,16 +68,18 @@ class HFGeneratePeer:
         model.generation_config.eos_token_id = None
 
     @classmethod
-    def embedded(cls, dtype: str) -> HFGeneratePeer:
-        """The embedded SmolLM2 with radixserve's weights, in `dtype`."""
+    def embedded(cls, dtype: str, device: str = "cpu") -> HFGeneratePeer:
+        """The embedded SmolLM2 with radixserve's weights, in `dtype`, on `device`."""
         from benchmarks.model_bench import hf_model
 
-        return cls(hf_model(DTYPES[dtype]))
+        return cls(hf_model(DTYPES[dtype]).to(device))
 
     def run_batch(self, batch: Sequence[BenchRequest]) -> list[RequestResult]:
         width = max(len(r.prompt) for r in batch)
-        input_ids = torch.tensor([[PAD_ID] * (width - len(r.prompt)) + r.prompt for r in batch])
-        attention_mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+        device = self.model.device
+        input_ids = torch.tensor([[PAD_ID] * (width - len(r.prompt)) + r.prompt for r in batch], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch],
+                                      device=device)
         steps = max(r.output_len for r in batch)
         config = GenerationConfig(max_new_tokens=steps, do_sample=False, pad_token_id=PAD_ID)
         clock = StepClock()

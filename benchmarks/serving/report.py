@@ -87,6 +87,7 @@ def machine_info() -> dict[str, Any]:
         "amx_bf16": "amx_bf16" in flags,
         "avx512_bf16": "avx512_bf16" in flags,
         "memory_gib": round(int(mem_kib[0]) / 2**20, 1) if mem_kib else None,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "thread_env": {name: os.environ[name] for name in THREAD_ENV if name in os.environ},
@@ -262,7 +263,7 @@ def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
         "```",
         "",
         f"Machine: {m['cpu']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical CPUs ({isa}), "
-        f"{m['memory_gib']} GiB; torch {m['torch']} with {m['torch_threads']} threads "
+        f"{m['memory_gib']} GiB{'; GPU ' + m['gpu'] if m.get('gpu') else ''}; torch {m['torch']} with {m['torch_threads']} threads "
         f"({thread_env}), transformers "
         f"{m['transformers']}, Python {m['python']}; commit {m['git_commit']}"
         f"{' + local changes' if m['git_dirty'] else ''}. "

@@ -51,7 +51,7 @@ class RadixServer:
         ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
         self.base_url = f"http://127.0.0.1:{ports['--port']}"
         self.metrics_urls = [f"{self.base_url}/metrics", f"http://127.0.0.1:{ports['--worker-metrics-port']}/metrics"]
-        self.argv = [str(Path(sys.executable).with_name("radixserve")), "serve", "--host", "127.0.0.1", *flags,
+        self.argv = [sys.executable, "-m", "services.launch", "serve", "--host", "127.0.0.1", *flags,
                      *(x for flag, port in ports.items() for x in (flag, str(port)))]
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="radixserve-bench-")) / "server.log"
         self.proc: subprocess.Popen | None = None

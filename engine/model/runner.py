@@ -15,6 +15,7 @@ from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.attention import create_attention_backend, default_attention_backend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
+from engine.model.layers.linear import Linear
 from engine.model.loader import load_model, open_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
 SUPPORTED_DTYPES = {
     "cpu": (torch.bfloat16, torch.float32, torch.float64),
-    "cuda": (torch.bfloat16, torch.float16),
+    "cuda": (torch.bfloat16, torch.float16, torch.float32),
 }
 # Without --max-total-tokens, a CPU KV cache gets this many bytes.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
@@ -72,6 +73,10 @@ class ModelRunner:
             device=self.device,
         )
         self.model = load_model(checkpoint, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend)
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
+        self.model.logits_processor.pack_lm_head(self.model.lm_head)
         self.init_memory_pool(max_total_tokens, mem_fraction_static, max_running_requests)
 
     def init_memory_pool(self, max_total_tokens: int | None, mem_fraction_static: float, max_running_requests: int) -> None:

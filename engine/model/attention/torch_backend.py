@@ -24,11 +24,13 @@ class ExtendSeq:
 
 @dataclass
 class DecodeGroup:
-    """All requests with one new token, attended in one padded SDPA call."""
+    """All requests with one new token, attended together over their K/V rows gathered
+    head-major: row (r, h, j) of the gather is KV head h of request r's j-th key."""
 
     token_indices: torch.Tensor | None  # [n] rows of q; None: every row, in order
-    kv_indices: torch.Tensor  # [n * max_seq_len] int64: n rows padded with slots the mask hides
-    mask: torch.Tensor  # [n, 1, 1, max_seq_len] bool
+    kv_rows: torch.Tensor  # [n * kv_heads * max_seq_len] int64 rows of the pool seen as [slots * kv_heads, head_dim]
+    bias: torch.Tensor  # [n, 1, max_seq_len] float: 0 for a key, -inf for padding
+    max_seq_len: int
 
 
 @dataclass
@@ -43,9 +45,9 @@ class TorchAttnBackend(AttentionBackend):
     written yet), exactly the slots the Triton backend reads.
 
     Every index tensor and mask is built once per batch in `init_forward_metadata`; a layer
-    only gathers and calls SDPA, with no device sync. One-token requests (all of a decode
-    batch, the riders of a mixed one) share one SDPA call padded to the longest of them.
-    Multi-token requests get one call each: padding ragged prompts to a common length would
+    only gathers and multiplies, with no device sync. One-token requests (all of a decode
+    batch, the riders of a mixed one) share two batched matmuls padded to the longest of
+    them (`_attend_decode`). Multi-token requests get one SDPA call each: padding ragged prompts to a common length would
     cost memory quadratic in the longest one, and the per-request loop runs once per layer,
     never per token. Gathers use `index_select`: on CPU, advanced indexing with an index
     tensor goes through a parallel kernel that costs milliseconds when the cores are busy.
@@ -101,21 +103,22 @@ class TorchAttnBackend(AttentionBackend):
         return self._attend_decode(q, layer, forward_batch)
 
     def _attend_decode(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor:
-        """With one query per request, the query heads sharing a KV head become that head's
-        queries (`[n, kv_heads, heads_per_kv, d]`): SDPA then needs no GQA expansion, which
-        makes it several times faster on CPU, in bf16 most of all."""
+        """Two batched matmuls over K/V gathered head-major, so that each (request, KV head)
+        is one contiguous `[max_seq_len, head_dim]` block: bmm then reads the gather in place.
+        The query heads sharing a KV head are that block's queries (no GQA expansion). SDPA
+        is slower here on CPU (its flash kernel tiles for long queries, not 1-3 of them) and
+        slower still over the strided `[seq, kv_heads, dim]` gather the pool's layout gives."""
         group = self.forward_metadata.decode
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        num_reqs = q.shape[0]
-        kv_shape = (num_reqs, -1, layer.num_kv_heads, layer.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.view(num_reqs, layer.num_kv_heads, layer.num_heads // layer.num_kv_heads, layer.head_dim),
-            k_buffer.index_select(0, group.kv_indices).view(kv_shape).transpose(1, 2),
-            v_buffer.index_select(0, group.kv_indices).view(kv_shape).transpose(1, 2),
-            attn_mask=group.mask,
-            scale=layer.scaling,
-        )
-        return out.view(num_reqs, layer.num_heads, layer.head_dim)
+        num_reqs, d = q.shape[0], layer.head_dim
+        blocks = (num_reqs * layer.num_kv_heads, group.max_seq_len, d)
+        k = k_buffer.view(-1, d).index_select(0, group.kv_rows).view(blocks)
+        v = v_buffer.view(-1, d).index_select(0, group.kv_rows).view(blocks)
+        queries = q.reshape(blocks[0], layer.num_heads // layer.num_kv_heads, d)
+        scores = torch.bmm(queries, k.transpose(1, 2)).view(num_reqs, layer.num_heads, group.max_seq_len)
+        scores = scores.to(torch.promote_types(q.dtype, torch.float32)).mul_(layer.scaling).add_(group.bias)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(blocks[0], -1, group.max_seq_len)
+        return torch.bmm(probs, v).view(num_reqs, layer.num_heads, d)
 
     def _prefix_causal_mask(self, prefix_len: int, extend_len: int) -> torch.Tensor | None:
         """New token i sees the whole prefix and new tokens 0..i; None when there is no
@@ -130,7 +133,8 @@ class TorchAttnBackend(AttentionBackend):
         self, fb: ForwardBatch, prefix_slots: torch.Tensor, requests: list[int] | None, token_starts: list[int]
     ) -> DecodeGroup:
         """Row r holds request r's prefix slots, its new token's slot at column prefix_len,
-        and stale entries after it that the mask hides (any table entry is a valid slot)."""
+        and stale entries after it that the bias hides (any table entry is a valid slot);
+        then each slot becomes its `num_kv_heads` rows of the pool."""
         token_indices = None
         prefix_lens, seq_lens, out_cache_loc = fb.prefix_lens, fb.seq_lens, fb.out_cache_loc
         max_seq_len = max(fb.seq_lens_cpu)
@@ -140,9 +144,12 @@ class TorchAttnBackend(AttentionBackend):
             prefix_slots, prefix_lens, seq_lens = prefix_slots[req_indices], prefix_lens[req_indices], seq_lens[req_indices]
             out_cache_loc = out_cache_loc[token_indices]
             max_seq_len = max(fb.seq_lens_cpu[i] for i in requests)
-        kv_indices = torch.zeros((len(prefix_lens), max_seq_len), dtype=torch.int64, device=self.device)
+        slots = torch.zeros((len(prefix_lens), max_seq_len), dtype=torch.int64, device=self.device)
         width = min(prefix_slots.shape[1], max_seq_len)
-        kv_indices[:, :width] = prefix_slots[:, :width]
-        kv_indices.scatter_(1, prefix_lens[:, None], out_cache_loc[:, None])
-        mask = torch.arange(max_seq_len, device=self.device)[None, :] < seq_lens[:, None]
-        return DecodeGroup(token_indices, kv_indices.view(-1), mask[:, None, None, :])
+        slots[:, :width] = prefix_slots[:, :width]
+        slots.scatter_(1, prefix_lens[:, None], out_cache_loc[:, None])
+        heads = torch.arange(self.num_kv_heads, device=self.device)
+        kv_rows = slots[:, None, :] * self.num_kv_heads + heads[None, :, None]
+        padding = torch.arange(max_seq_len, device=self.device)[None, :] >= seq_lens[:, None]
+        bias = torch.zeros(padding.shape, device=self.device).masked_fill_(padding, float("-inf"))
+        return DecodeGroup(token_indices, kv_rows.view(-1), bias[:, None, :], max_seq_len)
