@@ -158,6 +158,7 @@ def main() -> None:
     WorkloadConfig().add_flags(parser)
     args = parser.parse_args()
     if args.report_only:
+        args.out.mkdir(parents=True, exist_ok=True)
         report.write(json.loads(args.report_only.read_text()), args.out)
         return
     cfg = WorkloadConfig().from_flags(args)

@@ -50,7 +50,7 @@ class WorkloadConfig:
     five peers on two cores). Each field is a flag: `system_len` is `--system-len`."""
 
     seed: int = 0
-    requests: int = 64
+    requests: int = 32
     output_len: int = 32
     vocab_size: int = 49152
     groups: int = 4
