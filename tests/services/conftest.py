@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,11 @@ TINY_CONTEXT_LENGTH = 8192
 """Longer than the tests' --max-total-tokens, so a request can fit the context but never the pool."""
 HEARTBEAT_INTERVAL = 0.2
 """Fast heartbeats in tests, so liveness is seen without waiting seconds."""
+SERVER_PORTS = (
+    "port", "worker-port", "detokenizer-port", "tokenizer-port", "tokenizer-control-port",
+    "worker-metrics-port", "detokenizer-metrics-port",
+)
+"""The port flags (without `--`) of one server's three processes."""
 
 
 @pytest.fixture(scope="session")
@@ -79,6 +85,29 @@ class ServiceLauncher:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
+
+    def server_ports(self) -> dict[str, int]:
+        """A free port for each of SERVER_PORTS."""
+        return {name: self.free_port() for name in SERVER_PORTS}
+
+    @staticmethod
+    def port_flags(ports: dict[str, int]) -> list[str]:
+        return [arg for name, port in ports.items() for arg in (f"--{name}", str(port))]
+
+    @contextmanager
+    def serve(self, flags: list[str], timeout: float = 120, role_flags: dict[str, list[str]] | None = None) -> Iterator[str]:
+        """One server, its three processes on free ports (`role_flags` adds a role's own
+        flags); yields its base URL once /health answers 200 and stops them all after."""
+        ports = self.server_ports()
+        flags = [*flags, "--host", "127.0.0.1", *self.port_flags(ports)]
+        for role in ("worker", "detokenizer", "tokenizer"):
+            self.start(role, [*flags, *(role_flags or {}).get(role, [])])
+        url = f"http://127.0.0.1:{ports['port']}"
+        try:
+            wait_until(lambda: http_status(url + "/health") == 200, timeout, "/health 200")
+            yield url
+        finally:
+            self.stop_all()
 
     def start(self, role: str, flags: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"{role}.log", "wb") as log:

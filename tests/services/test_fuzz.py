@@ -12,7 +12,6 @@ from `services/tokenizer/openai_api.py` and `SamplingParams`.
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.sampling.sampling_params import SamplingParams
-from tests.services.conftest import ServiceLauncher
+from tests.services.conftest import ServiceLauncher, wait_until
 
 API_KEY = "fuzz-key"
 MAX_TOKENS_CAP = 8
@@ -196,39 +195,13 @@ def request(draw: st.DrawFn) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def base_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     launcher = ServiceLauncher(tmp_path_factory.mktemp("fuzz-logs"), heartbeat_interval=0.5)
-    ports = {name: launcher.free_port() for name in (
-        "port", "worker-port", "detokenizer-port", "tokenizer-port", "tokenizer-control-port",
-        "worker-metrics-port", "detokenizer-metrics-port",
-    )}
     flags = [
-        "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--host", "127.0.0.1",
+        "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
         "--max-total-tokens", "16384", "--max-tokens-cap", str(MAX_TOKENS_CAP), "--api-key", API_KEY,
         "--served-model-name", "fuzz-model",
-        *(arg for name, port in ports.items() for arg in (f"--{name}", str(port))),
     ]
-    for role in ("worker", "detokenizer", "tokenizer"):
-        launcher.start(role, flags)
-    url = f"http://127.0.0.1:{ports['port']}"
-    try:
-        wait_until(lambda: _status(url + "/health") == 200, 120, "/health 200")
+    with launcher.serve(flags) as url:
         yield url
-    finally:
-        launcher.stop_all()
-
-
-def _status(url: str) -> int | None:
-    try:
-        return httpx2.get(url, timeout=5).status_code
-    except httpx2.TransportError:
-        return None
-
-
-def wait_until(condition: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return result
 
 
 def check_answer(req: dict[str, Any], response: httpx2.Response) -> str:

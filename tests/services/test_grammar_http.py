@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from tests.grammar_schemas import SCHEMAS
-from tests.services.conftest import ServiceLauncher, http_status, wait_until
+from tests.services.conftest import ServiceLauncher
 
 HEARTBEAT_INTERVAL = 1.0
 """The embedded model's prefill runs between heartbeats; a busy machine must not fake a death."""
@@ -38,24 +38,13 @@ def nested_schema(levels: int) -> dict:
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     launcher = ServiceLauncher(tmp_path_factory.mktemp("grammar-http-logs"), HEARTBEAT_INTERVAL)
-    ports = {f: launcher.free_port() for f in (
-        "port", "worker-port", "detokenizer-port", "tokenizer-port", "tokenizer-control-port",
-        "worker-metrics-port", "detokenizer-metrics-port",
-    )}
     flags = [  # no --model: the embedded SmolLM2-135M-Instruct
-        "--dtype", "float32", "--max-total-tokens", "16384", "--device", "cpu", "--host", "127.0.0.1",
-        "--enable-jump-forward",
-        *(arg for name, port in ports.items() for arg in (f"--{name}", str(port))),
+        "--dtype", "float32", "--max-total-tokens", "16384", "--device", "cpu", "--enable-jump-forward",
     ]
-    launcher.start("worker", [*flags, "--grammar-max-nesting-depth", str(WORKER_MAX_DEPTH)])
-    launcher.start("detokenizer", flags)
-    launcher.start("tokenizer", [*flags, "--grammar-max-nesting-depth", str(TOKENIZER_MAX_DEPTH)])
-    url = f"http://127.0.0.1:{ports['port']}"
-    try:
-        wait_until(lambda: http_status(url + "/health") == 200, 180, "/health 200")
+    role_flags = {"worker": ["--grammar-max-nesting-depth", str(WORKER_MAX_DEPTH)],
+                  "tokenizer": ["--grammar-max-nesting-depth", str(TOKENIZER_MAX_DEPTH)]}
+    with launcher.serve(flags, timeout=180, role_flags=role_flags) as url:
         yield url
-    finally:
-        launcher.stop_all()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import pytest
 from engine.api import Engine
 from services.tokenizer.adapters import apply_chat_template
 from services.tokenizer.openai_api import ChatCompletionMessageParam
-from tests.services.conftest import TINY_CONTEXT_LENGTH, ServiceLauncher, http_status, wait_until
+from tests.services.conftest import TINY_CONTEXT_LENGTH, ServiceLauncher, wait_until
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
@@ -32,23 +32,9 @@ LONG = {"max_tokens": 3000, "ignore_eos": True}
 @pytest.fixture(scope="session")
 def base_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     launcher = ServiceLauncher(tmp_path_factory.mktemp("http-api-logs"))
-    ports = {f: launcher.free_port() for f in (
-        "port", "worker-port", "detokenizer-port", "tokenizer-port", "tokenizer-control-port",
-        "worker-metrics-port", "detokenizer-metrics-port",
-    )}
-    flags = [
-        "--model", str(tiny_llama_dir), *ENGINE_FLAGS, "--api-key", API_KEY, "--served-model-name", MODEL,
-        "--host", "127.0.0.1",
-    ]
-    flags += [arg for name, port in ports.items() for arg in (f"--{name}", str(port))]
-    for role in ("worker", "detokenizer", "tokenizer"):
-        launcher.start(role, flags)
-    url = f"http://127.0.0.1:{ports['port']}"
-    try:
-        wait_until(lambda: http_status(url + "/health") == 200, 120, "/health 200")
+    with launcher.serve(["--model", str(tiny_llama_dir), *ENGINE_FLAGS, "--api-key", API_KEY,
+                         "--served-model-name", MODEL]) as url:
         yield url
-    finally:
-        launcher.stop_all()
 
 
 @pytest.fixture(scope="session")

@@ -64,14 +64,11 @@ class Cluster:
 
     def __init__(self, launcher: ServiceLauncher, model_dir: Path):
         self.launcher = launcher
-        self.ports = {name: launcher.free_port() for name in (
-            "port", "worker-port", "detokenizer-port", "tokenizer-port", "tokenizer-control-port",
-            "worker-metrics-port", "detokenizer-metrics-port",
-        )}
+        self.ports = launcher.server_ports()
         self.flags = [
             "--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--host", "127.0.0.1",
             "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-running-requests", str(MAX_RUNNING),
-            *(arg for name, port in self.ports.items() for arg in (f"--{name}", str(port))),
+            *launcher.port_flags(self.ports),
         ]
         self.extra: dict[str, list[str]] = {}
         self.lives: dict[str, int] = {}
