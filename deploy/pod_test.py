@@ -79,7 +79,9 @@ def run(
     *cmd: str, capture: bool = False, check: bool = True, echo: bool = True, **kwargs
 ) -> subprocess.CompletedProcess:
     if echo:
-        shown = [arg if len(arg) < 100 else arg[:40] + "…" for arg in cmd]  # not the scripts run with -c
+        shown = [
+            arg if len(arg) < 100 else arg[:40] + "…" for arg in cmd
+        ]  # not the scripts run with -c
         print("$", shlex.join(shown), flush=True)
     result = subprocess.run(cmd, check=False, text=True, capture_output=capture, **kwargs)
     if check and result.returncode != 0:
@@ -108,8 +110,14 @@ def ensure_base_image() -> None:
         return
     rootfs = WORK / "rootfs"
     run("rm", "-rf", str(rootfs))
-    run("debootstrap", "--variant=minbase", "--include=python3.11,python3-venv", "bookworm", str(rootfs),
-        "http://deb.debian.org/debian")
+    run(
+        "debootstrap",
+        "--variant=minbase",
+        "--include=python3.11,python3-venv",
+        "bookworm",
+        str(rootfs),
+        "http://deb.debian.org/debian",
+    )
     tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
     run("podman", "import", "-", BASE_IMAGE, stdin=tar.stdout, stdout=subprocess.DEVNULL)
     if tar.wait() != 0:
@@ -134,7 +142,16 @@ def ensure_wheelhouse() -> Path:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())
     requirements.write_text("\n".join(project["project"]["dependencies"]) + "\n")
     pip = [sys.executable, "-m", "pip", "--quiet"]
-    run(*pip, "wheel", "--wheel-dir", str(wheelhouse), "-c", str(REPO / "constraints.txt"), "-r", str(requirements))
+    run(
+        *pip,
+        "wheel",
+        "--wheel-dir",
+        str(wheelhouse),
+        "-c",
+        str(REPO / "constraints.txt"),
+        "-r",
+        str(requirements),
+    )
     # The build backend (pip builds the project in isolation) and the embedded model (--no-deps).
     build_backend = project["build-system"]["requires"]
     run(*pip, "download", "--no-deps", "--dest", str(wheelhouse), EMBEDDED_MODEL, *build_backend)
@@ -144,10 +161,23 @@ def ensure_wheelhouse() -> Path:
 
 def build_image(wheelhouse: Path) -> str:
     image = f"{IMAGE_REPOSITORY}:{IMAGE_TAG}"
-    podman("build", "--pull=never", "--file", str(REPO / "Dockerfile"), "--tag", image,
-           "--build-arg", f"BASE_IMAGE={BASE_IMAGE}", "--build-arg", "VARIANT=cpu",
-           "--build-arg", "PIP_INSTALL_ARGS=--no-index --find-links /wheelhouse",
-           "--volume", f"{wheelhouse}:/wheelhouse:ro", str(REPO))
+    podman(
+        "build",
+        "--pull=never",
+        "--file",
+        str(REPO / "Dockerfile"),
+        "--tag",
+        image,
+        "--build-arg",
+        f"BASE_IMAGE={BASE_IMAGE}",
+        "--build-arg",
+        "VARIANT=cpu",
+        "--build-arg",
+        "PIP_INSTALL_ARGS=--no-index --find-links /wheelhouse",
+        "--volume",
+        f"{wheelhouse}:/wheelhouse:ro",
+        str(REPO),
+    )
     podman("image", "prune", "--force", capture=True)  # the layers of earlier builds
     size = podman("image", "inspect", image, "--format", "{{.Size}}", capture=True).stdout.strip()
     print(f"{image}: {int(size) / 1e9:.2f} GB")
@@ -157,9 +187,17 @@ def build_image(wheelhouse: Path) -> str:
 def render_deployment() -> dict:
     """The chart's Deployment with the CPU values; the only override points it at the local image."""
     manifest = run(
-        HELM, "template", RELEASE, str(CHART), "--values", str(CHART / "values-cpu.yaml"),
-        "--set", f"image.repository={IMAGE_REPOSITORY},image.tag={IMAGE_TAG}",
-        "--show-only", "templates/deployment.yaml", capture=True,
+        HELM,
+        "template",
+        RELEASE,
+        str(CHART),
+        "--values",
+        str(CHART / "values-cpu.yaml"),
+        "--set",
+        f"image.repository={IMAGE_REPOSITORY},image.tag={IMAGE_TAG}",
+        "--show-only",
+        "templates/deployment.yaml",
+        capture=True,
     ).stdout
     (WORK / "deployment.yaml").write_text(manifest)
     return yaml.safe_load(manifest)
@@ -181,8 +219,17 @@ def http_get(container: str, port: int, path: str) -> tuple[int, str]:
         "except OSError as e:\n"
         "    print(0); print(e)\n"
     )
-    out = podman("exec", container, "python", "-c", script, f"http://127.0.0.1:{port}{path}",
-                 capture=True, check=False, echo=False).stdout
+    out = podman(
+        "exec",
+        container,
+        "python",
+        "-c",
+        script,
+        f"http://127.0.0.1:{port}{path}",
+        capture=True,
+        check=False,
+        echo=False,
+    ).stdout
     status, _, body = out.partition("\n")
     return int(status or 0), body.strip()
 
@@ -206,7 +253,9 @@ def wait_ready(container: str, port: int, path: str) -> None:
         if status == 200:
             return
         time.sleep(3)
-    sys.exit(f"{container} did not answer 200 on {path} within {READY_TIMEOUT_S} s (last: {status} {body})")
+    sys.exit(
+        f"{container} did not answer 200 on {path} within {READY_TIMEOUT_S} s (last: {status} {body})"
+    )
 
 
 def chat_completion(container: str, port: int) -> None:
@@ -215,13 +264,26 @@ def chat_completion(container: str, port: int) -> None:
     machine a slow forward pass can outlast the heartbeats and make the worker look dead."""
     script = (CHART / "files" / "smoke_test.py").read_text()
     for attempt in range(1, COMPLETION_ATTEMPTS + 1):
-        result = podman("exec", "--env", f"BASE_URL=http://127.0.0.1:{port}", "--env", "MAX_TOKENS=16",
-                        container, "python", "-c", script, capture=True, check=False)
+        result = podman(
+            "exec",
+            "--env",
+            f"BASE_URL=http://127.0.0.1:{port}",
+            "--env",
+            "MAX_TOKENS=16",
+            container,
+            "python",
+            "-c",
+            script,
+            capture=True,
+            check=False,
+        )
         print(result.stdout + result.stderr[-600:])
         if result.returncode == 0:
             return
         # Loudly, never silently: a retry that passes still shows this failure in the log.
-        print(f"!!! chat completion attempt {attempt} failed (exit {result.returncode})", flush=True)
+        print(
+            f"!!! chat completion attempt {attempt} failed (exit {result.returncode})", flush=True
+        )
         if attempt < COMPLETION_ATTEMPTS:
             wait_ready(container, port, "/health")
     sys.exit("no chat completion")
@@ -229,8 +291,15 @@ def chat_completion(container: str, port: int) -> None:
 
 def user_and_root_write(container: str) -> tuple[int, bool]:
     """The uid `container` runs as, and whether it can write to its root filesystem."""
-    out = podman("exec", container, "sh", "-c", "id -u; touch /probe-write 2>/dev/null; echo $?",
-                 capture=True, echo=False).stdout.split()
+    out = podman(
+        "exec",
+        container,
+        "sh",
+        "-c",
+        "id -u; touch /probe-write 2>/dev/null; echo $?",
+        capture=True,
+        echo=False,
+    ).stdout.split()
     return int(out[0]), out[1] == "0"
 
 
@@ -241,7 +310,9 @@ def check_security_context(deployment: dict) -> list[str]:
     expected_uid = deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
     for container in deployment["spec"]["template"]["spec"]["containers"]:
         uid, writable = user_and_root_write(pod_container(deployment, container["name"]))
-        print(f"{container['name']}: uid {uid}, root filesystem {'WRITABLE' if writable else 'read-only'}")
+        print(
+            f"{container['name']}: uid {uid}, root filesystem {'WRITABLE' if writable else 'read-only'}"
+        )
         if uid != expected_uid or writable:
             failed.append(f"{container['name']} runs as uid {uid}, root writable: {writable}")
     return failed
@@ -284,15 +355,29 @@ def play_pod(deployment: dict) -> None:
 def run_read_only(deployment: dict, image: str) -> None:
     """`radixserve serve` with the chart's flags, a read-only root and nothing writable but
     the chart's emptyDirs (podman's own tmpfs mounts switched off)."""
-    tokenizer = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "tokenizer")
+    tokenizer = next(
+        c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "tokenizer"
+    )
     writable = [m["mountPath"] for m in tokenizer["volumeMounts"] if not m.get("readOnly")]
     # Anonymous volumes, like emptyDirs: fresh, and writable by the user (podman's tmpfs
     # mounts here ignore their mode and stay root's).
     volumes = [arg for path in writable for arg in ("--volume", path)]
     name = "radixserve-read-only-test"
     podman("rm", "--force", name, capture=True, check=False)
-    podman("run", "--detach", "--rm", "--name", name, "--read-only", "--read-only-tmpfs=false", *volumes,
-           image, "radixserve", "serve", *tokenizer["args"])
+    podman(
+        "run",
+        "--detach",
+        "--rm",
+        "--name",
+        name,
+        "--read-only",
+        "--read-only-tmpfs=false",
+        *volumes,
+        image,
+        "radixserve",
+        "serve",
+        *tokenizer["args"],
+    )
     try:
         http_port = tokenizer["ports"][0]["containerPort"]
         wait_ready(name, http_port, "/health")
@@ -323,7 +408,10 @@ def main() -> None:
     with step("read-only root (podman run --read-only)"):
         run_read_only(deployment, image)
     timings["total"] = time.monotonic() - started
-    print("\npod test passed; seconds per step:", json.dumps({k: round(v) for k, v in timings.items()}, indent=2))
+    print(
+        "\npod test passed; seconds per step:",
+        json.dumps({k: round(v) for k, v in timings.items()}, indent=2),
+    )
 
 
 if __name__ == "__main__":

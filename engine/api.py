@@ -28,7 +28,11 @@ class Engine:
 
     def __init__(self, model: str | None = None, **options: Any):
         self.args = args = EngineArgs.from_options(model=model or "embedded", **options)
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        device = (
+            args.device
+            if args.device != "auto"
+            else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         self.model_runner = ModelRunner(
             args.model,
             device=device,
@@ -39,7 +43,9 @@ class Engine:
             max_running_requests=args.max_running_requests,
             context_len=args.context_length,
         )
-        self.tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)
+        self.tokenizer = (
+            None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)
+        )
         grammar_backend = None
         if self.tokenizer is not None:
             model_config = self.model_runner.model_config
@@ -53,11 +59,16 @@ class Engine:
                 max_nesting_depth=args.grammar_max_nesting_depth,
             )
         self.scheduler = Scheduler(
-            args, self.model_runner, self._matched_stop_string if self.tokenizer else None, grammar_backend
+            args,
+            self.model_runner,
+            self._matched_stop_string if self.tokenizer else None,
+            grammar_backend,
         )
         self._rids = itertools.count()
 
-    def generate(self, prompt: Prompt | Sequence[Prompt], sampling_params: SamplingParamsArg = None) -> list[dict]:
+    def generate(
+        self, prompt: Prompt | Sequence[Prompt], sampling_params: SamplingParamsArg = None
+    ) -> list[dict]:
         """Generate for one prompt or a batch (text, or token ids); one result per prompt:
         `{"text", "output_ids", "meta": {prompt_tokens, completion_tokens, cached_tokens,
         finish_reason}}`. `sampling_params` is one dict for all prompts or one per prompt;
@@ -77,7 +88,9 @@ class Engine:
                     self.scheduler.abort_request(req.rid)
         return [self._result(req) for req in reqs]
 
-    def generate_stream(self, prompt: Prompt, sampling_params: dict[str, Any] | None = None) -> Iterator[dict]:
+    def generate_stream(
+        self, prompt: Prompt, sampling_params: dict[str, Any] | None = None
+    ) -> Iterator[dict]:
         """Yield `{"text": delta, "output_ids": new ids}` as tokens arrive; the last chunk
         also carries `meta`. With jump-forward a chunk may carry `"rollback": k`: the last k
         ids already yielded were re-encoded and `output_ids` replaces them (the text only
@@ -117,7 +130,9 @@ class Engine:
     def _submit(self, prompt: Prompt, params: SamplingParams) -> Req:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; this engine runs with skip_tokenizer_init")
+                raise ValueError(
+                    "text prompts need a tokenizer; this engine runs with skip_tokenizer_init"
+                )
             input_ids = self.tokenizer.encode(prompt)
         else:
             input_ids = list(prompt)
@@ -128,7 +143,9 @@ class Engine:
     def _detokenizer(self, req: Req) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
-        return IncrementalDetokenizer(self.tokenizer, req.sampling_params.stop, req.sampling_params.skip_special_tokens)
+        return IncrementalDetokenizer(
+            self.tokenizer, req.sampling_params.stop, req.sampling_params.skip_special_tokens
+        )
 
     def _result(self, req: Req) -> dict:
         detok = self._detokenizer(req)
@@ -145,7 +162,9 @@ class Engine:
         spans at most n tokens."""
         stop = req.sampling_params.stop
         tail = req.output_ids[-(max(len(s) for s in stop) + 1) :]
-        text = self.tokenizer.decode(tail, skip_special_tokens=req.sampling_params.skip_special_tokens)
+        text = self.tokenizer.decode(
+            tail, skip_special_tokens=req.sampling_params.skip_special_tokens
+        )
         return next((s for s in stop if s in text), None)
 
 
@@ -155,9 +174,9 @@ def _meta(req: Req) -> dict:
         "prompt_tokens": len(req.origin_input_ids),
         "completion_tokens": len(req.output_ids),
         "cached_tokens": req.cached_tokens or 0,
-        "finish_reason": None if reason is None else {
-            k: v for k, v in dataclasses.asdict(reason).items() if v is not None
-        },
+        "finish_reason": None
+        if reason is None
+        else {k: v for k, v in dataclasses.asdict(reason).items() if v is not None},
     }
     if req.sampling_params.logprobs:
         meta["output_token_logprobs"] = list(req.output_token_logprobs)
@@ -180,4 +199,3 @@ def _as_params_list(sampling_params: SamplingParamsArg, n: int) -> list[Sampling
     if len(sampling_params) != n:
         raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
     return [SamplingParams.from_dict(p) for p in sampling_params]
-

@@ -18,37 +18,65 @@ def _opt(default, help: str, **kwargs):
 
 @dataclass
 class EngineArgs:
-    model: str = _opt("embedded", "local HF directory, GGUF file, HF repo id, or 'embedded' (SmolLM2-135M-Instruct)")
+    model: str = _opt(
+        "embedded",
+        "local HF directory, GGUF file, HF repo id, or 'embedded' (SmolLM2-135M-Instruct)",
+    )
     tokenizer: str | None = _opt(None, "tokenizer source when it differs from the model")
     skip_tokenizer_init: bool = _opt(False, "token ids in and out only; no tokenizer is loaded")
     device: str = _opt("auto", "cuda when available, else cpu")
-    dtype: str = _opt("auto", "auto is bfloat16", choices=("auto", "bfloat16", "float16", "float32", "float64"))
+    dtype: str = _opt(
+        "auto", "auto is bfloat16", choices=("auto", "bfloat16", "float16", "float32", "float64")
+    )
     context_length: int | None = _opt(None, "override the model's context length")
-    max_total_tokens: int | None = _opt(None, "KV cache size in tokens (default: a byte budget on CPU, "
-                                              "--mem-fraction-static on CUDA)")
+    max_total_tokens: int | None = _opt(
+        None,
+        "KV cache size in tokens (default: a byte budget on CPU, --mem-fraction-static on CUDA)",
+    )
     mem_fraction_static: float = _opt(0.85, "fraction of GPU memory for weights + KV cache")
     max_running_requests: int = _opt(256, "cap on the running batch (rows of req_to_token)")
     max_prefill_tokens: int = _opt(16384, "cap on the new tokens of one prefill batch")
-    chunked_prefill_size: int | None = _opt(4096, "split prefills longer than this into chunks (None: off)")
+    chunked_prefill_size: int | None = _opt(
+        4096, "split prefills longer than this into chunks (None: off)"
+    )
     enable_mixed_chunk: bool = _opt(False, "let running decodes ride along in prefill batches")
     schedule_policy: str = _opt("fcfs", "queue order", choices=constants.SCHEDULE_POLICIES)
-    schedule_conservativeness: float = _opt(1.0, "scales the starting new_token_ratio (higher: fewer retractions)")
-    clip_max_new_tokens: int = _opt(constants.CLIP_MAX_NEW_TOKENS, "max_new_tokens cap in budget estimates only")
-    radix_eviction_policy: str = _opt("lru", "radix cache eviction order", choices=tuple(EVICTION_POLICIES))
+    schedule_conservativeness: float = _opt(
+        1.0, "scales the starting new_token_ratio (higher: fewer retractions)"
+    )
+    clip_max_new_tokens: int = _opt(
+        constants.CLIP_MAX_NEW_TOKENS, "max_new_tokens cap in budget estimates only"
+    )
+    radix_eviction_policy: str = _opt(
+        "lru", "radix cache eviction order", choices=tuple(EVICTION_POLICIES)
+    )
     disable_radix_cache: bool = _opt(False, "no prefix sharing")
     disable_overlap_schedule: bool | None = _opt(
-        None, "run the normal event loop instead of the overlap loop (default: overlap on CUDA; on CPU the "
-              "normal loop: with two cores the overlap loop gains nothing, equal within +-5% over repeated serving runs)")
-    attention_backend: str | None = _opt(None, "torch | triton (default: triton on CUDA, torch on CPU)")
+        None,
+        "run the normal event loop instead of the overlap loop (default: overlap on CUDA; on CPU the "
+        "normal loop: with two cores the overlap loop gains nothing, equal within +-5% over repeated serving runs)",
+    )
+    attention_backend: str | None = _opt(
+        None, "torch | triton (default: triton on CUDA, torch on CPU)"
+    )
     random_seed: int = _opt(0, "seed for the random schedule policy and unseeded sampling")
     grammar_compile_workers: int = _opt(2, "threads compiling json_schema / regex / ebnf grammars")
-    grammar_compile_timeout: float = _opt(30.0, "seconds a request waits for its grammar to compile before a 400")
+    grammar_compile_timeout: float = _opt(
+        30.0, "seconds a request waits for its grammar to compile before a 400"
+    )
     grammar_max_bytes: int = _opt(65536, "largest json_schema / regex / ebnf accepted, in bytes")
-    grammar_max_nesting_depth: int = _opt(64, "deepest nesting accepted: JSON containers of a schema, brackets "
-                                              "of a regex or ebnf (xgrammar recurses natively over them)")
-    enable_jump_forward: bool = _opt(False, "append text a grammar forces without a forward pass per token "
-                                            "(needs the radix cache)")
-    debug_future_map: bool = _opt(False, "poison the FutureMap and assert every future is written before read")
+    grammar_max_nesting_depth: int = _opt(
+        64,
+        "deepest nesting accepted: JSON containers of a schema, brackets "
+        "of a regex or ebnf (xgrammar recurses natively over them)",
+    )
+    enable_jump_forward: bool = _opt(
+        False,
+        "append text a grammar forces without a forward pass per token (needs the radix cache)",
+    )
+    debug_future_map: bool = _opt(
+        False, "poison the FutureMap and assert every future is written before read"
+    )
 
     @classmethod
     def from_options(cls, **options) -> EngineArgs:
@@ -56,5 +84,7 @@ class EngineArgs:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)
         if unknown:
-            raise TypeError(f"unknown engine option(s) {unknown}; valid options are {sorted(known)}")
+            raise TypeError(
+                f"unknown engine option(s) {unknown}; valid options are {sorted(known)}"
+            )
         return cls(**options)

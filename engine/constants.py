@@ -26,7 +26,9 @@ CLIP_MAX_NEW_TOKENS: int = _env("CLIP_MAX_NEW_TOKENS", 4096)
 """max_new_tokens is clipped to this in budget estimates only, never in generation."""
 IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD: int = _env("IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD", 32)
 """lpm dedup considers only requests whose radix hit is at most this many tokens..."""
-IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD: int = _env("IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD", 32)
+IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD: int = _env(
+    "IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD", 32
+)
 """...and defers those sharing at least this many tokens with a queue-mate."""
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
 """Queue orders of engine/sched/policy.py."""

@@ -19,7 +19,9 @@ class Tokenizer(Protocol):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+    def __init__(
+        self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True
+    ):
         self.tokenizer = tokenizer
         self.stop = list(stop)
         self.skip_special_tokens = skip_special_tokens

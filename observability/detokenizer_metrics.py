@@ -11,18 +11,28 @@ BATCH_TIME_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0
 
 
 class DetokenizerMetrics:
-    def __init__(self, registry: CollectorRegistry, model_name: str, live_requests: Callable[[], int]):
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, live_requests: Callable[[], int]
+    ):
         labels = ["model_name"]
         self.batches = Counter(
-            "radixserve_detokenizer_batches", "Worker output batches turned into text", labels, registry=registry,
+            "radixserve_detokenizer_batches",
+            "Worker output batches turned into text",
+            labels,
+            registry=registry,
         ).labels(model_name)
         self.batch_time = Histogram(
-            "radixserve_detokenizer_batch_time_seconds", "Seconds to detokenize one worker output batch",
-            labels, registry=registry, buckets=BATCH_TIME_BUCKETS,
+            "radixserve_detokenizer_batch_time_seconds",
+            "Seconds to detokenize one worker output batch",
+            labels,
+            registry=registry,
+            buckets=BATCH_TIME_BUCKETS,
         ).labels(model_name)
         Gauge(
-            "radixserve_detokenizer_live_requests", "Requests with incremental detokenizer state",
-            labels, registry=registry,
+            "radixserve_detokenizer_live_requests",
+            "Requests with incremental detokenizer state",
+            labels,
+            registry=registry,
         ).labels(model_name).set_function(live_requests)
 
     def observe_batch(self, seconds: float) -> None:

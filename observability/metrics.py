@@ -5,9 +5,69 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80, 160)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 1.5, 2, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920)
+TTFT_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+    7.5,
+    10,
+    20,
+    40,
+    80,
+    160,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+)
+E2E_BUCKETS = (
+    0.1,
+    0.25,
+    0.5,
+    1,
+    1.5,
+    2,
+    2.5,
+    5,
+    10,
+    15,
+    20,
+    30,
+    40,
+    50,
+    60,
+    120,
+    240,
+    480,
+    960,
+    1920,
+)
 LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -34,22 +94,38 @@ class TokenizerMetrics:
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, registry=registry, buckets=buckets).labels(model_name)
+            return Histogram(name, doc, labels, registry=registry, buckets=buckets).labels(
+                model_name
+            )
 
         self.time_to_first_token = histogram(
-            "radixserve_time_to_first_token_seconds", "Seconds from submission to the first output token", TTFT_BUCKETS)
+            "radixserve_time_to_first_token_seconds",
+            "Seconds from submission to the first output token",
+            TTFT_BUCKETS,
+        )
         self.inter_token_latency = histogram(
-            "radixserve_inter_token_latency_seconds", "Seconds between output tokens (each output's gap / its tokens)",
-            ITL_BUCKETS)
+            "radixserve_inter_token_latency_seconds",
+            "Seconds between output tokens (each output's gap / its tokens)",
+            ITL_BUCKETS,
+        )
         self.e2e_latency = histogram(
-            "radixserve_e2e_request_latency_seconds", "Seconds from submission to the last output", E2E_BUCKETS)
+            "radixserve_e2e_request_latency_seconds",
+            "Seconds from submission to the last output",
+            E2E_BUCKETS,
+        )
         self.prompt_length = histogram(
-            "radixserve_request_prompt_tokens", "Prompt tokens per finished request", LENGTH_BUCKETS)
+            "radixserve_request_prompt_tokens", "Prompt tokens per finished request", LENGTH_BUCKETS
+        )
         self.completion_length = histogram(
-            "radixserve_request_generation_tokens", "Generated tokens per finished request", LENGTH_BUCKETS)
+            "radixserve_request_generation_tokens",
+            "Generated tokens per finished request",
+            LENGTH_BUCKETS,
+        )
         self.aborted = Counter(
-            "radixserve_aborted_requests", "Generation requests that ended in an abort (client gone, refused, failed)",
-            labels, registry=registry,
+            "radixserve_aborted_requests",
+            "Generation requests that ended in an abort (client gone, refused, failed)",
+            labels,
+            registry=registry,
         ).labels(model_name)
 
     def count_request(self, endpoint: str, status: int) -> None:

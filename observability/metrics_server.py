@@ -29,7 +29,9 @@ class MetricsServer:
         self.server = server_cls((host, port), handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, name="metrics-http", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, name="metrics-http", daemon=True
+        )
         self.thread.start()
 
     def close(self) -> None:
@@ -37,7 +39,9 @@ class MetricsServer:
         self.server.server_close()
 
 
-def start_metrics_server(host: str, port: int, registry: CollectorRegistry, health: HealthCheck) -> MetricsServer | None:
+def start_metrics_server(
+    host: str, port: int, registry: CollectorRegistry, health: HealthCheck
+) -> MetricsServer | None:
     """A running MetricsServer, or None (logged) when the port cannot be bound: losing
     metrics must not take the serving process down with it."""
     try:
@@ -65,7 +69,9 @@ def _handler(registry: CollectorRegistry, health: HealthCheck) -> type[BaseHTTPR
             else:
                 self._reply(404, b"not found: try /metrics or /healthz\n")
 
-        def _reply(self, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8") -> None:
+        def _reply(
+            self, status: int, body: bytes, content_type: str = "text/plain; charset=utf-8"
+        ) -> None:
             self.send_response(status)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))

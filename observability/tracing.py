@@ -57,13 +57,22 @@ class Tracing:
         with self.tracer.start_as_current_span(name, attributes=attributes) as span:
             yield span
 
-    def server_span(self, name: str, headers: Mapping[str, str]) -> contextlib.AbstractContextManager[Span]:
+    def server_span(
+        self, name: str, headers: Mapping[str, str]
+    ) -> contextlib.AbstractContextManager[Span]:
         """The root of a request's trace in this service, or a child of the caller's
         `traceparent` header if it sent one."""
-        return self.tracer.start_as_current_span(name, context=self.extract(headers), kind=SpanKind.SERVER)
+        return self.tracer.start_as_current_span(
+            name, context=self.extract(headers), kind=SpanKind.SERVER
+        )
 
     def record(
-        self, name: str, carrier: Mapping[str, str], start: float, end: float, error: str | None = None,
+        self,
+        name: str,
+        carrier: Mapping[str, str],
+        start: float,
+        end: float,
+        error: str | None = None,
         **attributes: str | int | float,
     ) -> None:
         """A finished span, child of `carrier`'s context, from `start` to `end` (time.monotonic()).
@@ -71,7 +80,10 @@ class Tracing:
         if "traceparent" not in carrier:
             return
         span = self.tracer.start_span(
-            name, context=self.extract(carrier), attributes=attributes, start_time=self._wall_ns(start)
+            name,
+            context=self.extract(carrier),
+            attributes=attributes,
+            start_time=self._wall_ns(start),
         )
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, error))
@@ -92,14 +104,20 @@ def setup_tracing(role: str, env: Mapping[str, str] = os.environ) -> Tracing | N
     # Imported only when used: the exporter pulls in protobuf and requests.
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    resource = Resource.create({"service.name": f"radixserve-{role}", "service.namespace": "radixserve"})
+    resource = Resource.create(
+        {"service.name": f"radixserve-{role}", "service.namespace": "radixserve"}
+    )
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    logger.info("exporting traces over OTLP/HTTP to %s", next(env[n] for n in ENDPOINT_VARIABLES if env.get(n)))
+    logger.info(
+        "exporting traces over OTLP/HTTP to %s",
+        next(env[n] for n in ENDPOINT_VARIABLES if env.get(n)),
+    )
     return Tracing(provider)
 
 
-def maybe_span(tracing: Tracing | None, name: str, **attributes: str | int | float) -> contextlib.AbstractContextManager:
+def maybe_span(
+    tracing: Tracing | None, name: str, **attributes: str | int | float
+) -> contextlib.AbstractContextManager:
     """`tracing.span(name)`, or nothing at all when tracing is off."""
     return contextlib.nullcontext() if tracing is None else tracing.span(name, **attributes)
-

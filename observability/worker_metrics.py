@@ -23,7 +23,24 @@ ROLLING_WINDOW_S = 60.0
 ROLLING_POINT_S = 1.0
 """Spacing of the samples kept for them."""
 
-QUEUE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+QUEUE_TIME_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 FORWARD_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 COMPILE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
@@ -88,13 +105,17 @@ class _Rolling:
             return 0.0
         oldest, newest = self.points[0], self.points[-1]
         elapsed = newest.time - oldest.time
-        return (newest.generation_tokens - oldest.generation_tokens) / elapsed if elapsed > 0 else 0.0
+        return (
+            (newest.generation_tokens - oldest.generation_tokens) / elapsed if elapsed > 0 else 0.0
+        )
 
 
 class WorkerMetrics(Collector):
     """Every worker metric, on `registry`, labelled `model_name` and `tp_rank`."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, tp_rank: int = 0, page_size: int = 1):
+    def __init__(
+        self, registry: CollectorRegistry, model_name: str, tp_rank: int = 0, page_size: int = 1
+    ):
         self.labels = {"model_name": model_name, "tp_rank": str(tp_rank)}
         self.page_size = page_size
         self.lock = threading.Lock()
@@ -102,24 +123,38 @@ class WorkerMetrics(Collector):
         self.rolling = _Rolling()
         names, values = list(self.labels), list(self.labels.values())
         self.queue_time = Histogram(
-            "radixserve_queue_time_seconds", "Seconds from arrival at the worker to first admission into a batch",
-            names, registry=registry, buckets=QUEUE_TIME_BUCKETS,
+            "radixserve_queue_time_seconds",
+            "Seconds from arrival at the worker to first admission into a batch",
+            names,
+            registry=registry,
+            buckets=QUEUE_TIME_BUCKETS,
         ).labels(*values)
         self.batch_size = Histogram(
-            "radixserve_batch_size", "Requests per forward batch, by forward mode",
-            [*names, "mode"], registry=registry, buckets=BATCH_SIZE_BUCKETS,
+            "radixserve_batch_size",
+            "Requests per forward batch, by forward mode",
+            [*names, "mode"],
+            registry=registry,
+            buckets=BATCH_SIZE_BUCKETS,
         )
         self.forward_time = Histogram(
-            "radixserve_forward_time_seconds", "Seconds per forward pass and sampling, by forward mode",
-            [*names, "mode"], registry=registry, buckets=FORWARD_TIME_BUCKETS,
+            "radixserve_forward_time_seconds",
+            "Seconds per forward pass and sampling, by forward mode",
+            [*names, "mode"],
+            registry=registry,
+            buckets=FORWARD_TIME_BUCKETS,
         )
         self.grammar_compile_time = Histogram(
-            "radixserve_grammar_compile_time_seconds", "Seconds to compile a grammar (cache hits excluded)",
-            names, registry=registry, buckets=COMPILE_TIME_BUCKETS,
+            "radixserve_grammar_compile_time_seconds",
+            "Seconds to compile a grammar (cache hits excluded)",
+            names,
+            registry=registry,
+            buckets=COMPILE_TIME_BUCKETS,
         ).labels(*values)
         self.grammar_compile_failures = Counter(
-            "radixserve_grammar_compile_failures", "Grammars refused: invalid, or over the size and nesting limits",
-            names, registry=registry,
+            "radixserve_grammar_compile_failures",
+            "Grammars refused: invalid, or over the size and nesting limits",
+            names,
+            registry=registry,
         ).labels(*values)
         registry.register(self)
 
@@ -153,47 +188,97 @@ class WorkerMetrics(Collector):
         if s is None:
             return
         counters = (
-            ("radixserve_prefix_cache_hit_tokens", "Prompt tokens served from the radix tree, once per request at "
-             "first admission", s.cache_hit_tokens),
-            ("radixserve_prefix_cache_query_tokens", "Prompt tokens of those same first admissions",
-             s.cache_query_tokens),
-            ("radixserve_prompt_tokens", "Prompt tokens computed by prefill (radix hits excluded; a retracted "
-             "request's re-prefill counts again)", s.prompt_tokens),
+            (
+                "radixserve_prefix_cache_hit_tokens",
+                "Prompt tokens served from the radix tree, once per request at first admission",
+                s.cache_hit_tokens,
+            ),
+            (
+                "radixserve_prefix_cache_query_tokens",
+                "Prompt tokens of those same first admissions",
+                s.cache_query_tokens,
+            ),
+            (
+                "radixserve_prompt_tokens",
+                "Prompt tokens computed by prefill (radix hits excluded; a retracted "
+                "request's re-prefill counts again)",
+                s.prompt_tokens,
+            ),
             ("radixserve_generation_tokens", "Tokens generated", s.generation_tokens),
-            ("radixserve_retracted_requests", "Running requests sent back to the queue for lack of KV slots",
-             s.retracted_requests),
-            ("radixserve_retracted_input_tokens", "Prompt tokens of retracted requests", s.retracted_input_tokens),
-            ("radixserve_retracted_output_tokens", "Generated tokens of retracted requests, to be recomputed",
-             s.retracted_output_tokens),
-            ("radixserve_radix_evicted_tokens", "Tokens evicted from the radix tree", s.evicted_tokens),
+            (
+                "radixserve_retracted_requests",
+                "Running requests sent back to the queue for lack of KV slots",
+                s.retracted_requests,
+            ),
+            (
+                "radixserve_retracted_input_tokens",
+                "Prompt tokens of retracted requests",
+                s.retracted_input_tokens,
+            ),
+            (
+                "radixserve_retracted_output_tokens",
+                "Generated tokens of retracted requests, to be recomputed",
+                s.retracted_output_tokens,
+            ),
+            (
+                "radixserve_radix_evicted_tokens",
+                "Tokens evicted from the radix tree",
+                s.evicted_tokens,
+            ),
         )
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
         gauges = (
-            ("radixserve_cache_hit_rate", f"Prefix-cache hit tokens / query tokens over the last "
-             f"{ROLLING_WINDOW_S:g} s (dashboards use the counters)", hit_rate),
-            ("radixserve_generation_tokens_per_second", f"Generated tokens per second over the last "
-             f"{ROLLING_WINDOW_S:g} s", throughput),
-            ("radixserve_new_token_ratio", "Current overcommit ratio applied to running requests' reservations",
-             s.new_token_ratio),
-            ("radixserve_radix_evictable_tokens", "Tokens in the radix tree that no request holds",
-             s.evictable_tokens),
-            ("radixserve_radix_protected_tokens", "Tokens in the radix tree locked by running requests",
-             s.protected_tokens),
-            ("radixserve_kv_usage_ratio", "(total - available - evictable) / total: KV held by live requests",
-             s.kv_usage),
+            (
+                "radixserve_cache_hit_rate",
+                f"Prefix-cache hit tokens / query tokens over the last "
+                f"{ROLLING_WINDOW_S:g} s (dashboards use the counters)",
+                hit_rate,
+            ),
+            (
+                "radixserve_generation_tokens_per_second",
+                f"Generated tokens per second over the last {ROLLING_WINDOW_S:g} s",
+                throughput,
+            ),
+            (
+                "radixserve_new_token_ratio",
+                "Current overcommit ratio applied to running requests' reservations",
+                s.new_token_ratio,
+            ),
+            (
+                "radixserve_radix_evictable_tokens",
+                "Tokens in the radix tree that no request holds",
+                s.evictable_tokens,
+            ),
+            (
+                "radixserve_radix_protected_tokens",
+                "Tokens in the radix tree locked by running requests",
+                s.protected_tokens,
+            ),
+            (
+                "radixserve_kv_usage_ratio",
+                "(total - available - evictable) / total: KV held by live requests",
+                s.kv_usage,
+            ),
             ("radixserve_kv_total_tokens", "KV pool size in tokens", s.total_tokens),
             ("radixserve_num_requests_running", "Requests in the running batch", s.num_running),
             ("radixserve_num_requests_waiting", "Requests waiting for admission", s.num_waiting),
-            ("radixserve_num_requests_grammar_queue", "Requests waiting for their grammar to compile",
-             s.num_grammar_queue),
+            (
+                "radixserve_num_requests_grammar_queue",
+                "Requests waiting for their grammar to compile",
+                s.num_grammar_queue,
+            ),
         )
         for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
         info = GaugeMetricFamily(
-            "radixserve_cache_config_info", "KV cache layout (value 1)", labels=[*self.labels, "page_size", "num_pages"]
+            "radixserve_cache_config_info",
+            "KV cache layout (value 1)",
+            labels=[*self.labels, "page_size", "num_pages"],
         )
-        info.add_metric([*self.labels.values(), str(self.page_size), str(s.total_tokens // self.page_size)], 1)
+        info.add_metric(
+            [*self.labels.values(), str(self.page_size), str(s.total_tokens // self.page_size)], 1
+        )
         yield info
 
     def _family(self, cls: type, name: str, doc: str, value: float) -> Metric:

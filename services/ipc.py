@@ -52,8 +52,11 @@ def bind_pull(ctx: zmq.Context, port: int, hwm: int = DEFAULT_HWM) -> zmq.Socket
         sock.bind(endpoint)
     except zmq.ZMQError as e:
         sock.close()
-        raise OSError(e.errno, f"cannot bind {endpoint}: {e.strerror} (another process holds the port? "
-                               "each port has a --*-port flag)") from e
+        raise OSError(
+            e.errno,
+            f"cannot bind {endpoint}: {e.strerror} (another process holds the port? "
+            "each port has a --*-port flag)",
+        ) from e
     return sock
 
 
@@ -102,7 +105,9 @@ class Sender:
 
     def __init__(self, sock: zmq.Socket, sender: str, epoch: str, heartbeat_interval: float = 1.0):
         if isinstance(sock, zmq.asyncio.Socket):
-            raise TypeError("Sender needs a plain zmq socket (from zmq.Context), not a zmq.asyncio one")
+            raise TypeError(
+                "Sender needs a plain zmq socket (from zmq.Context), not a zmq.asyncio one"
+            )
         self.sock = sock
         self.sender = sender
         self.epoch = epoch
@@ -123,7 +128,10 @@ class Sender:
             if dropped:
                 logger.warning(
                     "%s → %s: peer not connected or send queue full; dropped %d message(s) (latest %s)",
-                    self.sender, self.sock.getsockopt_string(zmq.LAST_ENDPOINT), dropped, type(msg).__name__,
+                    self.sender,
+                    self.sock.getsockopt_string(zmq.LAST_ENDPOINT),
+                    dropped,
+                    type(msg).__name__,
                 )
             return False
         return True
@@ -165,14 +173,21 @@ class Outbox:
         self.flush()
 
     def flush(self) -> None:
-        while self.held and self.sender.sock.poll(0, zmq.POLLOUT) and self.sender.send(self.held[0]):
+        while (
+            self.held and self.sender.sock.poll(0, zmq.POLLOUT) and self.sender.send(self.held[0])
+        ):
             self.held.popleft()
         while len(self.held) > self.max_held:
             msg = self.held.popleft()
             dropped = self._dropped.hit()
             if dropped:
-                logger.warning("%s: peer unreachable; held %d message(s), dropped %d (latest %s)",
-                               self.sender.sender, len(self.held), dropped, type(msg).__name__)
+                logger.warning(
+                    "%s: peer unreachable; held %d message(s), dropped %d (latest %s)",
+                    self.sender.sender,
+                    len(self.held),
+                    dropped,
+                    type(msg).__name__,
+                )
 
 
 class _Decoder:
@@ -190,7 +205,9 @@ class _Decoder:
         except ProtocolError as e:
             dropped = self._bad.hit()
             if dropped:
-                logger.warning("%s: dropped %d malformed message(s); latest: %s", self.name, dropped, e)
+                logger.warning(
+                    "%s: dropped %d malformed message(s); latest: %s", self.name, dropped, e
+                )
             return None
 
 
@@ -291,7 +308,9 @@ class PeerMonitor:
     def is_alive(self, peer: str) -> bool:
         """Heard from within `misses` heartbeat intervals (never heard from: False)."""
         state = self._peers.get(peer)
-        return state is not None and time.monotonic() - state.last_seen <= self.misses * self.interval
+        return (
+            state is not None and time.monotonic() - state.last_seen <= self.misses * self.interval
+        )
 
     def epoch(self, peer: str) -> str | None:
         state = self._peers.get(peer)

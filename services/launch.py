@@ -26,12 +26,18 @@ STOP_TIMEOUT_S = 5.0
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="radixserve", description="An SGLang-style LLM serving engine.")
-    parser.add_argument("--version", action="version", version=f"radixserve {version('radixserve')}")
+    parser = argparse.ArgumentParser(
+        prog="radixserve", description="An SGLang-style LLM serving engine."
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"radixserve {version('radixserve')}"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("radix-demo", help="print a small simulated radix tree (no model needed)")
     # The serve flags are the Settings flags; `radixserve serve --help` lists them.
-    commands.add_parser("serve", help="serve the OpenAI-compatible API (all three processes)", add_help=False)
+    commands.add_parser(
+        "serve", help="serve the OpenAI-compatible API (all three processes)", add_help=False
+    )
     args, rest = parser.parse_known_args(argv)
     if args.command == "radix-demo":
         if rest:
@@ -65,14 +71,23 @@ def serve(argv: list[str]) -> int:
             dead = children.first_exited()
             if dead is not None:
                 role, code = dead
-                print(f"radixserve: the {role} process exited with status {code}; stopping the others",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"radixserve: the {role} process exited with status {code}; stopping the others",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
             if not ready and _is_ready(base_url):
                 ready = True
-                print(f"radixserve: serving {settings.served_model_name} at {base_url}/v1", flush=True)
+                print(
+                    f"radixserve: serving {settings.served_model_name} at {base_url}/v1", flush=True
+                )
             time.sleep(POLL_INTERVAL_S)
-        print(f"radixserve: received {signal.Signals(stop_signal[0]).name}; stopping", file=sys.stderr, flush=True)
+        print(
+            f"radixserve: received {signal.Signals(stop_signal[0]).name}; stopping",
+            file=sys.stderr,
+            flush=True,
+        )
         return 0
     finally:
         children.stop()
@@ -88,7 +103,9 @@ class ServiceGroup:
 
     def start(self) -> None:
         for role in ROLES:
-            proc = subprocess.Popen([sys.executable, "-m", f"services.{role}", *self.argv], start_new_session=True)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", f"services.{role}", *self.argv], start_new_session=True
+            )
             self.procs[role] = proc
             print(f"radixserve: started {role} (pid {proc.pid})", flush=True)
 

@@ -74,7 +74,9 @@ class Service(ABC):
         self.senders: list[Sender] = []
         self.outboxes: list[Outbox] = []
         self.peer_ports: list[int] = []
-        self.heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeats", daemon=True)
+        self.heartbeats = threading.Thread(
+            target=self._heartbeat_loop, name="heartbeats", daemon=True
+        )
         self.stopping = False
         self.registry = CollectorRegistry()
         self.metrics_server: MetricsServer | None = None
@@ -86,7 +88,9 @@ class Service(ABC):
 
     def serve_metrics(self, port: int) -> None:
         """Start `/metrics` (of `self.registry`) and `/healthz` on `settings.host`."""
-        self.metrics_server = start_metrics_server(self.settings.host, port, self.registry, self.stalled)
+        self.metrics_server = start_metrics_server(
+            self.settings.host, port, self.registry, self.stalled
+        )
 
     def stalled(self) -> str | None:
         """Why the loop looks stuck, or None while it turns."""
@@ -96,7 +100,9 @@ class Service(ABC):
         return f"the {self.role} loop has not finished a turn for {idle:.0f} s"
 
     def connect(self, port: int) -> Sender:
-        sender = Sender(connect_push(self.ctx, port), self.role, self.epoch, self.settings.heartbeat_interval)
+        sender = Sender(
+            connect_push(self.ctx, port), self.role, self.epoch, self.settings.heartbeat_interval
+        )
         self.senders.append(sender)
         self.peer_ports.append(port)
         return sender
@@ -127,7 +133,9 @@ class Service(ABC):
 
     def serve_forever(self) -> None:
         """Run until SIGTERM or SIGINT, then close the sockets and return."""
-        previous = {sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {
+            sig: signal.signal(sig, self._request_stop) for sig in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             for sender in self.senders:
                 sender.hello()
@@ -175,8 +183,15 @@ class Service(ABC):
     def _heartbeat_loop(self) -> None:
         """Beat to every peer on sockets of this thread's own (a zmq socket belongs to one
         thread); exit the process once the loop has not turned for `watchdog_timeout`."""
-        senders = [Sender(connect_push(self.ctx, port), self.role, self.epoch, self.settings.heartbeat_interval)
-                   for port in self.peer_ports]
+        senders = [
+            Sender(
+                connect_push(self.ctx, port),
+                self.role,
+                self.epoch,
+                self.settings.heartbeat_interval,
+            )
+            for port in self.peer_ports
+        ]
         try:
             while not self.stopping:
                 for sender in senders:
@@ -185,7 +200,9 @@ class Service(ABC):
                 if idle > self.settings.watchdog_timeout:
                     logger.critical(
                         "watchdog: the %s loop has not finished a turn for %.0f s (--watchdog-timeout %g); exiting",
-                        self.role, idle, self.settings.watchdog_timeout,
+                        self.role,
+                        idle,
+                        self.settings.watchdog_timeout,
                     )
                     logging.shutdown()
                     os._exit(WATCHDOG_EXIT_CODE)

@@ -178,12 +178,20 @@ class _BatchOutput(_Msg, kw_only=True):
         for name in self._per_rid_fields():
             column = getattr(self, name)
             if column is not None and len(column) != n:
-                raise ValueError(f"{type(self).__name__}.{name} has {len(column)} entries for {n} rids")
-        for name in ("output_token_logprobs_val", "output_top_logprobs_val", "output_top_logprobs_idx"):
+                raise ValueError(
+                    f"{type(self).__name__}.{name} has {len(column)} entries for {n} rids"
+                )
+        for name in (
+            "output_token_logprobs_val",
+            "output_top_logprobs_val",
+            "output_top_logprobs_idx",
+        ):
             column = getattr(self, name)
             for rid, ids, values in zip(self.rids, self.output_ids, column or ()):
                 if values and len(values) != len(ids):
-                    raise ValueError(f"{name} of {rid!r} has {len(values)} entries for {len(ids)} new tokens")
+                    raise ValueError(
+                        f"{name} of {rid!r} has {len(values)} entries for {len(ids)} new tokens"
+                    )
 
     def _per_rid_fields(self) -> tuple[str, ...]:
         return tuple(f for f in self.__struct_fields__ if f not in ("sender", "epoch", "rids"))

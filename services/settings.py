@@ -37,33 +37,49 @@ class Settings(EngineArgs):
     worker_port: int = _opt(30010, "ZMQ tokenizer → worker")
     detokenizer_port: int = _opt(30011, "ZMQ worker → detokenizer")
     tokenizer_port: int = _opt(30012, "ZMQ detokenizer → tokenizer")
-    tokenizer_control_port: int = _opt(30013, "ZMQ worker → tokenizer (ready, control replies, heartbeats)")
+    tokenizer_control_port: int = _opt(
+        30013, "ZMQ worker → tokenizer (ready, control replies, heartbeats)"
+    )
     worker_metrics_port: int = _opt(30001, "worker /metrics and /healthz (bound on --host)")
-    detokenizer_metrics_port: int = _opt(30002, "detokenizer /metrics and /healthz (bound on --host)")
+    detokenizer_metrics_port: int = _opt(
+        30002, "detokenizer /metrics and /healthz (bound on --host)"
+    )
     stall_timeout: float = _opt(
-        60.0, "worker and detokenizer /healthz answer 503 once their loop has not finished a turn for this long (s)"
+        60.0,
+        "worker and detokenizer /healthz answer 503 once their loop has not finished a turn for this long (s)",
     )
     graceful_shutdown_timeout: float = _opt(
-        5.0, "on SIGTERM the tokenizer stops accepting and gives open streams this long to finish (s)"
+        5.0,
+        "on SIGTERM the tokenizer stops accepting and gives open streams this long to finish (s)",
     )
     watchdog_timeout: float = _opt(
-        300.0, "worker and detokenizer exit (status 3) once their loop has not finished a turn for this long (s)"
+        300.0,
+        "worker and detokenizer exit (status 3) once their loop has not finished a turn for this long (s)",
     )
     grammar_backend: str = _opt("xgrammar", "structured output backend", choices=GRAMMAR_BACKENDS)
     # repr=False: settings get logged at startup, the key must not be.
     api_key: str | None = field(
-        default=None, repr=False,
-        metadata={"help": "bearer key required on the API (not on /metrics, /health*); prefer the env variable"},
+        default=None,
+        repr=False,
+        metadata={
+            "help": "bearer key required on the API (not on /metrics, /health*); prefer the env variable"
+        },
     )
     log_level: str = _opt("info", "logging level", choices=LOG_LEVELS)
-    max_tokens_cap: int = _opt(4096, "server-side cap on a request's max_tokens, protecting the KV pool")
-    heartbeat_interval: float = _opt(1.0, "seconds between heartbeats; a peer silent for 3 intervals is dead")
+    max_tokens_cap: int = _opt(
+        4096, "server-side cap on a request's max_tokens, protecting the KV pool"
+    )
+    heartbeat_interval: float = _opt(
+        1.0, "seconds between heartbeats; a peer silent for 3 intervals is dead"
+    )
     max_queued_requests: int | None = _opt(
-        None, "load shedding: answer 429 while this many requests wait for their first token (none: no limit)"
+        None,
+        "load shedding: answer 429 while this many requests wait for their first token (none: no limit)",
     )
     request_timeout: float | None = _opt(
-        None, "abort a request (504) still unfinished this many seconds after submission, freeing its KV "
-        "(none: no limit)"
+        None,
+        "abort a request (504) still unfinished this many seconds after submission, freeing its KV "
+        "(none: no limit)",
     )
 
     def __post_init__(self) -> None:
@@ -74,7 +90,9 @@ class Settings(EngineArgs):
         for f in fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+                raise ValueError(
+                    f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}"
+                )
         by_port: dict[int, list[str]] = {}
         for name in _PORT_FIELDS:
             port = getattr(self, name)
@@ -91,11 +109,15 @@ class Settings(EngineArgs):
         if not self.stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout}")
         if not self.graceful_shutdown_timeout >= 0:
-            raise ValueError(f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}")
+            raise ValueError(
+                f"graceful_shutdown_timeout must be >= 0, got {self.graceful_shutdown_timeout}"
+            )
         if not self.watchdog_timeout > 0:
             raise ValueError(f"watchdog_timeout must be > 0, got {self.watchdog_timeout}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
-            raise ValueError(f"max_queued_requests must be >= 1 (or none), got {self.max_queued_requests}")
+            raise ValueError(
+                f"max_queued_requests must be >= 1 (or none), got {self.max_queued_requests}"
+            )
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 (or none), got {self.request_timeout}")
 
@@ -104,7 +126,10 @@ class Settings(EngineArgs):
 
     @classmethod
     def from_cli(
-        cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, prog: str | None = None
+        cls,
+        argv: Sequence[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        prog: str | None = None,
     ) -> Settings:
         """Parse flags (default: sys.argv[1:]) over `RADIXSERVE_*` variables (default:
         os.environ). Bad values exit with status 2 and a message naming the flag or variable."""
@@ -117,8 +142,13 @@ class Settings(EngineArgs):
 
 
 _PORT_FIELDS = (
-    "port", "worker_port", "detokenizer_port", "tokenizer_port", "tokenizer_control_port",
-    "worker_metrics_port", "detokenizer_metrics_port",
+    "port",
+    "worker_port",
+    "detokenizer_port",
+    "tokenizer_port",
+    "tokenizer_control_port",
+    "worker_metrics_port",
+    "detokenizer_metrics_port",
 )
 
 
@@ -146,12 +176,18 @@ def build_parser(env: Mapping[str, str], prog: str | None = None) -> argparse.Ar
         help_text = f"{f.metadata.get('help', '')}{shown} [env {env_name}]".replace("%", "%%")
         flag = "--" + f.name.replace("_", "-")
         if base is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
         else:
             choices = f.metadata.get("choices")
             parser.add_argument(
-                flag, type=parse, default=default, help=help_text,
-                choices=choices, metavar=None if choices else f.name.upper(),
+                flag,
+                type=parse,
+                default=default,
+                help=help_text,
+                choices=choices,
+                metavar=None if choices else f.name.upper(),
             )
     return parser
 
@@ -184,7 +220,11 @@ def _parse_int(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        hint = " (Kubernetes service links set <SERVICE>_PORT; set enableServiceLinks: false)" if "://" in text else ""
+        hint = (
+            " (Kubernetes service links set <SERVICE>_PORT; set enableServiceLinks: false)"
+            if "://" in text
+            else ""
+        )
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}{hint}") from None
 
 
@@ -207,4 +247,9 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false (1/0, yes/no, on/off), got {text!r}")
 
 
-_PARSERS: dict[type, Callable[[str], Any]] = {str: str, int: _parse_int, float: _parse_float, bool: _parse_bool}
+_PARSERS: dict[type, Callable[[str], Any]] = {
+    str: str,
+    int: _parse_int,
+    float: _parse_float,
+    bool: _parse_bool,
+}

@@ -79,8 +79,13 @@ def completion_payload(model: str, prompt: Prompt, output_len: int) -> dict[str,
     """Greedy, exactly `output_len` tokens (`ignore_eos`: vLLM's and SGLang's extra, which
     radixserve accepts too), streamed with a closing usage chunk to count tokens by."""
     return {
-        "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-        "stream": True, "stream_options": {"include_usage": True},
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
     }
 
 
@@ -101,7 +106,7 @@ async def stream_completion(
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     done = True
                     break
@@ -141,7 +146,9 @@ async def stream_completion(
     return result
 
 
-async def scrape_cache_counters(http: httpx2.AsyncClient, urls: Sequence[str]) -> tuple[float, float] | None:
+async def scrape_cache_counters(
+    http: httpx2.AsyncClient, urls: Sequence[str]
+) -> tuple[float, float] | None:
     """The prefix-cache counters from the first of `urls` that exports them; None when none
     does or none answers (the benchmark must run against any server)."""
     for url in urls:
@@ -175,8 +182,12 @@ async def served_model(http: httpx2.AsyncClient, base_url: str) -> str:
 
 
 def new_http_client(concurrency: int | None, timeout_s: float) -> httpx2.AsyncClient:
-    limits = httpx2.Limits(max_connections=concurrency or 1000, max_keepalive_connections=concurrency or 1000)
-    return httpx2.AsyncClient(timeout=httpx2.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False)
+    limits = httpx2.Limits(
+        max_connections=concurrency or 1000, max_keepalive_connections=concurrency or 1000
+    )
+    return httpx2.AsyncClient(
+        timeout=httpx2.Timeout(timeout_s, connect=10.0), limits=limits, trust_env=False
+    )
 
 
 async def run(
@@ -201,16 +212,23 @@ async def run(
         if metrics_urls is None:
             metrics_urls = await discover_metrics_urls(http, base_url)
         for prompt in warmup:
-            if (error := (await stream_completion(http, url, completion_payload(model, prompt, 4), 0)).error):
+            if error := (
+                await stream_completion(http, url, completion_payload(model, prompt, 4), 0)
+            ).error:
                 raise RuntimeError(f"the warm-up request to {url} failed: {error}")
         before = await scrape_cache_counters(http, metrics_urls)
         start = time.perf_counter()
         results = await dispatch(
             requests,
             lambda i: stream_completion(
-                http, url, completion_payload(model, prompts[i], requests[i].output_len), len(requests[i].prompt)
+                http,
+                url,
+                completion_payload(model, prompts[i], requests[i].output_len),
+                len(requests[i].prompt),
             ),
-            concurrency, request_rate, seed,
+            concurrency,
+            request_rate,
+            seed,
         )
         duration = time.perf_counter() - start
         after = await scrape_cache_counters(http, metrics_urls)

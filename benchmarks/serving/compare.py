@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,7 +36,14 @@ from benchmarks.serving.decode_ceiling import DEFAULT_BANDWIDTH_GBS, ceiling
 from benchmarks.serving.hf_peer import HFGeneratePeer
 from benchmarks.serving.metrics import summarize
 from benchmarks.serving.server_peer import RadixServer, ServerPeer
-from benchmarks.serving.workloads import WORKLOADS, BenchRequest, WorkloadConfig, build, fixed_length, warmup_prompt
+from benchmarks.serving.workloads import (
+    WORKLOADS,
+    BenchRequest,
+    WorkloadConfig,
+    build,
+    fixed_length,
+    warmup_prompt,
+)
 
 COMMON_SERVER_FLAGS = ("--model", "embedded", "--dtype", "bfloat16", "--heartbeat-interval", "20")
 """`--heartbeat-interval 20`: the worker heartbeats from its scheduler loop, so a prefill
@@ -48,13 +55,27 @@ in-batch dedup of shared prefixes); with the radix cache off it falls back to fc
 
 SERVER_PEERS = {
     "rs-all-on": ServerPeer("radix cache on, overlap loop on", ("--no-disable-overlap-schedule",)),
-    "rs-overlap-off": ServerPeer("radix cache on, normal loop (the CPU default)", ("--disable-overlap-schedule",)),
-    "rs-radix-off": ServerPeer("radix cache off, normal loop", ("--disable-radix-cache", "--disable-overlap-schedule")),
+    "rs-overlap-off": ServerPeer(
+        "radix cache on, normal loop (the CPU default)", ("--disable-overlap-schedule",)
+    ),
+    "rs-radix-off": ServerPeer(
+        "radix cache off, normal loop", ("--disable-radix-cache", "--disable-overlap-schedule")
+    ),
 }
 HF_PEERS = {"hf-bf16": "bfloat16", "hf-fp32": "float32"}
 PEERS = [*HF_PEERS, *SERVER_PEERS]
-SMOKE = WorkloadConfig(requests=4, output_len=4, groups=2, system_len=32, question_len=8, turns=2, user_len=16,
-                       shots=2, shot_len=16, random_len=48)
+SMOKE = WorkloadConfig(
+    requests=4,
+    output_len=4,
+    groups=2,
+    system_len=32,
+    question_len=8,
+    turns=2,
+    user_len=16,
+    shots=2,
+    shot_len=16,
+    random_len=48,
+)
 
 
 class Runner(Protocol):
@@ -68,10 +89,16 @@ class ServerRunner:
 
     def run(self, requests: list[BenchRequest], concurrency: int) -> RunResult:
         self.server.flush_cache()
-        return asyncio.run(client.run(
-            self.server.base_url, requests, [r.prompt for r in requests], concurrency=concurrency,
-            metrics_urls=self.server.metrics_urls, warmup=[self.warmup],
-        ))
+        return asyncio.run(
+            client.run(
+                self.server.base_url,
+                requests,
+                [r.prompt for r in requests],
+                concurrency=concurrency,
+                metrics_urls=self.server.metrics_urls,
+                warmup=[self.warmup],
+            )
+        )
 
 
 class HFRunner:
@@ -85,7 +112,9 @@ class HFRunner:
 
 
 @contextmanager
-def open_peer(name: str, server_args: list[str], warmup: list[int], hf_device: str) -> Iterator[Runner]:
+def open_peer(
+    name: str, server_args: list[str], warmup: list[int], hf_device: str
+) -> Iterator[Runner]:
     if name in HF_PEERS:
         yield HFRunner(HF_PEERS[name], hf_device, warmup)
         return
@@ -95,66 +124,120 @@ def open_peer(name: str, server_args: list[str], warmup: list[int], hf_device: s
 
 
 def peer_descriptions(server_args: list[str], hf_device: str) -> dict[str, str]:
-    described = {name: f"transformers `generate`, static batches, {dtype} on {hf_device}"
-                 for name, dtype in HF_PEERS.items()}
+    described = {
+        name: f"transformers `generate`, static batches, {dtype} on {hf_device}"
+        for name, dtype in HF_PEERS.items()
+    }
     for name, peer in SERVER_PEERS.items():
         flags = shlex.join([*COMMON_SERVER_FLAGS, *server_args, *peer.flags])
         described[name] = f"radixserve: {peer.name} (`radixserve serve {flags}`)"
     return described
 
 
-def cell_record(peer: str, repeat: int, workload: str, concurrency: int, result: RunResult) -> dict[str, Any]:
+def cell_record(
+    peer: str, repeat: int, workload: str, concurrency: int, result: RunResult
+) -> dict[str, Any]:
     summary = summarize(result.results, result.duration_s, result.radix_hit_rate)
     return {
-        "peer": peer, "repeat": repeat, "workload": workload, "concurrency": concurrency,
+        "peer": peer,
+        "repeat": repeat,
+        "workload": workload,
+        "concurrency": concurrency,
         "summary": dataclasses.asdict(summary),
-        "ttft_ms": [r.ttft * 1000 for r in result.results if r.error is None and r.ttft is not None],
+        "ttft_ms": [
+            r.ttft * 1000 for r in result.results if r.error is None and r.ttft is not None
+        ],
     }
 
 
-def run_matrix(args: argparse.Namespace, cfg: WorkloadConfig, record: dict[str, Any], json_path: Path) -> None:
-    cells = [] if args.decode_only else [(w, c, build(w, cfg)) for w in args.workloads for c in args.concurrency]
-    cells.append(("decode", args.decode_batch, fixed_length(cfg, args.decode_batch, args.decode_context)))
+def run_matrix(
+    args: argparse.Namespace, cfg: WorkloadConfig, record: dict[str, Any], json_path: Path
+) -> None:
+    cells = (
+        []
+        if args.decode_only
+        else [(w, c, build(w, cfg)) for w in args.workloads for c in args.concurrency]
+    )
+    cells.append(
+        ("decode", args.decode_batch, fixed_length(cfg, args.decode_batch, args.decode_context))
+    )
     server_args = shlex.split(args.server_args)
     start = time.perf_counter()
     for repeat in range(args.repeat):
         for peer in args.peers:
-            print(f"[{time.perf_counter() - start:6.0f} s] {peer} (round {repeat + 1}/{args.repeat})", flush=True)
+            print(
+                f"[{time.perf_counter() - start:6.0f} s] {peer} (round {repeat + 1}/{args.repeat})",
+                flush=True,
+            )
             with open_peer(peer, server_args, warmup_prompt(cfg), args.hf_device) as runner:
                 for workload, concurrency, requests in cells:
-                    entry = cell_record(peer, repeat, workload, concurrency, runner.run(requests, concurrency))
+                    entry = cell_record(
+                        peer, repeat, workload, concurrency, runner.run(requests, concurrency)
+                    )
                     record["results"].append(entry)
                     json_path.write_text(json.dumps(record, indent=1))
                     s = entry["summary"]
-                    print(f"[{time.perf_counter() - start:6.0f} s]   {workload:<13} c={concurrency:<3} "
-                          f"{s['output_throughput']:7.1f} out tok/s  TTFT p50 {s['ttft_ms']['p50'] or 0:8.0f} ms  "
-                          f"ITL p50 {s['itl_ms']['p50'] or 0:6.0f} ms  {s['errors'] or ''}", flush=True)
+                    print(
+                        f"[{time.perf_counter() - start:6.0f} s]   {workload:<13} c={concurrency:<3} "
+                        f"{s['output_throughput']:7.1f} out tok/s  TTFT p50 {s['ttft_ms']['p50'] or 0:8.0f} ms  "
+                        f"ITL p50 {s['itl_ms']['p50'] or 0:6.0f} ms  {s['errors'] or ''}",
+                        flush=True,
+                    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving.compare", description=__doc__.split("\n\n")[0],
-                                     allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving.compare",
+        description=__doc__.split("\n\n")[0],
+        allow_abbrev=False,
+    )
     parser.add_argument("--peers", nargs="+", choices=PEERS, default=PEERS)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[8, 32])
-    parser.add_argument("--repeat", type=int, default=1, help="rounds over all peers, for noise margins")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="rounds over all peers, for noise margins"
+    )
     parser.add_argument("--decode-batch", type=int, default=32)
     parser.add_argument("--decode-context", type=int, default=512)
-    parser.add_argument("--decode-only", action="store_true", help="only the decode cell of each peer")
-    parser.add_argument("--bandwidth-gbs", type=float, default=DEFAULT_BANDWIDTH_GBS,
-                        help="memory bandwidth for the decode ceiling")
-    parser.add_argument("--hf-device", default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="device of the transformers peers; radixserve picks its own (default: %(default)s)")
-    parser.add_argument("--server-args", default=DEFAULT_SERVER_ARGS,
-                        help="extra `radixserve serve` flags for every radixserve peer, written with `=` as in "
-                             "--server-args='--schedule-policy fcfs' (default: %(default)s)")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/serving"),
-                        help="folder for results.json and plots; the markdown goes to OUT.md")
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes (4 requests, 4 tokens, concurrency 2 and 4, decode 4 x 32): checks the "
-                             "plumbing in a few minutes, measures nothing")
-    parser.add_argument("--report-only", type=Path, default=None, metavar="JSON",
-                        help="rewrite the markdown and plots from an earlier results.json, run nothing")
+    parser.add_argument(
+        "--decode-only", action="store_true", help="only the decode cell of each peer"
+    )
+    parser.add_argument(
+        "--bandwidth-gbs",
+        type=float,
+        default=DEFAULT_BANDWIDTH_GBS,
+        help="memory bandwidth for the decode ceiling",
+    )
+    parser.add_argument(
+        "--hf-device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="device of the transformers peers; radixserve picks its own (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--server-args",
+        default=DEFAULT_SERVER_ARGS,
+        help="extra `radixserve serve` flags for every radixserve peer, written with `=` as in "
+        "--server-args='--schedule-policy fcfs' (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("docs/benchmarks/serving"),
+        help="folder for results.json and plots; the markdown goes to OUT.md",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes (4 requests, 4 tokens, concurrency 2 and 4, decode 4 x 32): checks the "
+        "plumbing in a few minutes, measures nothing",
+    )
+    parser.add_argument(
+        "--report-only",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="rewrite the markdown and plots from an earlier results.json, run nothing",
+    )
     WorkloadConfig().add_flags(parser)
     args = parser.parse_args()
     if args.report_only:
@@ -165,27 +248,45 @@ def main() -> None:
     if args.smoke:
         cfg = dataclasses.replace(SMOKE, seed=cfg.seed)
         args.concurrency, args.decode_batch, args.decode_context = [2, 4], 4, 32
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # stop servers on the way out
+    signal.signal(
+        signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum)
+    )  # stop servers on the way out
 
     from engine.model.loader import open_checkpoint
 
     decode_context = args.decode_context + cfg.output_len // 2  # mean context over the decode
-    bound = ceiling(open_checkpoint("embedded").config, args.decode_batch, decode_context,
-                    bandwidth_gbs=args.bandwidth_gbs)
+    bound = ceiling(
+        open_checkpoint("embedded").config,
+        args.decode_batch,
+        decode_context,
+        bandwidth_gbs=args.bandwidth_gbs,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     json_path = args.out / "results.json"
     record: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "benchmarks.serving.compare", *sys.argv[1:]]),
-        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "started": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": report.machine_info(),
         "workload_config": dataclasses.asdict(cfg),
         "workloads": [] if args.decode_only else args.workloads,
         "concurrency": args.concurrency,
-        "peers": {name: desc for name, desc in peer_descriptions(shlex.split(args.server_args), args.hf_device).items()
-                  if name in args.peers},
-        "decode": {"batch": args.decode_batch, "context": args.decode_context, "mean_context": decode_context,
-                   "ceiling": {**dataclasses.asdict(bound), "step_ms": bound.step_ms,
-                               "tokens_per_s": bound.tokens_per_s}},
+        "peers": {
+            name: desc
+            for name, desc in peer_descriptions(
+                shlex.split(args.server_args), args.hf_device
+            ).items()
+            if name in args.peers
+        },
+        "decode": {
+            "batch": args.decode_batch,
+            "context": args.decode_context,
+            "mean_context": decode_context,
+            "ceiling": {
+                **dataclasses.asdict(bound),
+                "step_ms": bound.step_ms,
+                "tokens_per_s": bound.tokens_per_s,
+            },
+        },
         "results": [],
     }
     start = time.perf_counter()

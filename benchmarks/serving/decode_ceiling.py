@@ -51,28 +51,46 @@ def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int) -> int:
     return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
 
 
-def ceiling(cfg: ModelConfig, batch: int, context: int, dtype_bytes: int = 2,
-            bandwidth_gbs: float = DEFAULT_BANDWIDTH_GBS) -> Ceiling:
+def ceiling(
+    cfg: ModelConfig,
+    batch: int,
+    context: int,
+    dtype_bytes: int = 2,
+    bandwidth_gbs: float = DEFAULT_BANDWIDTH_GBS,
+) -> Ceiling:
     """Bytes of one decode step of `batch` requests holding `context` tokens each."""
-    return Ceiling(decode_params(cfg) * dtype_bytes, batch * context * kv_bytes_per_token(cfg, dtype_bytes),
-                   bandwidth_gbs, batch)
+    return Ceiling(
+        decode_params(cfg) * dtype_bytes,
+        batch * context * kv_bytes_per_token(cfg, dtype_bytes),
+        bandwidth_gbs,
+        batch,
+    )
 
 
 def main() -> None:
     from engine.model.loader import open_checkpoint
 
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.serving.decode_ceiling",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.serving.decode_ceiling", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--dtype-bytes", type=int, default=2, help="2 for bf16")
     parser.add_argument("--bandwidth-gbs", type=float, default=DEFAULT_BANDWIDTH_GBS)
     args = parser.parse_args()
-    c = ceiling(open_checkpoint(args.model).config, args.batch, args.context, args.dtype_bytes, args.bandwidth_gbs)
-    print(f"batch {args.batch}, {args.context}-token contexts, {args.dtype_bytes}-byte values: "
-          f"weights {c.weight_bytes / 1e6:.0f} MB + KV {c.kv_bytes / 1e6:.0f} MB per step; at {c.bandwidth_gbs:g} GB/s "
-          f"{c.step_ms:.1f} ms/step = {c.tokens_per_s:,.0f} tokens/s at most")
+    c = ceiling(
+        open_checkpoint(args.model).config,
+        args.batch,
+        args.context,
+        args.dtype_bytes,
+        args.bandwidth_gbs,
+    )
+    print(
+        f"batch {args.batch}, {args.context}-token contexts, {args.dtype_bytes}-byte values: "
+        f"weights {c.weight_bytes / 1e6:.0f} MB + KV {c.kv_bytes / 1e6:.0f} MB per step; at {c.bandwidth_gbs:g} GB/s "
+        f"{c.step_ms:.1f} ms/step = {c.tokens_per_s:,.0f} tokens/s at most"
+    )
 
 
 if __name__ == "__main__":

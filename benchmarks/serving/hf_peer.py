@@ -77,27 +77,41 @@ class HFGeneratePeer:
     def run_batch(self, batch: Sequence[BenchRequest]) -> list[RequestResult]:
         width = max(len(r.prompt) for r in batch)
         device = self.model.device
-        input_ids = torch.tensor([[PAD_ID] * (width - len(r.prompt)) + r.prompt for r in batch], device=device)
-        attention_mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch],
-                                      device=device)
+        input_ids = torch.tensor(
+            [[PAD_ID] * (width - len(r.prompt)) + r.prompt for r in batch], device=device
+        )
+        attention_mask = torch.tensor(
+            [[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=device
+        )
         steps = max(r.output_len for r in batch)
         config = GenerationConfig(max_new_tokens=steps, do_sample=False, pad_token_id=PAD_ID)
         clock = StepClock()
         start = time.perf_counter()
         with torch.inference_mode():
-            self.model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
-                                streamer=clock)
+            self.model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                generation_config=config,
+                streamer=clock,
+            )
         token_times = clock.times[1:]  # [0] is the prompt
         if len(token_times) != steps:
             raise RuntimeError(f"generate produced {len(token_times)} steps, {steps} were asked")
         gaps = [b - a for a, b in zip(token_times, token_times[1:])]
         return [
-            RequestResult(prompt_len=len(r.prompt), output_len=r.output_len, ttft=token_times[0] - start,
-                          itls=gaps[: r.output_len - 1], latency=token_times[r.output_len - 1] - start)
+            RequestResult(
+                prompt_len=len(r.prompt),
+                output_len=r.output_len,
+                ttft=token_times[0] - start,
+                itls=gaps[: r.output_len - 1],
+                latency=token_times[r.output_len - 1] - start,
+            )
             for r in batch
         ]
 
-    def run(self, requests: Sequence[BenchRequest], concurrency: int) -> tuple[list[RequestResult], float]:
+    def run(
+        self, requests: Sequence[BenchRequest], concurrency: int
+    ) -> tuple[list[RequestResult], float]:
         """Per-request results in workload order, and the run's wall time."""
         results: list[RequestResult | None] = [None] * len(requests)
         start = time.perf_counter()

@@ -90,7 +90,9 @@ def percentile(sorted_values: Sequence[float], p: float) -> float:
     return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (rank - lo)
 
 
-def summarize(results: Sequence[RequestResult], duration_s: float, radix_hit_rate: float | None = None) -> Summary:
+def summarize(
+    results: Sequence[RequestResult], duration_s: float, radix_hit_rate: float | None = None
+) -> Summary:
     ok = [r for r in results if r.error is None]
     prompt_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_len for r in ok)
@@ -111,8 +113,11 @@ def summarize(results: Sequence[RequestResult], duration_s: float, radix_hit_rat
         itl_ms=LatencyStats.of(gap for r in ok for gap in r.itls),
         tpot_ms=LatencyStats.of(t for r in ok if (t := r.tpot) is not None),
         e2e_ms=LatencyStats.of(r.latency for r in ok if r.latency is not None),
-        cached_prompt_fraction=(sum(r.cached_tokens or 0 for r in reported) / reported_prompt
-                                if reported_prompt else None),
+        cached_prompt_fraction=(
+            sum(r.cached_tokens or 0 for r in reported) / reported_prompt
+            if reported_prompt
+            else None
+        ),
         radix_hit_rate=radix_hit_rate,
     )
 

@@ -28,8 +28,11 @@ def plot_all(record: dict[str, Any], out: Path) -> None:
     fig, axes = _panels(len(workloads))
     for ax, workload in zip(axes, workloads):
         for peer in peers:
-            points = [(c, median(cells[peer, workload, c], lambda s: s["output_throughput"]))
-                      for c in levels if (peer, workload, c) in cells]
+            points = [
+                (c, median(cells[peer, workload, c], lambda s: s["output_throughput"]))
+                for c in levels
+                if (peer, workload, c) in cells
+            ]
             if points:
                 ax.plot(*zip(*points), marker="o", label=peer)
         ax.set(title=workload, xlabel="concurrency", ylabel="output tokens/s", xscale="log")
@@ -48,8 +51,13 @@ def plot_all(record: dict[str, Any], out: Path) -> None:
             if ttfts:
                 fractions = [(i + 1) / len(ttfts) for i in range(len(ttfts))]
                 ax.step([ttfts[0], *ttfts], [0, *fractions], where="post", label=peer)
-        ax.set(title=f"{workload}, c={top}", xlabel="TTFT ms (log)", ylabel="fraction of requests", xscale="log",
-               ylim=(0, 1.02))
+        ax.set(
+            title=f"{workload}, c={top}",
+            xlabel="TTFT ms (log)",
+            ylabel="fraction of requests",
+            xscale="log",
+            ylim=(0, 1.02),
+        )
         ax.xaxis.set_minor_formatter(NullFormatter())
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)

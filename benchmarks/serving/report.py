@@ -21,7 +21,13 @@ HF_REFERENCE = "hf-bf16"
 RADIX_OFF = "rs-radix-off"
 OVERLAP_ON, OVERLAP_OFF = "rs-all-on", "rs-overlap-off"
 RADIX_ON_PEERS = (OVERLAP_ON, OVERLAP_OFF)
-THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
+THREAD_ENV = (
+    "OMP_NUM_THREADS",
+    "OMP_WAIT_POLICY",
+    "GOMP_SPINCOUNT",
+    "MKL_NUM_THREADS",
+    "KMP_BLOCKTIME",
+)
 """Variables that change how torch's CPU threads behave: recorded, since on a busy two-core
 machine they move small ops from microseconds to milliseconds."""
 
@@ -67,8 +73,13 @@ def _cpuinfo_field(cpuinfo: str, name: str) -> str:
 def _git(*args: str) -> str:
     """Read-only git (`--no-optional-locks`: never takes the index lock others may hold)."""
     try:
-        return subprocess.run(["git", "--no-optional-locks", *args], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=30).stdout.strip()
+        return subprocess.run(
+            ["git", "--no-optional-locks", *args],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
 
@@ -107,7 +118,9 @@ def grouped(record: dict[str, Any]) -> dict[tuple[str, str, int], list[dict[str,
     return cells
 
 
-def median(entries: list[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]) -> float | None:
+def median(
+    entries: list[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]
+) -> float | None:
     """Median over the repeats of a cell of one summary figure; None if none had it."""
     values = [v for e in entries if (v := get(e["summary"])) is not None]
     return statistics.median(values) if values else None
@@ -209,7 +222,9 @@ def target_rows(record: dict[str, Any]) -> Iterable[str]:
     """The issue's targets as ratios between peers of this run, for each radix-on peer."""
     cells = grouped(record)
 
-    def figure(peer: str, workload: str, c: int, get: Callable[[dict[str, Any]], float | None]) -> float | None:
+    def figure(
+        peer: str, workload: str, c: int, get: Callable[[dict[str, Any]], float | None]
+    ) -> float | None:
         return median(cells[peer, workload, c], get) if (peer, workload, c) in cells else None
 
     def out(s: dict[str, Any]) -> float:
@@ -235,21 +250,28 @@ def target_rows(record: dict[str, Any]) -> Iterable[str]:
         rates = decode_rates(record)
         if peer in rates and HF_REFERENCE in rates:
             ratio = rates[peer] / rates[HF_REFERENCE]
-            yield (f"| decode tok/s, batch {record['decode']['batch']} | {peer} vs {HF_REFERENCE} | "
-                   f"{record['decode']['batch']} | {ratio:.2f}x | >= 2x (aim) | {'yes' if ratio >= 2 else 'no'} |")
+            yield (
+                f"| decode tok/s, batch {record['decode']['batch']} | {peer} vs {HF_REFERENCE} | "
+                f"{record['decode']['batch']} | {ratio:.2f}x | >= 2x (aim) | {'yes' if ratio >= 2 else 'no'} |"
+            )
     for workload in record["workloads"]:
         for c in record["concurrency"]:
             on, off = figure(OVERLAP_ON, workload, c, out), figure(OVERLAP_OFF, workload, c, out)
             if on is not None and off:
-                yield (f"| {workload} out tok/s | {OVERLAP_ON} vs {OVERLAP_OFF} (overlap loop) | {c} | "
-                       f"{on / off:.2f}x | - | - |")
+                yield (
+                    f"| {workload} out tok/s | {OVERLAP_ON} vs {OVERLAP_OFF} (overlap loop) | {c} | "
+                    f"{on / off:.2f}x | - | - |"
+                )
 
 
 def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
     m = record["machine"]
     cfg = record["workload_config"]
     isa = ", ".join(name for name in ("amx_bf16", "avx512_bf16") if m.get(name)) or "neither"
-    thread_env = ", ".join(f"{k}={v}" for k, v in m.get("thread_env", {}).items()) or "no OMP/MKL variables set"
+    thread_env = (
+        ", ".join(f"{k}={v}" for k, v in m.get("thread_env", {}).items())
+        or "no OMP/MKL variables set"
+    )
     duration = f"{record['duration_s'] / 60:.1f} min" if "duration_s" in record else "unfinished"
     lines = [
         "# Serving benchmark: radixserve beside transformers `generate`",
@@ -298,15 +320,31 @@ def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
     for workload in record["workloads"]:
         lines += ["", f"### {workload}", "", *workload_table(record, workload)]
     decode = record["decode"]
-    lines += ["", f"### Decode at batch {decode['batch']} with {decode['context']}-token contexts", "",
-              *decode_table(record)]
+    lines += [
+        "",
+        f"### Decode at batch {decode['batch']} with {decode['context']}-token contexts",
+        "",
+        *decode_table(record),
+    ]
     targets = list(target_rows(record))
     if targets:
-        lines += ["", "### The issue's targets, as ratios within this run", "",
-                  "| figure | peers | c | ratio | goal | met |", "|---|---|---:|---:|---|---|", *targets]
+        lines += [
+            "",
+            "### The issue's targets, as ratios within this run",
+            "",
+            "| figure | peers | c | ratio | goal | met |",
+            "|---|---|---:|---:|---|---|",
+            *targets,
+        ]
     if record["workloads"]:
-        lines += ["", "### Plots", "", f"![output throughput against concurrency]({plots_dir}/throughput.png)", "",
-                  f"![TTFT distribution]({plots_dir}/ttft.png)"]
+        lines += [
+            "",
+            "### Plots",
+            "",
+            f"![output throughput against concurrency]({plots_dir}/throughput.png)",
+            "",
+            f"![TTFT distribution]({plots_dir}/ttft.png)",
+        ]
     return "\n".join([*lines, "", NOTES_MARKER, notes.rstrip("\n"), ""]).rstrip("\n") + "\n"
 
 

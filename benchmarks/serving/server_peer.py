@@ -16,8 +16,13 @@ from types import TracebackType
 import httpx2
 
 PORT_FLAGS = (
-    "--port", "--worker-port", "--detokenizer-port", "--tokenizer-port", "--tokenizer-control-port",
-    "--worker-metrics-port", "--detokenizer-metrics-port",
+    "--port",
+    "--worker-port",
+    "--detokenizer-port",
+    "--tokenizer-port",
+    "--tokenizer-control-port",
+    "--worker-metrics-port",
+    "--detokenizer-metrics-port",
 )
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
@@ -50,9 +55,20 @@ class RadixServer:
     def __init__(self, flags: list[str], log_dir: Path | None = None):
         ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
         self.base_url = f"http://127.0.0.1:{ports['--port']}"
-        self.metrics_urls = [f"{self.base_url}/metrics", f"http://127.0.0.1:{ports['--worker-metrics-port']}/metrics"]
-        self.argv = [sys.executable, "-m", "services.launch", "serve", "--host", "127.0.0.1", *flags,
-                     *(x for flag, port in ports.items() for x in (flag, str(port)))]
+        self.metrics_urls = [
+            f"{self.base_url}/metrics",
+            f"http://127.0.0.1:{ports['--worker-metrics-port']}/metrics",
+        ]
+        self.argv = [
+            sys.executable,
+            "-m",
+            "services.launch",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            *flags,
+            *(x for flag, port in ports.items() for x in (flag, str(port))),
+        ]
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="radixserve-bench-")) / "server.log"
         self.proc: subprocess.Popen | None = None
 
@@ -63,17 +79,26 @@ class RadixServer:
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"radixserve did not become healthy; log {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"radixserve did not become healthy; log {self.log_path}:\n{self.log_tail()}"
+                )
             time.sleep(0.5)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()
 
     def _healthy(self) -> bool:
         try:
-            return httpx2.get(f"{self.base_url}/health", timeout=2.0, trust_env=False).status_code == 200
+            return (
+                httpx2.get(f"{self.base_url}/health", timeout=2.0, trust_env=False).status_code
+                == 200
+            )
         except httpx2.HTTPError:
             return False
 

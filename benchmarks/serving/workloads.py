@@ -64,8 +64,12 @@ class WorkloadConfig:
 
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
         for f in fields(self):
-            parser.add_argument("--" + f.name.replace("_", "-"), type=int, default=getattr(self, f.name),
-                                help=f"workload {f.name} (default: %(default)s)")
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"),
+                type=int,
+                default=getattr(self, f.name),
+                help=f"workload {f.name} (default: %(default)s)",
+            )
 
     def from_flags(self, args: argparse.Namespace) -> WorkloadConfig:
         return replace(self, **{f.name: getattr(args, f.name) for f in fields(self)})
@@ -112,8 +116,10 @@ def few_shot(cfg: WorkloadConfig, rng: random.Random) -> list[BenchRequest]:
 
 def random_unique(cfg: WorkloadConfig, rng: random.Random) -> list[BenchRequest]:
     return [
-        BenchRequest(_tokens(rng, rng.randint(max(1, cfg.random_len // 2), cfg.random_len), cfg.vocab_size),
-                     cfg.output_len)
+        BenchRequest(
+            _tokens(rng, rng.randint(max(1, cfg.random_len // 2), cfg.random_len), cfg.vocab_size),
+            cfg.output_len,
+        )
         for _ in range(cfg.requests)
     ]
 

@@ -28,4 +28,6 @@ def get_evict_key(policy: str) -> EvictKey:
     try:
         return EVICTION_POLICIES[policy.lower()]
     except KeyError:
-        raise ValueError(f"unknown eviction policy {policy!r}; choose one of {', '.join(EVICTION_POLICIES)}") from None
+        raise ValueError(
+            f"unknown eviction policy {policy!r}; choose one of {', '.join(EVICTION_POLICIES)}"
+        ) from None

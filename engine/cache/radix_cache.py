@@ -48,7 +48,9 @@ class TreeNode:
     )
     _next_id = itertools.count()
 
-    def __init__(self, key: RadixKey, value: torch.Tensor, parent: TreeNode | None, priority: int = 0):
+    def __init__(
+        self, key: RadixKey, value: torch.Tensor, parent: TreeNode | None, priority: int = 0
+    ):
         self.id = next(TreeNode._next_id)
         self.children: dict[Hashable, TreeNode] = {}
         self.parent = parent
@@ -86,7 +88,9 @@ class RadixCache:
         eviction_policy: str = "lru",
     ):
         if page_size != 1:
-            raise ValueError(f"page_size={page_size}: only token-granular slots (page_size=1) are supported")
+            raise ValueError(
+                f"page_size={page_size}: only token-granular slots (page_size=1) are supported"
+            )
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
@@ -99,9 +103,13 @@ class RadixCache:
         self.reset()
 
     @classmethod
-    def create_simulated(cls, num_slots: int = 64, max_reqs: int = 8, max_context_len: int = 64, **kwargs) -> RadixCache:
+    def create_simulated(
+        cls, num_slots: int = 64, max_reqs: int = 8, max_context_len: int = 64, **kwargs
+    ) -> RadixCache:
         """A cache over small CPU pools: no model, no KV tensors, for experiments and tests."""
-        return cls(ReqToTokenPool(max_reqs, max_context_len), TokenToKVPoolAllocator(num_slots), **kwargs)
+        return cls(
+            ReqToTokenPool(max_reqs, max_context_len), TokenToKVPoolAllocator(num_slots), **kwargs
+        )
 
     def reset(self) -> None:
         """Drop the whole tree. Its slots are not freed: pair with the allocator's `clear()`."""
@@ -145,7 +153,9 @@ class RadixCache:
         indices = torch.cat(values) if values else self._empty_indices()
         return MatchResult(indices, node)
 
-    def insert(self, key: RadixKey, value: torch.Tensor, priority: int = 0, chunked: bool = False) -> int:
+    def insert(
+        self, key: RadixKey, value: torch.Tensor, priority: int = 0, chunked: bool = False
+    ) -> int:
         """Insert `key` with KV slots `value`; return how many leading tokens were already cached.
 
         The caller owns `value[:returned]` as duplicates of what the tree holds and frees
@@ -303,7 +313,9 @@ class RadixCache:
 
     # ----- tree surgery -----------------------------------------------------------------
 
-    def _add_leaf(self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int) -> None:
+    def _add_leaf(
+        self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int
+    ) -> None:
         leaf = TreeNode(key, value, parent, priority)
         parent.children[key.child_key()] = leaf
         self.evictable_leaves.discard(parent)
@@ -335,7 +347,9 @@ class RadixCache:
         The upper half inherits the lock count (every request through `child` passes
         through it) and the eviction metadata, so the size ledgers do not move.
         """
-        upper = TreeNode(child.key[:split_len], child.value[:split_len], child.parent, child.priority)
+        upper = TreeNode(
+            child.key[:split_len], child.value[:split_len], child.parent, child.priority
+        )
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
         upper.last_access_time = child.last_access_time
@@ -387,11 +401,23 @@ class RadixCache:
         slots: list[torch.Tensor] = [self.token_to_kv_pool_allocator.free_slots()]
         for node in self._nodes():
             size = len(node.key)
-            check(size > 0 and node.value is not None and len(node.value) == size, f"{node!r}: bad key/value")
-            check(node.parent.children.get(node.key.child_key()) is node, f"{node!r}: not its parent's child")
+            check(
+                size > 0 and node.value is not None and len(node.value) == size,
+                f"{node!r}: bad key/value",
+            )
+            check(
+                node.parent.children.get(node.key.child_key()) is node,
+                f"{node!r}: not its parent's child",
+            )
             if node.parent is not self.root_node:
-                check(node.key.extra_key == node.parent.key.extra_key, f"{node!r}: namespace differs from parent's")
-            check(node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node!r}: lock below children's")
+                check(
+                    node.key.extra_key == node.parent.key.extra_key,
+                    f"{node!r}: namespace differs from parent's",
+                )
+            check(
+                node.lock_ref >= sum(c.lock_ref for c in node.children.values()),
+                f"{node!r}: lock below children's",
+            )
             if node.lock_ref > 0:
                 protected += size
             else:
@@ -399,31 +425,60 @@ class RadixCache:
                 if not node.children:
                     leaves.add(node)
             slots.append(node.value)
-        check(evictable == self.evictable_size_, f"evictable_size_ {self.evictable_size_} != {evictable} in tree")
-        check(protected == self.protected_size_, f"protected_size_ {self.protected_size_} != {protected} in tree")
-        check(leaves == self.evictable_leaves, "evictable_leaves differs from the tree's unlocked leaves")
-        keyed = {node for key, _, node in self.evict_heap if node in leaves and key == self.evict_key(node)}
+        check(
+            evictable == self.evictable_size_,
+            f"evictable_size_ {self.evictable_size_} != {evictable} in tree",
+        )
+        check(
+            protected == self.protected_size_,
+            f"protected_size_ {self.protected_size_} != {protected} in tree",
+        )
+        check(
+            leaves == self.evictable_leaves,
+            "evictable_leaves differs from the tree's unlocked leaves",
+        )
+        keyed = {
+            node
+            for key, _, node in self.evict_heap
+            if node in leaves and key == self.evict_key(node)
+        }
         check(keyed == leaves, "an evictable leaf has no eviction-heap entry under its current key")
 
         table = self.req_to_token_pool.req_to_token
         free_rows = set(self.req_to_token_pool.free_slots)
         for req in reqs:
             row = req.req_pool_idx
-            check(row is not None and row not in free_rows, f"request {req.rid} has no allocated row")
+            check(
+                row is not None and row not in free_rows, f"request {req.rid} has no allocated row"
+            )
             prefix_len = len(req.prefix_indices)
             held = table[row, : req.kv_allocated_len].to(torch.int64)
-            check(torch.equal(held[:prefix_len].cpu(), req.prefix_indices.cpu()), f"request {req.rid}: row != prefix")
+            check(
+                torch.equal(held[:prefix_len].cpu(), req.prefix_indices.cpu()),
+                f"request {req.rid}: row != prefix",
+            )
             if prefix_len:
-                check(req.last_node is not None and req.last_node.lock_ref > 0, f"request {req.rid}: prefix unlocked")
-                check(torch.equal(self._path_value(req.last_node).cpu(), req.prefix_indices.cpu()),
-                      f"request {req.rid}: prefix is not its last_node's path")
+                check(
+                    req.last_node is not None and req.last_node.lock_ref > 0,
+                    f"request {req.rid}: prefix unlocked",
+                )
+                check(
+                    torch.equal(self._path_value(req.last_node).cpu(), req.prefix_indices.cpu()),
+                    f"request {req.rid}: prefix is not its last_node's path",
+                )
             slots.append(held[prefix_len:])
 
         counts = Counter(torch.cat(slots).tolist())
         size = self.token_to_kv_pool_allocator.size
-        check(set(counts) == set(range(1, size + 1)), f"slots unaccounted: {sorted(set(range(1, size + 1)) - set(counts))[:10]}"
-              f", foreign: {sorted(set(counts) - set(range(1, size + 1)))[:10]}")
-        check(max(counts.values(), default=1) == 1, f"slots held twice: {[s for s, c in counts.items() if c > 1][:10]}")
+        check(
+            set(counts) == set(range(1, size + 1)),
+            f"slots unaccounted: {sorted(set(range(1, size + 1)) - set(counts))[:10]}"
+            f", foreign: {sorted(set(counts) - set(range(1, size + 1)))[:10]}",
+        )
+        check(
+            max(counts.values(), default=1) == 1,
+            f"slots held twice: {[s for s, c in counts.items() if c > 1][:10]}",
+        )
 
     def _path_value(self, node: TreeNode) -> torch.Tensor:
         values = []
@@ -439,12 +494,16 @@ class RadixCache:
         while stack:
             node, depth = stack.pop()
             namespace = f" ns={node.key.extra_key!r}" if node.key.extra_key is not None else ""
-            lines.append(f"{'  ' * depth}{node.key.tolist()} len={len(node.key)} "
-                         f"lock_ref={node.lock_ref} hits={node.hit_count}{namespace}")
+            lines.append(
+                f"{'  ' * depth}{node.key.tolist()} len={len(node.key)} "
+                f"lock_ref={node.lock_ref} hits={node.hit_count}{namespace}"
+            )
             stack.extend((child, depth + 1) for child in reversed(node.children.values()))
         print("root")
         print("\n".join(lines))
-        print(f"#tokens: {self.total_size()}, evictable: {self.evictable_size_}, protected: {self.protected_size_}")
+        print(
+            f"#tokens: {self.total_size()}, evictable: {self.evictable_size_}, protected: {self.protected_size_}"
+        )
 
 
 def demo() -> None:
@@ -457,7 +516,9 @@ def demo() -> None:
         allocator.free(slots[:present])
     match = cache.match_prefix(RadixKey([1, 2, 4, 5, 6, 99]))
     cache.inc_lock_ref(match.last_node)
-    print(f"match [1, 2, 4, 5, 6, 99] -> slots {match.device_indices.tolist()} (the edge [6, 7] was split)")
+    print(
+        f"match [1, 2, 4, 5, 6, 99] -> slots {match.device_indices.tolist()} (the edge [6, 7] was split)"
+    )
     cache.pretty_print()
     cache.check_integrity()
 

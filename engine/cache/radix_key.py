@@ -62,7 +62,9 @@ class RadixKey:
 
     __slots__ = ("token_ids", "extra_key")
 
-    def __init__(self, token_ids: Sequence[int] | torch.Tensor | memoryview, extra_key: str | None = None):
+    def __init__(
+        self, token_ids: Sequence[int] | torch.Tensor | memoryview, extra_key: str | None = None
+    ):
         self.token_ids: memoryview = _as_memoryview(token_ids)
         self.extra_key = extra_key
 

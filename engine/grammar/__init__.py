@@ -1,7 +1,20 @@
 """Constrained decoding: xgrammar compiles json_schema / regex / ebnf off the scheduler
 loop; each constrained request carries a matcher that masks the vocabulary per step."""
 
-from engine.grammar.backend import GrammarBackend, GrammarError, GrammarMatcher, PendingGrammar, allocate_vocab_mask
+from engine.grammar.backend import (
+    GrammarBackend,
+    GrammarError,
+    GrammarMatcher,
+    PendingGrammar,
+    allocate_vocab_mask,
+)
 from engine.grammar.limits import check_grammar_limits
 
-__all__ = ["GrammarBackend", "GrammarError", "GrammarMatcher", "PendingGrammar", "allocate_vocab_mask", "check_grammar_limits"]
+__all__ = [
+    "GrammarBackend",
+    "GrammarError",
+    "GrammarMatcher",
+    "PendingGrammar",
+    "allocate_vocab_mask",
+    "check_grammar_limits",
+]

@@ -14,7 +14,13 @@ from transformers import PreTrainedTokenizerBase
 from engine.grammar.limits import GrammarError, check_grammar_limits
 from engine.grammar.validate import grammar_error
 
-__all__ = ["GrammarBackend", "GrammarError", "GrammarMatcher", "PendingGrammar", "allocate_vocab_mask"]
+__all__ = [
+    "GrammarBackend",
+    "GrammarError",
+    "GrammarMatcher",
+    "PendingGrammar",
+    "allocate_vocab_mask",
+]
 
 
 class GrammarMatcher:
@@ -87,7 +93,9 @@ class GrammarBackend:
         cache_size: int = 128,
     ):
         info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) if stop_token_ids else None
+            tokenizer,
+            vocab_size=vocab_size,
+            stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
         )
         self.tokenizer = tokenizer
         """Also what jump-forward re-encodes forced text with."""

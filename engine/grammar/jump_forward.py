@@ -30,7 +30,7 @@ def decodes_concatenatively(tokenizer: Tokenizer) -> bool:
     """Whether decoding a run of tokens equals joining their separate decodes, which the
     window re-encoding relies on. Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) does;
     SentencePiece drops the leading space of a piece decoded alone, so it does not."""
-    ids = tokenizer.encode("a b {\"c\": 1}", add_special_tokens=False)
+    ids = tokenizer.encode('a b {"c": 1}', add_special_tokens=False)
     pieces = "".join(tokenizer.decode([i], skip_special_tokens=False) for i in ids)
     return pieces == tokenizer.decode(ids, skip_special_tokens=False)
 

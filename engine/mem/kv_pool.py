@@ -28,8 +28,12 @@ class MHATokenToKVPool:
         self.layer_num = layer_num
         self.device = torch.device(device)
         shape = (size + 1, head_num, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layer_num)]
+        self.k_buffer = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layer_num)
+        ]
+        self.v_buffer = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(layer_num)
+        ]
 
     @staticmethod
     def cell_size(head_num: int, head_dim: int, layer_num: int, dtype: torch.dtype) -> int:
@@ -52,7 +56,9 @@ class MHATokenToKVPool:
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+    def set_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
+    ) -> None:
         """Write the K/V of the tokens at slots `loc` (`[n]` int64) from `[n, kv_heads, head_dim]`
         tensors. `index_copy_` rather than `buffer[loc] = …`: on CPU index_put costs about twice
         as much per call, and this runs twice per layer per step."""

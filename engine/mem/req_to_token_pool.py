@@ -14,11 +14,15 @@ class ReqToTokenPool:
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu"):
         if size < 1 or max_context_len < 1:
-            raise ValueError(f"ReqToTokenPool needs size >= 1 and max_context_len >= 1, got {size}, {max_context_len}")
+            raise ValueError(
+                f"ReqToTokenPool needs size >= 1 and max_context_len >= 1, got {size}, {max_context_len}"
+            )
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=self.device)
+        self.req_to_token = torch.zeros(
+            (size + 1, max_context_len), dtype=torch.int32, device=self.device
+        )
         self.free_slots: list[int] = list(range(1, size + 1))
 
     def available_size(self) -> int:
@@ -42,7 +46,9 @@ class ReqToTokenPool:
         """Point tokens [start, start + len(slots)) of `row` at `slots`."""
         end = start + len(slots)
         if end > self.max_context_len:
-            raise ValueError(f"request row of {end} tokens exceeds max_context_len {self.max_context_len}")
+            raise ValueError(
+                f"request row of {end} tokens exceeds max_context_len {self.max_context_len}"
+            )
         self.req_to_token[row, start:end] = slots.to(torch.int32)
 
     def clear(self) -> None:

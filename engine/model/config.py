@@ -68,7 +68,9 @@ class ModelConfig:
             )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+            raise ValueError(
+                f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike) -> ModelConfig:
@@ -77,7 +79,9 @@ class ModelConfig:
             path = Path(config)
             config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
         model_type = config.get("model_type", "")
-        architectures = config.get("architectures") or [MODEL_TYPE_TO_ARCHITECTURE.get(model_type, model_type)]
+        architectures = config.get("architectures") or [
+            MODEL_TYPE_TO_ARCHITECTURE.get(model_type, model_type)
+        ]
         rope_theta, rope_scaling = _hf_rope(config)
         attention_bias = bool(config.get("attention_bias", False))
         context_len = config["max_position_embeddings"]
@@ -91,7 +95,8 @@ class ModelConfig:
             intermediate_size=config["intermediate_size"],
             num_attention_heads=config["num_attention_heads"],
             num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            head_dim=config.get("head_dim")
+            or config["hidden_size"] // config["num_attention_heads"],
             vocab_size=config["vocab_size"],
             rms_norm_eps=config["rms_norm_eps"],
             rope_theta=rope_theta,
@@ -110,10 +115,16 @@ class ModelConfig:
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader) -> ModelConfig:
         """From a GGUF file's metadata; the tensor list tells biases, Q/K norms and tying apart."""
-        fields = {name: field.contents() for name, field in reader.fields.items() if not _is_vocab_field(name)}
+        fields = {
+            name: field.contents()
+            for name, field in reader.fields.items()
+            if not _is_vocab_field(name)
+        }
         arch = fields[gguf.Keys.General.ARCHITECTURE]
         if arch not in GGUF_ARCH_TO_ARCHITECTURE:
-            raise ValueError(f"GGUF architecture {arch!r} is not supported ({', '.join(GGUF_ARCH_TO_ARCHITECTURE)})")
+            raise ValueError(
+                f"GGUF architecture {arch!r} is not supported ({', '.join(GGUF_ARCH_TO_ARCHITECTURE)})"
+            )
 
         def key(template: str, default: Any = None) -> Any:
             value = fields.get(template.format(arch=arch), default)
@@ -134,7 +145,11 @@ class ModelConfig:
         elif scaling_type != "none":
             raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
         rope_freqs = tensors.get("rope_freqs.weight")
-        eos_keys = (gguf.Keys.Tokenizer.EOS_ID, gguf.Keys.Tokenizer.EOT_ID, gguf.Keys.Tokenizer.EOM_ID)
+        eos_keys = (
+            gguf.Keys.Tokenizer.EOS_ID,
+            gguf.Keys.Tokenizer.EOT_ID,
+            gguf.Keys.Tokenizer.EOM_ID,
+        )
         return cls(
             architecture=GGUF_ARCH_TO_ARCHITECTURE[arch],
             num_hidden_layers=key(gguf.Keys.LLM.BLOCK_COUNT),
@@ -147,7 +162,9 @@ class ModelConfig:
             rms_norm_eps=key(gguf.Keys.Attention.LAYERNORM_RMS_EPS),
             rope_theta=key(gguf.Keys.Rope.FREQ_BASE, 10000.0),
             rope_scaling=rope_scaling,
-            rope_freq_factors=None if rope_freqs is None else tuple(np.asarray(rope_freqs.data, np.float32).tolist()),
+            rope_freq_factors=None
+            if rope_freqs is None
+            else tuple(np.asarray(rope_freqs.data, np.float32).tolist()),
             context_len=key(gguf.Keys.LLM.CONTEXT_LENGTH),
             tie_word_embeddings="output.weight" not in tensors,
             qkv_bias="blk.0.attn_q.bias" in tensors,
@@ -172,4 +189,9 @@ def _hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def _is_vocab_field(name: str) -> bool:
     """The per-token arrays (tens of thousands of strings) are the tokenizer's business."""
-    return name in (gguf.Keys.Tokenizer.LIST, gguf.Keys.Tokenizer.TOKEN_TYPE, gguf.Keys.Tokenizer.SCORES, gguf.Keys.Tokenizer.MERGES)
+    return name in (
+        gguf.Keys.Tokenizer.LIST,
+        gguf.Keys.Tokenizer.TOKEN_TYPE,
+        gguf.Keys.Tokenizer.SCORES,
+        gguf.Keys.Tokenizer.MERGES,
+    )

@@ -24,5 +24,7 @@ def embedded_model_path() -> Path:
         )
     path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall the embedded model with `{INSTALL_HINT}`")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall the embedded model with `{INSTALL_HINT}`"
+        )
     return path

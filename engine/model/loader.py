@@ -37,7 +37,11 @@ HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt"]
 HUB_IGNORE_PATTERNS = ["consolidated*"]
 
 # llama.cpp tensor names -> Hugging Face names. Block tensors are "blk.{i}.{name}.{weight|bias}".
-GGUF_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 GGUF_BLOCK_TENSORS = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -69,7 +73,9 @@ def resolve_model(model: str | os.PathLike) -> ModelSource:
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
-            raise ValueError(f"{path} is a file but not a .gguf file; pass a GGUF file or a Hugging Face directory")
+            raise ValueError(
+                f"{path} is a file but not a .gguf file; pass a GGUF file or a Hugging Face directory"
+            )
         return ModelSource(path, is_gguf=True)
     if path.is_dir():
         if (path / "config.json").is_file():
@@ -86,7 +92,11 @@ def download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(repo_id, allow_patterns=HUB_ALLOW_PATTERNS, ignore_patterns=HUB_IGNORE_PATTERNS))
+        return Path(
+            snapshot_download(
+                repo_id, allow_patterns=HUB_ALLOW_PATTERNS, ignore_patterns=HUB_IGNORE_PATTERNS
+            )
+        )
     except (OSError, ValueError) as err:  # no network, unknown repo, malformed id
         raise FileNotFoundError(
             f"model {repo_id!r} is not a local directory or GGUF file, and downloading it from the Hugging Face Hub "
@@ -113,7 +123,9 @@ class HFCheckpoint(Checkpoint):
         else:
             self.files = sorted(model_dir.glob("*.safetensors"))
         if not self.files:
-            raise FileNotFoundError(f"{model_dir} has no .safetensors weights (other formats are not supported)")
+            raise FileNotFoundError(
+                f"{model_dir} has no .safetensors weights (other formats are not supported)"
+            )
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self.files:
@@ -128,13 +140,21 @@ class GGUFReader(gguf.GGUFReader):
     parsing a 49k-token vocabulary take seconds; the bytes read are the same."""
 
     def _get(
-        self, offset: int, dtype: npt.DTypeLike, count: int = 1, override_order: Literal["I", "S", "<"] | None = None
+        self,
+        offset: int,
+        dtype: npt.DTypeLike,
+        count: int = 1,
+        override_order: Literal["I", "S", "<"] | None = None,
     ) -> npt.NDArray[Any]:
         if "_buffer" not in self.__dict__:
             self._buffer = self.data.view(np.ndarray)
         count = int(count)
-        arr = self._buffer[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[:count]
-        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+        arr = self._buffer[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[
+            :count
+        ]
+        return arr.view(
+            arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order)
+        )
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -144,7 +164,9 @@ class GGUFCheckpoint(Checkpoint):
         self.reader = GGUFReader(path)
         self.config = ModelConfig.from_gguf(self.reader)
         # llama.cpp's converter permutes Q and K rows of `llama` files (only) for its rotary layout.
-        self.rotary_permuted = self.reader.fields[gguf.Keys.General.ARCHITECTURE].contents() == "llama"
+        self.rotary_permuted = (
+            self.reader.fields[gguf.Keys.General.ARCHITECTURE].contents() == "llama"
+        )
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         config = self.config
@@ -177,7 +199,11 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Undo llama.cpp's `permute`, which reorders each head's rows from the two rotary
     halves (rotate-half layout) to interleaved pairs: `[head, 2, d/2] -> [head, d/2, 2]`."""
     shape = weight.shape
-    return weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:]).transpose(1, 2).reshape(shape)
+    return (
+        weight.reshape(num_heads, shape[0] // num_heads // 2, 2, *shape[1:])
+        .transpose(1, 2)
+        .reshape(shape)
+    )
 
 
 def open_checkpoint(model: str | os.PathLike | ModelSource) -> Checkpoint:
@@ -186,7 +212,11 @@ def open_checkpoint(model: str | os.PathLike | ModelSource) -> Checkpoint:
 
 
 def load_model(
-    checkpoint: Checkpoint, *, dtype: torch.dtype, device: str | torch.device, attn_backend: AttentionBackend
+    checkpoint: Checkpoint,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    attn_backend: AttentionBackend,
 ) -> nn.Module:
     """Build the network for `checkpoint.config` straight on `device` in `dtype` and fill it."""
     model_cls = get_model_class(checkpoint.config.architecture)

@@ -20,7 +20,12 @@ from engine.model.loader import load_model, open_checkpoint
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 SUPPORTED_DTYPES = {
     "cpu": (torch.bfloat16, torch.float32, torch.float64),
     "cuda": (torch.bfloat16, torch.float16, torch.float32),
@@ -72,14 +77,18 @@ class ModelRunner:
             head_dim=config.head_dim,
             device=self.device,
         )
-        self.model = load_model(checkpoint, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend)
+        self.model = load_model(
+            checkpoint, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend
+        )
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.pack_weight()
         self.model.logits_processor.pack_lm_head(self.model.lm_head)
         self.init_memory_pool(max_total_tokens, mem_fraction_static, max_running_requests)
 
-    def init_memory_pool(self, max_total_tokens: int | None, mem_fraction_static: float, max_running_requests: int) -> None:
+    def init_memory_pool(
+        self, max_total_tokens: int | None, mem_fraction_static: float, max_running_requests: int
+    ) -> None:
         config = self.model_config
         kv_shape = (config.num_key_value_heads, config.head_dim, config.num_hidden_layers)
         if max_total_tokens is None:
@@ -87,11 +96,15 @@ class ModelRunner:
                 self._kv_cache_budget(mem_fraction_static), *kv_shape, self.dtype
             )
         if max_total_tokens < 1:
-            raise RuntimeError("no memory left for the KV cache; raise mem_fraction_static or set max_total_tokens")
+            raise RuntimeError(
+                "no memory left for the KV cache; raise mem_fraction_static or set max_total_tokens"
+            )
         self.max_total_num_tokens = max_total_tokens
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.context_len, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_tokens, self.device)
-        self.token_to_kv_pool = MHATokenToKVPool(max_total_tokens, self.dtype, *kv_shape, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            max_total_tokens, self.dtype, *kv_shape, self.device
+        )
         logger.info(
             "KV cache: %d tokens, %.2f GiB",
             max_total_tokens,
@@ -111,11 +124,15 @@ class ModelRunner:
         """Logits `[batch_size, vocab_size]` (float32, or float64 for a float64 model)."""
         if forward_batch.forward_mode is ForwardMode.IDLE:
             logits_dtype = torch.promote_types(self.dtype, torch.float32)
-            return torch.empty((0, self.model_config.vocab_size), dtype=logits_dtype, device=self.device)
+            return torch.empty(
+                (0, self.model_config.vocab_size), dtype=logits_dtype, device=self.device
+            )
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
-    def build_forward_batch(self, reqs: Sequence[ExtendInput], forward_mode: ForwardMode | None = None) -> ForwardBatch:
+    def build_forward_batch(
+        self, reqs: Sequence[ExtendInput], forward_mode: ForwardMode | None = None
+    ) -> ForwardBatch:
         """Allocate KV slots for the new tokens, point each request's `req_to_token` row at
         them, and lay the batch out as tensors. The default mode is DECODE when every request
         adds one token, else EXTEND. For tests, benchmarks and offline use; the scheduler
@@ -130,14 +147,21 @@ class ModelRunner:
             )
         start = 0
         for req, extend_len in zip(reqs, extend_lens):
-            self.req_to_token_pool.write(req.req_pool_idx, req.prefix_len, out_cache_loc[start : start + extend_len])
+            self.req_to_token_pool.write(
+                req.req_pool_idx, req.prefix_len, out_cache_loc[start : start + extend_len]
+            )
             start += extend_len
         if forward_mode is None:
-            forward_mode = ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
+            forward_mode = (
+                ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
+            )
 
         return ForwardBatch.build(
             forward_mode,
-            torch.tensor(list(itertools.chain.from_iterable(req.input_ids for req in reqs)), dtype=torch.int64),
+            torch.tensor(
+                list(itertools.chain.from_iterable(req.input_ids for req in reqs)),
+                dtype=torch.int64,
+            ),
             [req.req_pool_idx for req in reqs],
             prefix_lens,
             extend_lens,

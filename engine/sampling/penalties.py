@@ -8,7 +8,9 @@ from itertools import chain
 import torch
 
 
-def count_tokens(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+def count_tokens(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
     """Occurrences of each token in each row, `[B, V]` float32, by one flat scatter_add.
 
     Float32 counts are exact below 2**24 and multiply the float32 penalties without a cast.
@@ -19,14 +21,18 @@ def count_tokens(token_ids: Sequence[Sequence[int]], vocab_size: int, device: to
     return counts.view(len(token_ids), vocab_size)
 
 
-def token_mask(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+def token_mask(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
     """Whether each token occurs in each row, `[B, V]` bool: a quarter of the memory of counts."""
     mask = torch.zeros(len(token_ids) * vocab_size, dtype=torch.bool, device=device)
     mask[_flat_index(token_ids, vocab_size, device)] = True
     return mask.view(len(token_ids), vocab_size)
 
 
-def _flat_index(token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+def _flat_index(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
     """`row * V + token` for every token of every row, built on the host and copied once, so
     the device sees one copy and one scatter however many tokens each request holds."""
     lengths = torch.tensor([len(ids) for ids in token_ids], dtype=torch.int64)
@@ -35,7 +41,9 @@ def _flat_index(token_ids: Sequence[Sequence[int]], vocab_size: int, device: tor
     return (rows * vocab_size + flat).to(device, non_blocking=True)
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor) -> None:
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor
+) -> None:
     """CTRL / Hugging Face semantics, in place: for every token already in the prompt or the
     output, divide a positive logit by the penalty and multiply a negative one, so a penalty
     above 1 always makes the token less likely.

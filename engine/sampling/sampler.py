@@ -15,7 +15,9 @@ class SamplerOutput(NamedTuple):
 
     next_token_ids: torch.Tensor  # [B] int64
     next_token_logprobs: torch.Tensor | None  # [B] float32, when any row asks for logprobs
-    next_token_top_logprobs_val: torch.Tensor | None  # [B, K] float32, K = the largest top_logprobs_num
+    next_token_top_logprobs_val: (
+        torch.Tensor | None
+    )  # [B, K] float32, K = the largest top_logprobs_num
     next_token_top_logprobs_idx: torch.Tensor | None  # [B, K] int64
 
 

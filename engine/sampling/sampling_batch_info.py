@@ -45,7 +45,9 @@ class SamplingBatchInfo:
     min_ps: torch.Tensor  # [B, 1] float32
     is_greedy: torch.Tensor  # [B] bool
     is_all_greedy: bool
-    sort_width: int  # how many of the likeliest tokens top-k / top-p look at; 0 when no row uses them
+    sort_width: (
+        int  # how many of the likeliest tokens top-k / top-p look at; 0 when no row uses them
+    )
     need_top_p_sampling: bool
     need_min_p_sampling: bool
     return_logprob: bool
@@ -56,7 +58,9 @@ class SamplingBatchInfo:
     repetition_penalties: torch.Tensor | None = None  # [B, 1]
     seen_token_mask: torch.Tensor | None = None  # [B, V] bool, prompt + output tokens
     logit_bias: torch.Tensor | None = None  # [B, V] float32, additive
-    min_tokens_rows: torch.Tensor | None = None  # [N] int64, with min_tokens_ids: (row, token) pairs
+    min_tokens_rows: torch.Tensor | None = (
+        None  # [N] int64, with min_tokens_ids: (row, token) pairs
+    )
     min_tokens_ids: torch.Tensor | None = None  # [N] int64, EOS / stop ids forbidden this step
     seeded_rows: torch.Tensor | None = None  # [S] int64, rows that carry a seed
     sampling_seeds: torch.Tensor | None = None  # [S] int64
@@ -88,10 +92,14 @@ class SamplingBatchInfo:
 
         # Top-p is measured inside the top-k set, so the filters need only the `top_k`
         # likeliest tokens of a row, or all of them for top-p without top-k.
-        sort_width = max((top_k(p) for p in sampled if top_k(p) < vocab_size or p.top_p < 1.0), default=0)
+        sort_width = max(
+            (top_k(p) for p in sampled if top_k(p) < vocab_size or p.top_p < 1.0), default=0
+        )
         info = cls(
             vocab_size=vocab_size,
-            temperatures=column([1.0 if p.is_greedy else p.temperature for p in params], torch.float32),
+            temperatures=column(
+                [1.0 if p.is_greedy else p.temperature for p in params], torch.float32
+            ),
             top_ps=column([1.0 if p.is_greedy else p.top_p for p in params], torch.float32),
             top_ks=column([top_k(p) for p in params], torch.int64),
             min_ps=column([0.0 if p.is_greedy else p.min_p for p in params], torch.float32),
@@ -107,24 +115,38 @@ class SamplingBatchInfo:
         if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
             info.frequency_penalties = column([p.frequency_penalty for p in params], torch.float32)
             info.presence_penalties = column([p.presence_penalty for p in params], torch.float32)
-            info.output_token_counts = count_tokens([req.output_ids for req in reqs], vocab_size, device)
+            info.output_token_counts = count_tokens(
+                [req.output_ids for req in reqs], vocab_size, device
+            )
         if any(p.repetition_penalty != 1.0 for p in params):
-            info.repetition_penalties = column([p.repetition_penalty for p in params], torch.float32)
+            info.repetition_penalties = column(
+                [p.repetition_penalty for p in params], torch.float32
+            )
             all_ids = [req.origin_input_ids + req.output_ids for req in reqs]
             info.seen_token_mask = token_mask(all_ids, vocab_size, device)
 
         if any(p.logit_bias for p in params):
             rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
             ids = [t for p in params for t in p.logit_bias]
-            bias = torch.tensor([b for p in params for b in p.logit_bias.values()], dtype=torch.float32)
-            info.logit_bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)
-            info.logit_bias.index_put_((as_tensor(rows), as_tensor(ids)), bias.to(device, non_blocking=True))
+            bias = torch.tensor(
+                [b for p in params for b in p.logit_bias.values()], dtype=torch.float32
+            )
+            info.logit_bias = torch.zeros(
+                len(params), vocab_size, dtype=torch.float32, device=device
+            )
+            info.logit_bias.index_put_(
+                (as_tensor(rows), as_tensor(ids)), bias.to(device, non_blocking=True)
+            )
 
         min_rows: list[int] = []
         min_ids: list[int] = []
         for i, (req, p) in enumerate(zip(reqs, params)):
             if len(req.output_ids) < p.min_new_tokens:
-                ids = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | set(eos_token_ids)
+                ids = (
+                    set(p.stop_token_ids)
+                    if p.ignore_eos
+                    else set(p.stop_token_ids) | set(eos_token_ids)
+                )
                 min_rows += [i] * len(ids)
                 min_ids += sorted(ids)
         if min_ids:

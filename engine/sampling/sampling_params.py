@@ -68,7 +68,9 @@ class SamplingParams:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; valid names are {sorted(known)}")
+            raise ValueError(
+                f"unknown sampling parameter(s) {unknown}; valid names are {sorted(known)}"
+            )
         return cls(**params)
 
     @property
@@ -101,11 +103,17 @@ class SamplingParams:
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         # 0 would divide positive logits by zero.
-        _check_float("repetition_penalty", self.repetition_penalty, low=0.0, high=2.0, low_open=True)
+        _check_float(
+            "repetition_penalty", self.repetition_penalty, low=0.0, high=2.0, low_open=True
+        )
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+            raise ValueError(
+                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}"
+            )
         if not isinstance(self.stop_token_ids, list):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise ValueError(
+                f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0, high=vocab_size - 1)
         _check_bool("ignore_eos", self.ignore_eos)
@@ -114,7 +122,9 @@ class SamplingParams:
             _check_int("logit_bias", token_id, low=0, high=vocab_size - 1)
             # -inf forbids a token; +inf on two tokens would make softmax NaN.
             if not _is_number(bias) or math.isnan(bias) or bias == math.inf:
-                raise ValueError(f"logit_bias values must be finite numbers or -inf, got {bias!r} for {token_id}")
+                raise ValueError(
+                    f"logit_bias values must be finite numbers or -inf, got {bias!r} for {token_id}"
+                )
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=MAX_SEED)
         _check_int("n", self.n, low=1)
@@ -125,7 +135,9 @@ class SamplingParams:
         grammars = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
         for kind in grammars:
             if not isinstance(getattr(self, kind), str):
-                raise ValueError(f"{kind} must be a string, got {type(getattr(self, kind)).__name__}")
+                raise ValueError(
+                    f"{kind} must be a string, got {type(getattr(self, kind)).__name__}"
+                )
         if len(grammars) > 1:
             raise ValueError(f"only one of json_schema, regex, ebnf may be set, got {grammars}")
 

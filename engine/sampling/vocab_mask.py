@@ -17,9 +17,13 @@ def apply_vocab_mask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """
     batch_size, vocab_size = logits.shape
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[0] != batch_size:
-        raise ValueError(f"vocab mask must be int32 [{batch_size}, W], got {bitmask.dtype} {list(bitmask.shape)}")
+        raise ValueError(
+            f"vocab mask must be int32 [{batch_size}, W], got {bitmask.dtype} {list(bitmask.shape)}"
+        )
     if bitmask.shape[1] * 32 < vocab_size:
-        raise ValueError(f"vocab mask covers {bitmask.shape[1] * 32} tokens, logits have {vocab_size}")
+        raise ValueError(
+            f"vocab mask covers {bitmask.shape[1] * 32} tokens, logits have {vocab_size}"
+        )
     positions = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     # An arithmetic shift copies the sign bit down, but `& 1` keeps only the bit asked for.
     allowed = (bitmask.unsqueeze(-1) >> positions) & 1

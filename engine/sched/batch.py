@@ -88,9 +88,13 @@ class ScheduleBatch:
         )
         # Point every new token's table entry at its slot in one indexed write (no per-request op).
         token_rows = torch.repeat_interleave(
-            forward_batch.req_pool_indices, forward_batch.extend_lens, output_size=len(out_cache_loc)
+            forward_batch.req_pool_indices,
+            forward_batch.extend_lens,
+            output_size=len(out_cache_loc),
         )
-        req_to_token_pool.req_to_token[token_rows, forward_batch.positions] = out_cache_loc.to(torch.int32)
+        req_to_token_pool.req_to_token[token_rows, forward_batch.positions] = out_cache_loc.to(
+            torch.int32
+        )
         for req, extend_len in zip(reqs, extend_lens):
             req.kv_allocated_len += extend_len
         sampling_info = SamplingBatchInfo.from_reqs(reqs, vocab_size, eos_token_ids, device)
@@ -106,7 +110,9 @@ def build_vocab_mask(
     row is filled by its matcher in one native call; other rows, and chunked prefills
     (which sample nothing), stay all-allowed. The matchers must already have accepted
     every token sampled so far: the scheduler resolves the in-flight batch first."""
-    rows = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and id(r) not in chunked]
+    rows = [
+        (i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and id(r) not in chunked
+    ]
     if not rows:
         return None
     vocab_mask = allocate_vocab_mask(len(reqs), vocab_size)

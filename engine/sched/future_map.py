@@ -15,8 +15,9 @@ import torch
 class FutureMap:
     def __init__(self, max_running_requests: int, device: torch.device, debug: bool = False):
         self.debug = debug
-        self.output_tokens_buf = torch.full((max_running_requests + 1,), -1 if debug else 0, dtype=torch.int64,
-                                            device=device)
+        self.output_tokens_buf = torch.full(
+            (max_running_requests + 1,), -1 if debug else 0, dtype=torch.int64, device=device
+        )
 
     @staticmethod
     def futures(req_pool_indices: torch.Tensor) -> torch.Tensor:
@@ -37,6 +38,8 @@ class FutureMap:
         resolved = torch.where(is_future, self.output_tokens_buf[rows], input_ids)
         if self.debug:
             if bool((resolved < 0).any()):
-                raise RuntimeError(f"future token read before it was written: rows {rows[resolved < 0].tolist()}")
+                raise RuntimeError(
+                    f"future token read before it was written: rows {rows[resolved < 0].tolist()}"
+                )
             self.output_tokens_buf[rows[is_future]] = -1
         return resolved

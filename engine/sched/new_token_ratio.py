@@ -29,18 +29,24 @@ class NewTokenRatioTracker:
     ):
         self.init_new_token_ratio = min(1.0, init_ratio * schedule_conservativeness)
         self.min_new_token_ratio = self.init_new_token_ratio * min_ratio_factor
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / decay_steps
+        self.new_token_ratio_decay = (
+            self.init_new_token_ratio - self.min_new_token_ratio
+        ) / decay_steps
         self.retract_decode_steps = retract_decode_steps
         self.new_token_ratio = self.init_new_token_ratio
 
     def on_decode_step(self) -> None:
-        self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        self.new_token_ratio = max(
+            self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio
+        )
 
     def on_retract(self, remaining: Sequence[Req]) -> None:
         """Reserve what the survivors decoded so far plus `retract_decode_steps` more each."""
         decoded = sum(len(r.output_ids) for r in remaining)
         max_new = sum(r.sampling_params.max_new_tokens for r in remaining)
-        self.new_token_ratio = min(1.0, (decoded + self.retract_decode_steps * len(remaining)) / (max_new + 1))
+        self.new_token_ratio = min(
+            1.0, (decoded + self.retract_decode_steps * len(remaining)) / (max_new + 1)
+        )
 
     def on_idle(self) -> None:
         self.new_token_ratio = self.init_new_token_ratio

@@ -31,13 +31,17 @@ class SchedulePolicy:
 
     def __init__(self, policy: str, tree_cache: RadixCache, seed: int = 0):
         if policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"unknown schedule policy {policy!r}; choose one of {', '.join(SCHEDULE_POLICIES)}")
+            raise ValueError(
+                f"unknown schedule policy {policy!r}; choose one of {', '.join(SCHEDULE_POLICIES)}"
+            )
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
         # A token-only tree of the waiting queue for in-batch prefix dedup: its "slots" are
         # never read, so it gets a one-slot pool and placeholder values.
-        self.waiting_queue_radix_tree = RadixCache.create_simulated(num_slots=1, max_reqs=1, max_context_len=1)
+        self.waiting_queue_radix_tree = RadixCache.create_simulated(
+            num_slots=1, max_reqs=1, max_context_len=1
+        )
 
     def active_policy(self, waiting_queue: list[Req]) -> str:
         if self.policy == "lpm" and len(waiting_queue) > constants.LPM_MAX_QUEUE_LEN:
@@ -47,7 +51,10 @@ class SchedulePolicy:
         return self.policy
 
     def calc_priority(
-        self, waiting_queue: list[Req], running_reqs: Iterable[Req] = (), in_flight_prefill: Iterable[Req] = ()
+        self,
+        waiting_queue: list[Req],
+        running_reqs: Iterable[Req] = (),
+        in_flight_prefill: Iterable[Req] = (),
     ) -> set[str]:
         """Sort `waiting_queue`; return the rids deferred by in-batch prefix dedup."""
         policy = self.active_policy(waiting_queue)
@@ -55,7 +62,9 @@ class SchedulePolicy:
         if policy in CACHE_AWARE_POLICIES:
             deferred = self._compute_prefix_matches(waiting_queue, in_flight_prefill)
         if policy == "lpm":
-            waiting_queue.sort(key=lambda r: float("inf") if r.rid in deferred else -len(r.prefix_indices))
+            waiting_queue.sort(
+                key=lambda r: float("inf") if r.rid in deferred else -len(r.prefix_indices)
+            )
         elif policy == "dfs-weight":
             waiting_queue[:] = self._dfs_weight_order(waiting_queue)
         elif policy == "lof":
@@ -66,10 +75,14 @@ class SchedulePolicy:
             waiting_queue.sort(key=lambda r: -r.priority)
         elif policy == "routing-key":
             counts = Counter(r.routing_key for r in running_reqs if r.routing_key is not None)
-            waiting_queue.sort(key=lambda r: -counts[r.routing_key] if r.routing_key is not None else 0)
+            waiting_queue.sort(
+                key=lambda r: -counts[r.routing_key] if r.routing_key is not None else 0
+            )
         return deferred
 
-    def _compute_prefix_matches(self, waiting_queue: list[Req], in_flight_prefill: Iterable[Req]) -> set[str]:
+    def _compute_prefix_matches(
+        self, waiting_queue: list[Req], in_flight_prefill: Iterable[Req]
+    ) -> set[str]:
         """Match every waiting request against the tree; defer those that hit little in the
         tree but share a long prefix with an earlier queue-mate or an in-flight prefill, so
         that one representative prefills it and the rest hit next round."""

@@ -42,9 +42,14 @@ class PrefillAdder:
         self.allocator = token_to_kv_pool_allocator
         self.clip_max_new_tokens = clip_max_new_tokens
         self.rem_input_tokens = max_prefill_tokens - mixed_with_decode_tokens
-        self.rem_chunk_tokens = None if chunked_prefill_size is None else chunked_prefill_size - mixed_with_decode_tokens
+        self.rem_chunk_tokens = (
+            None
+            if chunked_prefill_size is None
+            else chunked_prefill_size - mixed_with_decode_tokens
+        )
         self.rem_total_token_offset = mixed_with_decode_tokens + sum(
-            min(r.sampling_params.max_new_tokens - len(r.output_ids), clip_max_new_tokens) * new_token_ratio
+            min(r.sampling_params.max_new_tokens - len(r.output_ids), clip_max_new_tokens)
+            * new_token_ratio
             for r in running_reqs
         )
         self.can_run_list: list[Req] = []
@@ -53,11 +58,17 @@ class PrefillAdder:
     @property
     def rem_total_tokens(self) -> float:
         """Recomputed on every read: locking a prefix shrinks `evictable_size`."""
-        return self.allocator.available_size() + self.tree_cache.evictable_size() - self.rem_total_token_offset
+        return (
+            self.allocator.available_size()
+            + self.tree_cache.evictable_size()
+            - self.rem_total_token_offset
+        )
 
     def budget_exhausted(self) -> bool:
-        return self.rem_total_tokens <= 0 or self.rem_input_tokens <= 0 or (
-            self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0
+        return (
+            self.rem_total_tokens <= 0
+            or self.rem_input_tokens <= 0
+            or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0)
         )
 
     def add_chunked_req(self, req: Req) -> None:
@@ -67,7 +78,9 @@ class PrefillAdder:
 
     def add_one_req(self, req: Req) -> AddReqResult:
         """Admit `req` (matched by `init_next_round_input`) if it fits; lock its prefix."""
-        total_tokens = req.extend_input_len + min(req.sampling_params.max_new_tokens, self.clip_max_new_tokens)
+        total_tokens = req.extend_input_len + min(
+            req.sampling_params.max_new_tokens, self.clip_max_new_tokens
+        )
         if total_tokens > self.rem_total_tokens:
             return AddReqResult.NO_TOKEN
         if req.extend_input_len > self.rem_input_tokens and self.can_run_list:
@@ -76,7 +89,9 @@ class PrefillAdder:
         if total_tokens > self.rem_total_tokens:  # the lock took the prefix out of `evictable`
             self.tree_cache.dec_lock_ref(req.last_node)
             return AddReqResult.NO_TOKEN
-        self._add_prefill(req, max_new_tokens=min(req.sampling_params.max_new_tokens, self.clip_max_new_tokens))
+        self._add_prefill(
+            req, max_new_tokens=min(req.sampling_params.max_new_tokens, self.clip_max_new_tokens)
+        )
         return AddReqResult.CONTINUE
 
     def _add_prefill(self, req: Req, max_new_tokens: int) -> None:

@@ -44,9 +44,15 @@ def retract_decode(reqs: list[Req], tree_cache: RadixCache) -> RetractResult:
             last = order.pop()
             release_req(last, tree_cache)
             pool = tree_cache.token_to_kv_pool_allocator.size
-            last.finish(FinishReason("abort", message=(
-                f"the KV cache ({pool} tokens) cannot hold this request's {last.seqlen + 1} tokens even alone; "
-                "lower max_tokens or raise --max-total-tokens")))
+            last.finish(
+                FinishReason(
+                    "abort",
+                    message=(
+                        f"the KV cache ({pool} tokens) cannot hold this request's {last.seqlen + 1} tokens even alone; "
+                        "lower max_tokens or raise --max-total-tokens"
+                    ),
+                )
+            )
             return RetractResult([], retracted, last)
         req = order.pop()
         release_req(req, tree_cache)

@@ -80,8 +80,11 @@ class SchedulerStats:
 
     def counters(self) -> dict[str, Any]:
         """The plain numbers (a copy), e.g. for a status endpoint."""
-        return {f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
-                for f in fields(self) if f.name != "observer"}
+        return {
+            f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
+            for f in fields(self)
+            if f.name != "observer"
+        }
 
 
 class Scheduler:
@@ -110,7 +113,9 @@ class Scheduler:
         self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, seed=args.random_seed)
         self.ratio = NewTokenRatioTracker(args.schedule_conservativeness)
         self.sampler = Sampler()
-        self.future_map = FutureMap(self.max_running_requests, self.device, debug=args.debug_future_map)
+        self.future_map = FutureMap(
+            self.max_running_requests, self.device, debug=args.debug_future_map
+        )
         self.waiting_queue: list[Req] = []
         self.grammar_queue: list[Req] = []
         """Requests whose grammar is compiling; they join the waiting queue when it is done."""
@@ -119,16 +124,22 @@ class Scheduler:
         self.outputs: list[Req] = []
         self.stats = SchedulerStats()
         if args.enable_jump_forward and args.disable_radix_cache:
-            raise ValueError("enable_jump_forward needs the radix cache: a jump hands the request's KV to the tree")
+            raise ValueError(
+                "enable_jump_forward needs the radix cache: a jump hands the request's KV to the tree"
+            )
         self.jump_forward = args.enable_jump_forward and grammar_backend is not None
         if self.jump_forward and not decodes_concatenatively(grammar_backend.tokenizer):
-            logger.warning("jump-forward is off: this tokenizer's pieces do not decode independently")
+            logger.warning(
+                "jump-forward is off: this tokenizer's pieces do not decode independently"
+            )
             self.jump_forward = False
         if args.disable_overlap_schedule is None:
             self.overlap = self.device.type == "cuda"
         else:
             self.overlap = not args.disable_overlap_schedule
-        self.forward_thread = ThreadPoolExecutor(1, thread_name_prefix="forward") if self.overlap else None
+        self.forward_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="forward") if self.overlap else None
+        )
         self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None
 
     # ----- requests in ------------------------------------------------------------------
@@ -139,12 +150,19 @@ class Scheduler:
         if input_len == 0:
             raise ValueError("the prompt is empty")
         req.sampling_params.verify(self.model_config.vocab_size)
-        if max(req.origin_input_ids) >= self.model_config.vocab_size or min(req.origin_input_ids) < 0:
+        if (
+            max(req.origin_input_ids) >= self.model_config.vocab_size
+            or min(req.origin_input_ids) < 0
+        ):
             raise ValueError(f"prompt token ids must lie in [0, {self.model_config.vocab_size})")
         if input_len >= self.context_len:
-            raise ValueError(f"the prompt has {input_len} tokens; the context length is {self.context_len}")
+            raise ValueError(
+                f"the prompt has {input_len} tokens; the context length is {self.context_len}"
+            )
         if req.sampling_params.stop and self.stop_string_checker is None:
-            raise ValueError("stop strings need a tokenizer; this engine runs with skip_tokenizer_init")
+            raise ValueError(
+                "stop strings need a tokenizer; this engine runs with skip_tokenizer_init"
+            )
         params = req.sampling_params
         params.max_new_tokens = min(params.max_new_tokens, self.context_len - input_len)
         needed = input_len + min(params.max_new_tokens, self.args.clip_max_new_tokens)
@@ -155,7 +173,9 @@ class Scheduler:
             )
         grammar = params.grammar
         if grammar is not None and self.grammar_backend is None:
-            raise ValueError("json_schema, regex and ebnf need a tokenizer; this engine runs with skip_tokenizer_init")
+            raise ValueError(
+                "json_schema, regex and ebnf need a tokenizer; this engine runs with skip_tokenizer_init"
+            )
         req.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         req.status = ReqStatus.WAITING
         if grammar is not None:
@@ -200,18 +220,26 @@ class Scheduler:
 
     def step_overlap(self) -> None:
         batch = self.get_next_batch_to_run()
-        launched = (batch, self.forward_thread.submit(self.run_batch, batch)) if batch is not None else None
+        launched = (
+            (batch, self.forward_thread.submit(self.run_batch, batch))
+            if batch is not None
+            else None
+        )
         self.resolve_in_flight()
         self.in_flight = launched
         if launched is None:
             self.ratio.on_idle()
 
-    def event_loop_normal(self, recv_requests: Callable[[], None], should_stop: Callable[[], bool]) -> None:
+    def event_loop_normal(
+        self, recv_requests: Callable[[], None], should_stop: Callable[[], bool]
+    ) -> None:
         while not should_stop():
             recv_requests()
             self.step_normal()
 
-    def event_loop_overlap(self, recv_requests: Callable[[], None], should_stop: Callable[[], bool]) -> None:
+    def event_loop_overlap(
+        self, recv_requests: Callable[[], None], should_stop: Callable[[], bool]
+    ) -> None:
         while not should_stop():
             recv_requests()
             self.step_overlap()
@@ -224,7 +252,13 @@ class Scheduler:
             self.process_batch_result(batch, future.result())
 
     def has_work(self) -> bool:
-        return bool(self.waiting_queue or self.grammar_queue or self.running or self.chunked_req or self.in_flight)
+        return bool(
+            self.waiting_queue
+            or self.grammar_queue
+            or self.running
+            or self.chunked_req
+            or self.in_flight
+        )
 
     def shutdown(self) -> None:
         if self.forward_thread is not None:
@@ -249,7 +283,11 @@ class Scheduler:
             return None
         in_flight_prefill = self.in_flight[0].reqs if self.in_flight is not None else []
         deferred = self.policy.calc_priority(self.waiting_queue, self.running, in_flight_prefill)
-        mixed = self.args.enable_mixed_chunk and bool(self.running) and self._decode_fits_without_eviction()
+        mixed = (
+            self.args.enable_mixed_chunk
+            and bool(self.running)
+            and self._decode_fits_without_eviction()
+        )
         adder = PrefillAdder(
             self.tree_cache,
             self.tree_cache.token_to_kv_pool_allocator,
@@ -265,7 +303,10 @@ class Scheduler:
         for req in self.waiting_queue:
             if req.rid in deferred:
                 continue
-            if len(self.running) + len(adder.can_run_list) >= self.max_running_requests or adder.budget_exhausted():
+            if (
+                len(self.running) + len(adder.can_run_list) >= self.max_running_requests
+                or adder.budget_exhausted()
+            ):
                 break
             req.init_next_round_input(self.tree_cache)
             if adder.add_one_req(req) is not AddReqResult.CONTINUE:
@@ -338,17 +379,25 @@ class Scheduler:
             self.outputs.append(result.aborted)
         if result.kept:
             self.ratio.on_retract(result.kept)
-        logger.info("retracted %d request(s); new_token_ratio %.3f", len(result.retracted), self.ratio.new_token_ratio)
+        logger.info(
+            "retracted %d request(s); new_token_ratio %.3f",
+            len(result.retracted),
+            self.ratio.new_token_ratio,
+        )
 
     def _decode_fits_without_eviction(self) -> bool:
         return self.tree_cache.token_to_kv_pool_allocator.available_size() >= len(self.running)
 
     def _prepare(self, extend_reqs: list[Req], decode_reqs: list[Req]) -> ScheduleBatch | None:
-        if self.in_flight is not None and any(_needs_output_history(r) for r in extend_reqs + decode_reqs):
+        if self.in_flight is not None and any(
+            _needs_output_history(r) for r in extend_reqs + decode_reqs
+        ):
             # Penalties, min_new_tokens, seeded sampling and grammars read the output so far
             # on the CPU side; wait for the in-flight batch rather than use a stale history.
             self.resolve_in_flight()
-            running = {id(r) for r in self.running}  # finished or jumped forward: no longer decoding
+            running = {
+                id(r) for r in self.running
+            }  # finished or jumped forward: no longer decoding
             decode_reqs = [r for r in decode_reqs if id(r) in running]
             if not extend_reqs and not decode_reqs:
                 return None
@@ -381,18 +430,29 @@ class Scheduler:
         if out.next_token_logprobs is not None:
             logprobs = out.next_token_logprobs.tolist()
         if out.next_token_top_logprobs_val is not None:
-            top = [list(zip(v, i)) for v, i in zip(out.next_token_top_logprobs_val.tolist(),
-                                                  out.next_token_top_logprobs_idx.tolist())]
-        result = BatchResult(out.next_token_ids.tolist(), logprobs, top)  # .tolist() waits for the device
+            top = [
+                list(zip(v, i))
+                for v, i in zip(
+                    out.next_token_top_logprobs_val.tolist(),
+                    out.next_token_top_logprobs_idx.tolist(),
+                )
+            ]
+        result = BatchResult(
+            out.next_token_ids.tolist(), logprobs, top
+        )  # .tolist() waits for the device
         if self.stats.observer is not None:
             elapsed = time.perf_counter() - start
-            self.stats.observer.on_forward(batch.forward_mode.name.lower(), len(batch.reqs), elapsed)
+            self.stats.observer.on_forward(
+                batch.forward_mode.name.lower(), len(batch.reqs), elapsed
+            )
         return result
 
     # ----- results ----------------------------------------------------------------------
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        for i, (req, extend_len, token) in enumerate(zip(batch.reqs, batch.extend_lens, result.next_token_ids)):
+        for i, (req, extend_len, token) in enumerate(
+            zip(batch.reqs, batch.extend_lens, result.next_token_ids)
+        ):
             if req.finished:
                 continue  # finished or aborted while this batch ran; its KV is already freed
             req.kv_committed_len += extend_len
@@ -404,7 +464,9 @@ class Scheduler:
             if req.sampling_params.logprobs:
                 req.output_token_logprobs.append((result.next_token_logprobs[i], token))
                 if req.sampling_params.top_logprobs_num:
-                    req.output_top_logprobs.append(result.top_logprobs[i][: req.sampling_params.top_logprobs_num])
+                    req.output_top_logprobs.append(
+                        result.top_logprobs[i][: req.sampling_params.top_logprobs_num]
+                    )
             reason = self._accept_grammar_token(req, token) if req.grammar is not None else None
             reason = reason or self._check_finished(req)
             if reason is not None:
@@ -441,7 +503,10 @@ class Scheduler:
         if plan is None:
             return
         new_len = len(req.output_ids) - plan.rollback + len(plan.token_ids)
-        if new_len >= params.max_new_tokens or len(req.origin_input_ids) + new_len >= self.context_len:
+        if (
+            new_len >= params.max_new_tokens
+            or len(req.origin_input_ids) + new_len >= self.context_len
+        ):
             return  # the forced text would end the request: decode up to the limit instead
         if params.stop and self._forced_text_hits_stop(req, forced):
             return  # decode it token by token, so that the stop check ends the request
@@ -483,7 +548,9 @@ class Scheduler:
         if len(req.output_ids) >= params.max_new_tokens:
             return FinishReason("length")
         if len(req.output_ids) >= params.min_new_tokens:
-            if token in params.stop_token_ids or (not params.ignore_eos and token in req.eos_token_ids):
+            if token in params.stop_token_ids or (
+                not params.ignore_eos and token in req.eos_token_ids
+            ):
                 return FinishReason("stop", matched=token)
             if params.stop and self.stop_string_checker is not None:
                 matched = self.stop_string_checker(req)

@@ -21,7 +21,9 @@ from services.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-_PASSED_THROUGH = tuple(f for f in BatchStrOutput.__struct_fields__ if f not in ("sender", "epoch", "output_strs"))
+_PASSED_THROUGH = tuple(
+    f for f in BatchStrOutput.__struct_fields__ if f not in ("sender", "epoch", "output_strs")
+)
 """Columns a BatchStrOutput copies from its BatchTokenIDOutput unchanged."""
 
 
@@ -30,14 +32,20 @@ class Detokenizer(Service):
 
     def __init__(self, settings: Settings):
         # With skip_tokenizer_init the API returns token ids only, and the text stays empty.
-        self.tokenizer = None if settings.skip_tokenizer_init else load_tokenizer(settings.tokenizer or settings.model)
+        self.tokenizer = (
+            None
+            if settings.skip_tokenizer_init
+            else load_tokenizer(settings.tokenizer or settings.model)
+        )
         super().__init__(settings, settings.detokenizer_port)
         self.to_tokenizer = self.outbox(settings.tokenizer_port)
         self.decode_status: dict[str, IncrementalDetokenizer] = {}
         """rid → its incremental state, from its first output until it finishes."""
         self.first_seen: dict[str, float] = {}
         """rid → when its first output arrived (time.monotonic()); kept only while tracing."""
-        self.metrics = DetokenizerMetrics(self.registry, settings.served_model_name, lambda: len(self.decode_status))
+        self.metrics = DetokenizerMetrics(
+            self.registry, settings.served_model_name, lambda: len(self.decode_status)
+        )
         self.serve_metrics(settings.detokenizer_metrics_port)
 
     def handle(self, msg: Message) -> None:
@@ -49,12 +57,18 @@ class Detokenizer(Service):
             if self.tracing is not None:
                 self.trace(msg, start, end)
         else:
-            logger.warning("dropped a %s from %s: not a detokenizer message", type(msg).__name__, msg.sender or "?")
+            logger.warning(
+                "dropped a %s from %s: not a detokenizer message",
+                type(msg).__name__,
+                msg.sender or "?",
+            )
 
     def on_peer_event(self, event: PeerEvent) -> None:
         if event.peer == "worker" and event.kind == "restart" and self.decode_status:
             # The worker's previous life will never finish these rids.
-            logger.info("worker restarted; dropped the state of %d request(s)", len(self.decode_status))
+            logger.info(
+                "worker restarted; dropped the state of %d request(s)", len(self.decode_status)
+            )
             self.decode_status.clear()
             self.first_seen.clear()
 
@@ -63,13 +77,25 @@ class Detokenizer(Service):
         texts = [
             self.text_delta(rid, ids, reason, stop, skip, rollback)
             for rid, ids, reason, stop, skip, rollback in zip(
-                batch.rids, batch.output_ids, batch.finished_reasons, batch.stop, batch.skip_special_tokens, rollbacks
+                batch.rids,
+                batch.output_ids,
+                batch.finished_reasons,
+                batch.stop,
+                batch.skip_special_tokens,
+                rollbacks,
             )
         ]
-        return BatchStrOutput(**{name: getattr(batch, name) for name in _PASSED_THROUGH}, output_strs=texts)
+        return BatchStrOutput(
+            **{name: getattr(batch, name) for name in _PASSED_THROUGH}, output_strs=texts
+        )
 
     def text_delta(
-        self, rid: str, new_ids: list[int], reason: FinishReason | None, stop: list[str], skip_special_tokens: bool,
+        self,
+        rid: str,
+        new_ids: list[int],
+        reason: FinishReason | None,
+        stop: list[str],
+        skip_special_tokens: bool,
         rollback: int = 0,
     ) -> str:
         """The text `new_ids` add to `rid`'s output that is safe to show; all of what is
@@ -78,7 +104,9 @@ class Detokenizer(Service):
             return ""
         state = self.decode_status.get(rid)
         if state is None:
-            state = self.decode_status[rid] = IncrementalDetokenizer(self.tokenizer, stop, skip_special_tokens)
+            state = self.decode_status[rid] = IncrementalDetokenizer(
+                self.tokenizer, stop, skip_special_tokens
+            )
         if rollback:
             state.rollback(rollback)
         if reason is None:

@@ -12,10 +12,18 @@ from services.tokenizer.server import create_app
 def main() -> None:
     settings = Settings.from_cli(prog="python -m services.tokenizer")
     configure_logging(settings.log_level, "tokenizer")
-    tokenizer = None if settings.skip_tokenizer_init else load_tokenizer(settings.tokenizer or settings.model)
+    tokenizer = (
+        None
+        if settings.skip_tokenizer_init
+        else load_tokenizer(settings.tokenizer or settings.model)
+    )
     uvicorn.run(
-        create_app(settings, tokenizer), host=settings.host, port=settings.port, log_config=None,
-        log_level=settings.log_level, timeout_graceful_shutdown=settings.graceful_shutdown_timeout,
+        create_app(settings, tokenizer),
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=settings.graceful_shutdown_timeout,
     )
 
 

@@ -41,7 +41,13 @@ _VALIDATION_CODES = {"missing": "missing_required_parameter", "json_invalid": "i
 class RequestError(Exception):
     """A failure the client should see: what OpenAI's error body needs, never a traceback."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = "invalid_value", status: int = 400):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        code: str | None = "invalid_value",
+        status: int = 400,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
@@ -53,7 +59,9 @@ def error_body(err: RequestError) -> dict[str, Any]:
     """`{"error": {"message", "type", "param", "code"}}`; `type` follows OpenAI's split
     between the client's fault and the server's."""
     kind = "invalid_request_error" if err.status < 500 else "server_error"
-    return ErrorResponse(error=ErrorInfo(message=err.message, type=kind, param=err.param, code=err.code)).model_dump()
+    return ErrorResponse(
+        error=ErrorInfo(message=err.message, type=kind, param=err.param, code=err.code)
+    ).model_dump()
 
 
 def validation_error_body(exc: ValidationError | RequestValidationError) -> dict[str, Any]:
@@ -72,7 +80,9 @@ def validation_error_body(exc: ValidationError | RequestValidationError) -> dict
     code = _VALIDATION_CODES.get(error["type"]) or (
         "invalid_type" if error["type"].endswith("_type") else "invalid_value"
     )
-    return error_body(RequestError(f"{param}: {reason}" if param else reason, param=param, code=code))
+    return error_body(
+        RequestError(f"{param}: {reason}" if param else reason, param=param, code=code)
+    )
 
 
 def _dotted(loc: Sequence[str | int]) -> str:
@@ -119,7 +129,10 @@ def to_sampling_params(
         default = SamplingParams.max_new_tokens
     else:
         names, kwargs, requested = _openai_kwargs(request)
-        prefix, prompt_param = "", "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+        prefix, prompt_param = (
+            "",
+            "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
+        )
         default = context_len
     kwargs["max_new_tokens"] = _max_new_tokens(
         requested,
@@ -149,7 +162,11 @@ def to_sampling_params(
 def _check_int64(params: SamplingParams) -> None:
     for f in fields(params):
         value = getattr(params, f.name)
-        if isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value <= _INT64[1]:
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and not _INT64[0] <= value <= _INT64[1]
+        ):
             raise ValueError(f"{f.name} must be in [{_INT64[0]}, {_INT64[1]}], got {value}")
 
 
@@ -186,7 +203,10 @@ def _openai_kwargs(
         kwargs.update(logprobs=request.logprobs, top_logprobs_num=request.top_logprobs)
         names["top_logprobs_num"] = "top_logprobs"
         if request.max_completion_tokens is not None:
-            names["max_new_tokens"], requested = "max_completion_tokens", request.max_completion_tokens
+            names["max_new_tokens"], requested = (
+                "max_completion_tokens",
+                request.max_completion_tokens,
+            )
     else:
         kwargs.update(logprobs=request.logprobs is not None, top_logprobs_num=request.logprobs)
         names["top_logprobs_num"] = "logprobs"
@@ -200,7 +220,10 @@ def _native_kwargs(request: GenerateRequest) -> tuple[dict[str, str], dict[str, 
     if request.return_logprob:
         kwargs["logprobs"], names["logprobs"] = True, "return_logprob"
     if request.top_logprobs_num:
-        kwargs["top_logprobs_num"], names["top_logprobs_num"] = request.top_logprobs_num, "top_logprobs_num"
+        kwargs["top_logprobs_num"], names["top_logprobs_num"] = (
+            request.top_logprobs_num,
+            "top_logprobs_num",
+        )
     return names, kwargs, kwargs.pop("max_new_tokens", None)
 
 
@@ -254,7 +277,9 @@ def _renamed(message: str, names: dict[str, str], prefix: str) -> RequestError:
 
 
 def tokenize_prompts(
-    request: CompletionRequest | GenerateRequest, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int
+    request: CompletionRequest | GenerateRequest,
+    tokenizer: PreTrainedTokenizerBase | None,
+    vocab_size: int,
 ) -> list[list[int]]:
     """Token ids for each prompt of the batch; ids sent by the client must exist in the
     vocabulary, since an out-of-range id would index past the embedding table."""
@@ -264,7 +289,9 @@ def tokenize_prompts(
         prompts, param = request.prompts, request.prompt_field
     if isinstance(prompts[0], str):
         if tokenizer is None:
-            raise RequestError("text prompts need a tokenizer; this server was started without one", param=param)
+            raise RequestError(
+                "text prompts need a tokenizer; this server was started without one", param=param
+            )
         return [tokenizer.encode(text) for text in prompts]
     for i, ids in enumerate(prompts):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -285,7 +312,11 @@ def apply_chat_template(
     """
     conversation = [{"role": m.role, "content": m.content or ""} for m in messages]
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=True, tokenize=False
+        )
     except (TemplateError, ValueError) as exc:
-        raise RequestError(f"the chat template rejected the messages: {exc}", param="messages") from None
+        raise RequestError(
+            f"the chat template rejected the messages: {exc}", param="messages"
+        ) from None
     return tokenizer.encode(text, add_special_tokens=False)

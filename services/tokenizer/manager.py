@@ -98,8 +98,11 @@ class TokenizerManager:
     """Owns the sockets; create it inside the running event loop and `start()` it."""
 
     def __init__(
-        self, settings: Settings, tokenizer: PreTrainedTokenizerBase | None,
-        metrics: TokenizerMetrics | None = None, tracing: Tracing | None = None,
+        self,
+        settings: Settings,
+        tokenizer: PreTrainedTokenizerBase | None,
+        metrics: TokenizerMetrics | None = None,
+        tracing: Tracing | None = None,
     ):
         self.settings = settings
         self.tokenizer = tokenizer
@@ -109,11 +112,16 @@ class TokenizerManager:
         self.ctx = zmq.Context()
         self.actx = zmq.asyncio.Context()
         self.to_worker = Sender(
-            connect_push(self.ctx, settings.worker_port), "tokenizer", self.epoch, settings.heartbeat_interval
+            connect_push(self.ctx, settings.worker_port),
+            "tokenizer",
+            self.epoch,
+            settings.heartbeat_interval,
         )
         self.receivers = [
             AsyncReceiver(bind_pull(self.actx, settings.tokenizer_port), "tokenizer-outputs"),
-            AsyncReceiver(bind_pull(self.actx, settings.tokenizer_control_port), "tokenizer-control"),
+            AsyncReceiver(
+                bind_pull(self.actx, settings.tokenizer_control_port), "tokenizer-control"
+            ),
         ]
         self.monitor = PeerMonitor(settings.heartbeat_interval)
         self.worker_info: WorkerReady | None = None
@@ -172,7 +180,8 @@ class TokenizerManager:
         if num_reqs > limit:
             raise RequestError(
                 f"this request fans out into {num_reqs} sequences (prompts × n); at most {limit} may wait at "
-                "once on this server (--max-queued-requests)", param="n",
+                "once on this server (--max-queued-requests)",
+                param="n",
             )
         if self.num_queued + num_reqs > limit:
             raise overloaded(
@@ -214,10 +223,14 @@ class TokenizerManager:
             for req in reqs:
                 try:
                     sent = self.to_worker.send(req)
-                except OverflowError:  # the adapters check the known fields; a safety net for the rest
+                except (
+                    OverflowError
+                ):  # the adapters check the known fields; a safety net for the rest
                     raise RequestError("a number in the request does not fit in 64 bits") from None
                 if not sent:
-                    raise unavailable("the worker is not accepting requests (not connected, or its queue is full)")
+                    raise unavailable(
+                        "the worker is not accepting requests (not connected, or its queue is full)"
+                    )
             while group.unfinished:
                 item = await self._next_output(group, deadline)
                 if isinstance(item, RequestError):
@@ -265,7 +278,7 @@ class TokenizerManager:
         `rid` is empty; returns how many were asked to stop."""
 
         def matches(r: str) -> bool:
-            return not rid or r == rid or (r.startswith(rid + "-") and r[len(rid) + 1:].isdigit())
+            return not rid or r == rid or (r.startswith(rid + "-") and r[len(rid) + 1 :].isdigit())
 
         rids = [r for r in self.groups if matches(r)]
         for r in rids:
@@ -276,7 +289,9 @@ class TokenizerManager:
         return await self._control(FlushCacheReq(rid=self.new_rid("flush")))
 
     async def server_info(self, check_integrity: bool = False) -> dict:
-        reply = await self._control(GetServerInfoReq(rid=self.new_rid("info"), check_integrity=check_integrity))
+        reply = await self._control(
+            GetServerInfoReq(rid=self.new_rid("info"), check_integrity=check_integrity)
+        )
         return reply.info
 
     async def _control(self, msg: FlushCacheReq | GetServerInfoReq) -> Message:
@@ -287,7 +302,9 @@ class TokenizerManager:
                 raise unavailable("the worker is not connected")
             return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
         except TimeoutError:
-            message = f"the worker did not answer {type(msg).__name__} within {CONTROL_TIMEOUT_S:g} s"
+            message = (
+                f"the worker did not answer {type(msg).__name__} within {CONTROL_TIMEOUT_S:g} s"
+            )
             raise unavailable(message) from None
         finally:
             self.control.pop(msg.rid, None)
@@ -314,14 +331,22 @@ class TokenizerManager:
             self._route(msg)
         elif isinstance(msg, WorkerReady):
             self.worker_info = msg
-            logger.info("worker ready: %s, context %d, %d KV tokens", msg.model_path, msg.context_length,
-                        msg.max_total_tokens)
+            logger.info(
+                "worker ready: %s, context %d, %d KV tokens",
+                msg.model_path,
+                msg.context_length,
+                msg.max_total_tokens,
+            )
         elif isinstance(msg, (FlushCacheReqOutput, GetServerInfoReqOutput)):
             future = self.control.get(msg.rid)
             if future is not None and not future.done():
                 future.set_result(msg)
         else:
-            logger.warning("dropped a %s from %s: not a tokenizer message", type(msg).__name__, msg.sender or "?")
+            logger.warning(
+                "dropped a %s from %s: not a tokenizer message",
+                type(msg).__name__,
+                msg.sender or "?",
+            )
 
     def _route(self, batch: BatchStrOutput) -> None:
         for i, rid in enumerate(batch.rids):
@@ -331,18 +356,20 @@ class TokenizerManager:
             if rid in group.queued:
                 group.queued.discard(rid)
                 self.num_queued -= 1
-            group.queue.put_nowait(ReqOutput(
-                index=0,
-                rid=rid,
-                text=batch.output_strs[i],
-                output_ids=batch.output_ids[i],
-                finished_reason=batch.finished_reasons[i],
-                prompt_tokens=batch.prompt_tokens[i],
-                completion_tokens=batch.completion_tokens[i],
-                cached_tokens=batch.cached_tokens[i],
-                logprobs=self._logprobs(batch, i),
-                rollback=batch.rollbacks[i] if batch.rollbacks else 0,
-            ))
+            group.queue.put_nowait(
+                ReqOutput(
+                    index=0,
+                    rid=rid,
+                    text=batch.output_strs[i],
+                    output_ids=batch.output_ids[i],
+                    finished_reason=batch.finished_reasons[i],
+                    prompt_tokens=batch.prompt_tokens[i],
+                    completion_tokens=batch.completion_tokens[i],
+                    cached_tokens=batch.cached_tokens[i],
+                    logprobs=self._logprobs(batch, i),
+                    rollback=batch.rollbacks[i] if batch.rollbacks else 0,
+                )
+            )
 
     def _logprobs(self, batch: BatchStrOutput, i: int) -> tuple[TokenLogprob, ...]:
         values = batch.output_token_logprobs_val[i] if batch.output_token_logprobs_val else []
@@ -387,7 +414,9 @@ class TokenizerManager:
             if self.worker_info is not None and self.worker_info.epoch != event.epoch:
                 self.worker_info = None  # its new life announces its limits again
         verb = "stopped responding" if event.kind == "dead" else "restarted"
-        self.fail_all(unavailable(f"the {event.peer} process {verb}; the request was lost, retry it"))
+        self.fail_all(
+            unavailable(f"the {event.peer} process {verb}; the request was lost, retry it")
+        )
 
     def fail_all(self, err: RequestError) -> None:
         groups = {id(g): g for g in self.groups.values()}.values()
@@ -403,8 +432,10 @@ class TokenizerManager:
 
 @contextlib.asynccontextmanager
 async def running_manager(
-    settings: Settings, tokenizer: PreTrainedTokenizerBase | None,
-    metrics: TokenizerMetrics | None = None, tracing: Tracing | None = None,
+    settings: Settings,
+    tokenizer: PreTrainedTokenizerBase | None,
+    metrics: TokenizerMetrics | None = None,
+    tracing: Tracing | None = None,
 ) -> AsyncIterator[TokenizerManager]:
     """A started manager, closed (tasks cancelled, sockets shut) on exit."""
     manager = TokenizerManager(settings, tokenizer, metrics, tracing)

@@ -35,8 +35,14 @@ def _join_text_parts(content: object) -> object:
         return content
     texts = []
     for part in content:
-        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-            raise ValueError('content parts must be {"type": "text", "text": <string>}; this server accepts text only')
+        if not (
+            isinstance(part, dict)
+            and part.get("type") == "text"
+            and isinstance(part.get("text"), str)
+        ):
+            raise ValueError(
+                'content parts must be {"type": "text", "text": <string>}; this server accepts text only'
+            )
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -50,7 +56,9 @@ def _stop_list(stop: object) -> object:
 
 
 def _is_token_ids(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in value
+    )
 
 
 def _prompt_batch(prompt: object) -> object:
@@ -58,12 +66,16 @@ def _prompt_batch(prompt: object) -> object:
     if isinstance(prompt, str) or (_is_token_ids(prompt) and prompt):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
-        raise ValueError("must be a non-empty string, list of strings, list of token ids or list of token-id lists")
+        raise ValueError(
+            "must be a non-empty string, list of strings, list of token ids or list of token-id lists"
+        )
     if all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt):
         if any(len(p) == 0 for p in prompt):
             raise ValueError("an empty prompt has nothing to continue from")
         return prompt
-    raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists, not a mix")
+    raise ValueError(
+        "must be a string, a list of strings, a list of token ids or a list of token-id lists, not a mix"
+    )
 
 
 TextContent = Annotated[str | None, BeforeValidator(_join_text_parts)]
@@ -104,7 +116,9 @@ class ResponseFormat(_Request):
     @model_validator(mode="after")
     def _schema_when_json_schema(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError('type "json_schema" needs a json_schema object: {"name": ..., "schema": {...}}')
+            raise ValueError(
+                'type "json_schema" needs a json_schema object: {"name": ..., "schema": {...}}'
+            )
         return self
 
     def grammar_schema(self) -> dict[str, Any] | None:

@@ -102,7 +102,9 @@ def openai_finish_reason(reason: FinishReason) -> FinishReasonName:
     """An abort has no OpenAI finish reason: the request failed, and the client gets an
     error instead of a truncated answer that looks complete."""
     if reason.type == "abort":
-        raise RequestError(reason.message or "the request was aborted", code="request_aborted", status=500)
+        raise RequestError(
+            reason.message or "the request was aborted", code="request_aborted", status=500
+        )
     return "length" if reason.type == "length" else "stop"
 
 
@@ -128,13 +130,17 @@ def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> ChoiceLogprobs:
 
     return ChoiceLogprobs(
         content=[
-            ChatCompletionTokenLogprob(**entry(lp).model_dump(), top_logprobs=[entry(t) for t in lp.top_logprobs])
+            ChatCompletionTokenLogprob(
+                **entry(lp).model_dump(), top_logprobs=[entry(t) for t in lp.top_logprobs]
+            )
             for lp in logprobs
         ]
     )
 
 
-def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int = 0) -> CompletionLogprobs:
+def completion_logprobs(
+    logprobs: Sequence[TokenLogprob], text_offset: int = 0
+) -> CompletionLogprobs:
     """The legacy completions shape; `text_offset` is where these tokens start in the
     choice's text (non-zero for the later chunks of a stream)."""
     offsets = []
@@ -149,7 +155,9 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int = 0) 
     )
 
 
-def chat_completion_response(header: ResponseHeader, choices: Sequence[ChoiceOutput]) -> ChatCompletionResponse:
+def chat_completion_response(
+    header: ResponseHeader, choices: Sequence[ChoiceOutput]
+) -> ChatCompletionResponse:
     return ChatCompletionResponse(
         **header.fields(),
         choices=[
@@ -165,7 +173,9 @@ def chat_completion_response(header: ResponseHeader, choices: Sequence[ChoiceOut
     )
 
 
-def completion_response(header: ResponseHeader, choices: Sequence[ChoiceOutput], n: int) -> CompletionResponse:
+def completion_response(
+    header: ResponseHeader, choices: Sequence[ChoiceOutput], n: int
+) -> CompletionResponse:
     return CompletionResponse(
         **header.fields(),
         choices=[
@@ -183,7 +193,9 @@ def completion_response(header: ResponseHeader, choices: Sequence[ChoiceOutput],
 
 def sse_event(obj: BaseModel | dict[str, Any]) -> str:
     """One server-sent event: `data: <json>` and a blank line."""
-    payload = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, ensure_ascii=False)
+    payload = (
+        obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, ensure_ascii=False)
+    )
     return f"data: {payload}\n\n"
 
 
@@ -209,7 +221,11 @@ class _Stream(ABC):
         return events
 
     def finish(
-        self, index: int, output: ChoiceOutput, text: str = "", logprobs: Sequence[TokenLogprob] = ()
+        self,
+        index: int,
+        output: ChoiceOutput,
+        text: str = "",
+        logprobs: Sequence[TokenLogprob] = (),
     ) -> list[str]:
         """Events for the last text of choice `index` and its end. Raises `RequestError`
         for an aborted choice: pass it to `error`."""
@@ -224,7 +240,9 @@ class _Stream(ABC):
         events = []
         if self.include_usage:
             usage = usage_info([self.outputs[i] for i in sorted(self.outputs)], self.n)
-            events.append(sse_event(self.chunk_model(**self.header.fields(), choices=[], usage=usage)))
+            events.append(
+                sse_event(self.chunk_model(**self.header.fields(), choices=[], usage=usage))
+            )
         return [*events, SSE_DONE]
 
     def error(self, err: RequestError) -> list[str]:
@@ -239,7 +257,11 @@ class _Stream(ABC):
 
     @abstractmethod
     def _choice(
-        self, index: int, text: str, logprobs: Sequence[TokenLogprob], reason: FinishReasonName | None
+        self,
+        index: int,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        reason: FinishReasonName | None,
     ) -> BaseModel:
         """One choice's entry in a chunk."""
 
@@ -261,7 +283,11 @@ class ChatCompletionStream(_Stream):
         return [self._event(ChatCompletionResponseStreamChoice(index=index, delta=role))]
 
     def _choice(
-        self, index: int, text: str, logprobs: Sequence[TokenLogprob], reason: FinishReasonName | None
+        self,
+        index: int,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        reason: FinishReasonName | None,
     ) -> ChatCompletionResponseStreamChoice:
         return ChatCompletionResponseStreamChoice(
             index=index,
@@ -281,7 +307,11 @@ class CompletionStream(_Stream):
         self.text_offsets: dict[int, int] = {}
 
     def _choice(
-        self, index: int, text: str, logprobs: Sequence[TokenLogprob], reason: FinishReasonName | None
+        self,
+        index: int,
+        text: str,
+        logprobs: Sequence[TokenLogprob],
+        reason: FinishReasonName | None,
     ) -> CompletionResponseChoice:
         offset = self.text_offsets.get(index, 0)
         self.text_offsets[index] = offset + len(text)
@@ -302,12 +332,19 @@ def generate_response(output: ChoiceOutput) -> dict[str, Any]:
         "completion_tokens": output.completion_tokens,
         "cached_tokens": output.cached_tokens,
         "finish_reason": {
-            k: v for k, v in {"type": reason.type, "matched": reason.matched, "message": reason.message}.items()
+            k: v
+            for k, v in {
+                "type": reason.type,
+                "matched": reason.matched,
+                "message": reason.message,
+            }.items()
             if v is not None
         },
     }
     if output.logprobs is not None:
-        meta_info["output_token_logprobs"] = [[lp.logprob, lp.token_id, lp.token] for lp in output.logprobs]
+        meta_info["output_token_logprobs"] = [
+            [lp.logprob, lp.token_id, lp.token] for lp in output.logprobs
+        ]
         meta_info["output_top_logprobs"] = [
             [[t.logprob, t.token_id, t.token] for t in lp.top_logprobs] for lp in output.logprobs
         ]

@@ -99,7 +99,9 @@ class BodySizeLimit:
         self.max_bytes = max_bytes
 
     def _too_large(self) -> RequestError:
-        return RequestError(f"the request body exceeds {self.max_bytes} bytes", code="request_too_large", status=413)
+        return RequestError(
+            f"the request body exceeds {self.max_bytes} bytes", code="request_too_large", status=413
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -203,7 +205,8 @@ def check_fan_out(num_sequences: int, param: str) -> None:
     if num_sequences > MAX_SEQUENCES_PER_REQUEST:
         raise RequestError(
             f"this request asks for {num_sequences} sequences (prompts × n); at most {MAX_SEQUENCES_PER_REQUEST} "
-            "are served per request", param=param,
+            "are served per request",
+            param=param,
         )
 
 
@@ -223,14 +226,16 @@ def fan_out(
     for input_ids, sp in zip(prompts, params):
         for j in range(n):
             seed = None if sp.seed is None else (sp.seed + j) % (MAX_SEED + 1)
-            reqs.append(TokenizedGenerateReqInput(
-                rid=f"{rid_prefix}-{len(reqs)}",
-                input_ids=input_ids,
-                sampling_params=dataclasses.replace(sp, n=1, seed=seed),
-                stream=stream,
-                extra_key=extra_key,
-                priority=priority,
-            ))
+            reqs.append(
+                TokenizedGenerateReqInput(
+                    rid=f"{rid_prefix}-{len(reqs)}",
+                    input_ids=input_ids,
+                    sampling_params=dataclasses.replace(sp, n=1, seed=seed),
+                    stream=stream,
+                    extra_key=extra_key,
+                    priority=priority,
+                )
+            )
     return reqs
 
 
@@ -272,8 +277,11 @@ def raise_if_aborted(out: ReqOutput) -> None:
     when it refused the request, 500 otherwise)."""
     reason = out.finished_reason
     if reason is not None and reason.type == "abort":
-        raise RequestError(reason.message or "the request was aborted", code="request_aborted",
-                           status=reason.status_code or 500)
+        raise RequestError(
+            reason.message or "the request was aborted",
+            code="request_aborted",
+            status=reason.status_code or 500,
+        )
 
 
 async def until_disconnected(request: Request) -> None:
@@ -313,18 +321,24 @@ class _OpenAIEndpoint:
     build_response: Callable[[ResponseHeader, list[ChoiceOutput], int], BaseModel]
 
     def prompts(
-        self, request: ChatCompletionRequest | CompletionRequest, tokenizer: PreTrainedTokenizerBase | None,
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        tokenizer: PreTrainedTokenizerBase | None,
         vocab_size: int,
     ) -> list[list[int]]:
         if isinstance(request, CompletionRequest):
             return tokenize_prompts(request, tokenizer, vocab_size)
         if tokenizer is None:
-            raise RequestError("chat needs a tokenizer; this server was started without one", param="messages")
+            raise RequestError(
+                "chat needs a tokenizer; this server was started without one", param="messages"
+            )
         return [apply_chat_template(tokenizer, request.messages)]
 
 
 CHAT = _OpenAIEndpoint(
-    ChatCompletionRequest, "chatcmpl", ChatCompletionStream,
+    ChatCompletionRequest,
+    "chatcmpl",
+    ChatCompletionStream,
     lambda header, choices, n: chat_completion_response(header, choices),
 )
 COMPLETIONS = _OpenAIEndpoint(CompletionRequest, "cmpl", CompletionStream, completion_response)
@@ -348,7 +362,8 @@ async def _serve_openai(request: Request, endpoint: _OpenAIEndpoint) -> Response
     if body.stream:
         stream = endpoint.stream_cls(header, n=body.n, include_usage=body.include_usage)
         return StreamingResponse(
-            _openai_events(state.manager, reqs, stream, want_logprobs), media_type="text/event-stream"
+            _openai_events(state.manager, reqs, stream, want_logprobs),
+            media_type="text/event-stream",
         )
 
     async def collect() -> BaseModel:
@@ -366,8 +381,10 @@ async def _serve_openai(request: Request, endpoint: _OpenAIEndpoint) -> Response
 
 
 async def _openai_events(
-    manager: TokenizerManager, reqs: list[TokenizedGenerateReqInput],
-    stream: ChatCompletionStream | CompletionStream, want_logprobs: bool,
+    manager: TokenizerManager,
+    reqs: list[TokenizedGenerateReqInput],
+    stream: ChatCompletionStream | CompletionStream,
+    want_logprobs: bool,
 ) -> AsyncIterator[str]:
     """SSE events of one request; a failure after the 200 is an error event, then [DONE]."""
     acc = ChoiceAccumulator(want_logprobs)
@@ -376,8 +393,11 @@ async def _openai_events(
             async for out in outputs:
                 raise_if_aborted(out)
                 choice = acc.add(out)
-                events = (stream.delta(out.index, out.text, out.logprobs) if choice is None
-                          else stream.finish(out.index, choice, out.text, out.logprobs))
+                events = (
+                    stream.delta(out.index, out.text, out.logprobs)
+                    if choice is None
+                    else stream.finish(out.index, choice, out.text, out.logprobs)
+                )
                 for event in events:
                     yield event
         for event in stream.end():
@@ -401,9 +421,17 @@ async def _generate_events(
                 if out.finished_reason is not None:
                     answer = generate_response(choice)
                 else:
-                    meta_info = {"prompt_tokens": choice.prompt_tokens, "completion_tokens": choice.completion_tokens,
-                                 "cached_tokens": choice.cached_tokens, "finish_reason": None}
-                    answer = {"text": choice.text, "output_ids": choice.output_ids, "meta_info": meta_info}
+                    meta_info = {
+                        "prompt_tokens": choice.prompt_tokens,
+                        "completion_tokens": choice.completion_tokens,
+                        "cached_tokens": choice.cached_tokens,
+                        "finish_reason": None,
+                    }
+                    answer = {
+                        "text": choice.text,
+                        "output_ids": choice.output_ids,
+                        "meta_info": meta_info,
+                    }
                 yield sse_event({**answer, "index": out.index})
     except RequestError as err:
         yield sse_event(error_body(err))
@@ -421,19 +449,25 @@ class _AppState:
     started: int
     tracing: Tracing | None
 
-    def sampling_params(self, body: ChatCompletionRequest | CompletionRequest | GenerateRequest,
-                        prompt_len: int) -> SamplingParams:
+    def sampling_params(
+        self, body: ChatCompletionRequest | CompletionRequest | GenerateRequest, prompt_len: int
+    ) -> SamplingParams:
         info = self.manager.require_ready()
         return to_sampling_params(
-            body, prompt_len, max_tokens_cap=self.settings.max_tokens_cap,
-            context_len=info.context_length, vocab_size=info.vocab_size,
+            body,
+            prompt_len,
+            max_tokens_cap=self.settings.max_tokens_cap,
+            context_len=info.context_length,
+            vocab_size=info.vocab_size,
             grammar_max_bytes=self.settings.grammar_max_bytes,
             grammar_max_nesting_depth=self.settings.grammar_max_nesting_depth,
         )
 
 
 def create_app(
-    settings: Settings, tokenizer: PreTrainedTokenizerBase | None, max_body_bytes: int = MAX_REQUEST_BODY_BYTES
+    settings: Settings,
+    tokenizer: PreTrainedTokenizerBase | None,
+    max_body_bytes: int = MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """The ASGI app; its TokenizerManager (and so its sockets) lives as long as the app runs."""
 
@@ -445,13 +479,17 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         try:
             async with running_manager(settings, tokenizer, metrics, tracing) as manager:
-                app.state.radixserve = _AppState(settings, tokenizer, manager, int(time.time()), tracing)
+                app.state.radixserve = _AppState(
+                    settings, tokenizer, manager, int(time.time()), tracing
+                )
                 yield
         finally:
             if tracing is not None:
                 tracing.shutdown()
 
-    app = FastAPI(title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="radixserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     _add_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     if settings.api_key:
@@ -472,7 +510,9 @@ def create_app(
     async def models(request: Request) -> dict[str, Any]:
         st = state(request)
         info = st.manager.worker_info
-        return model_list(st.settings.served_model_name, info and info.context_length, st.started).model_dump()
+        return model_list(
+            st.settings.served_model_name, info and info.context_length, st.started
+        ).model_dump()
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -489,7 +529,9 @@ def create_app(
         st.manager.check_capacity(len(reqs))
         want_logprobs = params[0].logprobs
         if body.stream:
-            return StreamingResponse(_generate_events(st.manager, reqs, want_logprobs), media_type="text/event-stream")
+            return StreamingResponse(
+                _generate_events(st.manager, reqs, want_logprobs), media_type="text/event-stream"
+            )
 
         async def collect() -> list[dict[str, Any]]:
             results: dict[int, dict[str, Any]] = {}
@@ -528,7 +570,8 @@ def create_app(
         st = state(request)
         info = st.manager.require_ready()
         probe = TokenizedGenerateReqInput(
-            rid=st.manager.new_rid("health"), input_ids=[info.eos_token_ids[0] if info.eos_token_ids else 0],
+            rid=st.manager.new_rid("health"),
+            input_ids=[info.eos_token_ids[0] if info.eos_token_ids else 0],
             sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
         )
 
@@ -568,8 +611,12 @@ def create_app(
         check = request.query_params.get("check_integrity", "").lower() in ("1", "true", "yes")
         settings = {k: v for k, v in dataclasses.asdict(st.settings).items() if k != "api_key"}
         info = await st.manager.server_info(check_integrity=check)
-        return {**settings, **info, "num_in_flight_requests": st.manager.num_in_flight(),
-                "num_queued_requests": st.manager.num_queued}
+        return {
+            **settings,
+            **info,
+            "num_in_flight_requests": st.manager.num_in_flight(),
+            "num_queued_requests": st.manager.num_queued,
+        }
 
     @app.post("/flush_cache")
     async def flush_cache(request: Request) -> Response:
@@ -601,17 +648,23 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValidationError)
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: ValidationError | RequestValidationError) -> JSONResponse:
+    async def invalid(
+        request: Request, exc: ValidationError | RequestValidationError
+    ) -> JSONResponse:
         return JSONResponse(validation_error_body(exc), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return JSONResponse(error_body(RequestError(str(exc.detail), code=code, status=exc.status_code)),
-                            exc.status_code)
+        return JSONResponse(
+            error_body(RequestError(str(exc.detail), code=code, status=exc.status_code)),
+            exc.status_code,
+        )
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error on %s %s", request.method, request.url.path)
-        err = RequestError("internal server error; see the server log", code="internal_error", status=500)
+        err = RequestError(
+            "internal server error; see the server log", code="internal_error", status=500
+        )
         return JSONResponse(error_body(err), 500)

@@ -79,8 +79,11 @@ class Worker(Service):
         self.scheduler = self.engine.scheduler
         logger.info(
             "loaded %s: max_total_tokens=%d context_length=%d max_running_requests=%d device=%s",
-            settings.model, self.scheduler.max_total_tokens, self.scheduler.context_len,
-            self.scheduler.max_running_requests, self.scheduler.device,
+            settings.model,
+            self.scheduler.max_total_tokens,
+            self.scheduler.context_len,
+            self.scheduler.max_running_requests,
+            self.scheduler.device,
         )
         super().__init__(settings, settings.worker_port)
         self.to_detokenizer = self.outbox(settings.detokenizer_port)
@@ -91,8 +94,9 @@ class Worker(Service):
         """Requests refused at submission, reported with the next output batch."""
         self.ready_pending = True
         """WorkerReady is owed to the tokenizer: not yet delivered, or the tokenizer restarted."""
-        self.metrics = WorkerMetrics(self.registry, settings.served_model_name,
-                                     page_size=self.scheduler.tree_cache.page_size)
+        self.metrics = WorkerMetrics(
+            self.registry, settings.served_model_name, page_size=self.scheduler.tree_cache.page_size
+        )
         self.scheduler.stats.observer = self
         if self.scheduler.grammar_backend is not None:
             self.scheduler.grammar_backend.on_compile = self.metrics.observe_grammar_compile
@@ -119,7 +123,9 @@ class Worker(Service):
             if state.first_token is None and req.output_ids:
                 state.first_token = now
             rollback, req.output_rollback = min(req.output_rollback, state.sent), 0
-            entries.append(_Entry(req, state.sent, rollback, state.trace_context if req.finished else {}))
+            entries.append(
+                _Entry(req, state.sent, rollback, state.trace_context if req.finished else {})
+            )
             state.sent = len(req.output_ids)
             if req.finished:
                 del self.live[req.rid]
@@ -154,9 +160,13 @@ class Worker(Service):
         self.ready_pending = True
         if event.kind == "restart":
             # Its clients went with its previous life: nobody will read these outputs.
-            orphans = [rid for rid, state in self.live.items() if state.tokenizer_epoch != event.epoch]
+            orphans = [
+                rid for rid, state in self.live.items() if state.tokenizer_epoch != event.epoch
+            ]
             if orphans:
-                logger.info("tokenizer restarted; aborting %d request(s) of its previous life", len(orphans))
+                logger.info(
+                    "tokenizer restarted; aborting %d request(s) of its previous life", len(orphans)
+                )
             for rid in orphans:
                 self.scheduler.abort_request(rid)
 
@@ -174,7 +184,9 @@ class Worker(Service):
                 info["radix_integrity"] = self.check_integrity()
             self.to_tokenizer.send(GetServerInfoReqOutput(info=info, rid=msg.rid))
         else:
-            logger.warning("dropped a %s from %s: not a worker message", type(msg).__name__, msg.sender or "?")
+            logger.warning(
+                "dropped a %s from %s: not a worker message", type(msg).__name__, msg.sender or "?"
+            )
 
     # ----- requests ---------------------------------------------------------------------
 
@@ -206,8 +218,14 @@ class Worker(Service):
         want_top = any(e.req.sampling_params.top_logprobs_num for e in entries)
         contexts = [e.trace_context for e in entries]
         out = BatchTokenIDOutput(
-            rids=[], output_ids=[], finished_reasons=[], prompt_tokens=[], completion_tokens=[],
-            cached_tokens=[], skip_special_tokens=[], stop=[],
+            rids=[],
+            output_ids=[],
+            finished_reasons=[],
+            prompt_tokens=[],
+            completion_tokens=[],
+            cached_tokens=[],
+            skip_special_tokens=[],
+            stop=[],
             output_token_logprobs_val=[] if want_logprobs else None,
             output_top_logprobs_val=[] if want_top else None,
             output_top_logprobs_idx=[] if want_top else None,
@@ -249,13 +267,29 @@ class Worker(Service):
         self.tracing.record("queue_wait", carrier, state.arrived, state.admitted, **attributes)
         first_token = state.first_token or now
         self.tracing.record(
-            "prefill", carrier, state.admitted, first_token, None if state.first_token else error, **attributes,
-            **{"radixserve.prompt_tokens": len(req.origin_input_ids), "radixserve.cached_tokens": req.cached_tokens},
+            "prefill",
+            carrier,
+            state.admitted,
+            first_token,
+            None if state.first_token else error,
+            **attributes,
+            **{
+                "radixserve.prompt_tokens": len(req.origin_input_ids),
+                "radixserve.cached_tokens": req.cached_tokens,
+            },
         )
         if state.first_token is not None:
             self.tracing.record(
-                "decode", carrier, first_token, now, error, **attributes,
-                **{"radixserve.completion_tokens": len(req.output_ids), "radixserve.retractions": req.num_retractions},
+                "decode",
+                carrier,
+                first_token,
+                now,
+                error,
+                **attributes,
+                **{
+                    "radixserve.completion_tokens": len(req.output_ids),
+                    "radixserve.retractions": req.num_retractions,
+                },
             )
 
     # ----- control ----------------------------------------------------------------------
@@ -284,8 +318,10 @@ class Worker(Service):
         for it (SGLang answers such a flush with 409)."""
         sched = self.scheduler
         if sched.has_work():
-            message = (f"cannot flush the cache while requests are in flight "
-                       f"({self.num_running()} running, {len(sched.waiting_queue)} waiting)")
+            message = (
+                f"cannot flush the cache while requests are in flight "
+                f"({self.num_running()} running, {len(sched.waiting_queue)} waiting)"
+            )
             logger.info("refused flush_cache: %s", message)
             return FlushCacheReqOutput(success=False, message=message, rid=rid)
         sched.tree_cache.reset()

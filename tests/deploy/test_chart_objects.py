@@ -35,10 +35,20 @@ def test_the_default_render_is_the_deployment_the_service_and_the_test_pod(defau
 
 
 def test_the_all_on_values_turn_every_object_on(all_on):
-    assert sorted(all_on.kinds()) == sorted([
-        "ConfigMap", "Deployment", "HorizontalPodAutoscaler", "Ingress", "NetworkPolicy",
-        "Pod", "PodDisruptionBudget", "PrometheusRule", "Service", "ServiceMonitor",
-    ])
+    assert sorted(all_on.kinds()) == sorted(
+        [
+            "ConfigMap",
+            "Deployment",
+            "HorizontalPodAutoscaler",
+            "Ingress",
+            "NetworkPolicy",
+            "Pod",
+            "PodDisruptionBudget",
+            "PrometheusRule",
+            "Service",
+            "ServiceMonitor",
+        ]
+    )
 
 
 @pytest.mark.parametrize(
@@ -57,17 +67,30 @@ def test_a_disruption_budget_exists_only_with_more_than_one_replica(values, expe
     if expected:
         pdb = render.one("PodDisruptionBudget")["spec"]
         assert pdb["maxUnavailable"] == 1
-        assert pdb["selector"]["matchLabels"] == render.one("Deployment")["spec"]["selector"]["matchLabels"]
+        assert (
+            pdb["selector"]["matchLabels"]
+            == render.one("Deployment")["spec"]["selector"]["matchLabels"]
+        )
 
 
 def test_the_autoscaler_owns_the_replica_count_and_scales_on_waiting_requests(all_on):
     assert "replicas" not in all_on.one("Deployment")["spec"]
     hpa = all_on.one("HorizontalPodAutoscaler")["spec"]
-    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": FULLNAME}
+    assert hpa["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": FULLNAME,
+    }
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (2, 6)
-    assert hpa["metrics"] == [{"type": "Pods", "pods": {
-        "metric": {"name": "radixserve_num_requests_waiting"},
-        "target": {"type": "AverageValue", "averageValue": "8"}}}]
+    assert hpa["metrics"] == [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": "radixserve_num_requests_waiting"},
+                "target": {"type": "AverageValue", "averageValue": "8"},
+            },
+        }
+    ]
     assert hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 600
 
 
@@ -78,7 +101,9 @@ def test_the_ingress_keeps_streams_open_and_unbuffered(all_on):
     assert int(annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"]) >= 600
     assert int(annotations["nginx.ingress.kubernetes.io/proxy-send-timeout"]) >= 600
     assert ingress["spec"]["ingressClassName"] == "nginx"
-    assert ingress["spec"]["tls"] == [{"secretName": "radixserve-tls", "hosts": ["llm.example.com"]}]
+    assert ingress["spec"]["tls"] == [
+        {"secretName": "radixserve-tls", "hosts": ["llm.example.com"]}
+    ]
 
 
 def test_the_ingress_routes_the_api_and_nothing_else(all_on):
@@ -88,7 +113,14 @@ def test_the_ingress_routes_the_api_and_nothing_else(all_on):
     assert paths == {("/v1", "Prefix"), ("/generate", "Exact")}
     for path in rule["http"]["paths"]:
         assert path["backend"]["service"] == {"name": FULLNAME, "port": {"name": "http"}}
-    for internal in ("/metrics", "/health", "/healthz", "/health_generate", "/flush_cache", "/get_server_info"):
+    for internal in (
+        "/metrics",
+        "/health",
+        "/healthz",
+        "/health_generate",
+        "/flush_cache",
+        "/get_server_info",
+    ):
         assert not any(internal.startswith(p) for p, _ in paths), internal
 
 
@@ -102,7 +134,9 @@ def test_the_service_monitor_scrapes_all_three_processes(all_on):
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     service = all_on.one("Service")
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert (
+        monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    )
     # The scrape job is named after the Service; RadixserveTargetDown matches jobs containing "radixserve".
     assert "radixserve" in service["metadata"]["name"]
     service_ports = {p["name"] for p in service["spec"]["ports"]}
@@ -134,13 +168,22 @@ def test_the_dashboard_configmap_is_labelled_for_grafanas_sidecar(all_on):
 
 def test_the_network_policy_admits_api_and_metrics_traffic_from_the_configured_peers(all_on):
     policy = all_on.one("NetworkPolicy")["spec"]
-    assert policy["podSelector"]["matchLabels"] == all_on.one("Deployment")["spec"]["selector"]["matchLabels"]
+    assert (
+        policy["podSelector"]["matchLabels"]
+        == all_on.one("Deployment")["spec"]["selector"]["matchLabels"]
+    )
     assert policy["policyTypes"] == ["Ingress"]
     api, metrics = policy["ingress"]
     assert api["ports"] == [{"port": "http"}]
-    assert api["from"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] == "ingress-nginx"
+    assert (
+        api["from"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+        == "ingress-nginx"
+    )
     assert metrics["ports"] == [{"port": "worker-metrics"}, {"port": "detok-metrics"}]
-    assert metrics["from"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] == "monitoring"
+    assert (
+        metrics["from"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"]
+        == "monitoring"
+    )
 
 
 def test_the_helm_test_pod_lists_models_and_asks_for_one_token(render):

@@ -38,19 +38,39 @@ def test_all_three_processes_get_identical_flags(render):
     assert args[0] == args[1] == args[2]
     # Flags only: no RADIXSERVE_* variable could make one container disagree.
     for name in CONTAINERS:
-        assert not [v for v in render.env(name) if v.startswith("RADIXSERVE_") and v != "RADIXSERVE_API_KEY"]
+        assert not [
+            v for v in render.env(name) if v.startswith("RADIXSERVE_") and v != "RADIXSERVE_API_KEY"
+        ]
 
 
 @pytest.mark.parametrize(
     ("values", "model", "served"),
     [
         ({}, "embedded", "embedded"),
-        ({"model.source": "pvc", "model.pvc.claimName": "models", "model.path": "Qwen2.5-7B-Instruct"},
-         "/models/Qwen2.5-7B-Instruct", "Qwen2.5-7B-Instruct"),
-        ({"model.source": "hostPath", "model.hostPath.path": "/data/llm", "model.path": "smol.gguf",
-          "model.servedModelName": "smol"}, "/models/smol.gguf", "smol"),
-        ({"model.source": "huggingface", "model.huggingface.repoId": "Qwen/Qwen3-8B"},
-         "/models/Qwen/Qwen3-8B", "Qwen/Qwen3-8B"),
+        (
+            {
+                "model.source": "pvc",
+                "model.pvc.claimName": "models",
+                "model.path": "Qwen2.5-7B-Instruct",
+            },
+            "/models/Qwen2.5-7B-Instruct",
+            "Qwen2.5-7B-Instruct",
+        ),
+        (
+            {
+                "model.source": "hostPath",
+                "model.hostPath.path": "/data/llm",
+                "model.path": "smol.gguf",
+                "model.servedModelName": "smol",
+            },
+            "/models/smol.gguf",
+            "smol",
+        ),
+        (
+            {"model.source": "huggingface", "model.huggingface.repoId": "Qwen/Qwen3-8B"},
+            "/models/Qwen/Qwen3-8B",
+            "Qwen/Qwen3-8B",
+        ),
     ],
 )
 def test_every_container_gets_the_same_model(values, model, served):
@@ -63,8 +83,12 @@ def test_every_container_gets_the_same_model(values, model, served):
 def test_the_zmq_ports_are_the_same_flags_in_every_container_and_never_exposed():
     zmq = {"worker": 31010, "detokenizer": 31011, "tokenizer": 31012, "tokenizerControl": 31013}
     render = helm_template(sets={"ports.zmq": zmq})
-    expected = {"worker-port": "31010", "detokenizer-port": "31011", "tokenizer-port": "31012",
-                "tokenizer-control-port": "31013"}
+    expected = {
+        "worker-port": "31010",
+        "detokenizer-port": "31011",
+        "tokenizer-port": "31012",
+        "tokenizer-control-port": "31013",
+    }
     for container in render.containers.values():
         assert {name: flag(container["args"], name) for name in expected} == expected
         # ZMQ binds 127.0.0.1: no container port, no Service port may name it.
@@ -74,18 +98,28 @@ def test_the_zmq_ports_are_the_same_flags_in_every_container_and_never_exposed()
 
 def test_each_process_exposes_its_own_port():
     render = helm_template()
-    ports = {name: [(p["name"], p["containerPort"]) for p in c["ports"]] for name, c in render.containers.items()}
+    ports = {
+        name: [(p["name"], p["containerPort"]) for p in c["ports"]]
+        for name, c in render.containers.items()
+    }
     assert ports == {
         "tokenizer": [("http", 30000)],
         "worker": [("worker-metrics", 30001)],
         "detokenizer": [("detok-metrics", 30002)],
     }
     args = render.containers["worker"]["args"]
-    assert (flag(args, "port"), flag(args, "worker-metrics-port"), flag(args, "detokenizer-metrics-port")) == (
-        "30000", "30001", "30002")
+    assert (
+        flag(args, "port"),
+        flag(args, "worker-metrics-port"),
+        flag(args, "detokenizer-metrics-port"),
+    ) == ("30000", "30001", "30002")
     # The defaults are the server's own, so `radixserve serve` and the chart agree.
     defaults = Settings()
-    assert (defaults.port, defaults.worker_metrics_port, defaults.detokenizer_metrics_port) == (30000, 30001, 30002)
+    assert (defaults.port, defaults.worker_metrics_port, defaults.detokenizer_metrics_port) == (
+        30000,
+        30001,
+        30002,
+    )
 
 
 def test_the_rendered_flags_are_accepted_by_the_servers_settings(render):
@@ -117,7 +151,12 @@ def test_only_the_worker_requests_gpus(default, cpu):
     for name in ("tokenizer", "detokenizer"):
         assert "nvidia.com/gpu" not in str(containers[name]["resources"])
     assert "nvidia.com/gpu" not in str(cpu.pod)
-    assert helm_template(sets={"worker.gpus": 4}).containers["worker"]["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert (
+        helm_template(sets={"worker.gpus": 4}).containers["worker"]["resources"]["limits"][
+            "nvidia.com/gpu"
+        ]
+        == 4
+    )
 
 
 def test_containers_without_a_gpu_see_none(render):
@@ -127,7 +166,9 @@ def test_containers_without_a_gpu_see_none(render):
     assert "NVIDIA_VISIBLE_DEVICES" not in render.env("worker")
     others = [*render.pod.get("initContainers", []), *render.one("Pod")["spec"]["containers"]]
     for container in others:
-        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in container["env"], container["name"]
+        assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in container["env"], container[
+            "name"
+        ]
 
 
 def probe(container: dict, kind: str) -> tuple[str, int]:
@@ -190,26 +231,45 @@ def test_the_embedded_model_needs_no_volume(default):
 @pytest.mark.parametrize(
     ("values", "volume"),
     [
-        ({"model.source": "pvc", "model.pvc.claimName": "models"}, {"persistentVolumeClaim": {
-            "claimName": "models", "readOnly": True}}),
-        ({"model.source": "hostPath", "model.hostPath.path": "/data/llm"}, {"hostPath": {"path": "/data/llm"}}),
+        (
+            {"model.source": "pvc", "model.pvc.claimName": "models"},
+            {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}},
+        ),
+        (
+            {"model.source": "hostPath", "model.hostPath.path": "/data/llm"},
+            {"hostPath": {"path": "/data/llm"}},
+        ),
     ],
 )
 def test_a_model_volume_is_mounted_read_only_in_all_three(values, volume):
     render = helm_template(sets=values)
     assert {"name": "model", **volume} in render.pod["volumes"]
     for container in render.containers.values():
-        assert {"name": "model", "mountPath": "/models", "readOnly": True} in container["volumeMounts"]
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in container[
+            "volumeMounts"
+        ]
 
 
 def test_a_hub_model_is_downloaded_by_an_init_container_with_the_token_secret(all_on):
     (init,) = all_on.pod["initContainers"]
     assert init["image"] == all_on.containers["worker"]["image"]
-    assert init["command"][-3:] == ["Qwen/Qwen2.5-0.5B-Instruct", "main", "/models/Qwen/Qwen2.5-0.5B-Instruct"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}} in init["env"]
+    assert init["command"][-3:] == [
+        "Qwen/Qwen2.5-0.5B-Instruct",
+        "main",
+        "/models/Qwen/Qwen2.5-0.5B-Instruct",
+    ]
+    assert {
+        "name": "HF_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}},
+    } in init["env"]
     assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"]  # writable here only
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": "radixserve-models"}} in all_on.pod["volumes"]
-    emptydir = helm_template(sets={"model.source": "huggingface", "model.huggingface.repoId": "a/b"})
+    assert {
+        "name": "model",
+        "persistentVolumeClaim": {"claimName": "radixserve-models"},
+    } in all_on.pod["volumes"]
+    emptydir = helm_template(
+        sets={"model.source": "huggingface", "model.huggingface.repoId": "a/b"}
+    )
     assert {"name": "model", "emptyDir": {"sizeLimit": "50Gi"}} in emptydir.pod["volumes"]
     assert "HF_TOKEN" not in str(emptydir.pod["initContainers"][0]["env"])  # anonymous download
 
@@ -225,7 +285,10 @@ def test_graceful_drain_keeps_worker_and_detokenizer_up_while_the_tokenizer_drai
     assert tokenizer == drain["endpointDelaySeconds"]
     for name in ("worker", "detokenizer"):
         assert pre_stop_sleep(name) == tokenizer + drain["streamDrainSeconds"]
-    assert render.pod["terminationGracePeriodSeconds"] == pre_stop_sleep("worker") + drain["exitSeconds"]
+    assert (
+        render.pod["terminationGracePeriodSeconds"]
+        == pre_stop_sleep("worker") + drain["exitSeconds"]
+    )
 
 
 def test_the_tokenizer_drains_streams_for_as_long_as_the_others_wait_for_it(default):
@@ -240,7 +303,9 @@ def test_one_gpu_cannot_surge_so_the_default_strategy_is_recreate(default, cpu):
 
 
 def test_scheduling_values_reach_the_pod(default, cpu, all_on):
-    assert default.pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert default.pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
     assert "tolerations" not in cpu.pod
     pod = all_on.pod
     all_on_values = yaml.safe_load(ALL_ON_VALUES.read_text())
@@ -265,7 +330,9 @@ def test_the_cpu_values_run_the_embedded_model_without_a_gpu(cpu):
 def test_the_api_key_comes_from_a_secret(default, all_on):
     secret = {"secretKeyRef": {"name": "radixserve-api-key", "key": "api-key"}}
     assert all_on.env("tokenizer")["RADIXSERVE_API_KEY"] == secret
-    test_env = {e["name"]: e.get("valueFrom") for e in all_on.one("Pod")["spec"]["containers"][0]["env"]}
+    test_env = {
+        e["name"]: e.get("valueFrom") for e in all_on.one("Pod")["spec"]["containers"][0]["env"]
+    }
     assert test_env["API_KEY"] == secret
     assert "RADIXSERVE_API_KEY" not in default.env("tokenizer")
 

@@ -41,7 +41,9 @@ def test_renders_pass_kubernetes_validate_strict(render, version, tmp_path):
     builtin = [doc for doc in render.docs if doc["kind"] not in CUSTOM_RESOURCES]
     manifest = tmp_path / "manifest.yaml"
     manifest.write_text(yaml.safe_dump_all(builtin))
-    result = run_tool("kubernetes-validate", "--strict", "--kubernetes-version", version, str(manifest))
+    result = run_tool(
+        "kubernetes-validate", "--strict", "--kubernetes-version", version, str(manifest)
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(" passed for resource ") == len(builtin)
 
@@ -87,13 +89,19 @@ def test_every_schema_object_rejects_unknown_keys():
             for key, sub in schema["properties"].items():
                 yield from objects(sub, f"{path}.{key}")
 
-    loose = [path for path, schema in objects(SCHEMA, "values") if schema.get("additionalProperties") is not False]
+    loose = [
+        path
+        for path, schema in objects(SCHEMA, "values")
+        if schema.get("additionalProperties") is not False
+    ]
     assert loose == []
 
 
 def test_the_observability_files_are_links_not_copies():
-    for name, target in [("radixserve.json", "observability/dashboards/radixserve.json"),
-                         ("radixserve.rules.yaml", "observability/alerts/radixserve.rules.yaml")]:
+    for name, target in [
+        ("radixserve.json", "observability/dashboards/radixserve.json"),
+        ("radixserve.rules.yaml", "observability/alerts/radixserve.rules.yaml"),
+    ]:
         link = CHART / "files" / name
         assert link.is_symlink()
         assert link.resolve() == (REPO / target).resolve()
@@ -104,11 +112,12 @@ def test_helm_package_follows_the_links(tmp_path):
     assert result.returncode == 0, result.stderr
     (package,) = tmp_path.glob("radixserve-*.tgz")
     with tarfile.open(package) as archive:
-        for name, source in [("radixserve.json", "observability/dashboards/radixserve.json"),
-                             ("radixserve.rules.yaml", "observability/alerts/radixserve.rules.yaml")]:
+        for name, source in [
+            ("radixserve.json", "observability/dashboards/radixserve.json"),
+            ("radixserve.rules.yaml", "observability/alerts/radixserve.rules.yaml"),
+        ]:
             member = archive.extractfile(f"radixserve/files/{name}")
             assert member is not None and member.read() == (REPO / source).read_bytes()
         names = archive.getnames()
     assert "radixserve/values-cpu.yaml" in names and "radixserve/values.schema.json" in names
     assert not [n for n in names if n.startswith("radixserve/ci/")]
-

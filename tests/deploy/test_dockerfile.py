@@ -13,14 +13,25 @@ DOCKERFILE = REPO / "Dockerfile"
 
 def instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
-    text = re.sub(r"\\\n", " ", "\n".join(
-        line for line in DOCKERFILE.read_text().splitlines() if not line.lstrip().startswith("#")))
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines() if line.strip()]
+    text = re.sub(
+        r"\\\n",
+        " ",
+        "\n".join(
+            line
+            for line in DOCKERFILE.read_text().splitlines()
+            if not line.lstrip().startswith("#")
+        ),
+    )
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1])
+        for line in text.splitlines()
+        if line.strip()
+    ]
 
 
 def runtime_env() -> dict[str, str]:
     ops = instructions()
-    final_stage = ops[max(i for i, (op, _) in enumerate(ops) if op == "FROM"):]
+    final_stage = ops[max(i for i, (op, _) in enumerate(ops) if op == "FROM") :]
     env = {}
     for op, args in final_stage:
         if op == "ENV":
@@ -48,8 +59,18 @@ def test_the_image_runs_as_the_chart_user(default):
 
 def test_every_cache_the_libraries_write_lies_on_a_writable_mount(default):
     env = runtime_env()
-    writable = [m["mountPath"] for m in default.containers["worker"]["volumeMounts"] if not m.get("readOnly")]
-    for name in ("HOME", "XDG_CACHE_HOME", "HF_HOME", "TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):
+    writable = [
+        m["mountPath"]
+        for m in default.containers["worker"]["volumeMounts"]
+        if not m.get("readOnly")
+    ]
+    for name in (
+        "HOME",
+        "XDG_CACHE_HOME",
+        "HF_HOME",
+        "TRITON_CACHE_DIR",
+        "TORCHINDUCTOR_CACHE_DIR",
+    ):
         assert any(env[name] == path or env[name].startswith(path + "/") for path in writable), name
     assert env["PYTHONDONTWRITEBYTECODE"] == "1"  # no .pyc beside read-only sources
 
@@ -61,8 +82,11 @@ def test_the_default_command_serves_all_three_and_the_chart_picks_one(default):
 
 
 def test_the_build_context_holds_what_the_dockerfile_copies():
-    allowed = {line[1:].rstrip("/") for line in (REPO / ".dockerignore").read_text().splitlines()
-               if line.startswith("!")}
+    allowed = {
+        line[1:].rstrip("/")
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
     copied = set()
     for op, args in instructions():
         if op == "COPY" and not args.startswith("--from"):

@@ -35,7 +35,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(1 + 0.2 * torch.randn_like(param) if name.endswith("norm.weight") else 0.3 * torch.randn_like(param))
+            param.copy_(
+                1 + 0.2 * torch.randn_like(param)
+                if name.endswith("norm.weight")
+                else 0.3 * torch.randn_like(param)
+            )
     path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path)
     return path
@@ -47,7 +51,9 @@ def make_engine(tiny_model_dir: Path):
     engines: list[Engine] = []
 
     def make(**options) -> Engine:
-        defaults = dict(dtype="float64", device="cpu", skip_tokenizer_init=True, max_total_tokens=8192)
+        defaults = dict(
+            dtype="float64", device="cpu", skip_tokenizer_init=True, max_total_tokens=8192
+        )
         engine = Engine(str(tiny_model_dir), **{**defaults, **options})
         engines.append(engine)
         return engine

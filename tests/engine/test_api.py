@@ -18,13 +18,22 @@ def test_generate_returns_text_ids_and_meta_per_prompt(engine):
     assert len(results) == 2
     for result in results:
         assert result["text"] and len(result["output_ids"]) <= 12
-        assert result["text"] == engine.tokenizer.decode(result["output_ids"], skip_special_tokens=True)
-        assert set(result["meta"]) == {"prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason"}
+        assert result["text"] == engine.tokenizer.decode(
+            result["output_ids"], skip_special_tokens=True
+        )
+        assert set(result["meta"]) == {
+            "prompt_tokens",
+            "completion_tokens",
+            "cached_tokens",
+            "finish_reason",
+        }
     assert results[1]["text"].lstrip().startswith("5")
 
 
 def test_stop_string_ends_generation_and_is_trimmed(engine):
-    free = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})[0]["text"]
+    free = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})[0][
+        "text"
+    ]
     stop = free.split()[2]
     stopped = engine.generate(PROMPT, {"temperature": 0, "max_new_tokens": 24, "stop": stop})[0]
     assert stopped["meta"]["finish_reason"] == {"type": "stop", "matched": stop}

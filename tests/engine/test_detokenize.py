@@ -20,7 +20,9 @@ def test_token_by_token_deltas_concatenate_to_the_full_decode(tokenizer):
     ids = tokenizer.encode(text)
     deltas, detok = stream(tokenizer, ids)
     assert "".join(deltas) == tokenizer.decode(ids) == detok.final_text()
-    assert all("\ufffd" not in d for d in deltas), "a broken multi-byte character leaked into a delta"
+    assert all("\ufffd" not in d for d in deltas), (
+        "a broken multi-byte character leaked into a delta"
+    )
 
 
 def test_stop_string_is_trimmed_and_never_streamed(tokenizer):

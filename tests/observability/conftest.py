@@ -46,7 +46,10 @@ MAX_TOTAL_TOKENS = 300
 HEARTBEAT_INTERVAL = 1.0
 """As in the serve test: a CPU shared with the long burst must not make a process look dead."""
 ROLES = ("tokenizer", "worker", "detokenizer")
-PREFIX = "You are a careful assistant who answers questions about geography, history and science in plain words. " * 3
+PREFIX = (
+    "You are a careful assistant who answers questions about geography, history and science in plain words. "
+    * 3
+)
 QUESTIONS = ("the Alps", "the Nile", "volcanoes", "the Moon", "glaciers", "deserts")
 SHARED_MAX_TOKENS = 12
 BURST = 8
@@ -108,8 +111,13 @@ class OtlpReceiver:
             attributes = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 self.spans += [
-                    ReceivedSpan(attributes.get("service.name", ""), s.name, s.trace_id.hex(), s.span_id.hex(),
-                                 s.parent_span_id.hex())
+                    ReceivedSpan(
+                        attributes.get("service.name", ""),
+                        s.name,
+                        s.trace_id.hex(),
+                        s.span_id.hex(),
+                        s.parent_span_id.hex(),
+                    )
                     for s in scope_spans.spans
                 ]
 
@@ -128,8 +136,17 @@ class Launcher(ServiceLauncher):
     def start(self, role: str, flags: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"{role}.log", "wb") as log:
             self.procs[role] = subprocess.Popen(
-                [sys.executable, "-m", f"services.{role}", *flags, "--heartbeat-interval", str(HEARTBEAT_INTERVAL)],
-                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    f"services.{role}",
+                    *flags,
+                    "--heartbeat-interval",
+                    str(HEARTBEAT_INTERVAL),
+                ],
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
             )
         return self.procs[role]
@@ -149,7 +166,8 @@ class Prometheus:
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],
             "scrape_configs": [
-                {"job_name": job, "static_configs": [{"targets": [target]}]} for job, target in targets.items()
+                {"job_name": job, "static_configs": [{"targets": [target]}]}
+                for job, target in targets.items()
             ],
         }
         config_file = workdir / "prometheus.yml"
@@ -157,9 +175,14 @@ class Prometheus:
         self.log = workdir / "prometheus.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [binary, f"--config.file={config_file}", f"--storage.tsdb.path={workdir / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{self.port}"],
-                stdout=log, stderr=subprocess.STDOUT,
+                [
+                    binary,
+                    f"--config.file={config_file}",
+                    f"--storage.tsdb.path={workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{self.port}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
 
     def query(self, expr: str) -> list[dict]:
@@ -217,13 +240,35 @@ def _completion(base_url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_traffic(base_url: str) -> dict[str, Any]:
-    shared = [_completion(base_url, {"prompt": f"{PREFIX}Tell me about {q}.", "max_tokens": SHARED_MAX_TOKENS,
-                                     "ignore_eos": True, "stream": True}) for q in QUESTIONS]
-    grammar = _completion(base_url, {"prompt": "Three digits:", "max_tokens": 8, "regex": "[0-9]{3}"})
+    shared = [
+        _completion(
+            base_url,
+            {
+                "prompt": f"{PREFIX}Tell me about {q}.",
+                "max_tokens": SHARED_MAX_TOKENS,
+                "ignore_eos": True,
+                "stream": True,
+            },
+        )
+        for q in QUESTIONS
+    ]
+    grammar = _completion(
+        base_url, {"prompt": "Three digits:", "max_tokens": 8, "regex": "[0-9]{3}"}
+    )
     with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
-        burst = list(pool.map(lambda i: _completion(base_url, {
-            "prompt": f"Request {i} of the burst: write a long story about the sea and ships number {i}.",
-            "max_tokens": BURST_MAX_TOKENS, "ignore_eos": True}), range(BURST)))
+        burst = list(
+            pool.map(
+                lambda i: _completion(
+                    base_url,
+                    {
+                        "prompt": f"Request {i} of the burst: write a long story about the sea and ships number {i}.",
+                        "max_tokens": BURST_MAX_TOKENS,
+                        "ignore_eos": True,
+                    },
+                ),
+                range(BURST),
+            )
+        )
     return {"shared": shared, "grammar": grammar, "burst": burst}
 
 
@@ -233,13 +278,31 @@ def system(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     # Spans leave within 0.1 s instead of the default 5 s.
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     launcher = Launcher(tmp_path_factory.mktemp("observability-logs"), otel)
-    ports = {name: launcher.free_port() for name in (
-        "port", "worker-port", "detokenizer-port", "tokenizer-port", "tokenizer-control-port",
-        "worker-metrics-port", "detokenizer-metrics-port",
-    )}
+    ports = {
+        name: launcher.free_port()
+        for name in (
+            "port",
+            "worker-port",
+            "detokenizer-port",
+            "tokenizer-port",
+            "tokenizer-control-port",
+            "worker-metrics-port",
+            "detokenizer-metrics-port",
+        )
+    }
     flags = [
-        "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
-        "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--served-model-name", MODEL, "--host", "127.0.0.1",
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        str(MAX_TOTAL_TOKENS),
+        "--served-model-name",
+        MODEL,
+        "--host",
+        "127.0.0.1",
         *(arg for name, port in ports.items() for arg in (f"--{name}", str(port))),
     ]
     targets = {
@@ -249,12 +312,17 @@ def system(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     }
     binary = shutil.which("prometheus")
     # Started first: it takes seconds to come up, the model loads meanwhile.
-    prometheus = Prometheus(binary, targets, tmp_path_factory.mktemp("prometheus")) if binary else None
+    prometheus = (
+        Prometheus(binary, targets, tmp_path_factory.mktemp("prometheus")) if binary else None
+    )
     system = System(
         base_url=f"http://127.0.0.1:{ports['port']}",
-        metrics_urls={role: f"http://{target}/metrics" for role, target in
-                      zip(("tokenizer", "worker", "detokenizer"), targets.values())},
-        receiver=receiver, prometheus=prometheus,
+        metrics_urls={
+            role: f"http://{target}/metrics"
+            for role, target in zip(("tokenizer", "worker", "detokenizer"), targets.values())
+        },
+        receiver=receiver,
+        prometheus=prometheus,
     )
     phases = {}  # seconds per setup phase, printed with the logs: where a slow run spent its time
     try:
@@ -264,20 +332,31 @@ def system(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         wait_until(lambda: http_status(system.base_url + "/health") == 200, 120, "/health 200")
         phases["start"] = time.monotonic() - started
         if prometheus is not None:
-            wait_until(lambda: prometheus.value('count(up{job=~"radixserve-.*"} == 1)') == 3, 60,
-                       "Prometheus to scrape all three processes")
+            wait_until(
+                lambda: prometheus.value('count(up{job=~"radixserve-.*"} == 1)') == 3,
+                60,
+                "Prometheus to scrape all three processes",
+            )
         phases["first scrape"] = time.monotonic() - started - sum(phases.values())
         system.traffic = run_traffic(system.base_url)
         phases["traffic"] = time.monotonic() - started - sum(phases.values())
         if prometheus is not None:  # the counters Prometheus holds are the final ones
             requests = len(QUESTIONS) + 1 + BURST
-            wait_until(lambda: prometheus.value("sum(radixserve_e2e_request_latency_seconds_count)") == requests
-                       and prometheus.value("sum(radixserve_num_requests_running)") == 0, 30,
-                       "Prometheus to scrape the finished traffic")
+            wait_until(
+                lambda: (
+                    prometheus.value("sum(radixserve_e2e_request_latency_seconds_count)")
+                    == requests
+                    and prometheus.value("sum(radixserve_num_requests_running)") == 0
+                ),
+                30,
+                "Prometheus to scrape the finished traffic",
+            )
         phases["last scrape"] = time.monotonic() - started - sum(phases.values())
         yield system
     finally:
-        print("system setup seconds:", {phase: round(seconds, 1) for phase, seconds in phases.items()})
+        print(
+            "system setup seconds:", {phase: round(seconds, 1) for phase, seconds in phases.items()}
+        )
         launcher.stop_all()
         if prometheus is not None:
             prometheus.close()

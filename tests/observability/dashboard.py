@@ -43,15 +43,26 @@ def label_values_as_promql(query: str) -> tuple[str, str]:
 
 
 def rule_expressions() -> dict[str, str]:
-    return {rule["alert"]: rule["expr"] for group in yaml.safe_load(RULES.read_text())["groups"]
-            for rule in group["rules"]}
+    return {
+        rule["alert"]: rule["expr"]
+        for group in yaml.safe_load(RULES.read_text())["groups"]
+        for rule in group["rules"]
+    }
 
 
 def substitute(expr: str, model: str) -> str:
     """The expression as Grafana sends it with `model` chosen and all instances."""
-    return expr.replace("$__rate_interval", RATE_WINDOW).replace("$model_name", model).replace("$instance", ".*")
+    return (
+        expr.replace("$__rate_interval", RATE_WINDOW)
+        .replace("$model_name", model)
+        .replace("$instance", ".*")
+    )
 
 
 def metric_names_used() -> set[str]:
-    exprs = [e for _, _, e in panel_queries()] + list(variable_queries().values()) + list(rule_expressions().values())
+    exprs = (
+        [e for _, _, e in panel_queries()]
+        + list(variable_queries().values())
+        + list(rule_expressions().values())
+    )
     return {name for expr in exprs for name in METRIC_NAME.findall(expr)}

@@ -12,8 +12,13 @@ from tests.observability.dashboard import RULE_TESTS, RULES, rule_expressions
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([require_binary("promtool"), *args], capture_output=True, text=True, timeout=60,
-                          cwd=RULES.parent)
+    return subprocess.run(
+        [require_binary("promtool"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=RULES.parent,
+    )
 
 
 def test_promtool_check_rules_accepts_the_rule_file():
@@ -22,8 +27,12 @@ def test_promtool_check_rules_accepts_the_rule_file():
 
 
 def test_promtool_unit_tests_pass_and_cover_every_alert():
-    tested = {case["alertname"] for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
-              for case in test["alert_rule_test"] if case["exp_alerts"]}
+    tested = {
+        case["alertname"]
+        for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]
+        for case in test["alert_rule_test"]
+        if case["exp_alerts"]
+    }
     assert tested == set(rule_expressions())
     result = promtool("test", "rules", str(RULE_TESTS))
     assert result.returncode == 0, result.stdout + result.stderr

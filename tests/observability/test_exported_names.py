@@ -11,8 +11,12 @@ from tests.observability.dashboard import metric_names_used
 
 def exported_sample_names(system: System) -> set[str]:
     """Sample names as Prometheus stores them: `_total`, `_bucket`, `_sum`, `_count` included."""
-    return {sample.name for role in ROLES for family in text_string_to_metric_families(system.metrics_text(role))
-            for sample in family.samples}
+    return {
+        sample.name
+        for role in ROLES
+        for family in text_string_to_metric_families(system.metrics_text(role))
+        for sample in family.samples
+    }
 
 
 def test_every_metric_of_the_dashboard_and_the_rules_is_exported(system: System):
@@ -23,15 +27,45 @@ def test_every_metric_of_the_dashboard_and_the_rules_is_exported(system: System)
 
 
 def test_the_design_metrics_are_exported_with_their_types(system: System):
-    families = {family.name: family.type for role in ROLES
-                for family in text_string_to_metric_families(system.metrics_text(role))}
-    counters = ("prefix_cache_hit_tokens", "prefix_cache_query_tokens", "retracted_requests", "retracted_input_tokens",
-                "retracted_output_tokens", "radix_evicted_tokens", "prompt_tokens", "generation_tokens")
-    gauges = ("cache_hit_rate", "new_token_ratio", "radix_evictable_tokens", "radix_protected_tokens",
-              "kv_usage_ratio", "kv_total_tokens", "cache_config_info", "num_requests_running",
-              "num_requests_waiting", "num_requests_grammar_queue")
-    histograms = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                  "queue_time_seconds", "batch_size", "forward_time_seconds", "grammar_compile_time_seconds")
-    expected = {**{n: "counter" for n in counters}, **{n: "gauge" for n in gauges},
-                **{n: "histogram" for n in histograms}}
+    families = {
+        family.name: family.type
+        for role in ROLES
+        for family in text_string_to_metric_families(system.metrics_text(role))
+    }
+    counters = (
+        "prefix_cache_hit_tokens",
+        "prefix_cache_query_tokens",
+        "retracted_requests",
+        "retracted_input_tokens",
+        "retracted_output_tokens",
+        "radix_evicted_tokens",
+        "prompt_tokens",
+        "generation_tokens",
+    )
+    gauges = (
+        "cache_hit_rate",
+        "new_token_ratio",
+        "radix_evictable_tokens",
+        "radix_protected_tokens",
+        "kv_usage_ratio",
+        "kv_total_tokens",
+        "cache_config_info",
+        "num_requests_running",
+        "num_requests_waiting",
+        "num_requests_grammar_queue",
+    )
+    histograms = (
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "queue_time_seconds",
+        "batch_size",
+        "forward_time_seconds",
+        "grammar_compile_time_seconds",
+    )
+    expected = {
+        **{n: "counter" for n in counters},
+        **{n: "gauge" for n in gauges},
+        **{n: "histogram" for n in histograms},
+    }
     assert {name: families.get(f"radixserve_{name}") for name in expected} == expected

@@ -4,16 +4,27 @@ from observability.metrics import RequestTimer, TokenizerMetrics, status_outcome
 
 
 def test_two_metric_sets_in_one_process_do_not_collide():
-    a, b = TokenizerMetrics(CollectorRegistry(), "m-a"), TokenizerMetrics(CollectorRegistry(), "m-b")
+    a, b = (
+        TokenizerMetrics(CollectorRegistry(), "m-a"),
+        TokenizerMetrics(CollectorRegistry(), "m-b"),
+    )
     a.count_request("/v1/completions", 200)
     b.count_request("/v1/completions", 503)
-    assert b'model_name="m-a"' in generate_latest(a.registry) and b"m-b" not in generate_latest(a.registry)
+    assert b'model_name="m-a"' in generate_latest(a.registry) and b"m-b" not in generate_latest(
+        a.registry
+    )
     assert b'outcome="server_error"' in generate_latest(b.registry)
 
 
 def test_outcome_follows_the_status_class():
     assert [status_outcome(s) for s in (200, 299, 400, 429, 500, 503)] == [
-        "success", "success", "client_error", "client_error", "server_error", "server_error"]
+        "success",
+        "success",
+        "client_error",
+        "client_error",
+        "server_error",
+        "server_error",
+    ]
 
 
 def test_request_timer_observes_first_token_once_then_the_gap_per_token():
@@ -26,8 +37,10 @@ def test_request_timer_observes_first_token_once_then_the_gap_per_token():
 
     def observed(name: str) -> tuple[float, float]:
         labels = {"model_name": "m"}
-        return (metrics.registry.get_sample_value(f"{name}_count", labels),
-                round(metrics.registry.get_sample_value(f"{name}_sum", labels), 6))
+        return (
+            metrics.registry.get_sample_value(f"{name}_count", labels),
+            round(metrics.registry.get_sample_value(f"{name}_sum", labels), 6),
+        )
 
     assert observed("radixserve_time_to_first_token_seconds") == (1, 0.5)
     assert observed("radixserve_inter_token_latency_seconds") == (1, 0.2)

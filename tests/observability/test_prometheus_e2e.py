@@ -21,7 +21,11 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_every_dashboard_panel_query_returns_data(system: System):
     prometheus = system.require_prometheus()
-    empty = [(title, ref) for title, ref, expr in panel_queries() if not prometheus.query(substitute(expr, MODEL))]
+    empty = [
+        (title, ref)
+        for title, ref, expr in panel_queries()
+        if not prometheus.query(substitute(expr, MODEL))
+    ]
     assert not empty, f"panel queries without data: {empty}"
 
 
@@ -68,10 +72,18 @@ def test_the_tokenizer_timed_every_request_as_its_client_saw_it(system: System):
     prometheus = system.require_prometheus()
     traffic = system.traffic
     requests = len(traffic["shared"]) + len(traffic["burst"]) + 1
-    completion_tokens = (sum(r["usage"]["completion_tokens"] for r in traffic["burst"])
-                         + traffic["grammar"]["usage"]["completion_tokens"] + SHARED_MAX_TOKENS * len(traffic["shared"]))
+    completion_tokens = (
+        sum(r["usage"]["completion_tokens"] for r in traffic["burst"])
+        + traffic["grammar"]["usage"]["completion_tokens"]
+        + SHARED_MAX_TOKENS * len(traffic["shared"])
+    )
     assert prometheus.value("sum(radixserve_time_to_first_token_seconds_count)") == requests
     assert prometheus.value("sum(radixserve_inter_token_latency_seconds_count)") > 0
     assert prometheus.value("sum(radixserve_request_generation_tokens_sum)") == completion_tokens
     assert prometheus.value("sum(radixserve_aborted_requests_total)") == 0
-    assert prometheus.value('sum(radixserve_requests_total{endpoint="/v1/completions", outcome="success"})') == requests
+    assert (
+        prometheus.value(
+            'sum(radixserve_requests_total{endpoint="/v1/completions", outcome="success"})'
+        )
+        == requests
+    )

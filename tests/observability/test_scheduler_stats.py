@@ -30,20 +30,31 @@ class Recorder:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_hits_count_once_per_request_through_chunks_and_retractions(tiny_model_dir: Path, overlap: bool):
+def test_hits_count_once_per_request_through_chunks_and_retractions(
+    tiny_model_dir: Path, overlap: bool
+):
     rng = random.Random(3)
     prefix = [rng.randrange(3, 256) for _ in range(40)]
     prompts = [prefix + [rng.randrange(3, 256) for _ in range(10)] for _ in range(12)]
     params = {"temperature": 0, "max_new_tokens": 64, "ignore_eos": True}
-    with Engine(str(tiny_model_dir), dtype="float64", device="cpu", skip_tokenizer_init=True, max_total_tokens=400,
-                chunked_prefill_size=32, disable_overlap_schedule=not overlap) as engine:
+    with Engine(
+        str(tiny_model_dir),
+        dtype="float64",
+        device="cpu",
+        skip_tokenizer_init=True,
+        max_total_tokens=400,
+        chunked_prefill_size=32,
+        disable_overlap_schedule=not overlap,
+    ) as engine:
         stats = engine.scheduler.stats
         stats.observer = recorder = Recorder()
         results = engine.generate(prompts[:1], params)
         assert recorder.forwards["extend"] == 2  # its 50 prompt tokens went in chunks of 32
         results += engine.generate(prompts[1:], params)
     assert stats.num_retractions > 0
-    assert stats.prefill_tokens > stats.cache_query_tokens - stats.cache_hit_tokens  # retracted ones prefilled again
+    assert (
+        stats.prefill_tokens > stats.cache_query_tokens - stats.cache_hit_tokens
+    )  # retracted ones prefilled again
     assert sorted(Counter(recorder.admitted).values()) == [1] * len(prompts)
     assert stats.cache_query_tokens == sum(map(len, prompts))
     assert stats.cache_hit_tokens == sum(r["meta"]["cached_tokens"] for r in results) > 0

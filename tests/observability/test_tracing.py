@@ -8,8 +8,11 @@ from collections import defaultdict
 from observability.tracing import setup_tracing
 from tests.observability.conftest import ROLES, ReceivedSpan, System, wait_until
 
-SPANS = {"tokenizer": {"POST /v1/completions", "tokenize"}, "worker": {"queue_wait", "prefill", "decode"},
-         "detokenizer": {"detokenize"}}
+SPANS = {
+    "tokenizer": {"POST /v1/completions", "tokenize"},
+    "worker": {"queue_wait", "prefill", "decode"},
+    "detokenizer": {"detokenize"},
+}
 
 
 def complete_traces(system: System) -> list[list[ReceivedSpan]]:

@@ -21,10 +21,23 @@ from services.worker.worker import METRICS_SAMPLE_INTERVAL_S, Worker
 from tests.services.conftest import ServiceLauncher
 
 IDLE = WorkerSample(
-    time=0.0, cache_hit_tokens=0, cache_query_tokens=0, prompt_tokens=0, generation_tokens=0,
-    retracted_requests=0, retracted_input_tokens=0, retracted_output_tokens=0, evicted_tokens=0,
-    new_token_ratio=0.7, evictable_tokens=0, protected_tokens=0, available_tokens=1000, total_tokens=1000,
-    num_running=0, num_waiting=0, num_grammar_queue=0,
+    time=0.0,
+    cache_hit_tokens=0,
+    cache_query_tokens=0,
+    prompt_tokens=0,
+    generation_tokens=0,
+    retracted_requests=0,
+    retracted_input_tokens=0,
+    retracted_output_tokens=0,
+    evicted_tokens=0,
+    new_token_ratio=0.7,
+    evictable_tokens=0,
+    protected_tokens=0,
+    available_tokens=1000,
+    total_tokens=1000,
+    num_running=0,
+    num_waiting=0,
+    num_grammar_queue=0,
 )
 
 
@@ -38,9 +51,13 @@ def metrics(model_name: str = "m") -> tuple[CollectorRegistry, WorkerMetrics]:
 
 
 def test_kv_usage_counts_only_what_live_requests_hold():
-    sample = dataclasses.replace(IDLE, available_tokens=600, evictable_tokens=300, protected_tokens=50)
+    sample = dataclasses.replace(
+        IDLE, available_tokens=600, evictable_tokens=300, protected_tokens=50
+    )
     assert sample.kv_usage == pytest.approx(0.1)  # 1000 - 600 free - 300 the tree could give back
-    assert dataclasses.replace(IDLE, available_tokens=700, evictable_tokens=300).kv_usage == 0  # idle: no leak
+    assert (
+        dataclasses.replace(IDLE, available_tokens=700, evictable_tokens=300).kv_usage == 0
+    )  # idle: no leak
     registry, m = metrics()
     m.publish(sample)
     assert value(registry, "radixserve_kv_usage_ratio") == pytest.approx(0.1)
@@ -53,22 +70,45 @@ def test_two_worker_metric_sets_in_one_process_do_not_collide():
     b.publish(IDLE)
     a.observe_forward("decode", 4, 0.01)
     assert value(ra, "radixserve_prefix_cache_hit_tokens_total") == 5
-    assert rb.get_sample_value("radixserve_prefix_cache_hit_tokens_total", {"model_name": "other", "tp_rank": "0"}) == 0
+    assert (
+        rb.get_sample_value(
+            "radixserve_prefix_cache_hit_tokens_total", {"model_name": "other", "tp_rank": "0"}
+        )
+        == 0
+    )
     assert b"decode" not in generate_latest(rb)
 
 
 def test_rolling_gauges_follow_the_last_window_while_counters_keep_everything():
     registry, m = metrics()
     m.publish(dataclasses.replace(IDLE, time=0.0, cache_hit_tokens=90, cache_query_tokens=100))
-    assert value(registry, "radixserve_cache_hit_rate") == pytest.approx(0.9)  # one sample: since the start
-    m.publish(dataclasses.replace(IDLE, time=10.0, cache_hit_tokens=90, cache_query_tokens=200, generation_tokens=50))
-    assert value(registry, "radixserve_cache_hit_rate") == pytest.approx(0.0)  # 0 hits in the 100 new queries
+    assert value(registry, "radixserve_cache_hit_rate") == pytest.approx(
+        0.9
+    )  # one sample: since the start
+    m.publish(
+        dataclasses.replace(
+            IDLE, time=10.0, cache_hit_tokens=90, cache_query_tokens=200, generation_tokens=50
+        )
+    )
+    assert value(registry, "radixserve_cache_hit_rate") == pytest.approx(
+        0.0
+    )  # 0 hits in the 100 new queries
     assert value(registry, "radixserve_generation_tokens_per_second") == pytest.approx(5.0)
     later = ROLLING_WINDOW_S + 20
-    m.publish(dataclasses.replace(IDLE, time=later, cache_hit_tokens=140, cache_query_tokens=300, generation_tokens=50))
-    assert value(registry, "radixserve_cache_hit_rate") == pytest.approx(0.5)  # the first sample left the window
-    m.publish(dataclasses.replace(IDLE, time=later + 5, cache_hit_tokens=140, cache_query_tokens=300))
-    assert value(registry, "radixserve_cache_hit_rate") == pytest.approx(0.5)  # no new admission: unchanged
+    m.publish(
+        dataclasses.replace(
+            IDLE, time=later, cache_hit_tokens=140, cache_query_tokens=300, generation_tokens=50
+        )
+    )
+    assert value(registry, "radixserve_cache_hit_rate") == pytest.approx(
+        0.5
+    )  # the first sample left the window
+    m.publish(
+        dataclasses.replace(IDLE, time=later + 5, cache_hit_tokens=140, cache_query_tokens=300)
+    )
+    assert value(registry, "radixserve_cache_hit_rate") == pytest.approx(
+        0.5
+    )  # no new admission: unchanged
     assert value(registry, "radixserve_prefix_cache_query_tokens_total") == 300
 
 
@@ -85,12 +125,29 @@ def test_grammar_compiles_and_refusals_are_counted_apart():
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama_dir: Path) -> Iterator[Worker]:
-    ports = {name: ServiceLauncher.free_port() for name in (
-        "port", "worker_port", "detokenizer_port", "tokenizer_port", "tokenizer_control_port",
-        "worker_metrics_port", "detokenizer_metrics_port")}
-    settings = Settings(model=str(tiny_llama_dir), dtype="float32", device="cpu", max_total_tokens=2048,
-                        chunked_prefill_size=32, host="127.0.0.1", served_model_name="m", heartbeat_interval=0.2,
-                        **ports)
+    ports = {
+        name: ServiceLauncher.free_port()
+        for name in (
+            "port",
+            "worker_port",
+            "detokenizer_port",
+            "tokenizer_port",
+            "tokenizer_control_port",
+            "worker_metrics_port",
+            "detokenizer_metrics_port",
+        )
+    }
+    settings = Settings(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=2048,
+        chunked_prefill_size=32,
+        host="127.0.0.1",
+        served_model_name="m",
+        heartbeat_interval=0.2,
+        **ports,
+    )
     worker = Worker(settings)
     yield worker
     worker.close()
@@ -106,15 +163,23 @@ def run(worker: Worker, *reqs: TokenizedGenerateReqInput) -> None:
 
 
 def test_worker_counts_each_request_once_and_observes_its_batches(worker: Worker, tokenizer):
-    prefix = tokenizer.encode("The history of the radix tree and of prefix caching in language model serving. " * 4)
+    prefix = tokenizer.encode(
+        "The history of the radix tree and of prefix caching in language model serving. " * 4
+    )
     params = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
-    reqs = [TokenizedGenerateReqInput(rid=f"r{i}", input_ids=prefix + tokenizer.encode(f" Part {i}."),
-                                      sampling_params=params) for i in range(3)]
+    reqs = [
+        TokenizedGenerateReqInput(
+            rid=f"r{i}", input_ids=prefix + tokenizer.encode(f" Part {i}."), sampling_params=params
+        )
+        for i in range(3)
+    ]
     run(worker, reqs[0])
     run(worker, *reqs[1:])
     registry = worker.registry
     # Chunked prefill (32 tokens a chunk) still counts each request's prompt once.
-    assert value(registry, "radixserve_prefix_cache_query_tokens_total") == sum(len(r.input_ids) for r in reqs)
+    assert value(registry, "radixserve_prefix_cache_query_tokens_total") == sum(
+        len(r.input_ids) for r in reqs
+    )
     assert value(registry, "radixserve_prefix_cache_hit_tokens_total") >= 2 * (len(prefix) - 1)
     assert value(registry, "radixserve_queue_time_seconds_count") == 3
     assert value(registry, "radixserve_generation_tokens_total") == 12
@@ -126,13 +191,19 @@ def test_worker_counts_each_request_once_and_observes_its_batches(worker: Worker
 
 def test_worker_counts_a_refused_grammar(worker: Worker):
     params = SamplingParams(max_new_tokens=4, regex="(unclosed")
-    run(worker, TokenizedGenerateReqInput(rid="bad-grammar", input_ids=[1, 2, 3], sampling_params=params))
+    run(
+        worker,
+        TokenizedGenerateReqInput(rid="bad-grammar", input_ids=[1, 2, 3], sampling_params=params),
+    )
     assert value(worker.registry, "radixserve_grammar_compile_failures_total") == 1
 
 
 def test_worker_serves_metrics_and_a_healthz_that_fails_when_the_loop_stalls(worker: Worker):
     url = f"http://127.0.0.1:{worker.settings.worker_metrics_port}"
-    assert 'radixserve_num_requests_running{model_name="m",tp_rank="0"} 0.0' in httpx2.get(f"{url}/metrics").text
+    assert (
+        'radixserve_num_requests_running{model_name="m",tp_rank="0"} 0.0'
+        in httpx2.get(f"{url}/metrics").text
+    )
     assert httpx2.get(f"{url}/healthz").status_code == 200
     turned = worker.last_turn
     worker.last_turn -= worker.settings.stall_timeout + 1

@@ -34,8 +34,13 @@ TINY_CONTEXT_LENGTH = 8192
 HEARTBEAT_INTERVAL = 0.2
 """Fast heartbeats in tests, so liveness is seen without waiting seconds."""
 SERVER_PORTS = (
-    "port", "worker-port", "detokenizer-port", "tokenizer-port", "tokenizer-control-port",
-    "worker-metrics-port", "detokenizer-metrics-port",
+    "port",
+    "worker-port",
+    "detokenizer-port",
+    "tokenizer-port",
+    "tokenizer-control-port",
+    "worker-metrics-port",
+    "detokenizer-metrics-port",
 )
 """The port flags (without `--`) of one server's three processes."""
 
@@ -53,7 +58,9 @@ def tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
     return load_tokenizer(str(tiny_llama_dir))
 
 
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+def wait_until(
+    condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1
+) -> Any:
     """Poll `condition` until it is truthy (its value is returned) or `timeout` seconds pass."""
     deadline = time.monotonic() + timeout
     while not (result := condition()):
@@ -95,7 +102,9 @@ class ServiceLauncher:
         return [arg for name, port in ports.items() for arg in (f"--{name}", str(port))]
 
     @contextmanager
-    def serve(self, flags: list[str], timeout: float = 120, role_flags: dict[str, list[str]] | None = None) -> Iterator[str]:
+    def serve(
+        self, flags: list[str], timeout: float = 120, role_flags: dict[str, list[str]] | None = None
+    ) -> Iterator[str]:
         """One server, its three processes on free ports (`role_flags` adds a role's own
         flags); yields its base URL once /health answers 200 and stops them all after."""
         ports = self.server_ports()
@@ -112,8 +121,18 @@ class ServiceLauncher:
     def start(self, role: str, flags: list[str]) -> subprocess.Popen:
         with open(self.log_dir / f"{role}.log", "wb") as log:
             self.procs[role] = subprocess.Popen(
-                [sys.executable, "-m", f"services.{role}", *flags, "--heartbeat-interval", str(self.heartbeat_interval)],
-                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                [
+                    sys.executable,
+                    "-m",
+                    f"services.{role}",
+                    *flags,
+                    "--heartbeat-interval",
+                    str(self.heartbeat_interval),
+                ],
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         return self.procs[role]
 
@@ -174,7 +193,9 @@ class PeerStub:
         self.output_port, self.control_port = bound_port(out_sock), bound_port(control_sock)
         self.outputs = Receiver(out_sock, "test-outputs")
         self.control = Receiver(control_sock, "test-control")
-        self.sender = Sender(connect_push(self.ctx, push_port), role, new_epoch(), HEARTBEAT_INTERVAL)
+        self.sender = Sender(
+            connect_push(self.ctx, push_port), role, new_epoch(), HEARTBEAT_INTERVAL
+        )
         self.raw = connect_push(self.ctx, push_port)
         self.streams: dict[str, Stream] = {}
         self.batches: list[BatchStrOutput] = []
@@ -185,7 +206,9 @@ class PeerStub:
         """Send once the PUSH socket is connected (IMMEDIATE refuses sends before that)."""
         deadline = time.monotonic() + timeout
         while not self.sender.send(msg):
-            assert time.monotonic() < deadline, f"could not send {type(msg).__name__}: peer not connected"
+            assert time.monotonic() < deadline, (
+                f"could not send {type(msg).__name__}: peer not connected"
+            )
             time.sleep(0.01)
 
     def pump(self, timeout_ms: int = 50) -> None:
@@ -201,7 +224,9 @@ class PeerStub:
             else:
                 self.replies.append(msg)
 
-    def wait_for(self, condition: Callable[[], object], timeout: float = 30.0, what: str = "condition") -> object:
+    def wait_for(
+        self, condition: Callable[[], object], timeout: float = 30.0, what: str = "condition"
+    ) -> object:
         deadline = time.monotonic() + timeout
         while True:
             result = condition()

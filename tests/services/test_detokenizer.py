@@ -18,15 +18,32 @@ def stub(tiny_llama_dir: Path, launcher, make_stub):
     """A running detokenizer; returns the PeerStub that plays the worker and the tokenizer."""
     port = launcher.free_port()
     stub = make_stub("worker", port)
-    launcher.start("detokenizer", [
-        "--model", str(tiny_llama_dir), "--detokenizer-port", str(port), "--worker-port", str(launcher.free_port()),
-        "--tokenizer-port", str(stub.output_port), "--tokenizer-control-port", str(stub.control_port),
-    ])
-    stub.wait_for(lambda: any(m.sender == "detokenizer" for m in stub.alive_signs), 60, "the detokenizer's heartbeat")
+    launcher.start(
+        "detokenizer",
+        [
+            "--model",
+            str(tiny_llama_dir),
+            "--detokenizer-port",
+            str(port),
+            "--worker-port",
+            str(launcher.free_port()),
+            "--tokenizer-port",
+            str(stub.output_port),
+            "--tokenizer-control-port",
+            str(stub.control_port),
+        ],
+    )
+    stub.wait_for(
+        lambda: any(m.sender == "detokenizer" for m in stub.alive_signs),
+        60,
+        "the detokenizer's heartbeat",
+    )
     return stub
 
 
-def token_batch(*rows: tuple, stop: list[str] | None = None, skip_special_tokens: bool = True) -> BatchTokenIDOutput:
+def token_batch(
+    *rows: tuple, stop: list[str] | None = None, skip_special_tokens: bool = True
+) -> BatchTokenIDOutput:
     """rows: (rid, new ids) or (rid, new ids, finish reason); the other columns are filler."""
     rids = [row[0] for row in rows]
     return BatchTokenIDOutput(
@@ -41,7 +58,9 @@ def token_batch(*rows: tuple, stop: list[str] | None = None, skip_special_tokens
     )
 
 
-def stream_one_by_one(stub, rid: str, ids: list[int], reason: FinishReason = LENGTH, **options) -> list[str]:
+def stream_one_by_one(
+    stub, rid: str, ids: list[int], reason: FinishReason = LENGTH, **options
+) -> list[str]:
     """Send `ids` one per batch (the last one finishing `rid`); return the text deltas."""
     for i, token in enumerate(ids):
         row = (rid, [token], reason) if i == len(ids) - 1 else (rid, [token])
@@ -52,7 +71,9 @@ def stream_one_by_one(stub, rid: str, ids: list[int], reason: FinishReason = LEN
 def test_multibyte_characters_are_held_back_until_complete(stub, tokenizer):
     text = "Café 日本語 🙂!"
     ids = tokenizer.encode(text)
-    assert any("\ufffd" in tokenizer.decode([i]) for i in ids), "the text should split characters across tokens"
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids), (
+        "the text should split characters across tokens"
+    )
     deltas = stream_one_by_one(stub, "utf8", ids)
     assert not any("\ufffd" in delta for delta in deltas)
     assert "".join(deltas) == text
@@ -60,12 +81,21 @@ def test_multibyte_characters_are_held_back_until_complete(stub, tokenizer):
 
 
 def test_a_stop_string_is_never_shown_even_in_part(stub, tokenizer):
-    stopped = stream_one_by_one(stub, "stop", tokenizer.encode("Hello world, stop here please")[:5],
-                                FinishReason("stop", matched="stop here"), stop=["stop here"])
+    stopped = stream_one_by_one(
+        stub,
+        "stop",
+        tokenizer.encode("Hello world, stop here please")[:5],
+        FinishReason("stop", matched="stop here"),
+        stop=["stop here"],
+    )
     assert "".join(stopped) == "Hello world, "
     assert not any("stop" in delta for delta in stopped)
-    released = stream_one_by_one(stub, "not-stop", tokenizer.encode("Hello world, stop please"), stop=["stop here"])
-    assert "".join(released) == "Hello world, stop please", "held-back text is released once it cannot be a stop"
+    released = stream_one_by_one(
+        stub, "not-stop", tokenizer.encode("Hello world, stop please"), stop=["stop here"]
+    )
+    assert "".join(released) == "Hello world, stop please", (
+        "held-back text is released once it cannot be a stop"
+    )
 
 
 def test_special_tokens_are_skipped_or_kept_as_asked_and_a_stop_token_is_not_text(stub, tokenizer):
@@ -95,13 +125,24 @@ def test_a_finished_rid_starts_afresh_when_reused(stub, tokenizer):
     stream_one_by_one(stub, "reused", tokenizer.encode("Hello world,"), stop=["stop"])
     stub.streams.pop("reused")
     # Had the first life's state survived, its text and its stop string would trim this one.
-    assert "".join(stream_one_by_one(stub, "reused", tokenizer.encode(" stop here"))) == " stop here"
+    assert (
+        "".join(stream_one_by_one(stub, "reused", tokenizer.encode(" stop here"))) == " stop here"
+    )
 
 
 def test_garbage_is_dropped_and_the_next_batch_served(stub, tokenizer):
     stub.send_raw(b"\xc1 not msgpack")
-    stub.send(BatchStrOutput(rids=[], output_ids=[], finished_reasons=[], prompt_tokens=[], completion_tokens=[],
-                             cached_tokens=[], output_strs=[]))  # well-formed, but not for the detokenizer
+    stub.send(
+        BatchStrOutput(
+            rids=[],
+            output_ids=[],
+            finished_reasons=[],
+            prompt_tokens=[],
+            completion_tokens=[],
+            cached_tokens=[],
+            output_strs=[],
+        )
+    )  # well-formed, but not for the detokenizer
     assert "".join(stream_one_by_one(stub, "after-garbage", tokenizer.encode("Hi"))) == "Hi"
 
 

@@ -39,31 +39,85 @@ CLIENT_TIMEOUT_S = 60.0
 # ----- strategies -------------------------------------------------------------------------------
 
 TEXT = st.text(max_size=40) | st.sampled_from(
-    ["", " ", "\x00", "\ufffd", "🦄" * 20, "\u202e\u2066", "ß" * 300, "a" * 3000, "{{ raise('x') }}", "<|im_end|>",
-     "%s%n%x", "\\u0000", "null", "NaN"]
+    [
+        "",
+        " ",
+        "\x00",
+        "\ufffd",
+        "🦄" * 20,
+        "\u202e\u2066",
+        "ß" * 300,
+        "a" * 3000,
+        "{{ raise('x') }}",
+        "<|im_end|>",
+        "%s%n%x",
+        "\\u0000",
+        "null",
+        "NaN",
+    ]
 )
-NUMBER = st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.sampled_from(
-    [0, -1, 1, 2, 2**31, 2**63 - 1, 2**63, 2**64, -(2**63) - 1, 10**40, 1e308, -1e308, 5e-324, 0.5, 1.0000001]
+NUMBER = (
+    st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from(
+        [
+            0,
+            -1,
+            1,
+            2,
+            2**31,
+            2**63 - 1,
+            2**63,
+            2**64,
+            -(2**63) - 1,
+            10**40,
+            1e308,
+            -1e308,
+            5e-324,
+            0.5,
+            1.0000001,
+        ]
+    )
 )
 SCALAR = st.none() | st.booleans() | NUMBER | TEXT
 JUNK = st.recursive(
-    SCALAR, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12
+    SCALAR,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
+    max_leaves=12,
 )
-TOKEN_IDS = st.lists(st.integers(min_value=-5, max_value=60_000) | st.sampled_from([0, 1, 2, 49151, 49152]),
-                     max_size=20)
+TOKEN_IDS = st.lists(
+    st.integers(min_value=-5, max_value=60_000) | st.sampled_from([0, 1, 2, 49151, 49152]),
+    max_size=20,
+)
 MESSAGE = st.fixed_dictionaries(
     {"role": st.sampled_from(["system", "user", "assistant", "tool"]) | JUNK},
-    optional={"content": TEXT | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=3)
-              | JUNK, "name": JUNK},
+    optional={
+        "content": TEXT
+        | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": TEXT}), max_size=3)
+        | JUNK,
+        "name": JUNK,
+    },
 )
-SCHEMA = st.sampled_from([
-    {"type": "object"}, {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
-    {"enum": ["yes", "no"]}, {"type": "string", "maxLength": 3}, {"type": "array", "items": {"type": "boolean"}},
-    {"type": "nonsense"}, {"$ref": "#/nowhere"}, {"anyOf": []},
-]) | JUNK
+SCHEMA = (
+    st.sampled_from(
+        [
+            {"type": "object"},
+            {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+            {"enum": ["yes", "no"]},
+            {"type": "string", "maxLength": 3},
+            {"type": "array", "items": {"type": "boolean"}},
+            {"type": "nonsense"},
+            {"$ref": "#/nowhere"},
+            {"anyOf": []},
+        ]
+    )
+    | JUNK
+)
 RESPONSE_FORMAT = st.fixed_dictionaries(
     {"type": st.sampled_from(["text", "json_object", "json_schema"]) | JUNK},
-    optional={"json_schema": st.fixed_dictionaries({"name": TEXT}, optional={"schema": SCHEMA}) | JUNK},
+    optional={
+        "json_schema": st.fixed_dictionaries({"name": TEXT}, optional={"schema": SCHEMA}) | JUNK
+    },
 )
 HUGE = st.sampled_from([2**63, -(2**63) - 1, 2**64, 10**30])
 
@@ -74,7 +128,9 @@ def ints(low: int, high: int) -> st.SearchStrategy:
     return st.one_of(in_range, in_range, in_range, HUGE)
 
 
-REGEX = st.sampled_from(["[a-z]+", "(yes|no)", "\\d{3}", "a*", "(", "[", "\\", "x{99999}", ".*"]) | TEXT
+REGEX = (
+    st.sampled_from(["[a-z]+", "(yes|no)", "\\d{3}", "a*", "(", "[", "\\", "x{99999}", ".*"]) | TEXT
+)
 
 
 REQUIRED = {"messages", "prompt", "text"}
@@ -85,16 +141,26 @@ def body(draw: st.DrawFn, known: dict[str, st.SearchStrategy]) -> dict[str, Any]
     """A subset of the known fields (the prompt usually among them) with plausible values;
     in a third of the bodies some fields hold junk instead, and some bodies carry unknown fields.
     Few fields per body, so that many bodies are valid and reach the worker."""
-    required = {name: known[name] for name in REQUIRED & set(known) if draw(st.sampled_from([True] * 9 + [False]))}
+    required = {
+        name: known[name]
+        for name in REQUIRED & set(known)
+        if draw(st.sampled_from([True] * 9 + [False]))
+    }
     if "input_ids" in known and "text" in required and draw(st.booleans()):
         required = {"input_ids": known["input_ids"]}
     optional = sorted(name for name in known if name not in required)
-    names = draw(st.lists(st.sampled_from(optional), max_size=draw(st.sampled_from([2, 4, 4, 8])), unique=True))
+    names = draw(
+        st.lists(
+            st.sampled_from(optional), max_size=draw(st.sampled_from([2, 4, 4, 8])), unique=True
+        )
+    )
     chosen = {name: draw(known[name]) for name in [*required, *names]}
     if "stream" in known and draw(st.sampled_from([False, False, True])):
         chosen["stream"] = True
     if chosen and draw(st.sampled_from([False, False, True])):
-        for name in draw(st.lists(st.sampled_from(sorted(chosen)), min_size=1, max_size=3, unique=True)):
+        for name in draw(
+            st.lists(st.sampled_from(sorted(chosen)), min_size=1, max_size=3, unique=True)
+        ):
             chosen[name] = draw(JUNK)
     if draw(st.sampled_from([False] * 4 + [True])):
         chosen = {**draw(st.dictionaries(TEXT, JUNK, min_size=1, max_size=2)), **chosen}
@@ -140,8 +206,11 @@ COMPLETION = {
     "logprobs": ints(-1, 30),
 }
 NATIVE_SAMPLING = {f.name: SCALAR for f in fields(SamplingParams)} | {
-    "max_new_tokens": ints(-1, 20), "temperature": st.floats(-1, 3),
-    "json_schema": SCHEMA | SCHEMA.map(json.dumps), "regex": REGEX, "n": ints(-1, 3),
+    "max_new_tokens": ints(-1, 20),
+    "temperature": st.floats(-1, 3),
+    "json_schema": SCHEMA | SCHEMA.map(json.dumps),
+    "regex": REGEX,
+    "n": ints(-1, 3),
 }
 GENERATE = {
     "text": TEXT | st.lists(TEXT, max_size=3),
@@ -156,8 +225,22 @@ ABORT = {"rid": TEXT, "abort_all": st.just(False)}
 error of an aborted request, which is not what is fuzzed here)."""
 
 
-POSTS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/generate": GENERATE, "/abort_request": ABORT}
-GETS = ["/v1/models", "/health", "/healthz", "/get_model_info", "/get_server_info", "/metrics", "/v1/nothing", "/"]
+POSTS = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": COMPLETION,
+    "/generate": GENERATE,
+    "/abort_request": ABORT,
+}
+GETS = [
+    "/v1/models",
+    "/health",
+    "/healthz",
+    "/get_model_info",
+    "/get_server_info",
+    "/metrics",
+    "/v1/nothing",
+    "/",
+]
 
 
 @st.composite
@@ -166,27 +249,78 @@ def request(draw: st.DrawFn) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     kind = draw(st.sampled_from(["body"] * 12 + ["raw", "get", "auth", "method"]))
     if kind == "get":
-        return {"method": "GET", "url": draw(st.sampled_from(GETS)), "headers": headers,
-                "params": draw(st.dictionaries(st.sampled_from(["check_integrity", "x"]), TEXT, max_size=1))}
-    path = draw(st.sampled_from(["/v1/chat/completions", "/v1/completions", "/generate"] * 3 + ["/abort_request"]))
+        return {
+            "method": "GET",
+            "url": draw(st.sampled_from(GETS)),
+            "headers": headers,
+            "params": draw(
+                st.dictionaries(st.sampled_from(["check_integrity", "x"]), TEXT, max_size=1)
+            ),
+        }
+    path = draw(
+        st.sampled_from(
+            ["/v1/chat/completions", "/v1/completions", "/generate"] * 3 + ["/abort_request"]
+        )
+    )
     if kind == "body":
         # Sometimes not an object at all.
-        payload = draw(body(POSTS[path])) if draw(st.sampled_from([True] * 9 + [False])) else draw(JUNK)
-        if path == "/abort_request" and isinstance(payload, dict) and payload.get("abort_all") is True:
+        payload = (
+            draw(body(POSTS[path])) if draw(st.sampled_from([True] * 9 + [False])) else draw(JUNK)
+        )
+        if (
+            path == "/abort_request"
+            and isinstance(payload, dict)
+            and payload.get("abort_all") is True
+        ):
             payload["abort_all"] = False
-        return {"method": "POST", "url": path, "headers": headers, "content": json.dumps(payload, ensure_ascii=False)}
+        return {
+            "method": "POST",
+            "url": path,
+            "headers": headers,
+            "content": json.dumps(payload, ensure_ascii=False),
+        }
     if kind == "raw":  # not JSON, half JSON, JSON5, NaN, a lone surrogate, non-UTF-8
-        content = draw(st.binary(max_size=200) | st.sampled_from([
-            b"", b"{", b'{"messages": [', b"{'a': 1}", b'{"prompt": NaN}', b'{"prompt": "\\ud800"}', b"\xff\xfe",
-            b'{"prompt": "hi", "max_tokens": 1e400}', b"[" * 5000 + b"]" * 5000, b'{"prompt": "a"' + b", " * 3 + b"}",
-        ]))
+        content = draw(
+            st.binary(max_size=200)
+            | st.sampled_from(
+                [
+                    b"",
+                    b"{",
+                    b'{"messages": [',
+                    b"{'a': 1}",
+                    b'{"prompt": NaN}',
+                    b'{"prompt": "\\ud800"}',
+                    b"\xff\xfe",
+                    b'{"prompt": "hi", "max_tokens": 1e400}',
+                    b"[" * 5000 + b"]" * 5000,
+                    b'{"prompt": "a"' + b", " * 3 + b"}",
+                ]
+            )
+        )
         return {"method": "POST", "url": path, "headers": headers, "content": content}
     if kind == "auth":
-        bad = draw(st.sampled_from([{}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
-                                    {"Authorization": "Bearer  " + API_KEY}, {"Authorization": "Basic " + API_KEY}]))
-        return {"method": "POST", "url": path, "headers": {"Content-Type": "application/json", **bad},
-                "content": json.dumps({"prompt": "hi", "max_tokens": 1})}
-    return {"method": draw(st.sampled_from(["PUT", "DELETE", "PATCH", "GET"])), "url": path, "headers": headers}
+        bad = draw(
+            st.sampled_from(
+                [
+                    {},
+                    {"Authorization": "Bearer wrong"},
+                    {"Authorization": API_KEY},
+                    {"Authorization": "Bearer  " + API_KEY},
+                    {"Authorization": "Basic " + API_KEY},
+                ]
+            )
+        )
+        return {
+            "method": "POST",
+            "url": path,
+            "headers": {"Content-Type": "application/json", **bad},
+            "content": json.dumps({"prompt": "hi", "max_tokens": 1}),
+        }
+    return {
+        "method": draw(st.sampled_from(["PUT", "DELETE", "PATCH", "GET"])),
+        "url": path,
+        "headers": headers,
+    }
 
 
 # ----- the server -------------------------------------------------------------------------------
@@ -196,9 +330,20 @@ def request(draw: st.DrawFn) -> dict[str, Any]:
 def base_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     launcher = ServiceLauncher(tmp_path_factory.mktemp("fuzz-logs"), heartbeat_interval=0.5)
     flags = [
-        "--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu",
-        "--max-total-tokens", "16384", "--max-tokens-cap", str(MAX_TOKENS_CAP), "--api-key", API_KEY,
-        "--served-model-name", "fuzz-model",
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        "16384",
+        "--max-tokens-cap",
+        str(MAX_TOKENS_CAP),
+        "--api-key",
+        API_KEY,
+        "--served-model-name",
+        "fuzz-model",
     ]
     with launcher.serve(flags) as url:
         yield url
@@ -210,13 +355,15 @@ def check_answer(req: dict[str, Any], response: httpx2.Response) -> str:
     where = f"{req['method']} {req['url']} {str(req.get('content'))[:300]!r} → {response.status_code} {text[:300]!r}"
     assert response.status_code < 500, where
     assert "Traceback" not in text and 'File "/' not in text, where
-    if req["url"] == "/metrics" or (req["url"] in ("/health", "/healthz") and response.status_code == 200):
+    if req["url"] == "/metrics" or (
+        req["url"] in ("/health", "/healthz") and response.status_code == 200
+    ):
         return str(response.status_code)
     if response.headers.get("content-type", "").startswith("text/event-stream"):
         lines = [line for line in text.split("\n") if line]
         assert lines and all(line.startswith("data: ") for line in lines), where
         assert lines[-1] == "data: [DONE]", where
-        events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        events = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
         errors = [e["error"] for e in events if "error" in e]
         assert len(errors) <= 1 and (not errors or "error" in events[-1]), where
         return f"200 stream{' error ' + errors[0]['code'] if errors else ''}"
@@ -236,8 +383,13 @@ def check_answer(req: dict[str, Any], response: httpx2.Response) -> str:
 OUTCOMES: Counter[str] = Counter()
 
 
-@settings(max_examples=BATCHES, suppress_health_check=list(HealthCheck), deadline=None, derandomize=True,
-          database=None)
+@settings(
+    max_examples=BATCHES,
+    suppress_health_check=list(HealthCheck),
+    deadline=None,
+    derandomize=True,
+    database=None,
+)
 @given(batch=st.lists(request(), min_size=BATCH_SIZE, max_size=BATCH_SIZE))
 def run_batch(base_url: str, batch: list[dict[str, Any]]) -> None:
     with httpx2.Client(base_url=base_url, timeout=CLIENT_TIMEOUT_S) as client:
@@ -246,20 +398,26 @@ def run_batch(base_url: str, batch: list[dict[str, Any]]) -> None:
             try:
                 response = client.request(**req)
             except httpx2.TimeoutException:
-                pytest.fail(f"no answer within {CLIENT_TIMEOUT_S:g} s: {req['method']} {req['url']} "
-                            f"{str(req.get('content'))[:300]!r}")
+                pytest.fail(
+                    f"no answer within {CLIENT_TIMEOUT_S:g} s: {req['method']} {req['url']} "
+                    f"{str(req.get('content'))[:300]!r}"
+                )
             return check_answer(req, response)
 
         with ThreadPoolExecutor(8) as pool:
             OUTCOMES.update(pool.map(send, batch))
 
 
-def test_a_thousand_fuzzed_requests_get_no_5xx_no_hang_no_stack_trace_and_the_server_still_serves(base_url: str):
+def test_a_thousand_fuzzed_requests_get_no_5xx_no_hang_no_stack_trace_and_the_server_still_serves(
+    base_url: str,
+):
     OUTCOMES.clear()
     run_batch(base_url)
     print("fuzz outcomes:", dict(OUTCOMES.most_common()))
     assert sum(OUTCOMES.values()) >= BATCHES * BATCH_SIZE
-    assert OUTCOMES["200"] > 0 and any(k.startswith("200 stream") for k in OUTCOMES)  # some got through
+    assert OUTCOMES["200"] > 0 and any(
+        k.startswith("200 stream") for k in OUTCOMES
+    )  # some got through
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx2.Client(base_url=base_url, headers=headers, timeout=30) as client:
         assert client.get("/health").status_code == 200
@@ -293,6 +451,8 @@ FOUND = [
 def test_values_past_what_the_server_can_carry_get_a_400_naming_the_field(
     base_url: str, path: str, payload: dict[str, Any], param: str
 ):
-    response = httpx2.post(base_url + path, json=payload, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    response = httpx2.post(
+        base_url + path, json=payload, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+    )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param

@@ -39,10 +39,18 @@ def nested_schema(levels: int) -> dict:
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     launcher = ServiceLauncher(tmp_path_factory.mktemp("grammar-http-logs"), HEARTBEAT_INTERVAL)
     flags = [  # no --model: the embedded SmolLM2-135M-Instruct
-        "--dtype", "float32", "--max-total-tokens", "16384", "--device", "cpu", "--enable-jump-forward",
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "16384",
+        "--device",
+        "cpu",
+        "--enable-jump-forward",
     ]
-    role_flags = {"worker": ["--grammar-max-nesting-depth", str(WORKER_MAX_DEPTH)],
-                  "tokenizer": ["--grammar-max-nesting-depth", str(TOKENIZER_MAX_DEPTH)]}
+    role_flags = {
+        "worker": ["--grammar-max-nesting-depth", str(WORKER_MAX_DEPTH)],
+        "tokenizer": ["--grammar-max-nesting-depth", str(TOKENIZER_MAX_DEPTH)],
+    }
     with launcher.serve(flags, timeout=180, role_flags=role_flags) as url:
         yield url
 
@@ -56,8 +64,14 @@ def test_twenty_json_schemas_through_response_format_validate_and_stop(client: o
     def ask(name: str) -> tuple[str, openai.types.chat.ChatCompletion]:
         prompt, schema = SCHEMAS[name]
         return name, client.chat.completions.create(
-            model="embedded", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=96,
-            response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+            model="embedded",
+            messages=[{"role": "user", "content": prompt}],
+            temperature=0,
+            max_tokens=96,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "answer", "schema": schema},
+            },
         )
 
     with ThreadPoolExecutor(len(SCHEMAS)) as pool:  # concurrent: they share batches
@@ -71,16 +85,27 @@ def test_twenty_json_schemas_through_response_format_validate_and_stop(client: o
 
 def test_json_object_regex_and_ebnf(client: openai.OpenAI):
     chat = client.chat.completions.create(
-        model="embedded", messages=[{"role": "user", "content": "A person as JSON."}], temperature=0,
-        max_tokens=64, response_format={"type": "json_object"},
+        model="embedded",
+        messages=[{"role": "user", "content": "A person as JSON."}],
+        temperature=0,
+        max_tokens=64,
+        response_format={"type": "json_object"},
     )
     assert isinstance(json.loads(chat.choices[0].message.content), dict)
     phone = client.completions.create(
-        model="embedded", prompt="A US phone number:", temperature=0, max_tokens=32, extra_body={"regex": PHONE},
+        model="embedded",
+        prompt="A US phone number:",
+        temperature=0,
+        max_tokens=32,
+        extra_body={"regex": PHONE},
     )
     assert re.fullmatch(PHONE, phone.choices[0].text) and phone.choices[0].finish_reason == "stop"
     answer = client.completions.create(
-        model="embedded", prompt="Is the sky blue?", temperature=0, max_tokens=8, extra_body={"ebnf": YES_NO},
+        model="embedded",
+        prompt="Is the sky blue?",
+        temperature=0,
+        max_tokens=8,
+        extra_body={"ebnf": YES_NO},
     )
     assert answer.choices[0].text in ("yes.", "no.")
 
@@ -88,11 +113,20 @@ def test_json_object_regex_and_ebnf(client: openai.OpenAI):
 def test_a_streamed_json_schema_answer_equals_the_non_streamed_one(client: openai.OpenAI):
     prompt, schema = SCHEMAS["nested object"]
     kwargs = dict(
-        model="embedded", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=96,
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+        model="embedded",
+        messages=[{"role": "user", "content": prompt}],
+        temperature=0,
+        max_tokens=96,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": schema},
+        },
     )
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
-    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kwargs, stream=True))
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**kwargs, stream=True)
+    )
     assert streamed == whole
     jsonschema.validate(json.loads(streamed), schema)
 
@@ -100,44 +134,94 @@ def test_a_streamed_json_schema_answer_equals_the_non_streamed_one(client: opena
 @pytest.mark.parametrize(
     ("fields", "param", "message"),
     [
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-         "response_format", 'Unsupported type "nonsense"'),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
+                }
+            },
+            "response_format",
+            'Unsupported type "nonsense"',
+        ),
         ({"regex": "(abc"}, "regex", "invalid regex"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": nested_schema(80)}}},
-         "response_format", "nests 161 levels deep; the limit is 150"),
-        ({"ebnf": "root ::= " + "(" * 300 + '"a"' + ")" * 300}, "ebnf", "ebnf nests 300 levels deep; the limit is 150"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": nested_schema(80)},
+                }
+            },
+            "response_format",
+            "nests 161 levels deep; the limit is 150",
+        ),
+        (
+            {"ebnf": "root ::= " + "(" * 300 + '"a"' + ")" * 300},
+            "ebnf",
+            "ebnf nests 300 levels deep; the limit is 150",
+        ),
     ],
     ids=["invalid schema", "invalid regex", "deeply nested schema", "deeply nested ebnf"],
 )
-def test_bad_grammars_get_400_while_a_stream_keeps_flowing(base_url: str, client: openai.OpenAI, fields, param,
-                                                           message):
+def test_bad_grammars_get_400_while_a_stream_keeps_flowing(
+    base_url: str, client: openai.OpenAI, fields, param, message
+):
     tokens: list[str] = []
 
     def stream() -> None:
-        for chunk in client.completions.create(model="embedded", prompt="Once upon a time", max_tokens=48,
-                                               temperature=0, stream=True, extra_body={"ignore_eos": True}):
+        for chunk in client.completions.create(
+            model="embedded",
+            prompt="Once upon a time",
+            max_tokens=48,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        ):
             tokens.append(chunk.choices[0].text)
 
     flowing = threading.Thread(target=stream)
     flowing.start()
-    body = {"model": "embedded", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, **fields}
+    body = {
+        "model": "embedded",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 16,
+        **fields,
+    }
     response = httpx2.post(base_url + "/v1/chat/completions", json=body, timeout=120)
     flowing.join(timeout=300)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == param and message in error["message"] and "Traceback" not in error["message"]
+    assert (
+        error["param"] == param
+        and message in error["message"]
+        and "Traceback" not in error["message"]
+    )
     assert not flowing.is_alive() and len(tokens) >= 40
 
 
-def test_a_grammar_the_worker_refuses_after_the_headers_ends_the_stream_with_an_error_event(base_url: str):
+def test_a_grammar_the_worker_refuses_after_the_headers_ends_the_stream_with_an_error_event(
+    base_url: str,
+):
     schema = nested_schema(WORKER_MAX_DEPTH)  # 2 × 64 + 1 levels: within the tokenizer's limit only
     body = {
-        "model": "embedded", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16, "stream": True,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}},
+        "model": "embedded",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 16,
+        "stream": True,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "deep", "schema": schema},
+        },
     }
-    with httpx2.stream("POST", base_url + "/v1/chat/completions", json=body, timeout=120) as response:
+    with httpx2.stream(
+        "POST", base_url + "/v1/chat/completions", json=body, timeout=120
+    ) as response:
         assert response.status_code == 200  # the stream had started
-        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+        events = [
+            line.removeprefix("data: ")
+            for line in response.iter_lines()
+            if line.startswith("data: ")
+        ]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert "nests 129 levels deep; the limit is 64" in error["message"]
@@ -145,14 +229,23 @@ def test_a_grammar_the_worker_refuses_after_the_headers_ends_the_stream_with_an_
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_native_generate_returns_the_final_ids_after_jump_forward_rollbacks(base_url: str, tokenizer, stream: bool):
+def test_native_generate_returns_the_final_ids_after_jump_forward_rollbacks(
+    base_url: str, tokenizer, stream: bool
+):
     prompt, schema = SCHEMAS["$defs and $ref"]
-    body = {"text": prompt, "stream": stream,
-            "sampling_params": {"temperature": 0, "max_new_tokens": 96, "json_schema": schema}}
+    body = {
+        "text": prompt,
+        "stream": stream,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 96, "json_schema": schema},
+    }
     with httpx2.stream("POST", base_url + "/generate", json=body, timeout=120) as response:
         assert response.status_code == 200
         if stream:  # each event is the answer so far
-            events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+            events = [
+                line.removeprefix("data: ")
+                for line in response.iter_lines()
+                if line.startswith("data: ")
+            ]
             answer = json.loads(events[-2])
         else:
             answer = json.loads(response.read())

@@ -23,7 +23,14 @@ from tests.services.conftest import TINY_CONTEXT_LENGTH, ServiceLauncher, wait_u
 API_KEY = "test-key"
 MODEL = "tiny-llama"
 MAX_TOTAL_TOKENS = 4096
-ENGINE_FLAGS = ["--dtype", "float32", "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--device", "cpu"]
+ENGINE_FLAGS = [
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    str(MAX_TOTAL_TOKENS),
+    "--device",
+    "cpu",
+]
 USER = [{"role": "user", "content": "Tell me a story about a cat."}]
 LONG = {"max_tokens": 3000, "ignore_eos": True}
 """Runs long enough to act on it mid-stream."""
@@ -32,14 +39,25 @@ LONG = {"max_tokens": 3000, "ignore_eos": True}
 @pytest.fixture(scope="session")
 def base_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     launcher = ServiceLauncher(tmp_path_factory.mktemp("http-api-logs"))
-    with launcher.serve(["--model", str(tiny_llama_dir), *ENGINE_FLAGS, "--api-key", API_KEY,
-                         "--served-model-name", MODEL]) as url:
+    with launcher.serve(
+        [
+            "--model",
+            str(tiny_llama_dir),
+            *ENGINE_FLAGS,
+            "--api-key",
+            API_KEY,
+            "--served-model-name",
+            MODEL,
+        ]
+    ) as url:
         yield url
 
 
 @pytest.fixture(scope="session")
 def http(base_url: str) -> Iterator[httpx2.Client]:
-    with httpx2.Client(base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as client:
+    with httpx2.Client(
+        base_url=base_url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60
+    ) as client:
         yield client
 
 
@@ -50,7 +68,9 @@ def client(base_url: str) -> openai.OpenAI:
 
 @pytest.fixture(scope="session")
 def offline(tiny_llama_dir: Path) -> Iterator[Engine]:
-    with Engine(str(tiny_llama_dir), dtype="float32", max_total_tokens=MAX_TOTAL_TOKENS, device="cpu") as engine:
+    with Engine(
+        str(tiny_llama_dir), dtype="float32", max_total_tokens=MAX_TOTAL_TOKENS, device="cpu"
+    ) as engine:
         yield engine
 
 
@@ -63,7 +83,9 @@ def server_info(http: httpx2.Client) -> dict[str, Any]:
 def all_kv_free(http: httpx2.Client) -> bool:
     info = server_info(http)
     return (
-        info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["protected_kv_tokens"] == 0
+        info["num_running_reqs"] == 0
+        and info["num_waiting_reqs"] == 0
+        and info["protected_kv_tokens"] == 0
         and info["available_kv_tokens"] + info["evictable_kv_tokens"] == MAX_TOTAL_TOKENS
     )
 
@@ -82,7 +104,10 @@ def test_probes_need_no_key_and_the_api_does(base_url: str, http: httpx2.Client)
 
 def test_model_and_server_info(http: httpx2.Client, tiny_llama_dir: Path):
     model = http.get("/get_model_info").json()
-    assert model["model_path"] == str(tiny_llama_dir) and model["context_length"] == TINY_CONTEXT_LENGTH
+    assert (
+        model["model_path"] == str(tiny_llama_dir)
+        and model["context_length"] == TINY_CONTEXT_LENGTH
+    )
     info = server_info(http)
     assert info["max_total_tokens"] == MAX_TOTAL_TOKENS and "api_key" not in info
 
@@ -95,7 +120,9 @@ def test_greedy_chat_equals_the_offline_engine(client: openai.OpenAI, offline: E
         model=MODEL, messages=USER, temperature=0, max_tokens=16, extra_body={"ignore_eos": True}
     )
     input_ids = apply_chat_template(tokenizer, [ChatCompletionMessageParam(**m) for m in USER])
-    expected = offline.generate(input_ids, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True})[0]
+    expected = offline.generate(
+        input_ids, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    )[0]
     choice = response.choices[0]
     assert choice.message.role == "assistant" and choice.message.content == expected["text"]
     assert choice.finish_reason == "length"
@@ -104,11 +131,24 @@ def test_greedy_chat_equals_the_offline_engine(client: openai.OpenAI, offline: E
 
 
 def test_chat_stream_equals_the_non_streamed_answer(client: openai.OpenAI):
-    options = {"model": MODEL, "messages": USER, "temperature": 0, "max_tokens": 12, "extra_body": {"ignore_eos": True}}
+    options = {
+        "model": MODEL,
+        "messages": USER,
+        "temperature": 0,
+        "max_tokens": 12,
+        "extra_body": {"ignore_eos": True},
+    }
     whole = client.chat.completions.create(**options)
-    chunks = list(client.chat.completions.create(**options, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            **options, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == whole.choices[0].message.content
+    )
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     usage = chunks[-1].usage
     assert chunks[-1].choices == [] and usage.completion_tokens == 12
@@ -117,11 +157,21 @@ def test_chat_stream_equals_the_non_streamed_answer(client: openai.OpenAI):
 
 
 def test_completion_stream_and_usage(client: openai.OpenAI):
-    options = {"model": MODEL, "prompt": "The capital of France is", "temperature": 0, "max_tokens": 10}
+    options = {
+        "model": MODEL,
+        "prompt": "The capital of France is",
+        "temperature": 0,
+        "max_tokens": 10,
+    }
     whole = client.completions.create(**options, extra_body={"ignore_eos": True})
-    chunks = list(client.completions.create(
-        **options, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
-    ))
+    chunks = list(
+        client.completions.create(
+            **options,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert whole.usage.completion_tokens == 10 and chunks[-1].usage.completion_tokens == 10
     assert whole.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 0
@@ -129,20 +179,35 @@ def test_completion_stream_and_usage(client: openai.OpenAI):
 
 def test_n_samples_each_prompt(client: openai.OpenAI):
     response = client.completions.create(
-        model=MODEL, prompt=["Once upon a time", "In a galaxy"], n=2, max_tokens=6, temperature=1.0, seed=7,
+        model=MODEL,
+        prompt=["Once upon a time", "In a galaxy"],
+        n=2,
+        max_tokens=6,
+        temperature=1.0,
+        seed=7,
         extra_body={"ignore_eos": True},
     )
     assert [c.index for c in response.choices] == [0, 1, 2, 3]
     assert response.usage.completion_tokens == 24
-    stream = client.chat.completions.create(model=MODEL, messages=USER, n=2, max_tokens=5, seed=3, stream=True,
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=USER,
+        n=2,
+        max_tokens=5,
+        seed=3,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     finished = {c.choices[0].index for c in stream if c.choices and c.choices[0].finish_reason}
     assert finished == {0, 1}
 
 
 def test_stop_string_ends_the_text_before_it(client: openai.OpenAI):
     options = {
-        "model": MODEL, "prompt": "Once upon a time", "temperature": 0, "max_tokens": 24,
+        "model": MODEL,
+        "prompt": "Once upon a time",
+        "temperature": 0,
+        "max_tokens": 24,
         "extra_body": {"ignore_eos": True},
     }
     text = client.completions.create(**options).choices[0].text
@@ -156,12 +221,18 @@ def test_native_generate_single_and_batch(http: httpx2.Client):
     params = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
     one = http.post("/generate", json={"text": "Hello", "sampling_params": params}).json()
     assert len(one["output_ids"]) == 5 and one["meta_info"]["finish_reason"]["type"] == "length"
-    batch = http.post("/generate", json={"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": params}).json()
+    batch = http.post(
+        "/generate", json={"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": params}
+    ).json()
     assert [r["meta_info"]["prompt_tokens"] for r in batch] == [3, 2]
 
 
 def test_native_generate_honours_a_json_schema_object_and_a_regex(http: httpx2.Client):
-    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+    }
     params = {"max_new_tokens": 32, "temperature": 0, "json_schema": schema}
     result = http.post("/generate", json={"text": "Answer:", "sampling_params": params}).json()
     assert json.loads(result["text"])["answer"] in ("yes", "no")
@@ -173,12 +244,16 @@ def test_native_generate_honours_a_json_schema_object_and_a_regex(http: httpx2.C
 
 def test_32_concurrent_streams_all_complete(base_url: str):
     async def run() -> list[str | None]:
-        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0) as aclient:
+        async with openai.AsyncOpenAI(
+            base_url=base_url + "/v1", api_key=API_KEY, max_retries=0
+        ) as aclient:
 
             async def one(i: int) -> str | None:
                 stream = await aclient.chat.completions.create(
                     model=MODEL,
-                    messages=[{"role": "user", "content": f"Count to {i}"}], max_tokens=8, stream=True,
+                    messages=[{"role": "user", "content": f"Count to {i}"}],
+                    max_tokens=8,
+                    stream=True,
                     extra_body={"ignore_eos": True},
                 )
                 reasons = [c.choices[0].finish_reason async for c in stream if c.choices]
@@ -193,7 +268,9 @@ def test_32_concurrent_streams_all_complete(base_url: str):
 
 
 def test_client_that_disconnects_mid_stream_frees_its_kv(http: httpx2.Client):
-    with http.stream("POST", "/v1/chat/completions", json={"messages": USER, "stream": True, **LONG}) as response:
+    with http.stream(
+        "POST", "/v1/chat/completions", json={"messages": USER, "stream": True, **LONG}
+    ) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         busy = http.post("/flush_cache")
@@ -208,8 +285,12 @@ def test_client_that_disconnects_while_waiting_frees_its_kv(http: httpx2.Client)
 
 
 def test_abort_request_ends_a_stream_with_an_error_event(http: httpx2.Client):
-    with http.stream("POST", "/v1/completions", json={"prompt": "Hello", "stream": True, **LONG}) as response:
-        events = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+    with http.stream(
+        "POST", "/v1/completions", json={"prompt": "Hello", "stream": True, **LONG}
+    ) as response:
+        events = (
+            line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")
+        )
         rid = json.loads(next(events))["id"]
         assert http.post("/abort_request", json={"rid": rid}).json() == {"aborted": 1}
         rest = list(events)
@@ -254,7 +335,9 @@ BAD_INPUT = [
 ]
 
 
-@pytest.mark.parametrize(("path", "body", "status"), [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+@pytest.mark.parametrize(
+    ("path", "body", "status"), [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT]
+)
 def test_bad_input_gets_an_openai_error(http: httpx2.Client, path: str, body: Any, status: int):
     if isinstance(body, dict):
         response = http.post(path, json=body)
@@ -275,7 +358,9 @@ def test_server_keeps_serving_after_bad_input(client: openai.OpenAI):
     assert response.choices[0].finish_reason in ("length", "stop")
 
 
-def test_metrics_count_requests_by_endpoint_and_outcome_without_a_key(base_url: str, http: httpx2.Client):
+def test_metrics_count_requests_by_endpoint_and_outcome_without_a_key(
+    base_url: str, http: httpx2.Client
+):
     def count(endpoint: str, outcome: str) -> float:
         text = httpx2.get(base_url + "/metrics").text
         pattern = rf'radixserve_requests_total{{[^}}]*endpoint="{re.escape(endpoint)}"[^}}]*outcome="{outcome}"[^}}]*}} (\S+)'

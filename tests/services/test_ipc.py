@@ -63,7 +63,9 @@ def test_pull_socket_binds_loopback_only(ctx):
     sock = bind_pull(ctx, port)
     assert sock.getsockopt_string(zmq.LAST_ENDPOINT) == f"tcp://127.0.0.1:{port}"
     ephemeral = bind_pull(ctx, 0)
-    assert ephemeral.getsockopt_string(zmq.LAST_ENDPOINT) == f"tcp://127.0.0.1:{bound_port(ephemeral)}"
+    assert (
+        ephemeral.getsockopt_string(zmq.LAST_ENDPOINT) == f"tcp://127.0.0.1:{bound_port(ephemeral)}"
+    )
 
 
 def test_binding_a_taken_port_names_the_endpoint(ctx):
@@ -112,7 +114,7 @@ def test_malformed_messages_are_dropped_and_the_next_good_one_arrives(ctx, caplo
     raw = ctx.socket(zmq.PUSH)
     raw.connect(f"tcp://127.0.0.1:{bound_port(pull)}")
     raw.send(b"\x93garbage")
-    raw.send(b'\x81\xa4type\xa8ExecCode')  # a well-formed map of an unknown type
+    raw.send(b"\x81\xa4type\xa8ExecCode")  # a well-formed map of an unknown type
     raw.send(encode(AbortReq("r1"))[:-2])  # truncated
     raw.send_multipart([encode(AbortReq("r2")), b"extra frame"])
     raw.send(encode(AbortReq("good")))
@@ -132,7 +134,9 @@ def test_send_without_a_peer_returns_false_at_once(ctx, caplog):
     assert not any(results)
     assert elapsed < 0.5
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "peer not connected or send queue full" in warnings[0].getMessage()
+    assert (
+        len(warnings) == 1 and "peer not connected or send queue full" in warnings[0].getMessage()
+    )
 
 
 def test_liveness_messages_to_an_absent_peer_fail_quietly(ctx, caplog):
@@ -161,7 +165,9 @@ def test_send_reports_a_full_queue_instead_of_blocking(ctx):
 
 def test_heartbeats_are_sent_once_per_interval(ctx):
     pull = bind_pull(ctx, 0)
-    sender = Sender(connect_push(ctx, bound_port(pull)), "worker", new_epoch(), heartbeat_interval=0.2)
+    sender = Sender(
+        connect_push(ctx, bound_port(pull)), "worker", new_epoch(), heartbeat_interval=0.2
+    )
     _send_when_connected(sender, Hello())
     for _ in range(5):
         sender.heartbeat_if_due()  # only the first of these is due
@@ -241,7 +247,9 @@ def test_new_epoch_is_a_restart_and_the_old_epoch_is_rejected():
     assert monitor.epoch("worker") == new
     assert monitor.poll() == [PeerEvent("worker", "up", old), PeerEvent("worker", "restart", new)]
     assert not monitor.accept(AbortReq("r1", sender="worker", epoch=old))
-    assert not monitor.accept(Heartbeat(sender="worker", epoch=old))  # a late heartbeat cannot revive it
+    assert not monitor.accept(
+        Heartbeat(sender="worker", epoch=old)
+    )  # a late heartbeat cannot revive it
     assert monitor.epoch("worker") == new
     assert monitor.accept(AbortReq("r2", sender="worker", epoch=new))
     assert monitor.poll() == []

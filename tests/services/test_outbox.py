@@ -39,7 +39,9 @@ def test_messages_for_an_absent_peer_are_held_and_arrive_in_order_once_it_binds(
 def test_an_outbox_holds_at_most_max_held_dropping_the_oldest():
     ctx = zmq.Context()
     try:
-        outbox = Outbox(Sender(connect_push(ctx, ServiceLauncher.free_port()), "worker", "e"), max_held=3)
+        outbox = Outbox(
+            Sender(connect_push(ctx, ServiceLauncher.free_port()), "worker", "e"), max_held=3
+        )
         for i in range(10):
             outbox.put(AbortReq(rid=f"r{i}"))
         assert [m.rid for m in outbox.held] == ["r7", "r8", "r9"]

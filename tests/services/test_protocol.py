@@ -47,20 +47,45 @@ EXAMPLES = [
     Hello(**STAMP),
     Heartbeat(**STAMP),
     TokenizedGenerateReqInput(
-        "r1", [1, 2, 3],
-        SamplingParams(max_new_tokens=5, temperature=0.0, stop=["\n\n"], logit_bias={42: -100.0}, seed=7,
-                       json_schema='{"type": "object"}', logprobs=True, top_logprobs_num=2),
-        stream=True, extra_key="tenant-a", priority=3, routing_key="user-9",
-        trace_context={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}, **STAMP,
+        "r1",
+        [1, 2, 3],
+        SamplingParams(
+            max_new_tokens=5,
+            temperature=0.0,
+            stop=["\n\n"],
+            logit_bias={42: -100.0},
+            seed=7,
+            json_schema='{"type": "object"}',
+            logprobs=True,
+            top_logprobs_num=2,
+        ),
+        stream=True,
+        extra_key="tenant-a",
+        priority=3,
+        routing_key="user-9",
+        trace_context={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
+        **STAMP,
     ),
     AbortReq("r1", **STAMP),
     FlushCacheReq(rid="c1", **STAMP),
     GetServerInfoReq(rid="c2", **STAMP),
-    WorkerReady(model_path="/models/smollm2", served_model_name="smollm2", max_total_tokens=8192,
-                context_length=2048, vocab_size=49152, eos_token_ids=[2], max_running_requests=64, **STAMP),
+    WorkerReady(
+        model_path="/models/smollm2",
+        served_model_name="smollm2",
+        max_total_tokens=8192,
+        context_length=2048,
+        vocab_size=49152,
+        eos_token_ids=[2],
+        max_running_requests=64,
+        **STAMP,
+    ),
     FlushCacheReqOutput(False, "2 requests running", rid="c1", **STAMP),
-    GetServerInfoReqOutput({"kv_total_tokens": 8192, "stats": {"hit_rate": 0.5}, "queues": [1, 2]}, rid="c2"),
-    BatchTokenIDOutput(**_batch_columns(3), skip_special_tokens=[True, False, True], stop=[["###"], [], []]),
+    GetServerInfoReqOutput(
+        {"kv_total_tokens": 8192, "stats": {"hit_rate": 0.5}, "queues": [1, 2]}, rid="c2"
+    ),
+    BatchTokenIDOutput(
+        **_batch_columns(3), skip_special_tokens=[True, False, True], stop=[["###"], [], []]
+    ),
     BatchStrOutput(**_batch_columns(3), output_strs=["a", "é", ""], **STAMP),
 ]
 
@@ -91,29 +116,45 @@ def test_wire_form_is_plain_msgpack_tagged_with_the_type_name(msg):
     extra_key=st.none() | st.text(max_size=10),
     priority=st.integers(-(2**31), 2**31),
 )
-def test_generate_request_round_trips_for_any_field_values(rid, input_ids, temperature, stop, logit_bias,
-                                                            extra_key, priority):
+def test_generate_request_round_trips_for_any_field_values(
+    rid, input_ids, temperature, stop, logit_bias, extra_key, priority
+):
     msg = TokenizedGenerateReqInput(
-        rid, input_ids, SamplingParams(temperature=temperature, stop=stop, logit_bias=logit_bias),
-        extra_key=extra_key, priority=priority, **STAMP,
+        rid,
+        input_ids,
+        SamplingParams(temperature=temperature, stop=stop, logit_bias=logit_bias),
+        extra_key=extra_key,
+        priority=priority,
+        **STAMP,
     )
     assert decode(encode(msg)) == msg
 
 
 @given(
     st.lists(
-        st.tuples(st.text(max_size=8), st.lists(st.integers(0, 2**20), max_size=4),
-                  st.none() | st.builds(FinishReason, st.sampled_from(["stop", "length", "abort"]),
-                                        st.none() | st.integers(0, 100) | st.text(max_size=4),
-                                        st.none() | st.text(max_size=10)),
-                  st.text(max_size=8)),
+        st.tuples(
+            st.text(max_size=8),
+            st.lists(st.integers(0, 2**20), max_size=4),
+            st.none()
+            | st.builds(
+                FinishReason,
+                st.sampled_from(["stop", "length", "abort"]),
+                st.none() | st.integers(0, 100) | st.text(max_size=4),
+                st.none() | st.text(max_size=10),
+            ),
+            st.text(max_size=8),
+        ),
         max_size=5,
     )
 )
 def test_str_output_round_trips_for_any_batch(rows):
     msg = BatchStrOutput(
-        rids=[r[0] for r in rows], output_ids=[r[1] for r in rows], finished_reasons=[r[2] for r in rows],
-        prompt_tokens=[1] * len(rows), completion_tokens=[len(r[1]) for r in rows], cached_tokens=[0] * len(rows),
+        rids=[r[0] for r in rows],
+        output_ids=[r[1] for r in rows],
+        finished_reasons=[r[2] for r in rows],
+        prompt_tokens=[1] * len(rows),
+        completion_tokens=[len(r[1]) for r in rows],
+        cached_tokens=[0] * len(rows),
         output_strs=[r[3] for r in rows],
     )
     assert decode(encode(msg)) == msg
@@ -128,7 +169,9 @@ def test_sampling_params_travel_as_the_engine_dataclass():
 def test_engine_finish_reason_encodes_as_the_wire_finish_reason():
     from engine.sched.req import FinishReason as EngineFinishReason
 
-    assert [f.name for f in dataclasses.fields(EngineFinishReason)] == list(FinishReason.__struct_fields__)
+    assert [f.name for f in dataclasses.fields(EngineFinishReason)] == list(
+        FinishReason.__struct_fields__
+    )
     columns = _batch_columns(1) | {"finished_reasons": [EngineFinishReason("stop", matched=2)]}
     msg = decode(encode(BatchTokenIDOutput(**columns, skip_special_tokens=[True], stop=[[]])))
     assert msg.finished_reasons == [FinishReason("stop", matched=2)]
@@ -137,9 +180,13 @@ def test_engine_finish_reason_encodes_as_the_wire_finish_reason():
 def test_batch_columns_of_different_lengths_are_rejected_on_construction():
     with pytest.raises(ValueError, match="cached_tokens has 2 entries for 3 rids"):
         BatchStrOutput(**(_batch_columns(3) | {"cached_tokens": [0, 0]}), output_strs=["", "", ""])
-    with pytest.raises(ValueError, match="output_token_logprobs_val of 'r0' has 1 entries for 2 new tokens"):
-        BatchStrOutput(**(_batch_columns(3) | {"output_token_logprobs_val": [[-1.0], [], []]}),
-                       output_strs=["", "", ""])
+    with pytest.raises(
+        ValueError, match="output_token_logprobs_val of 'r0' has 1 entries for 2 new tokens"
+    ):
+        BatchStrOutput(
+            **(_batch_columns(3) | {"output_token_logprobs_val": [[-1.0], [], []]}),
+            output_strs=["", "", ""],
+        )
 
 
 def test_encode_refuses_what_is_not_a_message():
@@ -164,11 +211,28 @@ def _raw(**fields) -> bytes:
         pytest.param(msgspec.msgpack.encode([1, 2, 3]), id="not-a-map"),
         pytest.param(_raw(type="AbortReq"), id="missing-field"),
         pytest.param(_raw(type="AbortReq", rid=5), id="wrong-type"),
-        pytest.param(_raw(type="TokenizedGenerateReqInput", rid="r", input_ids=[1],
-                          sampling_params={"max_new_tokens": "many"}), id="bad-sampling-param"),
-        pytest.param(_raw(type="BatchStrOutput", rids=["a"], output_ids=[], finished_reasons=[None],
-                          prompt_tokens=[1], completion_tokens=[1], cached_tokens=[0], output_strs=[""]),
-                     id="ragged-columns"),
+        pytest.param(
+            _raw(
+                type="TokenizedGenerateReqInput",
+                rid="r",
+                input_ids=[1],
+                sampling_params={"max_new_tokens": "many"},
+            ),
+            id="bad-sampling-param",
+        ),
+        pytest.param(
+            _raw(
+                type="BatchStrOutput",
+                rids=["a"],
+                output_ids=[],
+                finished_reasons=[None],
+                prompt_tokens=[1],
+                completion_tokens=[1],
+                cached_tokens=[0],
+                output_strs=[""],
+            ),
+            id="ragged-columns",
+        ),
         pytest.param(b"\x81\xa4type" + b"\x91" * 100_000 + b"\x01", id="absurdly-nested"),
     ],
 )
@@ -191,4 +255,3 @@ def test_any_truncation_of_a_valid_message_raises_protocol_error(data):
     cut = data.draw(st.integers(0, len(wire) - 1))
     with pytest.raises(ProtocolError):
         decode(wire[:cut])
-

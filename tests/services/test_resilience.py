@@ -66,8 +66,18 @@ class Cluster:
         self.launcher = launcher
         self.ports = launcher.server_ports()
         self.flags = [
-            "--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--host", "127.0.0.1",
-            "--max-total-tokens", str(MAX_TOTAL_TOKENS), "--max-running-requests", str(MAX_RUNNING),
+            "--model",
+            str(model_dir),
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--host",
+            "127.0.0.1",
+            "--max-total-tokens",
+            str(MAX_TOTAL_TOKENS),
+            "--max-running-requests",
+            str(MAX_RUNNING),
             *launcher.port_flags(self.ports),
         ]
         self.extra: dict[str, list[str]] = {}
@@ -154,7 +164,9 @@ def server_info(client: httpx2.Client, **params: str) -> dict[str, Any]:
 def all_kv_free(client: httpx2.Client) -> bool:
     info = server_info(client)
     return (
-        info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["protected_kv_tokens"] == 0
+        info["num_running_reqs"] == 0
+        and info["num_waiting_reqs"] == 0
+        and info["protected_kv_tokens"] == 0
         and info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_tokens"]
     )
 
@@ -195,7 +207,7 @@ async def _stream(client: httpx2.AsyncClient, body: dict[str, Any]) -> StreamRes
         async with client.stream("POST", "/v1/completions", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
-                    events.append(line[len("data: "):])
+                    events.append(line[len("data: ") :])
             return response.status_code, events, time.monotonic()
     except httpx2.TransportError as e:  # the tokenizer itself was killed
         return -1, [*events, repr(e)], time.monotonic()
@@ -209,14 +221,25 @@ def run_streams(url: str, count: int, during: Callable[[], None]) -> list[Stream
 
     async def run() -> None:
         async with httpx2.AsyncClient(base_url=url, timeout=120) as client:
-            bodies = [{"prompt": f"Stream number {i} tells a story:", "stream": True, **LONG} for i in range(count)]
+            bodies = [
+                {"prompt": f"Stream number {i} tells a story:", "stream": True, **LONG}
+                for i in range(count)
+            ]
             results.extend(await asyncio.gather(*(_stream(client, body) for body in bodies)))
 
     thread = threading.Thread(target=lambda: asyncio.run(run()), daemon=True)
     thread.start()
     with httpx2.Client(base_url=url, timeout=30) as client:
-        wait_until(lambda: server_info(client)["num_in_flight_requests"] == count, 60, f"{count} requests in flight")
-        wait_until(lambda: server_info(client)["num_running_reqs"] == min(count, MAX_RUNNING), 60, "running requests")
+        wait_until(
+            lambda: server_info(client)["num_in_flight_requests"] == count,
+            60,
+            f"{count} requests in flight",
+        )
+        wait_until(
+            lambda: server_info(client)["num_running_reqs"] == min(count, MAX_RUNNING),
+            60,
+            "running requests",
+        )
     during()
     thread.join(120)
     assert not thread.is_alive(), "streams still open two minutes after the fault"
@@ -230,8 +253,12 @@ def assert_each_ended_with_an_error_event(
         assert status_code == 200 and events[-1] == "[DONE]", (status_code, events[-3:])
         *chunks, error = [json.loads(e) for e in events[:-1]]
         assert error["error"]["code"] == code and words in error["error"]["message"], error
-        assert all(choice["finish_reason"] is None for chunk in chunks for choice in chunk["choices"])
-        assert ended - since < DEATH_NOTICED_S, f"a stream ended {ended - since:.1f} s after the fault"
+        assert all(
+            choice["finish_reason"] is None for chunk in chunks for choice in chunk["choices"]
+        )
+        assert ended - since < DEATH_NOTICED_S, (
+            f"a stream ended {ended - since:.1f} s after the fault"
+        )
 
 
 # ----- restarts -------------------------------------------------------------------------------
@@ -248,12 +275,18 @@ def test_worker_killed_mid_stream_fails_every_request_then_a_new_worker_resumes_
         cluster.kill("worker")
 
     results = run_streams(cluster.url, STREAMS, kill_worker)
-    assert_each_ended_with_an_error_event(results, killed_at[0], "service_unavailable", "worker process")
+    assert_each_ended_with_an_error_event(
+        results, killed_at[0], "service_unavailable", "worker process"
+    )
     # Meanwhile the tokenizer says so, and answers at once instead of hanging.
     wait_until(lambda: status(cluster.url + "/health") == 503, DEATH_NOTICED_S, "/health 503")
     assert_error_body(http.get("/health"), 503, "service_unavailable")
     started = time.monotonic()
-    assert_error_body(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 503, "service_unavailable")
+    assert_error_body(
+        http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
+        503,
+        "service_unavailable",
+    )
     refused = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
     assert_error_body(refused, 503, "service_unavailable")
     assert time.monotonic() - started < 5
@@ -263,7 +296,9 @@ def test_worker_killed_mid_stream_fails_every_request_then_a_new_worker_resumes_
     new_id = completion_works(http)["id"]
     after = cluster.pids()
     assert after["worker"] != before["worker"]
-    assert {r: after[r] for r in ("tokenizer", "detokenizer")} == {r: before[r] for r in ("tokenizer", "detokenizer")}
+    assert {r: after[r] for r in ("tokenizer", "detokenizer")} == {
+        r: before[r] for r in ("tokenizer", "detokenizer")
+    }
     # Request ids are the tokenizer's uuid4s, never reused: no output of the lost requests
     # can be taken for a new one's, whichever worker life produced it.
     ids = {json.loads(events[0]).get("id") for _, events, _ in results} - {None}
@@ -281,9 +316,15 @@ def test_detokenizer_killed_mid_stream_fails_every_request_then_a_new_one_resume
         cluster.kill("detokenizer")
 
     results = run_streams(cluster.url, STREAMS, kill_detokenizer)
-    assert_each_ended_with_an_error_event(results, killed_at[0], "service_unavailable", "detokenizer process")
+    assert_each_ended_with_an_error_event(
+        results, killed_at[0], "service_unavailable", "detokenizer process"
+    )
     wait_until(lambda: status(cluster.url + "/health") == 503, DEATH_NOTICED_S, "/health 503")
-    assert_error_body(http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 503, "service_unavailable")
+    assert_error_body(
+        http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
+        503,
+        "service_unavailable",
+    )
     # The tokenizer aborted the failed requests, so the worker gave back their KV.
     wait_until(lambda: all_kv_free(http), 30, "the worker to free the failed requests' KV")
 
@@ -292,7 +333,9 @@ def test_detokenizer_killed_mid_stream_fails_every_request_then_a_new_one_resume
     completion_works(http)
     after = cluster.pids()
     assert after["detokenizer"] != before["detokenizer"]
-    assert {r: after[r] for r in ("tokenizer", "worker")} == {r: before[r] for r in ("tokenizer", "worker")}
+    assert {r: after[r] for r in ("tokenizer", "worker")} == {
+        r: before[r] for r in ("tokenizer", "worker")
+    }
 
 
 def test_tokenizer_killed_mid_stream_its_requests_are_aborted_and_their_kv_freed(
@@ -310,10 +353,14 @@ def test_tokenizer_killed_mid_stream_its_requests_are_aborted_and_their_kv_freed
     completion_works(http)
     after = cluster.pids()
     assert after["tokenizer"] != before["tokenizer"]
-    assert {r: after[r] for r in ("worker", "detokenizer")} == {r: before[r] for r in ("worker", "detokenizer")}
+    assert {r: after[r] for r in ("worker", "detokenizer")} == {
+        r: before[r] for r in ("worker", "detokenizer")
+    }
 
 
-def test_stalled_worker_is_failed_fast_and_rejoins_when_it_resumes(cluster: Cluster, http: httpx2.Client):
+def test_stalled_worker_is_failed_fast_and_rejoins_when_it_resumes(
+    cluster: Cluster, http: httpx2.Client
+):
     """SIGSTOP freezes the whole process, heartbeat thread included: to its peers it is
     dead. (Its own watchdog, which needs that thread, is tested below on its own.)"""
     before = cluster.pids()
@@ -325,7 +372,9 @@ def test_stalled_worker_is_failed_fast_and_rejoins_when_it_resumes(cluster: Clus
 
     try:
         results = run_streams(cluster.url, 6, stop_worker)
-        assert_each_ended_with_an_error_event(results, stopped_at[0], "service_unavailable", "worker process")
+        assert_each_ended_with_an_error_event(
+            results, stopped_at[0], "service_unavailable", "worker process"
+        )
         assert status(cluster.url + "/health") == 503
     finally:
         cluster.signal("worker", signal.SIGCONT)
@@ -374,7 +423,11 @@ Stuck(settings).serve_forever()
 def test_watchdog_ends_a_service_whose_loop_stops_turning_with_status_3(tmp_path: Path):
     ports = [str(ServiceLauncher.free_port()) for _ in range(2)]
     proc = subprocess.run(
-        [sys.executable, "-c", STUCK_SERVICE, *ports], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", STUCK_SERVICE, *ports],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == WATCHDOG_EXIT_CODE, proc.stderr
     assert "step 8" in proc.stdout  # 8 slow turns of 0.4 s did not trip a 1.5 s watchdog
@@ -394,32 +447,80 @@ def garbage(rng: random.Random) -> list[list[bytes]]:
         TokenizedGenerateReqInput(rid="x", input_ids=[1, 2, 3], sampling_params=params),
         AbortReq(rid="x"),
         Heartbeat(sender="worker", epoch="e"),
-        WorkerReady(model_path="m", served_model_name="m", max_total_tokens=1, context_length=1, vocab_size=1,
-                    eos_token_ids=[0], max_running_requests=1),
-        BatchTokenIDOutput(rids=["x"], output_ids=[[1]], finished_reasons=[FinishReason("stop")], prompt_tokens=[1],
-                           completion_tokens=[1], cached_tokens=[0], skip_special_tokens=[True], stop=[[]]),
-        BatchStrOutput(rids=["x"], output_ids=[[1]], finished_reasons=[None], prompt_tokens=[1], completion_tokens=[1],
-                       cached_tokens=[0], output_strs=["a"]),
+        WorkerReady(
+            model_path="m",
+            served_model_name="m",
+            max_total_tokens=1,
+            context_length=1,
+            vocab_size=1,
+            eos_token_ids=[0],
+            max_running_requests=1,
+        ),
+        BatchTokenIDOutput(
+            rids=["x"],
+            output_ids=[[1]],
+            finished_reasons=[FinishReason("stop")],
+            prompt_tokens=[1],
+            completion_tokens=[1],
+            cached_tokens=[0],
+            skip_special_tokens=[True],
+            stop=[[]],
+        ),
+        BatchStrOutput(
+            rids=["x"],
+            output_ids=[[1]],
+            finished_reasons=[None],
+            prompt_tokens=[1],
+            completion_tokens=[1],
+            cached_tokens=[0],
+            output_strs=["a"],
+        ),
     ]
-    frames: list[list[bytes]] = [[rng.randbytes(rng.choice((0, 1, 7, 64, 4096)))] for _ in range(60)]
+    frames: list[list[bytes]] = [
+        [rng.randbytes(rng.choice((0, 1, 7, 64, 4096)))] for _ in range(60)
+    ]
     for msg in valid:
         data = encode(msg)
         frames += [[data[:cut]] for cut in sorted(rng.sample(range(len(data)), min(len(data), 8)))]
     pack = msgspec.msgpack.encode
-    frames += [[pack(x)] for x in (
-        {"type": "Bogus"}, {"type": "AbortReq"}, {"type": "AbortReq", "rid": 7}, {"rid": "x"}, [1, 2, 3], "str", None,
-        {"type": "BatchStrOutput", "rids": ["a", "b"], "output_ids": [[1]], "finished_reasons": [None],
-         "prompt_tokens": [1], "completion_tokens": [1], "cached_tokens": [0], "output_strs": ["a"]},
-        {"type": "TokenizedGenerateReqInput", "rid": "x", "input_ids": [1], "sampling_params": {"n": "many"}},
-        {"type": "AbortReq", "rid": "x", "sender": ["not", "a", "str"]},
-        [[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]],
-    )]
+    frames += [
+        [pack(x)]
+        for x in (
+            {"type": "Bogus"},
+            {"type": "AbortReq"},
+            {"type": "AbortReq", "rid": 7},
+            {"rid": "x"},
+            [1, 2, 3],
+            "str",
+            None,
+            {
+                "type": "BatchStrOutput",
+                "rids": ["a", "b"],
+                "output_ids": [[1]],
+                "finished_reasons": [None],
+                "prompt_tokens": [1],
+                "completion_tokens": [1],
+                "cached_tokens": [0],
+                "output_strs": ["a"],
+            },
+            {
+                "type": "TokenizedGenerateReqInput",
+                "rid": "x",
+                "input_ids": [1],
+                "sampling_params": {"n": "many"},
+            },
+            {"type": "AbortReq", "rid": "x", "sender": ["not", "a", "str"]},
+            [[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]],
+        )
+    ]
     frames.append([b"\x91" * 100_000])  # an array nested 100,000 deep
     frames.append([encode(AbortReq(rid="x")), b"second frame"])
     return frames
 
 
-def test_garbage_on_every_zmq_port_is_dropped_and_every_process_keeps_serving(cluster: Cluster, http: httpx2.Client):
+def test_garbage_on_every_zmq_port_is_dropped_and_every_process_keeps_serving(
+    cluster: Cluster, http: httpx2.Client
+):
     rng = random.Random(6)
     ctx = zmq.Context()
     try:
@@ -456,25 +557,36 @@ def test_garbage_on_every_zmq_port_is_dropped_and_every_process_keeps_serving(cl
 
 def test_body_over_the_limit_gets_413_whether_its_length_is_declared_or_not(http: httpx2.Client):
     body = json.dumps({"prompt": "x" * MAX_REQUEST_BODY_BYTES}).encode()
-    assert_error_body(http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"}),
-                      413, "request_too_large")
+    assert_error_body(
+        http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"}),
+        413,
+        "request_too_large",
+    )
 
     def chunks() -> Iterator[bytes]:  # chunked transfer: no Content-Length to go by
         for start in range(0, len(body), 2**20):
-            yield body[start:start + 2**20]
+            yield body[start : start + 2**20]
 
-    response = http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+    response = http.post(
+        "/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}
+    )
     assert_error_body(response, 413, "request_too_large")
     completion_works(http)
 
 
-def test_abort_by_response_id_stops_its_choices_and_a_bare_prefix_stops_nothing(http: httpx2.Client):
+def test_abort_by_response_id_stops_its_choices_and_a_bare_prefix_stops_nothing(
+    http: httpx2.Client,
+):
     body = {"prompt": "abort me", "stream": True, "n": 2, **LONG}
     with http.stream("POST", "/v1/completions", json=body) as response:
-        events = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+        events = (
+            line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")
+        )
         rid = json.loads(next(events))["id"]
         for prefix in ("cmpl", rid[:-1], rid + "-"):
-            assert http.post("/abort_request", json={"rid": prefix}).json() == {"aborted": 0}, prefix
+            assert http.post("/abort_request", json={"rid": prefix}).json() == {"aborted": 0}, (
+                prefix
+            )
         assert http.post("/abort_request", json={"rid": rid}).json() == {"aborted": 2}
         rest = list(events)
     assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "request_aborted"
@@ -498,7 +610,9 @@ def test_requests_past_max_queued_requests_get_429(shedding: Cluster, http: http
     opened: list[int] = []
 
     async def hold(i: int, client: httpx2.AsyncClient, first: asyncio.Event) -> None:
-        async with client.stream("POST", "/v1/completions", json={"prompt": f"hold {i}", "stream": True, **LONG}) as r:
+        async with client.stream(
+            "POST", "/v1/completions", json={"prompt": f"hold {i}", "stream": True, **LONG}
+        ) as r:
             opened.append(r.status_code)
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
@@ -529,13 +643,21 @@ def test_requests_past_max_queued_requests_get_429(shedding: Cluster, http: http
         for path, body in (
             ("/v1/completions", {"prompt": "one too many", "max_tokens": 2}),
             ("/v1/completions", {"prompt": "one too many", "max_tokens": 2, "stream": True}),
-            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
+            (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "stream": True},
+            ),
             ("/generate", {"text": "one too many", "sampling_params": {"max_new_tokens": 2}}),
         ):
             error = assert_error_body(http.post(path, json=body), 429, "too_many_requests")
-            assert "--max-queued-requests 2" in error["message"] and error["type"] == "invalid_request_error"
+            assert (
+                "--max-queued-requests 2" in error["message"]
+                and error["type"] == "invalid_request_error"
+            )
         # More sequences in one request than may ever wait is the client's mistake, not load.
-        error = assert_error_body(http.post("/v1/completions", json={"prompt": "hi", "n": 3}), 400, "invalid_value")
+        error = assert_error_body(
+            http.post("/v1/completions", json={"prompt": "hi", "n": 3}), 400, "invalid_value"
+        )
         assert error["param"] == "n"
         assert opened == [200] * (MAX_RUNNING + 2)
     finally:
@@ -546,7 +668,9 @@ def test_requests_past_max_queued_requests_get_429(shedding: Cluster, http: http
     completion_works(http)
 
 
-def test_request_past_request_timeout_is_aborted_with_504_and_its_kv_freed(shedding: Cluster, http: httpx2.Client):
+def test_request_past_request_timeout_is_aborted_with_504_and_its_kv_freed(
+    shedding: Cluster, http: httpx2.Client
+):
     async def run() -> tuple[httpx2.Response, StreamResult]:
         async with httpx2.AsyncClient(base_url=shedding.url, timeout=120) as client:
             whole = client.post("/v1/completions", json={"prompt": "forever", **LONG})

@@ -27,13 +27,20 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 HEARTBEAT_INTERVAL = 1.0
 
 PORT_FLAGS = (
-    "--port", "--worker-port", "--detokenizer-port", "--tokenizer-port", "--tokenizer-control-port",
-    "--worker-metrics-port", "--detokenizer-metrics-port",
+    "--port",
+    "--worker-port",
+    "--detokenizer-port",
+    "--tokenizer-port",
+    "--tokenizer-control-port",
+    "--worker-metrics-port",
+    "--detokenizer-metrics-port",
 )
 
 
 @pytest.mark.timeout(240)
-def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_dies(tokenizer, tmp_path: Path):
+def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_dies(
+    tokenizer, tmp_path: Path
+):
     # The offline reference first, so that it does not compete with the server for the CPU.
     text = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     prompt_ids = tokenizer.encode(text, add_special_tokens=False)
@@ -43,19 +50,33 @@ def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_
     script = shutil.which("radixserve") or str(Path(sys.executable).parent / "radixserve")
     ports = {flag: ServiceLauncher.free_port() for flag in PORT_FLAGS}
     flags = [  # no --model: the embedded SmolLM2-135M-Instruct
-        "--dtype", "float32", "--max-total-tokens", "4096", "--device", "cpu",
-        "--host", "127.0.0.1", "--heartbeat-interval", str(HEARTBEAT_INTERVAL),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "4096",
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--heartbeat-interval",
+        str(HEARTBEAT_INTERVAL),
         *(arg for flag, port in ports.items() for arg in (flag, str(port))),
     ]
     log = tmp_path / "children.log"
     with open(log, "wb") as stderr:
         serve = subprocess.Popen(
-            [script, "serve", *flags], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
+            [script, "serve", *flags],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:
         pids, url = {}, None
-        for line in serve.stdout:  # the launcher prints the children's pids, then the URL when ready
+        for (
+            line
+        ) in serve.stdout:  # the launcher prints the children's pids, then the URL when ready
             if match := re.match(r"radixserve: started (\w+) \(pid (\d+)\)", line):
                 pids[match[1]] = int(match[2])
             elif match := re.match(r"radixserve: serving .* at (\S+)", line):
@@ -63,22 +84,37 @@ def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_
                 break
         assert url == f"http://127.0.0.1:{ports['--port']}/v1", log.read_text()
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
-        answer = client.chat.completions.create(model="embedded", messages=MESSAGES, max_tokens=16, temperature=0)
+        answer = client.chat.completions.create(
+            model="embedded", messages=MESSAGES, max_tokens=16, temperature=0
+        )
         assert "Paris" in answer.choices[0].message.content
 
-        served = client.completions.create(model="embedded", prompt=prompt_ids, max_tokens=24, temperature=0)
+        served = client.completions.create(
+            model="embedded", prompt=prompt_ids, max_tokens=24, temperature=0
+        )
         assert served.choices[0].text == offline["text"]
-        assert offline["text"].startswith(answer.choices[0].message.content)  # the chat path renders the same ids
+        assert offline["text"].startswith(
+            answer.choices[0].message.content
+        )  # the chat path renders the same ids
 
         # A stream in flight when the detokenizer dies fails with a clear error, not a hang.
-        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx2.stream("POST", url + "/chat/completions", json=body, timeout=10) as stream:
-            events = (line[len("data: "):] for line in stream.iter_lines() if line.startswith("data: "))
+            events = (
+                line[len("data: ") :] for line in stream.iter_lines() if line.startswith("data: ")
+            )
             assert json.loads(next(events))["choices"]
             killed_at = time.monotonic()
             os.kill(pids["detokenizer"], signal.SIGKILL)
             rest = list(events)
-        assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "service_unavailable"
+        assert (
+            rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "service_unavailable"
+        )
         assert serve.wait(10) != 0
         assert time.monotonic() - killed_at < 10
         for role in ("worker", "tokenizer"):  # the survivors were stopped, not orphaned

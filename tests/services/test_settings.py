@@ -12,10 +12,21 @@ def _parse(argv: list[str], env: dict[str, str] | None = None) -> Settings:
 
 def test_defaults_without_flags_or_environment():
     s = _parse([])
-    assert (s.host, s.port, s.worker_port, s.detokenizer_port, s.tokenizer_port, s.tokenizer_control_port) == (
-        "0.0.0.0", 30000, 30010, 30011, 30012, 30013)
+    assert (
+        s.host,
+        s.port,
+        s.worker_port,
+        s.detokenizer_port,
+        s.tokenizer_port,
+        s.tokenizer_control_port,
+    ) == ("0.0.0.0", 30000, 30010, 30011, 30012, 30013)
     assert (s.worker_metrics_port, s.detokenizer_metrics_port) == (30001, 30002)
-    assert (s.grammar_backend, s.log_level, s.heartbeat_interval, s.api_key) == ("xgrammar", "info", 1.0, None)
+    assert (s.grammar_backend, s.log_level, s.heartbeat_interval, s.api_key) == (
+        "xgrammar",
+        "info",
+        1.0,
+        None,
+    )
     assert s.max_total_tokens is None and s.chunked_prefill_size == 4096
     assert s.disable_overlap_schedule is None  # auto, decided by the device
     assert s.served_model_name == s.model == "embedded"
@@ -31,26 +42,64 @@ def test_every_field_has_a_flag_and_engine_fields_are_inherited_not_copied():
 
 
 def test_flags_are_parsed_to_the_field_types():
-    s = _parse([
-        "--model", "/models/qwen3", "--max-total-tokens", "8192", "--mem-fraction-static", "0.7",
-        "--chunked-prefill-size", "none", "--disable-radix-cache", "--disable-overlap-schedule",
-        "--schedule-policy", "lpm", "--attention-backend", "torch", "--served-model-name", "qwen",
-        "--worker-port", "40010", "--api-key", "sk-test", "--log-level", "debug", "--max-tokens-cap", "512",
-        "--heartbeat-interval", "0.5",
-    ])
+    s = _parse(
+        [
+            "--model",
+            "/models/qwen3",
+            "--max-total-tokens",
+            "8192",
+            "--mem-fraction-static",
+            "0.7",
+            "--chunked-prefill-size",
+            "none",
+            "--disable-radix-cache",
+            "--disable-overlap-schedule",
+            "--schedule-policy",
+            "lpm",
+            "--attention-backend",
+            "torch",
+            "--served-model-name",
+            "qwen",
+            "--worker-port",
+            "40010",
+            "--api-key",
+            "sk-test",
+            "--log-level",
+            "debug",
+            "--max-tokens-cap",
+            "512",
+            "--heartbeat-interval",
+            "0.5",
+        ]
+    )
     assert s.model == "/models/qwen3" and s.served_model_name == "qwen"
-    assert s.max_total_tokens == 8192 and s.mem_fraction_static == 0.7 and s.chunked_prefill_size is None
+    assert (
+        s.max_total_tokens == 8192
+        and s.mem_fraction_static == 0.7
+        and s.chunked_prefill_size is None
+    )
     assert s.disable_radix_cache is True and s.disable_overlap_schedule is True
     assert (s.schedule_policy, s.attention_backend, s.worker_port) == ("lpm", "torch", 40010)
-    assert (s.api_key, s.log_level, s.max_tokens_cap, s.heartbeat_interval) == ("sk-test", "debug", 512, 0.5)
+    assert (s.api_key, s.log_level, s.max_tokens_cap, s.heartbeat_interval) == (
+        "sk-test",
+        "debug",
+        512,
+        0.5,
+    )
 
 
 def test_environment_variables_override_defaults():
-    s = _parse([], env={
-        "RADIXSERVE_MAX_TOTAL_TOKENS": "2048", "RADIXSERVE_DISABLE_RADIX_CACHE": "true",
-        "RADIXSERVE_DISABLE_OVERLAP_SCHEDULE": "0", "RADIXSERVE_API_KEY": "none",
-        "RADIXSERVE_CONTEXT_LENGTH": "None", "RADIXSERVE_SERVICE_HOST": "10.0.0.1",  # not a field: ignored
-    })
+    s = _parse(
+        [],
+        env={
+            "RADIXSERVE_MAX_TOTAL_TOKENS": "2048",
+            "RADIXSERVE_DISABLE_RADIX_CACHE": "true",
+            "RADIXSERVE_DISABLE_OVERLAP_SCHEDULE": "0",
+            "RADIXSERVE_API_KEY": "none",
+            "RADIXSERVE_CONTEXT_LENGTH": "None",
+            "RADIXSERVE_SERVICE_HOST": "10.0.0.1",  # not a field: ignored
+        },
+    )
     assert s.max_total_tokens == 2048 and s.disable_radix_cache is True
     assert s.disable_overlap_schedule is False
     assert s.api_key == "none"  # strings stay literal: "none" must not switch authentication off
@@ -58,7 +107,11 @@ def test_environment_variables_override_defaults():
 
 
 def test_flags_beat_environment_variables():
-    env = {"RADIXSERVE_PORT": "31000", "RADIXSERVE_DISABLE_RADIX_CACHE": "1", "RADIXSERVE_LOG_LEVEL": "error"}
+    env = {
+        "RADIXSERVE_PORT": "31000",
+        "RADIXSERVE_DISABLE_RADIX_CACHE": "1",
+        "RADIXSERVE_LOG_LEVEL": "error",
+    }
     s = _parse(["--port", "32000", "--no-disable-radix-cache"], env=env)
     assert (s.port, s.disable_radix_cache, s.log_level) == (32000, False, "error")
 
@@ -74,16 +127,35 @@ def test_reads_the_process_environment_by_default(monkeypatch, capsys):
 @pytest.mark.parametrize(
     ("argv", "env", "message"),
     [
-        (["--max-total-tokens", "lots"], {}, "argument --max-total-tokens: expected an integer, got 'lots'"),
-        (["--mem-fraction-static", "nan"], {}, "argument --mem-fraction-static: expected a finite number"),
+        (
+            ["--max-total-tokens", "lots"],
+            {},
+            "argument --max-total-tokens: expected an integer, got 'lots'",
+        ),
+        (
+            ["--mem-fraction-static", "nan"],
+            {},
+            "argument --mem-fraction-static: expected a finite number",
+        ),
         (["--log-level", "loud"], {}, "argument --log-level: invalid choice: 'loud'"),
         (["--max-tokens", "9"], {}, "unrecognized arguments: --max-tokens 9"),  # no abbreviations
         (["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
-        ([], {"RADIXSERVE_MAX_RUNNING_REQUESTS": "12x"},
-         "environment variable RADIXSERVE_MAX_RUNNING_REQUESTS='12x': expected an integer"),
-        ([], {"RADIXSERVE_ENABLE_MIXED_CHUNK": "maybe"}, "RADIXSERVE_ENABLE_MIXED_CHUNK='maybe': expected true/false"),
+        (
+            [],
+            {"RADIXSERVE_MAX_RUNNING_REQUESTS": "12x"},
+            "environment variable RADIXSERVE_MAX_RUNNING_REQUESTS='12x': expected an integer",
+        ),
+        (
+            [],
+            {"RADIXSERVE_ENABLE_MIXED_CHUNK": "maybe"},
+            "RADIXSERVE_ENABLE_MIXED_CHUNK='maybe': expected true/false",
+        ),
         ([], {"RADIXSERVE_PORT": "tcp://10.0.0.1:30000"}, "enableServiceLinks: false"),
-        (["--worker-port", "30011"], {}, "ports must differ; these share one: [['worker_port', 'detokenizer_port']]"),
+        (
+            ["--worker-port", "30011"],
+            {},
+            "ports must differ; these share one: [['worker_port', 'detokenizer_port']]",
+        ),
         (["--port", "70000"], {}, "port must be in [1, 65535], got 70000"),
         (["--max-tokens-cap", "0"], {}, "max_tokens_cap must be >= 1, got 0"),
         (["--heartbeat-interval", "0"], {}, "heartbeat_interval must be > 0, got 0.0"),
@@ -108,11 +180,29 @@ def test_direct_construction_is_checked_too():
 
 
 def test_to_engine_args_carries_every_engine_field():
-    s = _parse(["--max-total-tokens", "4096", "--schedule-policy", "lpm", "--disable-overlap-schedule",
-                "--radix-eviction-policy", "slru", "--random-seed", "3", "--port", "31000"])
+    s = _parse(
+        [
+            "--max-total-tokens",
+            "4096",
+            "--schedule-policy",
+            "lpm",
+            "--disable-overlap-schedule",
+            "--radix-eviction-policy",
+            "slru",
+            "--random-seed",
+            "3",
+            "--port",
+            "31000",
+        ]
+    )
     args = s.to_engine_args()
     assert type(args) is EngineArgs
-    assert args == EngineArgs(max_total_tokens=4096, schedule_policy="lpm", disable_overlap_schedule=True,
-                              radix_eviction_policy="slru", random_seed=3)
+    assert args == EngineArgs(
+        max_total_tokens=4096,
+        schedule_policy="lpm",
+        disable_overlap_schedule=True,
+        radix_eviction_policy="slru",
+        random_seed=3,
+    )
     for f in fields(EngineArgs):
         assert getattr(args, f.name) == getattr(s, f.name)

@@ -37,9 +37,20 @@ def stub(tiny_llama_dir: Path, launcher, make_stub):
     worker_port, detokenizer_port = launcher.free_port(), launcher.free_port()
     stub = make_stub("tokenizer", worker_port)
     flags = [
-        "--model", str(tiny_llama_dir), "--dtype", "float32", "--max-total-tokens", str(MAX_TOTAL_TOKENS),
-        "--worker-port", str(worker_port), "--detokenizer-port", str(detokenizer_port),
-        "--tokenizer-port", str(stub.output_port), "--tokenizer-control-port", str(stub.control_port),
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        str(MAX_TOTAL_TOKENS),
+        "--worker-port",
+        str(worker_port),
+        "--detokenizer-port",
+        str(detokenizer_port),
+        "--tokenizer-port",
+        str(stub.output_port),
+        "--tokenizer-control-port",
+        str(stub.control_port),
     ]
     for role in ("worker", "detokenizer"):
         launcher.start(role, flags)
@@ -54,7 +65,9 @@ def offline(tiny_llama_dir: Path) -> Iterator[Engine]:
 
 
 def generate(stub, rid: str, input_ids: list[int], params: SamplingParams) -> None:
-    stub.send(TokenizedGenerateReqInput(rid=rid, input_ids=input_ids, sampling_params=params, stream=True))
+    stub.send(
+        TokenizedGenerateReqInput(rid=rid, input_ids=input_ids, sampling_params=params, stream=True)
+    )
 
 
 def server_info(stub, rid: str) -> dict:
@@ -70,9 +83,15 @@ def assert_all_kv_free(info: dict) -> None:
 
 def test_worker_announces_its_limits_and_both_processes_heartbeat(stub):
     ready = stub.reply(WorkerReady)
-    assert (ready.max_total_tokens, ready.context_length, ready.vocab_size) == (MAX_TOTAL_TOKENS, 8192, 49152)
+    assert (ready.max_total_tokens, ready.context_length, ready.vocab_size) == (
+        MAX_TOTAL_TOKENS,
+        8192,
+        49152,
+    )
     assert ready.sender == "worker" and ready.eos_token_ids == [2]
-    stub.wait_for(lambda: {m.sender for m in stub.alive_signs} >= {"worker", "detokenizer"}, 10, "heartbeats")
+    stub.wait_for(
+        lambda: {m.sender for m in stub.alive_signs} >= {"worker", "detokenizer"}, 10, "heartbeats"
+    )
 
 
 def test_greedy_stream_equals_the_offline_engine(stub, offline, tokenizer):
@@ -84,20 +103,32 @@ def test_greedy_stream_equals_the_offline_engine(stub, offline, tokenizer):
     assert stream.ids == expected["output_ids"]
     assert stream.messages > 1, "the output should arrive token by token, not at the end"
     assert stream.text == tokenizer.decode(stream.ids, skip_special_tokens=True)
-    assert msgspec.structs.asdict(stream.finished_reason) == {"type": "length", "matched": None,
-                                                             "message": None, "status_code": None}
+    assert msgspec.structs.asdict(stream.finished_reason) == {
+        "type": "length",
+        "matched": None,
+        "message": None,
+        "status_code": None,
+    }
     assert (stream.prompt_tokens, stream.completion_tokens) == (len(input_ids), 24)
-    assert stream.logprobs == pytest.approx([lp for lp, _ in expected["meta"]["output_token_logprobs"]], abs=1e-4)
+    assert stream.logprobs == pytest.approx(
+        [lp for lp, _ in expected["meta"]["output_token_logprobs"]], abs=1e-4
+    )
 
 
 def test_stop_string_ends_the_stream_and_is_trimmed(stub, offline, tokenizer):
     input_ids = tokenizer.encode("Once upon a time")
-    free = offline.generate(input_ids, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True})[0]
+    free = offline.generate(
+        input_ids, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
+    )[0]
     text = free["text"]
     cut = len(tokenizer.decode(free["output_ids"][:8]))
     stop = next(text[i : i + 3] for i in range(cut, len(text)) if text.find(text[i : i + 3]) == i)
-    generate(stub, "stop", input_ids,
-             SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, stop=[stop]))
+    generate(
+        stub,
+        "stop",
+        input_ids,
+        SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, stop=[stop]),
+    )
     stream = stub.result("stop")
     assert stream.text == text[: text.index(stop)]
     assert not any(stop in delta for delta in stream.deltas)
@@ -138,10 +169,14 @@ def test_flush_is_refused_while_a_request_runs_and_empties_the_cache_when_idle(s
     assert (info["available_kv_tokens"], info["evictable_kv_tokens"]) == (MAX_TOTAL_TOKENS, 0)
 
 
-def test_garbage_on_the_worker_port_is_dropped_and_the_next_request_served(stub, launcher, tokenizer):
+def test_garbage_on_the_worker_port_is_dropped_and_the_next_request_served(
+    stub, launcher, tokenizer
+):
     stub.send_raw(b"\xc1 not msgpack")
     stub.send_raw(msgspec.msgpack.encode({"type": "NoSuchMessage", "rid": "x"}))
-    generate(stub, "after-garbage", tokenizer.encode("Hello again"), SamplingParams(max_new_tokens=4))
+    generate(
+        stub, "after-garbage", tokenizer.encode("Hello again"), SamplingParams(max_new_tokens=4)
+    )
     assert stub.result("after-garbage").finished
     assert launcher.procs["worker"].poll() is None
 
@@ -153,7 +188,9 @@ def test_a_restarted_tokenizer_learns_the_limits_again_and_its_old_requests_end(
     stub.replies.clear()
     stub.sender.epoch = "restarted-tokenizer"
     stub.send(Hello())
-    generate(stub, "new-life", tokenizer.encode("After the restart"), SamplingParams(max_new_tokens=4))
+    generate(
+        stub, "new-life", tokenizer.encode("After the restart"), SamplingParams(max_new_tokens=4)
+    )
     assert stub.reply(WorkerReady).max_total_tokens == MAX_TOTAL_TOKENS
     assert stub.result("old-life").finished_reason.type == "abort"
     assert stub.result("new-life").finished_reason.type in ("length", "stop")

@@ -25,12 +25,17 @@ def call(path, body=None):
 
 models = [model["id"] for model in call("/v1/models")["data"]]
 print("models:", models)
-reply = call("/v1/chat/completions", {
-    "model": models[0],
-    "messages": [{"role": "user", "content": PROMPT}],
-    "max_tokens": MAX_TOKENS,
-    "temperature": 0,
-})
-print("completion:", json.dumps(reply["choices"][0]["message"]["content"]), "usage:", reply["usage"])
+reply = call(
+    "/v1/chat/completions",
+    {
+        "model": models[0],
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    },
+)
+print(
+    "completion:", json.dumps(reply["choices"][0]["message"]["content"]), "usage:", reply["usage"]
+)
 if reply["usage"]["completion_tokens"] < 1:
     sys.exit("the completion has no tokens")

@@ -8,7 +8,13 @@ from engine.model.attention.base import AttentionBackend, AttentionLayer
 
 ATTENTION_BACKENDS = ("torch", "triton")
 
-__all__ = ["ATTENTION_BACKENDS", "AttentionBackend", "AttentionLayer", "create_attention_backend", "default_attention_backend"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "AttentionBackend",
+    "AttentionLayer",
+    "create_attention_backend",
+    "default_attention_backend",
+]
 
 
 def default_attention_backend(device: str | torch.device) -> str:
@@ -28,5 +34,9 @@ def create_attention_backend(
     elif name == "triton":
         from engine.model.attention.triton_backend import TritonAttnBackend as backend_cls
     else:
-        raise ValueError(f"unknown attention backend {name!r} (choose from {', '.join(ATTENTION_BACKENDS)})")
-    return backend_cls(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device)
+        raise ValueError(
+            f"unknown attention backend {name!r} (choose from {', '.join(ATTENTION_BACKENDS)})"
+        )
+    return backend_cls(
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, device=device
+    )

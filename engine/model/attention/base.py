@@ -32,9 +32,13 @@ class AttentionBackend(ABC):
     which one it got.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device
+    ):
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -44,15 +48,26 @@ class AttentionBackend(ABC):
         """Build per-batch index tensors once, before the first layer runs."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
     ) -> torch.Tensor:
-        forward_batch.token_to_kv_pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        forward_batch.token_to_kv_pool.set_kv_buffer(
+            layer.layer_id, forward_batch.out_cache_loc, k, v
+        )
         if forward_batch.forward_mode.is_decode():
             return self.forward_decode(q, layer, forward_batch)
         return self.forward_extend(q, layer, forward_batch)
 
     @abstractmethod
-    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor: ...
+    def forward_extend(
+        self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> torch.Tensor: ...
 
     @abstractmethod
-    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor: ...
+    def forward_decode(
+        self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> torch.Tensor: ...

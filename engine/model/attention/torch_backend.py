@@ -28,7 +28,9 @@ class DecodeGroup:
     head-major: row (r, h, j) of the gather is KV head h of request r's j-th key."""
 
     token_indices: torch.Tensor | None  # [n] rows of q; None: every row, in order
-    kv_rows: torch.Tensor  # [n * kv_heads * max_seq_len] int64 rows of the pool seen as [slots * kv_heads, head_dim]
+    kv_rows: (
+        torch.Tensor
+    )  # [n * kv_heads * max_seq_len] int64 rows of the pool seen as [slots * kv_heads, head_dim]
     bias: torch.Tensor  # [n, 1, max_seq_len] float: 0 for a key, -inf for padding
     max_seq_len: int
 
@@ -53,7 +55,9 @@ class TorchAttnBackend(AttentionBackend):
     tensor goes through a parallel kernel that costs milliseconds when the cores are busy.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device):
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device
+    ):
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         self.forward_metadata: ForwardMetadata | None = None
 
@@ -70,15 +74,23 @@ class TorchAttnBackend(AttentionBackend):
                 single_starts.append(start)
             else:
                 kv_indices = torch.cat((prefix_slots[i, :prefix_len], fb.out_cache_loc[start:end]))
-                extend_seqs.append(ExtendSeq(start, end, kv_indices, self._prefix_causal_mask(prefix_len, extend_len)))
+                extend_seqs.append(
+                    ExtendSeq(
+                        start, end, kv_indices, self._prefix_causal_mask(prefix_len, extend_len)
+                    )
+                )
             start = end
         decode = None
         if single:
             every_row = len(single) == fb.batch_size
-            decode = self._decode_group(fb, prefix_slots, None if every_row else single, single_starts)
+            decode = self._decode_group(
+                fb, prefix_slots, None if every_row else single, single_starts
+            )
         self.forward_metadata = ForwardMetadata(extend_seqs, decode)
 
-    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward_extend(
+        self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         md = self.forward_metadata
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         out = torch.empty_like(q)
@@ -96,13 +108,19 @@ class TorchAttnBackend(AttentionBackend):
             rows = md.decode.token_indices
             if rows is None:
                 return self._attend_decode(q, layer, forward_batch)
-            out.index_copy_(0, rows, self._attend_decode(q.index_select(0, rows), layer, forward_batch))
+            out.index_copy_(
+                0, rows, self._attend_decode(q.index_select(0, rows), layer, forward_batch)
+            )
         return out
 
-    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward_decode(
+        self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         return self._attend_decode(q, layer, forward_batch)
 
-    def _attend_decode(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor:
+    def _attend_decode(
+        self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         """Two batched matmuls over K/V gathered head-major, so that each (request, KV head)
         is one contiguous `[max_seq_len, head_dim]` block: bmm then reads the gather in place.
         The query heads sharing a KV head are that block's queries (no GQA expansion). SDPA
@@ -115,8 +133,14 @@ class TorchAttnBackend(AttentionBackend):
         k = k_buffer.view(-1, d).index_select(0, group.kv_rows).view(blocks)
         v = v_buffer.view(-1, d).index_select(0, group.kv_rows).view(blocks)
         queries = q.reshape(blocks[0], layer.num_heads // layer.num_kv_heads, d)
-        scores = torch.bmm(queries, k.transpose(1, 2)).view(num_reqs, layer.num_heads, group.max_seq_len)
-        scores = scores.to(torch.promote_types(q.dtype, torch.float32)).mul_(layer.scaling).add_(group.bias)
+        scores = torch.bmm(queries, k.transpose(1, 2)).view(
+            num_reqs, layer.num_heads, group.max_seq_len
+        )
+        scores = (
+            scores.to(torch.promote_types(q.dtype, torch.float32))
+            .mul_(layer.scaling)
+            .add_(group.bias)
+        )
         probs = torch.softmax(scores, dim=-1).to(q.dtype).view(blocks[0], -1, group.max_seq_len)
         return torch.bmm(probs, v).view(num_reqs, layer.num_heads, d)
 
@@ -130,7 +154,11 @@ class TorchAttnBackend(AttentionBackend):
         return keys[None, :] <= queries[:, None]
 
     def _decode_group(
-        self, fb: ForwardBatch, prefix_slots: torch.Tensor, requests: list[int] | None, token_starts: list[int]
+        self,
+        fb: ForwardBatch,
+        prefix_slots: torch.Tensor,
+        requests: list[int] | None,
+        token_starts: list[int],
     ) -> DecodeGroup:
         """Row r holds request r's prefix slots, its new token's slot at column prefix_len,
         and stale entries after it that the bias hides (any table entry is a valid slot);
@@ -141,7 +169,11 @@ class TorchAttnBackend(AttentionBackend):
         if requests is not None:
             req_indices = torch.tensor(requests, device=self.device)
             token_indices = torch.tensor(token_starts, device=self.device)
-            prefix_slots, prefix_lens, seq_lens = prefix_slots[req_indices], prefix_lens[req_indices], seq_lens[req_indices]
+            prefix_slots, prefix_lens, seq_lens = (
+                prefix_slots[req_indices],
+                prefix_lens[req_indices],
+                seq_lens[req_indices],
+            )
             out_cache_loc = out_cache_loc[token_indices]
             max_seq_len = max(fb.seq_lens_cpu[i] for i in requests)
         slots = torch.zeros((len(prefix_lens), max_seq_len), dtype=torch.int64, device=self.device)

@@ -15,16 +15,24 @@ from engine.model.forward_batch import ForwardBatch
 class ForwardMetadata:
     """Per-batch index tensors, built once and shared by every layer of the forward pass."""
 
-    qo_indptr: torch.Tensor  # [batch + 1] int32: request i's queries are rows qo_indptr[i]:qo_indptr[i+1]
-    kv_indptr: torch.Tensor  # [batch + 1] int32: request i's keys are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
-    kv_indices: torch.Tensor  # [sum(seq_lens)] int32 KV slots: prefix from req_to_token, then out_cache_loc
+    qo_indptr: (
+        torch.Tensor
+    )  # [batch + 1] int32: request i's queries are rows qo_indptr[i]:qo_indptr[i+1]
+    kv_indptr: (
+        torch.Tensor
+    )  # [batch + 1] int32: request i's keys are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indices: (
+        torch.Tensor
+    )  # [sum(seq_lens)] int32 KV slots: prefix from req_to_token, then out_cache_loc
     max_extend_len: int
     num_kv_splits: torch.Tensor | None  # decode only: [batch] int32
     attn_logits: torch.Tensor | None  # decode only: [batch, heads, max_kv_splits, head_dim] fp32
     attn_lse: torch.Tensor | None  # decode only: [batch, heads, max_kv_splits] fp32
 
 
-def get_num_kv_splits(seq_lens: torch.Tensor, max_kv_splits: int, min_kv_split_len: int) -> torch.Tensor:
+def get_num_kv_splits(
+    seq_lens: torch.Tensor, max_kv_splits: int, min_kv_split_len: int
+) -> torch.Tensor:
     """Cut each decode request's keys into splits of about `min_kv_split_len`, at most
     `max_kv_splits`, then recount so that none is empty (`cdiv(s, n)` per split can cover
     `s` in fewer than `n` splits once the cap binds). Computed on the device: no sync."""
@@ -63,9 +71,13 @@ class TritonAttnBackend(AttentionBackend):
         kv_indices = self._kv_indices(fb, qo_indptr, kv_indptr, sum(fb.seq_lens_cpu))
         num_kv_splits = attn_logits = attn_lse = None
         if fb.forward_mode.is_decode():
-            num_kv_splits = get_num_kv_splits(fb.seq_lens, self.max_kv_splits, self.min_kv_split_len)
+            num_kv_splits = get_num_kv_splits(
+                fb.seq_lens, self.max_kv_splits, self.min_kv_split_len
+            )
             shape = (batch_size, self.num_heads, self.max_kv_splits)
-            attn_logits = torch.empty((*shape, self.head_dim), dtype=torch.float32, device=self.device)
+            attn_logits = torch.empty(
+                (*shape, self.head_dim), dtype=torch.float32, device=self.device
+            )
             attn_lse = torch.empty(shape, dtype=torch.float32, device=self.device)
         self.forward_metadata = ForwardMetadata(
             qo_indptr=qo_indptr,
@@ -77,16 +89,28 @@ class TritonAttnBackend(AttentionBackend):
             attn_lse=attn_lse,
         )
 
-    def forward_extend(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward_extend(
+        self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         md = self.forward_metadata
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         o = torch.empty_like(q)
         extend_attention_fwd(
-            q, o, k_buffer, v_buffer, md.qo_indptr, md.kv_indptr, md.kv_indices, md.max_extend_len, layer.scaling
+            q,
+            o,
+            k_buffer,
+            v_buffer,
+            md.qo_indptr,
+            md.kv_indptr,
+            md.kv_indices,
+            md.max_extend_len,
+            layer.scaling,
         )
         return o
 
-    def forward_decode(self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward_decode(
+        self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         md = self.forward_metadata
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         o = torch.empty_like(q)
@@ -119,6 +143,8 @@ class TritonAttnBackend(AttentionBackend):
         pos = torch.arange(total_kv, device=self.device) - kv_indptr[req]
         prefix_lens = fb.prefix_lens[req]
         in_prefix = pos < prefix_lens
-        cached = fb.req_to_token_pool.req_to_token[fb.req_pool_indices[req], torch.where(in_prefix, pos, 0)]
+        cached = fb.req_to_token_pool.req_to_token[
+            fb.req_pool_indices[req], torch.where(in_prefix, pos, 0)
+        ]
         new = fb.out_cache_loc[torch.where(in_prefix, 0, qo_indptr[req] + pos - prefix_lens)]
         return torch.where(in_prefix, cached, new.to(torch.int32))

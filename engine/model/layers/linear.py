@@ -12,10 +12,14 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+def default_weight_loader(
+    param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None
+) -> None:
     """Copy a whole checkpoint tensor into `param` (converting dtype and device)."""
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 
@@ -42,7 +46,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """F.linear, through the packed copy of `weight` when there is one."""
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -65,7 +74,9 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
         default_weight_loader(param, loaded)
 
     def pack_weight(self) -> None:
@@ -89,9 +100,13 @@ class MergedColumnLinear(Linear):
             self.shard_offsets[shard_id] = offset
             offset += size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
+    ) -> None:
         if shard_id is None:
-            raise ValueError(f"a merged linear layer loads one of {list(self.output_sizes)} at a time")
+            raise ValueError(
+                f"a merged linear layer loads one of {list(self.output_sizes)} at a time"
+            )
         offset, size = self.shard_offsets[shard_id], self.output_sizes[shard_id]
         default_weight_loader(param.data.narrow(0, offset, size), loaded)
 
@@ -99,7 +114,11 @@ class MergedColumnLinear(Linear):
 class QKVLinear(MergedColumnLinear):
     """The q, k and v projections fused; `forward` output splits as `[q_size, kv_size, kv_size]`."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ):
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
-        super().__init__(hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias)
+        super().__init__(
+            hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias
+        )

@@ -22,8 +22,12 @@ class LogitsProcessor(nn.Module):
         largest matmul of a decode step."""
         self.packed_lm_head = pack_weight(lm_head.weight)
 
-    def forward(self, hidden_states: torch.Tensor, lm_head: VocabEmbedding, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, lm_head: VocabEmbedding, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         if not forward_batch.forward_mode.is_decode():
-            hidden_states = hidden_states.index_select(0, torch.cumsum(forward_batch.extend_lens, 0) - 1)
+            hidden_states = hidden_states.index_select(
+                0, torch.cumsum(forward_batch.extend_lens, 0) - 1
+            )
         logits = linear(hidden_states, lm_head.weight, self.packed_lm_head)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

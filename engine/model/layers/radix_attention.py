@@ -18,5 +18,7 @@ class RadixAttention(nn.Module):
         self.layer = layer
         self.attn_backend = attn_backend
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         return self.attn_backend.forward(q, k, v, self.layer, forward_batch)

@@ -22,7 +22,9 @@ def compute_inv_freq(
     `freq_factors` are llama.cpp's per-frequency divisors: how a GGUF file stores llama3
     scaling.
     """
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim)
+    )
     rope_type = (rope_scaling or {}).get("rope_type", "default")
     if rope_type == "linear":
         inv_freq = inv_freq / rope_scaling["factor"]
@@ -47,7 +49,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: Mapping[str, Any]) ->
 
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
     smoothed = (1 - smooth_factor) * scaled / factor + smooth_factor * scaled
     is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium_freq, smoothed, scaled)

@@ -24,7 +24,9 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(config.hidden_size, {"gate": inter, "up": inter}, config.mlp_bias)
+        self.gate_up_proj = MergedColumnLinear(
+            config.hidden_size, {"gate": inter, "up": inter}, config.mlp_bias
+        )
         self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias)
         self.act_fn = SiluAndMul()
 
@@ -34,24 +36,36 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: AttentionBackend,
     ):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.qkv_bias)
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.qkv_bias
+        )
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb
-        layer = AttentionLayer(layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        layer = AttentionLayer(
+            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+        )
         self.attn = RadixAttention(layer, attn_backend)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q, k, v = qkv.split(
+            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1
+        )
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -64,7 +78,11 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend
+        self,
+        config: ModelConfig,
+        layer_id: int,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: AttentionBackend,
     ):
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, rotary_emb, attn_backend)
@@ -96,14 +114,21 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = RotaryEmbedding(
-            config.head_dim, config.context_len, config.rope_theta, config.rope_scaling, config.rope_freq_factors
+            config.head_dim,
+            config.context_len,
+            config.rope_theta,
+            config.rope_scaling,
+            config.rope_freq_factors,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_id, rotary_emb, attn_backend) for layer_id in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, layer_id, rotary_emb, attn_backend)
+            for layer_id in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
@@ -126,11 +151,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = LlamaModel(config, attn_backend)
         self.lm_head = (
-            self.model.embed_tokens if config.tie_word_embeddings else LMHead(config.vocab_size, config.hidden_size)
+            self.model.embed_tokens
+            if config.tie_word_embeddings
+            else LMHead(config.vocab_size, config.hidden_size)
         )
         self.logits_processor = LogitsProcessor()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
         """Logits `[batch, vocab]`: one row per request, for the position it samples next."""
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
@@ -141,7 +170,9 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         filled = dict.fromkeys(params, 0)
         for name, tensor in weights:
-            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            if name.endswith("rotary_emb.inv_freq") or (
+                name == "lm_head.weight" and self.config.tie_word_embeddings
+            ):
                 continue
             shard_id = None
             for fused, original, shard in self.stacked_params_mapping:
@@ -149,7 +180,9 @@ class LlamaForCausalLM(nn.Module):
                     name, shard_id = name.replace(original, fused), shard
                     break
             if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
+                )
             param = params[name]
             getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
             filled[name] += tensor.numel()

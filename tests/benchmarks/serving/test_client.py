@@ -45,8 +45,10 @@ class StubServer:
         return JSONResponse({"worker_metrics_port": self.worker_metrics_port})
 
     def metrics(self) -> PlainTextResponse:
-        return PlainTextResponse(f"# TYPE {HIT_TOKENS[:-6]} counter\n{HIT_TOKENS} {self.hit}\n"
-                                 f"# TYPE {QUERY_TOKENS[:-6]} counter\n{QUERY_TOKENS} {self.query}\n")
+        return PlainTextResponse(
+            f"# TYPE {HIT_TOKENS[:-6]} counter\n{HIT_TOKENS} {self.hit}\n"
+            f"# TYPE {QUERY_TOKENS[:-6]} counter\n{QUERY_TOKENS} {self.query}\n"
+        )
 
     async def completions(self, request: Request) -> Response:
         body = await request.json()
@@ -70,8 +72,12 @@ class StubServer:
                         return
                     yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}', 'finish_reason': None}]})}\n\n"
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'finish_reason': 'length'}]})}\n\n"
-                usage = {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n,
-                         "prompt_tokens_details": {"cached_tokens": len(prompt) // 2}}
+                usage = {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": n,
+                    "total_tokens": len(prompt) + n,
+                    "prompt_tokens_details": {"cached_tokens": len(prompt) // 2},
+                }
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
@@ -84,7 +90,9 @@ class StubServer:
 def stub() -> Iterator[tuple[StubServer, str]]:
     stub = StubServer()
     (port,) = free_ports(1)
-    server = uvicorn.Server(uvicorn.Config(stub.app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(stub.app, host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -100,30 +108,49 @@ def workload(prompts: list[list[int]], output_len: int = 4) -> list[BenchRequest
     return [BenchRequest(p, output_len) for p in prompts]
 
 
-def test_a_run_times_every_request_and_reads_usage_and_the_cache_hit_rate(stub: tuple[StubServer, str]):
+def test_a_run_times_every_request_and_reads_usage_and_the_cache_hit_rate(
+    stub: tuple[StubServer, str],
+):
     server, url = stub
     requests = workload([[100 + i] * (10 + i) for i in range(6)])
-    result = asyncio.run(client.run(url, requests, [r.prompt for r in requests], concurrency=2,
-                                    metrics_urls=[f"{url}/nowhere", f"{url}/metrics"], warmup=[[200] * 7]))
+    result = asyncio.run(
+        client.run(
+            url,
+            requests,
+            [r.prompt for r in requests],
+            concurrency=2,
+            metrics_urls=[f"{url}/nowhere", f"{url}/metrics"],
+            warmup=[[200] * 7],
+        )
+    )
     assert [r.error for r in result.results] == [None] * 6
     for request, r in zip(requests, result.results):
         assert r.prompt_len == len(request.prompt) and r.output_len == 4
         assert r.cached_tokens == len(request.prompt) // 2
         assert 0 < r.ttft <= r.latency and len(r.itls) == 3
-    assert result.radix_hit_rate == pytest.approx(sum(len(p) // 2 for p in (r.prompt for r in requests))
-                                                  / sum(len(r.prompt) for r in requests))
+    assert result.radix_hit_rate == pytest.approx(
+        sum(len(p) // 2 for p in (r.prompt for r in requests))
+        / sum(len(r.prompt) for r in requests)
+    )
     assert server.max_in_flight <= 2
     body = server.bodies[-1]
-    assert body["model"] == "stub-model" and body["ignore_eos"] is True and body["temperature"] == 0.0
+    assert (
+        body["model"] == "stub-model" and body["ignore_eos"] is True and body["temperature"] == 0.0
+    )
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
 
 
 def test_failures_are_reported_by_kind_and_never_raise(stub: tuple[StubServer, str]):
     _, url = stub
     requests = workload([[FAIL_503, 5], [FAIL_IN_STREAM, 5], [SHORT_OUTPUT, 5], [100, 5]])
-    result = asyncio.run(client.run(url, requests, [r.prompt for r in requests], concurrency=4, metrics_urls=()))
+    result = asyncio.run(
+        client.run(url, requests, [r.prompt for r in requests], concurrency=4, metrics_urls=())
+    )
     assert [r.error for r in result.results] == [
-        "http_503", "stream_error:request_aborted", "wrong_output_len", None,
+        "http_503",
+        "stream_error:request_aborted",
+        "wrong_output_len",
+        None,
     ]
     assert result.radix_hit_rate is None  # no metrics URL given
 
@@ -145,8 +172,12 @@ def test_a_server_that_is_not_there_is_a_transport_error():
 
     async def send() -> RequestResult:
         async with client.new_http_client(1, 5.0) as http:
-            return await client.stream_completion(http, f"http://127.0.0.1:{port}/v1/completions",
-                                                  client.completion_payload("m", [1], 2), 1)
+            return await client.stream_completion(
+                http,
+                f"http://127.0.0.1:{port}/v1/completions",
+                client.completion_payload("m", [1], 2),
+                1,
+            )
 
     assert asyncio.run(send()).error == "transport:ConnectError"
 
@@ -160,14 +191,22 @@ def test_a_failed_warmup_stops_the_run(stub: tuple[StubServer, str]):
 def test_arrival_times_are_seeded_poisson_or_all_at_once():
     assert client.arrival_times(3, None, 0) == [0.0, 0.0, 0.0]
     times = client.arrival_times(2000, 4.0, seed=7)
-    assert times == client.arrival_times(2000, 4.0, seed=7) != client.arrival_times(2000, 4.0, seed=8)
+    assert (
+        times == client.arrival_times(2000, 4.0, seed=7) != client.arrival_times(2000, 4.0, seed=8)
+    )
     assert times == sorted(times)
     assert times[-1] / len(times) == pytest.approx(1 / 4.0, rel=0.1)
 
 
 def test_dispatch_keeps_the_cap_and_sends_a_turn_only_after_the_previous_one():
-    requests = [BenchRequest([1], 1), BenchRequest([2], 1), BenchRequest([3], 1),
-                BenchRequest([1, 9], 1, after=0), BenchRequest([2, 9], 1, after=1), BenchRequest([1, 9, 9], 1, after=3)]
+    requests = [
+        BenchRequest([1], 1),
+        BenchRequest([2], 1),
+        BenchRequest([3], 1),
+        BenchRequest([1, 9], 1, after=0),
+        BenchRequest([2, 9], 1, after=1),
+        BenchRequest([1, 9, 9], 1, after=3),
+    ]
     log: list[tuple[str, int]] = []
     in_flight = peak = 0
 
@@ -176,7 +215,9 @@ def test_dispatch_keeps_the_cap_and_sends_a_turn_only_after_the_previous_one():
         in_flight += 1
         peak = max(peak, in_flight)
         log.append(("start", i))
-        for _ in range(3 - i % 3):  # uneven durations, so completion order differs from sending order
+        for _ in range(
+            3 - i % 3
+        ):  # uneven durations, so completion order differs from sending order
             await asyncio.sleep(0)
         log.append(("end", i))
         in_flight -= 1

@@ -10,21 +10,49 @@ from benchmarks.serving.decode_ceiling import ceiling, decode_params, kv_bytes_p
 from engine.model.config import ModelConfig
 
 SMOLLM2_135M = ModelConfig(
-    architecture="LlamaForCausalLM", num_hidden_layers=30, hidden_size=576, intermediate_size=1536,
-    num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152, rms_norm_eps=1e-5,
-    rope_theta=100000.0, context_len=8192, tie_word_embeddings=True,
+    architecture="LlamaForCausalLM",
+    num_hidden_layers=30,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+    rms_norm_eps=1e-5,
+    rope_theta=100000.0,
+    context_len=8192,
+    tie_word_embeddings=True,
 )
 
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_decode_params_are_the_models_parameters_less_an_untied_embedding(tied: bool):
-    hf_config = LlamaConfig(vocab_size=97, hidden_size=24, intermediate_size=40, num_hidden_layers=3,
-                            num_attention_heads=6, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tied)
+    hf_config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=24,
+        intermediate_size=40,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        tie_word_embeddings=tied,
+    )
     model = LlamaForCausalLM(hf_config)
     total = sum(p.numel() for p in model.parameters())  # a tied matrix is counted once
-    config = ModelConfig(architecture="LlamaForCausalLM", num_hidden_layers=3, hidden_size=24, intermediate_size=40,
-                         num_attention_heads=6, num_key_value_heads=2, head_dim=8, vocab_size=97, rms_norm_eps=1e-6,
-                         rope_theta=10000.0, context_len=128, tie_word_embeddings=tied)
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        num_hidden_layers=3,
+        hidden_size=24,
+        intermediate_size=40,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=97,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        context_len=128,
+        tie_word_embeddings=tied,
+    )
     assert decode_params(config) == total - (0 if tied else 97 * 24)
 
 

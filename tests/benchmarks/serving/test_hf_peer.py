@@ -42,9 +42,17 @@ class AlwaysEOS(nn.Module):
 
 
 def tiny_eager_model() -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, bos_token_id=1, eos_token_id=EOS,
-                         tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     model.lm_head = AlwaysEOS(config.vocab_size)
@@ -61,7 +69,9 @@ def test_every_request_gets_its_output_len_even_when_the_model_says_eos():
     for request, r in zip(batch, results):
         assert r.prompt_len == len(request.prompt) and r.error is None
         assert 0 < r.ttft <= r.latency
-        assert r.latency == pytest.approx(r.ttft + sum(r.itls))  # its own last token, not the batch's
+        assert r.latency == pytest.approx(
+            r.ttft + sum(r.itls)
+        )  # its own last token, not the batch's
     assert results[2].latency <= results[1].latency <= results[0].latency
 
 

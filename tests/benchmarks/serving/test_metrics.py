@@ -40,15 +40,21 @@ def test_latency_stats_are_milliseconds_and_empty_is_none():
 
 
 def test_tpot_spreads_the_time_after_the_first_token_over_the_remaining_tokens():
-    assert RequestResult(prompt_len=1, output_len=5, ttft=0.2, latency=1.0).tpot == pytest.approx(0.2)
+    assert RequestResult(prompt_len=1, output_len=5, ttft=0.2, latency=1.0).tpot == pytest.approx(
+        0.2
+    )
     assert RequestResult(prompt_len=1, output_len=1, ttft=0.2, latency=0.2).tpot is None
     assert RequestResult(prompt_len=1, error="timeout").tpot is None
 
 
 def test_summary_counts_only_completed_requests_and_groups_errors_by_kind():
     results = [
-        RequestResult(prompt_len=100, output_len=10, ttft=0.1, itls=[0.05] * 9, latency=0.55, cached_tokens=60),
-        RequestResult(prompt_len=300, output_len=10, ttft=0.3, itls=[0.1] * 9, latency=1.2, cached_tokens=0),
+        RequestResult(
+            prompt_len=100, output_len=10, ttft=0.1, itls=[0.05] * 9, latency=0.55, cached_tokens=60
+        ),
+        RequestResult(
+            prompt_len=300, output_len=10, ttft=0.3, itls=[0.1] * 9, latency=1.2, cached_tokens=0
+        ),
         RequestResult(prompt_len=50, error="http_503"),
         RequestResult(prompt_len=50, error="http_503"),
         RequestResult(prompt_len=50, output_len=3, error="wrong_output_len"),

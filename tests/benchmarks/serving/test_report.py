@@ -11,30 +11,73 @@ from benchmarks.serving import report
 from benchmarks.serving.metrics import RequestResult, summarize
 from benchmarks.serving.workloads import WorkloadConfig
 
-MACHINE = {"cpu": "Test CPU", "logical_cpus": 2, "usable_cpus": 2, "amx_bf16": True, "avx512_bf16": True,
-           "memory_gib": 24.0, "torch": "2.13.0+cpu", "torch_threads": 2, "thread_env": {}, "transformers": "5.0",
-           "python": "3.11.7", "git_commit": "abc1234", "git_dirty": False, "load_average_start": [0.1, 0.1, 0.1]}
+MACHINE = {
+    "cpu": "Test CPU",
+    "logical_cpus": 2,
+    "usable_cpus": 2,
+    "amx_bf16": True,
+    "avx512_bf16": True,
+    "memory_gib": 24.0,
+    "torch": "2.13.0+cpu",
+    "torch_threads": 2,
+    "thread_env": {},
+    "transformers": "5.0",
+    "python": "3.11.7",
+    "git_commit": "abc1234",
+    "git_dirty": False,
+    "load_average_start": [0.1, 0.1, 0.1],
+}
 
 
-def cell(peer: str, workload: str, c: int, out_tok_s: float, ttft_s: float, itl_s: float = 0.1) -> dict[str, Any]:
+def cell(
+    peer: str, workload: str, c: int, out_tok_s: float, ttft_s: float, itl_s: float = 0.1
+) -> dict[str, Any]:
     """A cell whose one-second run produced `out_tok_s` tokens in 10-token requests."""
-    results = [RequestResult(prompt_len=100, output_len=10, ttft=ttft_s, itls=[itl_s] * 9, latency=ttft_s + 9 * itl_s)
-               for _ in range(int(out_tok_s) // 10)]
+    results = [
+        RequestResult(
+            prompt_len=100, output_len=10, ttft=ttft_s, itls=[itl_s] * 9, latency=ttft_s + 9 * itl_s
+        )
+        for _ in range(int(out_tok_s) // 10)
+    ]
     summary = summarize(results, 1.0)
-    return {"peer": peer, "repeat": 0, "workload": workload, "concurrency": c,
-            "summary": dataclasses.asdict(summary), "ttft_ms": [ttft_s * 1000] * len(results)}
+    return {
+        "peer": peer,
+        "repeat": 0,
+        "workload": workload,
+        "concurrency": c,
+        "summary": dataclasses.asdict(summary),
+        "ttft_ms": [ttft_s * 1000] * len(results),
+    }
 
 
 def record(results: list[dict[str, Any]], workloads: list[str]) -> dict[str, Any]:
     return {
-        "command": "python -m benchmarks.serving.compare", "started": "2026-11-29T00:00:00+00:00",
-        "duration_s": 600.0, "machine": MACHINE, "workload_config": dataclasses.asdict(WorkloadConfig()),
-        "workloads": workloads, "concurrency": [8],
-        "peers": {"hf-bf16": "transformers", "rs-all-on": "ours", "rs-overlap-off": "ours, normal loop",
-                  "rs-radix-off": "ours, no cache"},
-        "decode": {"batch": 32, "context": 512, "mean_context": 528,
-                   "ceiling": {"weight_bytes": 269_000_000, "kv_bytes": 389_000_000, "bandwidth_gbs": 27.0,
-                               "batch": 32, "step_ms": 24.4, "tokens_per_s": 1312.0}},
+        "command": "python -m benchmarks.serving.compare",
+        "started": "2026-11-29T00:00:00+00:00",
+        "duration_s": 600.0,
+        "machine": MACHINE,
+        "workload_config": dataclasses.asdict(WorkloadConfig()),
+        "workloads": workloads,
+        "concurrency": [8],
+        "peers": {
+            "hf-bf16": "transformers",
+            "rs-all-on": "ours",
+            "rs-overlap-off": "ours, normal loop",
+            "rs-radix-off": "ours, no cache",
+        },
+        "decode": {
+            "batch": 32,
+            "context": 512,
+            "mean_context": 528,
+            "ceiling": {
+                "weight_bytes": 269_000_000,
+                "kv_bytes": 389_000_000,
+                "bandwidth_gbs": 27.0,
+                "batch": 32,
+                "step_ms": 24.4,
+                "tokens_per_s": 1312.0,
+            },
+        },
         "results": results,
     }
 
@@ -57,20 +100,37 @@ def test_decode_rate_is_batch_over_the_median_step():
 def test_targets_are_ratios_between_peers_of_the_run():
     rows = list(report.target_rows(record(RESULTS, ["shared-prefix"])))
     assert "| shared-prefix out tok/s | rs-all-on vs hf-bf16 | 8 | 4.00x | >= 3x | yes |" in rows
-    assert "| shared-prefix out tok/s | rs-all-on vs rs-radix-off | 8 | 4.00x | >= 2x | yes |" in rows
-    assert "| shared-prefix TTFT p50 | rs-all-on vs rs-radix-off | 8 | 0.25x | <= 0.33x | yes |" in rows
-    assert "| shared-prefix out tok/s | rs-overlap-off vs hf-bf16 | 8 | 1.50x | >= 3x | no |" in rows
-    assert "| decode tok/s, batch 32 | rs-all-on vs hf-bf16 | 32 | 2.00x | >= 2x (aim) | yes |" in rows
+    assert (
+        "| shared-prefix out tok/s | rs-all-on vs rs-radix-off | 8 | 4.00x | >= 2x | yes |" in rows
+    )
+    assert (
+        "| shared-prefix TTFT p50 | rs-all-on vs rs-radix-off | 8 | 0.25x | <= 0.33x | yes |"
+        in rows
+    )
+    assert (
+        "| shared-prefix out tok/s | rs-overlap-off vs hf-bf16 | 8 | 1.50x | >= 3x | no |" in rows
+    )
+    assert (
+        "| decode tok/s, batch 32 | rs-all-on vs hf-bf16 | 32 | 2.00x | >= 2x (aim) | yes |" in rows
+    )
     assert any("rs-all-on vs rs-overlap-off (overlap loop) | 8 | 2.67x" in row for row in rows)
     assert not any("random" in row for row in rows)  # no random cells were run
 
 
 def test_the_markdown_names_the_command_the_machine_and_every_cell():
     text = report.markdown(record(RESULTS, ["shared-prefix"]), "serving", notes="")
-    assert "python -m benchmarks.serving.compare" in text and "Test CPU, 2 usable of 2 logical CPUs" in text
+    assert (
+        "python -m benchmarks.serving.compare" in text
+        and "Test CPU, 2 usable of 2 logical CPUs" in text
+    )
     assert "torch 2.13.0+cpu with 2 threads (no OMP/MKL variables set)" in text
     table = [line for line in text.splitlines() if line.startswith("| 8 |")]
-    assert [line.split(" | ")[1] for line in table] == ["hf-bf16", "rs-all-on", "rs-overlap-off", "rs-radix-off"]
+    assert [line.split(" | ")[1] for line in table] == [
+        "hf-bf16",
+        "rs-all-on",
+        "rs-overlap-off",
+        "rs-radix-off",
+    ]
     assert "| rs-all-on | 50 | 50 | 640 | 49% | 2.00x |" in text
 
 
@@ -83,4 +143,6 @@ def test_rewriting_keeps_the_notes_below_the_marker(tmp_path: Path):
     report.write(decode_only, out)
     text = doc.read_text()
     assert text.count(report.NOTES_MARKER) == 1
-    assert text.endswith(f"{report.NOTES_MARKER}\nProfile: the decode step spends 60% in attention.\n")
+    assert text.endswith(
+        f"{report.NOTES_MARKER}\nProfile: the decode step spends 60% in attention.\n"
+    )

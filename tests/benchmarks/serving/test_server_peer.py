@@ -15,13 +15,31 @@ SHARED = list(range(1000, 1064))
 
 
 def run(server: RadixServer, requests: list[BenchRequest]) -> client.RunResult:
-    return asyncio.run(client.run(server.base_url, requests, [r.prompt for r in requests], concurrency=1,
-                                  metrics_urls=server.metrics_urls))
+    return asyncio.run(
+        client.run(
+            server.base_url,
+            requests,
+            [r.prompt for r in requests],
+            concurrency=1,
+            metrics_urls=server.metrics_urls,
+        )
+    )
 
 
-def test_the_client_measures_radixserve_and_a_flush_starts_the_next_cell_cold(tiny_llama_dir: Path, tmp_path: Path):
+def test_the_client_measures_radixserve_and_a_flush_starts_the_next_cell_cold(
+    tiny_llama_dir: Path, tmp_path: Path
+):
     requests = [BenchRequest(SHARED + [2000 + i] * 4, 6) for i in range(3)]
-    flags = ["--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--max-total-tokens", "4096"]
+    flags = [
+        "--model",
+        str(tiny_llama_dir),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        "4096",
+    ]
     with RadixServer(flags, log_dir=tmp_path) as server:
         first = run(server, requests)
         assert [r.error for r in first.results] == [None] * 3, server.log_tail()

@@ -15,8 +15,19 @@ from benchmarks.serving.workloads import (
     warmup_prompt,
 )
 
-SMALL = WorkloadConfig(requests=12, output_len=5, vocab_size=1000, groups=3, system_len=40, question_len=6,
-                       turns=3, user_len=7, shots=4, shot_len=5, random_len=30)
+SMALL = WorkloadConfig(
+    requests=12,
+    output_len=5,
+    vocab_size=1000,
+    groups=3,
+    system_len=40,
+    question_len=6,
+    turns=3,
+    user_len=7,
+    shots=4,
+    shot_len=5,
+    random_len=30,
+)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -86,7 +97,9 @@ def test_random_prompts_have_lengths_in_range_and_share_nothing_long():
     requests = build("random", SMALL)
     assert all(15 <= len(r.prompt) <= 30 for r in requests)
     assert len({len(r.prompt) for r in requests}) > 1
-    assert max(common_prefix(a.prompt, b.prompt) for a in requests for b in requests if a is not b) < 3
+    assert (
+        max(common_prefix(a.prompt, b.prompt) for a in requests for b in requests if a is not b) < 3
+    )
 
 
 def test_fixed_length_prompts_are_unique_and_exactly_that_long():

@@ -11,7 +11,9 @@ from engine.cache.radix_key import RadixKey
 from engine.sched.req import Req
 
 
-def insert_fresh(cache: RadixCache, tokens: list[int], extra_key: str | None = None) -> torch.Tensor:
+def insert_fresh(
+    cache: RadixCache, tokens: list[int], extra_key: str | None = None
+) -> torch.Tensor:
     """Insert `tokens` with newly allocated slots, freeing the duplicates as callers must."""
     allocator = cache.token_to_kv_pool_allocator
     slots = allocator.alloc(len(tokens))
@@ -25,7 +27,9 @@ def admit(cache: RadixCache, req: Req, extra_slots: int = 0) -> None:
     prefix, last_node = cache.match_prefix(RadixKey(req.origin_input_ids, req.extra_key))
     cache.inc_lock_ref(last_node)
     (row,) = cache.req_to_token_pool.alloc(1)
-    new = cache.token_to_kv_pool_allocator.alloc(len(req.origin_input_ids) - len(prefix) + extra_slots)
+    new = cache.token_to_kv_pool_allocator.alloc(
+        len(req.origin_input_ids) - len(prefix) + extra_slots
+    )
     cache.req_to_token_pool.write(row, 0, torch.cat([prefix, new]))
     req.req_pool_idx, req.prefix_indices, req.last_node = row, prefix, last_node
     req.kv_allocated_len = len(prefix) + len(new)
@@ -232,7 +236,9 @@ def test_finished_req_inserts_input_and_all_but_the_last_output_token():
     cache.cache_finished_req(req)
 
     assert cache.total_size() == 7
-    assert cache.match_prefix(RadixKey([1, 2, 3, 4, 5, 6, 7, 8])).device_indices.tolist() == slots[:7]
+    assert (
+        cache.match_prefix(RadixKey([1, 2, 3, 4, 5, 6, 7, 8])).device_indices.tolist() == slots[:7]
+    )
     assert slots[7] in cache.token_to_kv_pool_allocator.free_slots().tolist()
     assert cache.req_to_token_pool.available_size() == cache.req_to_token_pool.size
     cache.check_integrity()
@@ -296,7 +302,10 @@ def test_page_sizes_above_one_are_rejected():
 
 def test_module_main_prints_a_simulated_tree_with_lock_counts():
     out = subprocess.run(
-        [sys.executable, "-m", "engine.cache.radix_cache"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "engine.cache.radix_cache"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "[1, 2] len=2 lock_ref=1" in out
     assert "[7] len=1 lock_ref=0" in out

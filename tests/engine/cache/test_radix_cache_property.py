@@ -89,7 +89,9 @@ class RadixCacheVersusBruteForce(RuleBasedStateMachine):
         for p in gone:
             del self.slot_of[p]
         for ns, prefix in self.slot_of:
-            assert len(prefix) == 1 or (ns, prefix[:-1]) in self.slot_of, "eviction left a gap below a cached token"
+            assert len(prefix) == 1 or (ns, prefix[:-1]) in self.slot_of, (
+                "eviction left a gap below a cached token"
+            )
 
     @invariant()
     def tree_agrees_with_the_model(self) -> None:

@@ -6,7 +6,13 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, PendingGrammar, allocate_vocab_mask
+from engine.grammar import (
+    GrammarBackend,
+    GrammarError,
+    GrammarMatcher,
+    PendingGrammar,
+    allocate_vocab_mask,
+)
 from engine.model.loader import load_tokenizer
 from engine.sampling.vocab_mask import apply_vocab_mask
 
@@ -41,7 +47,10 @@ def test_the_same_grammar_text_shares_one_cached_compile(backend):
 def test_compile_errors_read_without_xgrammars_log_prefix(backend):
     with pytest.raises(GrammarError) as e:
         compiled(backend.submit("regex", "(abc"))
-    assert str(e.value) == "invalid regex: Regex parsing error at position 5: The parenthesis is not closed."
+    assert (
+        str(e.value)
+        == "invalid regex: Regex parsing error at position 5: The parenthesis is not closed."
+    )
     with pytest.raises(GrammarError, match=r'^invalid json_schema: Unsupported type "foo"'):
         compiled(backend.submit("json_schema", '{"type": "foo"}'))
 
@@ -67,7 +76,9 @@ def test_matcher_masks_accepts_and_terminates_on_the_stop_token(backend, tokeniz
     logits = torch.zeros(2, VOCAB)
     apply_vocab_mask(logits, vocab_mask)
     assert torch.isfinite(logits[0]).all()  # a row the matcher did not fill stays all-allowed
-    allowed = {tokenizer.decode([t]) for t in torch.isfinite(logits[1]).nonzero().flatten().tolist()}
+    allowed = {
+        tokenizer.decode([t]) for t in torch.isfinite(logits[1]).nonzero().flatten().tolist()
+    }
     assert allowed and all("yes".startswith(s) or "no".startswith(s) for s in allowed)
     assert not matcher.accept_token(tokenizer.encode("maybe")[0])
     for token in tokenizer.encode("yes"):

@@ -31,7 +31,10 @@ def engine():
 
 def test_json_schemas_give_valid_json_that_stops(engine):
     names = list(SCHEMA)
-    params = [{**GREEDY, "json_schema": SCHEMA[n] if i % 2 else json.dumps(SCHEMA[n])} for i, n in enumerate(names)]
+    params = [
+        {**GREEDY, "json_schema": SCHEMA[n] if i % 2 else json.dumps(SCHEMA[n])}
+        for i, n in enumerate(names)
+    ]
     results = engine.generate([PROMPTS[n] for n in names], params)
     for name, result in zip(names, results):
         assert result["meta"]["finish_reason"]["type"] == "stop", (name, result)
@@ -48,7 +51,9 @@ def test_regex_output_fullmatches(engine):
 def test_ebnf_output_is_accepted_by_the_grammar(engine):
     result = engine.generate("Write a small sum:", {**GREEDY, "ebnf": ARITHMETIC})[0]
     assert result["meta"]["finish_reason"]["type"] == "stop"
-    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=49152))
+    compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=49152)
+    )
     matcher = xgr.GrammarMatcher(compiler.compile_grammar(ARITHMETIC))
     assert matcher.accept_string(result["text"]) and matcher.is_completed(), result["text"]
     assert isinstance(eval(result["text"]), int)
@@ -59,7 +64,8 @@ def test_grammar_and_plain_requests_in_one_batch_are_both_correct(engine):
     alone = engine.generate("The three primary colors are", plain)[0]
     schema = SCHEMA["enum"]
     mixed = engine.generate(
-        ["The three primary colors are", PROMPTS["enum"]], [plain, {**GREEDY, "json_schema": schema}]
+        ["The three primary colors are", PROMPTS["enum"]],
+        [plain, {**GREEDY, "json_schema": schema}],
     )
     assert mixed[0]["output_ids"] == alone["output_ids"]
     jsonschema.validate(json.loads(mixed[1]["text"]), schema)
@@ -68,9 +74,13 @@ def test_grammar_and_plain_requests_in_one_batch_are_both_correct(engine):
 def test_overlap_and_normal_loops_give_the_same_constrained_outputs(engine):
     names = ["nested object", "$defs and $ref", "top-level array"]
     prompts = [PROMPTS[n] for n in names] + ["Write a small sum:"]
-    params = [{**GREEDY, "json_schema": SCHEMA[n]} for n in names] + [{**GREEDY, "ebnf": ARITHMETIC}]
+    params = [{**GREEDY, "json_schema": SCHEMA[n]} for n in names] + [
+        {**GREEDY, "ebnf": ARITHMETIC}
+    ]
     normal = engine.generate(prompts, params)
-    with Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=False) as overlap_engine:
+    with Engine(
+        dtype="float32", max_total_tokens=4096, disable_overlap_schedule=False
+    ) as overlap_engine:
         assert overlap_engine.scheduler.overlap
         overlapped = overlap_engine.generate(prompts, params)
     assert [r["output_ids"] for r in overlapped] == [r["output_ids"] for r in normal]
@@ -83,19 +93,36 @@ def test_bad_grammars_fail_alone_with_400_while_a_plain_request_finishes(engine)
         deep = {"type": "object", "properties": {"a": deep}}
     results = engine.generate(
         ["a", "b", "c", "d"],
-        [{"json_schema": "{bad"}, {"regex": "(abc"}, {"json_schema": deep}, {"max_new_tokens": 4, "ignore_eos": True}],
+        [
+            {"json_schema": "{bad"},
+            {"regex": "(abc"},
+            {"json_schema": deep},
+            {"max_new_tokens": 4, "ignore_eos": True},
+        ],
     )
-    messages = ["json_schema is not valid JSON", "invalid regex: Regex parsing error", "json_schema nests 81 levels deep"]
+    messages = [
+        "json_schema is not valid JSON",
+        "invalid regex: Regex parsing error",
+        "json_schema nests 81 levels deep",
+    ]
     for result, message in zip(results, messages):
         reason = result["meta"]["finish_reason"]
-        assert reason["type"] == "abort" and reason["status_code"] == 400 and message in reason["message"]
+        assert (
+            reason["type"] == "abort"
+            and reason["status_code"] == 400
+            and message in reason["message"]
+        )
         assert result["output_ids"] == []
     assert results[3]["meta"]["finish_reason"] == {"type": "length"}
     assert engine.scheduler.grammar_queue == []
 
 
 def test_a_grammar_request_waits_in_the_grammar_queue_until_compiled(engine):
-    req = Req("queued", engine.tokenizer.encode("Pick:"), SamplingParams(temperature=0, max_new_tokens=8, regex="a|b"))
+    req = Req(
+        "queued",
+        engine.tokenizer.encode("Pick:"),
+        SamplingParams(temperature=0, max_new_tokens=8, regex="a|b"),
+    )
     engine.scheduler.add_request(req)
     assert engine.scheduler.grammar_queue == [req] and req not in engine.scheduler.waiting_queue
     while not req.finished:

@@ -26,7 +26,12 @@ def tokenizer():
 def engines():
     with (
         Engine(dtype="float32", max_total_tokens=8192, disable_overlap_schedule=True) as plain,
-        Engine(dtype="float32", max_total_tokens=8192, disable_overlap_schedule=False, enable_jump_forward=True) as jf,
+        Engine(
+            dtype="float32",
+            max_total_tokens=8192,
+            disable_overlap_schedule=False,
+            enable_jump_forward=True,
+        ) as jf,
     ):
         assert jf.scheduler.overlap and jf.scheduler.jump_forward
         yield plain, jf
@@ -74,7 +79,12 @@ def test_detokenizer_rollback_keeps_the_emitted_text_a_prefix(tokenizer):
 
 def test_jump_forward_needs_the_radix_cache():
     with pytest.raises(ValueError, match="needs the radix cache"):
-        Engine(dtype="float32", max_total_tokens=1024, disable_radix_cache=True, enable_jump_forward=True)
+        Engine(
+            dtype="float32",
+            max_total_tokens=1024,
+            disable_radix_cache=True,
+            enable_jump_forward=True,
+        )
 
 
 def test_jump_forward_gives_valid_outputs_with_fewer_forward_passes(engines):
@@ -88,7 +98,10 @@ def test_jump_forward_gives_valid_outputs_with_fewer_forward_passes(engines):
     for engine in (plain, jf):
         stats = engine.scheduler.stats
         before = sum(stats.forward_modes.values())
-        results[engine] = [engine.generate(SCHEMAS[n][0], {**GREEDY, "json_schema": SCHEMAS[n][1]})[0] for n in names]
+        results[engine] = [
+            engine.generate(SCHEMAS[n][0], {**GREEDY, "json_schema": SCHEMAS[n][1]})[0]
+            for n in names
+        ]
         passes[engine] = sum(stats.forward_modes.values()) - before
     for name, result in zip(names, results[jf]):
         assert result["meta"]["finish_reason"]["type"] == "stop", (name, result)
@@ -99,16 +112,23 @@ def test_jump_forward_gives_valid_outputs_with_fewer_forward_passes(engines):
     # Where jump-forward's canonical tokens lead the model to the same choices, outputs are
     # identical; a forced token can also remove a merged token that carried a choice (`",`
     # = close the string and continue the list), so a few outputs may differ.
-    same = sum(json.loads(a["text"]) == json.loads(b["text"]) for a, b in zip(results[plain], results[jf]))
+    same = sum(
+        json.loads(a["text"]) == json.loads(b["text"]) for a, b in zip(results[plain], results[jf])
+    )
     assert same >= 15, same
 
 
 @pytest.mark.parametrize(
     ("prompt", "grammar"),
-    [("A US phone number:", {"regex": PHONE}), (SCHEMAS["nested object"][0], {"json_schema": SCHEMAS["nested object"][1]})],
+    [
+        ("A US phone number:", {"regex": PHONE}),
+        (SCHEMAS["nested object"][0], {"json_schema": SCHEMAS["nested object"][1]}),
+    ],
     ids=["regex", "json schema"],
 )
-def test_a_stream_with_rollbacks_rebuilds_the_final_text_and_ids(engines, tokenizer, prompt, grammar):
+def test_a_stream_with_rollbacks_rebuilds_the_final_text_and_ids(
+    engines, tokenizer, prompt, grammar
+):
     """The first sampled token ("{") is rolled back in the very step that first reports it:
     a reader never drops more ids than it was given."""
     _, jf = engines

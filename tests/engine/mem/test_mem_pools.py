@@ -7,7 +7,9 @@ from engine.mem.req_to_token_pool import ReqToTokenPool
 
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+    pytest.param(
+        "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+    ),
 ]
 
 
@@ -72,7 +74,9 @@ def test_req_to_token_pool_rejects_freeing_a_foreign_row():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kv_pool_stores_and_returns_per_layer_kv_at_slots(device, dtype):
-    pool = MHATokenToKVPool(size=16, dtype=dtype, head_num=2, head_dim=4, layer_num=3, device=device)
+    pool = MHATokenToKVPool(
+        size=16, dtype=dtype, head_num=2, head_dim=4, layer_num=3, device=device
+    )
     assert pool.get_key_buffer(0).shape == (17, 2, 4)
     loc = torch.tensor([3, 9, 1], device=device)
     k = torch.randn(3, 2, 4, device=device)

@@ -53,8 +53,16 @@ LLAMA3_ROPE = dict(
 # name -> (config class, model class, overrides). Each variant exercises what the others do not.
 TINY_ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
     "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True)),
-    "llama3_rope": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE)),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False, rope_parameters=dict(rope_theta=1e6))),
+    "llama3_rope": (
+        LlamaConfig,
+        LlamaForCausalLM,
+        dict(tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE),
+    ),
+    "qwen2": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(tie_word_embeddings=False, rope_parameters=dict(rope_theta=1e6)),
+    ),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=32)),
 }
 LOGITS_ATOL = 1e-6
@@ -83,10 +91,15 @@ def hf_last_logits(model: PreTrainedModel, token_ids: Sequence[int]) -> torch.Te
 
 def tiny_runner(path: Path | str, **kwargs) -> ModelRunner:
     """A float64 runner with a small KV pool, unless `kwargs` say otherwise."""
-    return ModelRunner(str(path), **{"dtype": "float64", "max_total_tokens": 4096, "max_running_requests": 16, **kwargs})
+    return ModelRunner(
+        str(path),
+        **{"dtype": "float64", "max_total_tokens": 4096, "max_running_requests": 16, **kwargs},
+    )
 
 
-def random_prompts(lengths: Sequence[int], vocab_size: int = TINY["vocab_size"], seed: int = 0) -> list[list[int]]:
+def random_prompts(
+    lengths: Sequence[int], vocab_size: int = TINY["vocab_size"], seed: int = 0
+) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
@@ -97,7 +110,9 @@ class GreedyResult:
     logits: list[list[torch.Tensor]]  # per request, per step: the logits the token was taken from
 
 
-def run_greedy(runner: ModelRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> GreedyResult:
+def run_greedy(
+    runner: ModelRunner, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> GreedyResult:
     """Prefill every prompt in one EXTEND batch, then decode them together, taking the
     argmax each step (the sampler is not under test here). Frees rows and slots after."""
     rows = runner.req_to_token_pool.alloc(len(prompts))

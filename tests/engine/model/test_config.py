@@ -44,17 +44,23 @@ def test_llama31_config_json_gives_llama3_rope_and_every_eos(tmp_path):
     assert config.rope_scaling == {**LLAMA31_CONFIG["rope_scaling"], "rope_type": "llama3"}
     assert config.eos_token_ids == (128001, 128008, 128009)
     assert config.context_len == 131072
-    assert not (config.qkv_bias or config.o_proj_bias or config.qk_norm or config.tie_word_embeddings)
+    assert not (
+        config.qkv_bias or config.o_proj_bias or config.qk_norm or config.tie_word_embeddings
+    )
 
 
 def test_transformers5_rope_parameters_are_read_like_the_old_layout():
-    new_layout = {k: v for k, v in LLAMA31_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+    new_layout = {
+        k: v for k, v in LLAMA31_CONFIG.items() if k not in ("rope_theta", "rope_scaling")
+    }
     new_layout["rope_parameters"] = {**LLAMA31_CONFIG["rope_scaling"], "rope_theta": 500000.0}
     assert ModelConfig.from_hf(new_layout) == ModelConfig.from_hf(LLAMA31_CONFIG)
 
 
 def test_legacy_rope_scaling_type_key_and_default_rope():
-    linear = ModelConfig.from_hf({**LLAMA31_CONFIG, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    linear = ModelConfig.from_hf(
+        {**LLAMA31_CONFIG, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    )
     assert linear.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     plain = ModelConfig.from_hf({**LLAMA31_CONFIG, "rope_scaling": None})
     assert plain.rope_scaling is None and plain.rope_theta == 500000.0
@@ -62,19 +68,38 @@ def test_legacy_rope_scaling_type_key_and_default_rope():
 
 def test_unsupported_rope_type_is_rejected_at_config_time():
     with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
-        ModelConfig.from_hf({**LLAMA31_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        ModelConfig.from_hf(
+            {**LLAMA31_CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+        )
 
 
 def test_qwen2_has_qkv_bias_and_qwen3_has_qk_norm():
-    qwen2 = ModelConfig.from_hf({**LLAMA31_CONFIG, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096})
+    qwen2 = ModelConfig.from_hf(
+        {
+            **LLAMA31_CONFIG,
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "use_sliding_window": False,
+            "sliding_window": 4096,
+        }
+    )
     assert qwen2.qkv_bias and not qwen2.o_proj_bias and not qwen2.qk_norm
     assert qwen2.context_len == 131072  # the window is off
-    qwen3 = ModelConfig.from_hf({**LLAMA31_CONFIG, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 128})
+    qwen3 = ModelConfig.from_hf(
+        {
+            **LLAMA31_CONFIG,
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "head_dim": 128,
+        }
+    )
     assert qwen3.qk_norm and not qwen3.qkv_bias
 
 
 def test_mistral_sliding_window_caps_the_context():
-    mistral = ModelConfig.from_hf({**LLAMA31_CONFIG, "architectures": None, "model_type": "mistral", "sliding_window": 4096})
+    mistral = ModelConfig.from_hf(
+        {**LLAMA31_CONFIG, "architectures": None, "model_type": "mistral", "sliding_window": 4096}
+    )
     assert mistral.architecture == "MistralForCausalLM"
     assert mistral.context_len == 4096
 

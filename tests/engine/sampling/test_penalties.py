@@ -16,7 +16,10 @@ MakeInfo = Callable[..., SamplingBatchInfo]
 
 
 def biased(
-    make_info: MakeInfo, logits: list[list[float]], params: list[SamplingParams], **state: list[list[int]]
+    make_info: MakeInfo,
+    logits: list[list[float]],
+    params: list[SamplingParams],
+    **state: list[list[int]],
 ) -> torch.Tensor:
     """The logits after `SamplingBatchInfo.apply_logits_bias`, for requests with this state."""
     out = torch.tensor(logits, dtype=torch.float32)
@@ -36,7 +39,9 @@ def test_count_tokens_and_token_mask_match_a_python_counter() -> None:
     assert torch.equal(token_mask(rows, 50, torch.device("cpu")), expected > 0)
 
 
-def test_frequency_and_presence_subtract_count_and_indicator_of_output_tokens(make_info: MakeInfo) -> None:
+def test_frequency_and_presence_subtract_count_and_indicator_of_output_tokens(
+    make_info: MakeInfo,
+) -> None:
     logits = [[1.0, 2.0, -1.0, 0.5, 3.0, 0.0]]
     out = biased(
         make_info,
@@ -59,12 +64,20 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_p
     make_info: MakeInfo,
 ) -> None:
     logits = [[2.0, -2.0, 1.0, -1.0, 3.0, 0.0]]
-    out = biased(make_info, logits, [SamplingParams(repetition_penalty=2.0)], prompts=[[0, 1, 0]], outputs=[[4, 5]])
+    out = biased(
+        make_info,
+        logits,
+        [SamplingParams(repetition_penalty=2.0)],
+        prompts=[[0, 1, 0]],
+        outputs=[[4, 5]],
+    )
     assert out.tolist() == [[1.0, -4.0, 1.0, -1.0, 1.5, 0.0]]
 
 
 def test_repetition_penalty_below_one_rewards_repeats(make_info: MakeInfo) -> None:
-    out = biased(make_info, [[2.0, -2.0, 1.0]], [SamplingParams(repetition_penalty=0.5)], prompts=[[0, 1]])
+    out = biased(
+        make_info, [[2.0, -2.0, 1.0]], [SamplingParams(repetition_penalty=0.5)], prompts=[[0, 1]]
+    )
     assert out.tolist() == [[4.0, -1.0, 1.0]]
 
 
@@ -84,7 +97,13 @@ def test_penalties_apply_per_row_and_leave_neutral_rows_untouched(make_info: Mak
 
 
 @pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.0, seed=3)])
-def test_plain_batch_builds_no_penalty_or_bias_tensors(make_info: MakeInfo, params: SamplingParams) -> None:
+def test_plain_batch_builds_no_penalty_or_bias_tensors(
+    make_info: MakeInfo, params: SamplingParams
+) -> None:
     info = make_info([params], 10, prompts=[[1, 2]], outputs=[[3]])
-    assert info.output_token_counts is None and info.seen_token_mask is None and info.logit_bias is None
+    assert (
+        info.output_token_counts is None
+        and info.seen_token_mask is None
+        and info.logit_bias is None
+    )
     assert info.min_tokens_ids is None

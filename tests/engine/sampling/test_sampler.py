@@ -19,12 +19,16 @@ MakeInfo = Callable[..., SamplingBatchInfo]
 DRAWS = 8000
 
 
-def sample(make_info: MakeInfo, logits: torch.Tensor, params: list[SamplingParams], **state: Any) -> SamplerOutput:
+def sample(
+    make_info: MakeInfo, logits: torch.Tensor, params: list[SamplingParams], **state: Any
+) -> SamplerOutput:
     """One sampler step over `logits` for requests with these params and `make_info` state."""
     return Sampler()(logits, make_info(params, logits.shape[1], **state))
 
 
-def draw_counts(make_info: MakeInfo, probs: list[float], params: SamplingParams, draws: int = DRAWS) -> torch.Tensor:
+def draw_counts(
+    make_info: MakeInfo, probs: list[float], params: SamplingParams, draws: int = DRAWS
+) -> torch.Tensor:
     """How often each token is drawn from `draws` copies of one row (a batch of `draws` rows)."""
     logits = torch.tensor(probs).log().repeat(draws, 1)
     tokens = sample(make_info, logits, [params] * draws).next_token_ids
@@ -34,10 +38,14 @@ def draw_counts(make_info: MakeInfo, probs: list[float], params: SamplingParams,
 def assert_follows(counts: torch.Tensor, expected: list[float]) -> None:
     """Drawn exactly the tokens with nonzero probability, each within 5 sigma of its share."""
     draws = int(counts.sum())
-    assert (counts > 0).tolist() == [p > 0 for p in expected], f"drew {counts.tolist()}, expected {expected}"
+    assert (counts > 0).tolist() == [p > 0 for p in expected], (
+        f"drew {counts.tolist()}, expected {expected}"
+    )
     for token, (count, p) in enumerate(zip(counts.tolist(), expected)):
         sigma = math.sqrt(draws * p * (1 - p))
-        assert abs(count - draws * p) <= 5 * sigma + 1, f"token {token}: {count} draws, expected {draws * p:.0f}"
+        assert abs(count - draws * p) <= 5 * sigma + 1, (
+            f"token {token}: {count} draws, expected {draws * p:.0f}"
+        )
 
 
 def normalised(weights: list[float]) -> list[float]:
@@ -63,7 +71,9 @@ def normalised(weights: list[float]) -> list[float]:
         ),
         pytest.param(
             [0.5, 0.25, 0.125, 0.125],  # powers of two: float32 softmax and cumsum are exact
-            SamplingParams(top_p=0.75),  # the smallest set whose mass reaches top_p, as in Hugging Face
+            SamplingParams(
+                top_p=0.75
+            ),  # the smallest set whose mass reaches top_p, as in Hugging Face
             normalised([0.5, 0.25, 0, 0]),
             id="top_p_reached_exactly",
         ),
@@ -87,7 +97,12 @@ def normalised(weights: list[float]) -> list[float]:
             normalised([0.25, 0.09, 0]),
             id="temperature_before_min_p",
         ),
-        pytest.param([0.64, 0.36], SamplingParams(temperature=2.0), normalised([0.8, 0.6]), id="temperature_2"),
+        pytest.param(
+            [0.64, 0.36],
+            SamplingParams(temperature=2.0),
+            normalised([0.8, 0.6]),
+            id="temperature_2",
+        ),
     ],
 )
 def test_draws_only_and_all_of_the_filtered_set_in_proportion(
@@ -103,14 +118,34 @@ PROBS = [0.4, 0.3, 0.2, 0.06, 0.04]
     ("params", "expected"),
     [
         pytest.param(
-            [SamplingParams(top_k=1), SamplingParams(), SamplingParams(top_p=0.5), SamplingParams(min_p=0.6)],
-            [[1.0, 0, 0, 0, 0], PROBS, normalised([0.4, 0.3, 0, 0, 0]), normalised([0.4, 0.3, 0, 0, 0])],
+            [
+                SamplingParams(top_k=1),
+                SamplingParams(),
+                SamplingParams(top_p=0.5),
+                SamplingParams(min_p=0.6),
+            ],
+            [
+                [1.0, 0, 0, 0, 0],
+                PROBS,
+                normalised([0.4, 0.3, 0, 0, 0]),
+                normalised([0.4, 0.3, 0, 0, 0]),
+            ],
             id="full_sort",
         ),
         pytest.param(
             # The filters look at the top 3 only; rows without top-k must keep the rest.
-            [SamplingParams(top_k=2), SamplingParams(), SamplingParams(top_k=3, top_p=0.7), SamplingParams(min_p=0.1)],
-            [normalised([0.4, 0.3, 0, 0, 0]), PROBS, normalised([0.4, 0.3, 0, 0, 0]), normalised(PROBS[:4] + [0])],
+            [
+                SamplingParams(top_k=2),
+                SamplingParams(),
+                SamplingParams(top_k=3, top_p=0.7),
+                SamplingParams(min_p=0.1),
+            ],
+            [
+                normalised([0.4, 0.3, 0, 0, 0]),
+                PROBS,
+                normalised([0.4, 0.3, 0, 0, 0]),
+                normalised(PROBS[:4] + [0]),
+            ],
             id="partial_sort",
         ),
     ],
@@ -122,7 +157,9 @@ def test_each_row_uses_its_own_filters(
     order = [3, 1, 4, 0, 2]
     logits = torch.empty(5)
     logits[order] = torch.tensor(PROBS).log()
-    tokens = sample(make_info, logits.repeat(DRAWS, 1), params * (DRAWS // 4)).next_token_ids.view(-1, 4)
+    tokens = sample(make_info, logits.repeat(DRAWS, 1), params * (DRAWS // 4)).next_token_ids.view(
+        -1, 4
+    )
     for column, row_expected in enumerate(expected):
         assert_follows(torch.bincount(tokens[:, column], minlength=5)[order], row_expected)
 
@@ -133,7 +170,9 @@ def test_top_p_one_keeps_a_tail_that_float_rounding_absorbs(make_info: MakeInfo)
     vocab_size = 100_000
     probs = torch.full((2, vocab_size), 2e-8)
     probs[:, 0] = 1 - (vocab_size - 1) * 2e-8
-    _apply_top_k_top_p_min_p(probs, make_info([SamplingParams(), SamplingParams(top_p=0.5)], vocab_size))
+    _apply_top_k_top_p_min_p(
+        probs, make_info([SamplingParams(), SamplingParams(top_p=0.5)], vocab_size)
+    )
     assert bool((probs[0] > 0).all())
     assert (probs[1] > 0).sum().item() == 1
 
@@ -155,7 +194,10 @@ def test_temperature_zero_is_argmax_bit_for_bit(make_info: MakeInfo, dtype: torc
     logits = torch.randn(64, 5000).to(dtype)
     all_greedy = sample(make_info, logits, [SamplingParams(temperature=0.0)] * 64).next_token_ids
     assert torch.equal(all_greedy, logits.argmax(dim=-1))
-    mixed = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05)]
+    mixed = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05),
+    ]
     tokens = sample(make_info, logits, mixed * 32).next_token_ids
     assert torch.equal(tokens[::2], logits[::2].argmax(dim=-1))
 
@@ -163,7 +205,9 @@ def test_temperature_zero_is_argmax_bit_for_bit(make_info: MakeInfo, dtype: torc
 def test_logits_of_the_caller_are_not_modified(make_info: MakeInfo) -> None:
     logits = torch.randn(4, 50)
     before = logits.clone()
-    params = SamplingParams(temperature=0.5, top_k=5, repetition_penalty=1.5, logit_bias={3: 5.0}, logprobs=True)
+    params = SamplingParams(
+        temperature=0.5, top_k=5, repetition_penalty=1.5, logit_bias={3: 5.0}, logprobs=True
+    )
     sample(make_info, logits, [params] * 4, outputs=[[1, 2]] * 4)
     assert torch.equal(logits, before)
 
@@ -177,7 +221,9 @@ def test_logprobs_are_of_the_tempered_distribution_before_the_filters(make_info:
     ]
     out = sample(make_info, logits, params)
     expected = torch.log_softmax(logits / torch.tensor([[1.0], [0.5], [2.0]]), dim=-1)
-    torch.testing.assert_close(out.next_token_logprobs, expected.gather(1, out.next_token_ids[:, None]).squeeze(1))
+    torch.testing.assert_close(
+        out.next_token_logprobs, expected.gather(1, out.next_token_ids[:, None]).squeeze(1)
+    )
     top = expected.topk(4, dim=-1)
     torch.testing.assert_close(out.next_token_top_logprobs_val, top.values)
     assert torch.equal(out.next_token_top_logprobs_idx, top.indices)
@@ -193,30 +239,44 @@ def test_logprobs_of_forbidden_tokens_are_finite(make_info: MakeInfo) -> None:
 
 
 def test_row_with_every_token_forbidden_still_yields_an_in_range_id(make_info: MakeInfo) -> None:
-    params = [SamplingParams(top_p=0.9, logprobs=True), SamplingParams(temperature=0.0, logprobs=True)]
+    params = [
+        SamplingParams(top_p=0.9, logprobs=True),
+        SamplingParams(temperature=0.0, logprobs=True),
+    ]
     out = sample(make_info, torch.full((2, 8), -math.inf), params)
     assert all(0 <= t < 8 for t in out.next_token_ids.tolist())
 
 
 def test_logit_bias_minus_inf_forbids_and_plus_100_forces(make_info: MakeInfo) -> None:
     probs = [0.5, 0.3, 0.15, 0.05]
-    forbid_0, force_3 = SamplingParams(logit_bias={0: -math.inf}), SamplingParams(logit_bias={3: 100.0})
+    forbid_0, force_3 = (
+        SamplingParams(logit_bias={0: -math.inf}),
+        SamplingParams(logit_bias={3: 100.0}),
+    )
     assert_follows(draw_counts(make_info, probs, forbid_0), normalised([0, 0.3, 0.15, 0.05]))
     assert_follows(draw_counts(make_info, probs, force_3), [0, 0, 0, 1.0])
     greedy_forbid_0 = SamplingParams(temperature=0.0, logit_bias={"0": -math.inf})
-    assert sample(make_info, torch.tensor([probs]).log(), [greedy_forbid_0]).next_token_ids.tolist() == [1]
+    assert sample(
+        make_info, torch.tensor([probs]).log(), [greedy_forbid_0]
+    ).next_token_ids.tolist() == [1]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_min_new_tokens_masks_eos_and_stop_ids_until_reached(make_info: MakeInfo, temperature: float) -> None:
+def test_min_new_tokens_masks_eos_and_stop_ids_until_reached(
+    make_info: MakeInfo, temperature: float
+) -> None:
     eos, stop = 0, 1
     logits = torch.tensor([[10.0, 9.0, 0.0, 0.0]]).repeat(DRAWS, 1)
     params = SamplingParams(temperature=temperature, min_new_tokens=3, stop_token_ids=[stop])
     for generated in range(4):
-        info = make_info([params] * DRAWS, 4, outputs=[[2] * generated] * DRAWS, eos_token_ids=[eos])
+        info = make_info(
+            [params] * DRAWS, 4, outputs=[[2] * generated] * DRAWS, eos_token_ids=[eos]
+        )
         tokens = set(Sampler()(logits, info).next_token_ids.tolist())
         if generated < 3:
-            assert tokens.isdisjoint({eos, stop}), f"EOS or stop id sampled after {generated} tokens"
+            assert tokens.isdisjoint({eos, stop}), (
+                f"EOS or stop id sampled after {generated} tokens"
+            )
         else:
             assert eos in tokens
 
@@ -242,11 +302,18 @@ def test_vocab_mask_forbids_everything_not_allowed(make_info: MakeInfo) -> None:
     assert set(tokens[1::2].tolist()) == {3}
 
 
-def test_seeded_request_draws_the_same_tokens_alone_or_anywhere_in_any_batch(make_info: MakeInfo) -> None:
+def test_seeded_request_draws_the_same_tokens_alone_or_anywhere_in_any_batch(
+    make_info: MakeInfo,
+) -> None:
     vocab_size, steps = 256, 24
     target_logits = torch.randn(vocab_size)
     target = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
-    neighbours = [SamplingParams(seed=7), SamplingParams(), SamplingParams(temperature=0.0), SamplingParams(top_k=3)]
+    neighbours = [
+        SamplingParams(seed=7),
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=3),
+    ]
 
     def generate(seed_params: SamplingParams, batch_size: int) -> list[int]:
         output: list[int] = []
@@ -265,19 +332,25 @@ def test_seeded_request_draws_the_same_tokens_alone_or_anywhere_in_any_batch(mak
     alone = generate(target, 1)
     assert generate(target, 5) == alone
     assert generate(target, 8) == alone
-    assert len(set(alone)) > steps // 2, "a seeded request should still sample, not repeat one token"
+    assert len(set(alone)) > steps // 2, (
+        "a seeded request should still sample, not repeat one token"
+    )
     other_seed = SamplingParams(temperature=1.0, top_p=0.95, seed=1235)
     assert generate(other_seed, 1) != alone
 
 
-def test_seeded_draws_follow_the_distribution_across_seeds_and_across_steps(make_info: MakeInfo) -> None:
+def test_seeded_draws_follow_the_distribution_across_seeds_and_across_steps(
+    make_info: MakeInfo,
+) -> None:
     probs = [0.4, 0.3, 0.2, 0.08, 0.02]
     logits = torch.tensor(probs).log().repeat(DRAWS, 1)
     across_seeds = [SamplingParams(seed=s) for s in range(DRAWS)]
     tokens = sample(make_info, logits, across_seeds).next_token_ids
     assert_follows(torch.bincount(tokens, minlength=5), probs)
     across_steps = [SamplingParams(seed=42)] * DRAWS
-    tokens = sample(make_info, logits, across_steps, outputs=[[0] * step for step in range(DRAWS)]).next_token_ids
+    tokens = sample(
+        make_info, logits, across_steps, outputs=[[0] * step for step in range(DRAWS)]
+    ).next_token_ids
     assert_follows(torch.bincount(tokens, minlength=5), probs)
 
 

@@ -17,7 +17,13 @@ def test_defaults_follow_sglang() -> None:
     p = SamplingParams()
     assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (128, 1.0, 1.0, -1, 0.0)
     assert (p.frequency_penalty, p.presence_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
-    assert (p.n, p.seed, p.ignore_eos, p.skip_special_tokens, p.grammar) == (1, None, False, True, None)
+    assert (p.n, p.seed, p.ignore_eos, p.skip_special_tokens, p.grammar) == (
+        1,
+        None,
+        False,
+        True,
+        None,
+    )
     p.verify(VOCAB)
 
 
@@ -27,14 +33,18 @@ def test_temperature_zero_is_greedy() -> None:
 
 
 def test_from_dict_normalises_a_json_request_body() -> None:
-    p = SamplingParams.from_dict({"stop": "###", "logit_bias": {"5": -100.0, "7": 2.5}, "temperature": 0})
+    p = SamplingParams.from_dict(
+        {"stop": "###", "logit_bias": {"5": -100.0, "7": 2.5}, "temperature": 0}
+    )
     assert p.stop == ["###"]
     assert p.logit_bias == {5: -100.0, 7: 2.5}
     p.verify(VOCAB)
 
 
 def test_from_dict_rejects_unknown_keys_by_name() -> None:
-    with pytest.raises(ValueError, match=r"unknown sampling parameter\(s\) \['max_tokens', 'topp'\]"):
+    with pytest.raises(
+        ValueError, match=r"unknown sampling parameter\(s\) \['max_tokens', 'topp'\]"
+    ):
         SamplingParams.from_dict({"max_tokens": 5, "topp": 0.9, "temperature": 0.5})
 
 
@@ -119,12 +129,19 @@ def test_top_logprobs_num_without_logprobs_is_rejected() -> None:
 
 
 def test_more_than_one_grammar_is_rejected() -> None:
-    with pytest.raises(ValueError, match=r"only one of json_schema, regex, ebnf.*\['json_schema', 'regex'\]"):
+    with pytest.raises(
+        ValueError, match=r"only one of json_schema, regex, ebnf.*\['json_schema', 'regex'\]"
+    ):
         SamplingParams(json_schema='{"type": "string"}', regex="[a-z]+").verify(VOCAB)
     assert SamplingParams(regex="[a-z]+").grammar == ("regex", "[a-z]+")
 
 
 def test_a_json_schema_object_is_kept_as_json_text():
-    params = SamplingParams.from_dict({"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}})
-    assert json.loads(params.json_schema) == {"type": "object", "properties": {"a": {"type": "integer"}}}
+    params = SamplingParams.from_dict(
+        {"json_schema": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    )
+    assert json.loads(params.json_schema) == {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+    }
     assert params.grammar == ("json_schema", params.json_schema)

@@ -9,9 +9,13 @@ import xgrammar as xgr
 from engine.sampling.vocab_mask import apply_vocab_mask
 
 
-def random_bitmask(batch_size: int, vocab_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def random_bitmask(
+    batch_size: int, vocab_size: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A packed int32 bitmask and the bool `[B, V]` it encodes, packed here bit by bit."""
-    allowed = torch.rand(batch_size, vocab_size, generator=torch.Generator().manual_seed(seed)) < 0.3
+    allowed = (
+        torch.rand(batch_size, vocab_size, generator=torch.Generator().manual_seed(seed)) < 0.3
+    )
     words = (vocab_size + 31) // 32
     packed = [[0] * words for _ in range(batch_size)]
     for b, t in allowed.nonzero().tolist():

@@ -11,7 +11,9 @@ def ratio_after(tracker: NewTokenRatioTracker, steps: int) -> float:
     return tracker.new_token_ratio
 
 
-@pytest.mark.parametrize(("steps", "expected"), [(0, 0.7), (300, 0.399), (600, 0.098), (1000, 0.098)])
+@pytest.mark.parametrize(
+    ("steps", "expected"), [(0, 0.7), (300, 0.399), (600, 0.098), (1000, 0.098)]
+)
 def test_ratio_decays_linearly_from_0_7_to_14_percent_over_600_steps(steps, expected):
     assert ratio_after(NewTokenRatioTracker(), steps) == pytest.approx(expected)
 

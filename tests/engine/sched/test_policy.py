@@ -74,7 +74,13 @@ def test_requests_with_a_long_tree_hit_are_never_deferred():
 def test_dfs_weight_runs_the_heaviest_subtree_first_and_keeps_subtrees_together():
     a, b = list(range(100, 140)), list(range(200, 240))
     cache = cache_with(a, b)
-    queue = [Req("b1", b + [1]), Req("a1", a + [1]), Req("a2", a + [2]), Req("b2", b + [2]), Req("a3", a + [3])]
+    queue = [
+        Req("b1", b + [1]),
+        Req("a1", a + [1]),
+        Req("a2", a + [2]),
+        Req("b2", b + [2]),
+        Req("a3", a + [3]),
+    ]
     SchedulePolicy("dfs-weight", cache).calc_priority(queue)
     assert rids(queue) == ["a1", "a2", "a3", "b1", "b2"]
 
@@ -86,14 +92,26 @@ def test_lof_puts_the_longest_output_first():
 
 
 def test_priority_orders_by_value_then_arrival():
-    queue = [Req("low", [1], priority=0), Req("high", [1], priority=5), Req("high-later", [1], priority=5)]
+    queue = [
+        Req("low", [1], priority=0),
+        Req("high", [1], priority=5),
+        Req("high-later", [1], priority=5),
+    ]
     SchedulePolicy("priority", cache_with()).calc_priority(queue)
     assert rids(queue) == ["high", "high-later", "low"]
 
 
 def test_routing_key_prefers_keys_common_in_the_running_batch():
-    running = [Req("r1", [1], routing_key="blue"), Req("r2", [1], routing_key="blue"), Req("r3", [1], routing_key="red")]
-    queue = [Req("none", [1]), Req("red", [1], routing_key="red"), Req("blue", [1], routing_key="blue")]
+    running = [
+        Req("r1", [1], routing_key="blue"),
+        Req("r2", [1], routing_key="blue"),
+        Req("r3", [1], routing_key="red"),
+    ]
+    queue = [
+        Req("none", [1]),
+        Req("red", [1], routing_key="red"),
+        Req("blue", [1], routing_key="blue"),
+    ]
     SchedulePolicy("routing-key", cache_with()).calc_priority(queue, running_reqs=running)
     assert rids(queue) == ["blue", "red", "none"]
 
@@ -101,16 +119,28 @@ def test_routing_key_prefers_keys_common_in_the_running_batch():
 def test_random_is_a_seeded_permutation():
     queue = [Req(str(i), [i]) for i in range(20)]
     SchedulePolicy("random", cache_with(), seed=1).calc_priority(queue)
-    assert sorted(rids(queue), key=int) == [str(i) for i in range(20)] and rids(queue) != sorted(rids(queue), key=int)
+    assert sorted(rids(queue), key=int) == [str(i) for i in range(20)] and rids(queue) != sorted(
+        rids(queue), key=int
+    )
 
 
 def test_unknown_policy_is_rejected_with_the_choices():
     with pytest.raises(ValueError, match="fcfs, lpm"):
         SchedulePolicy("sjf", cache_with())
-    assert set(SCHEDULE_POLICIES) == {"fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key"}
+    assert set(SCHEDULE_POLICIES) == {
+        "fcfs",
+        "lpm",
+        "dfs-weight",
+        "lof",
+        "random",
+        "priority",
+        "routing-key",
+    }
 
 
 def test_cache_aware_policies_fall_back_to_fcfs_without_a_radix_cache():
     cache = RadixCache.create_simulated(disable=True)
     assert SchedulePolicy("lpm", cache).active_policy([Req("a", [1])]) == "fcfs"
-    assert torch.equal(cache.match_prefix(RadixKey([1])).device_indices, torch.empty(0, dtype=torch.int64))
+    assert torch.equal(
+        cache.match_prefix(RadixKey([1])).device_indices, torch.empty(0, dtype=torch.int64)
+    )

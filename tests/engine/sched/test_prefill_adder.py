@@ -7,20 +7,30 @@ from engine.sched.prefill_adder import AddReqResult, PrefillAdder
 from engine.sched.req import Req
 
 
-def make_adder(cache: RadixCache, running=(), ratio=0.5, clip=4096, max_prefill=10_000, chunk=None) -> PrefillAdder:
-    return PrefillAdder(cache, cache.token_to_kv_pool_allocator, running, ratio, clip, max_prefill, chunk)
+def make_adder(
+    cache: RadixCache, running=(), ratio=0.5, clip=4096, max_prefill=10_000, chunk=None
+) -> PrefillAdder:
+    return PrefillAdder(
+        cache, cache.token_to_kv_pool_allocator, running, ratio, clip, max_prefill, chunk
+    )
 
 
 def waiting(cache: RadixCache, rid: str, input_len: int, max_new: int, first_token: int = 0) -> Req:
-    req = Req(rid, list(range(first_token, first_token + input_len)), SamplingParams(max_new_tokens=max_new))
+    req = Req(
+        rid,
+        list(range(first_token, first_token + input_len)),
+        SamplingParams(max_new_tokens=max_new),
+    )
     req.init_next_round_input(cache)
     return req
 
 
 def test_running_requests_reserve_their_clipped_remaining_tokens_times_the_ratio():
     cache = RadixCache.create_simulated(num_slots=1000)
-    running = [Req("r", [1], SamplingParams(max_new_tokens=300), output_ids=[2] * 100),
-               Req("huge", [1], SamplingParams(max_new_tokens=100_000))]
+    running = [
+        Req("r", [1], SamplingParams(max_new_tokens=300), output_ids=[2] * 100),
+        Req("huge", [1], SamplingParams(max_new_tokens=100_000)),
+    ]
     adder = make_adder(cache, running, ratio=0.5, clip=64)
     assert adder.rem_total_tokens == pytest.approx(1000 - (min(200, 64) + 64) * 0.5)
 
@@ -32,7 +42,10 @@ def test_a_newcomer_must_fit_its_input_and_clipped_max_new_tokens_in_full():
     assert adder.add_one_req(waiting(cache, "fits", 100, 900)) is AddReqResult.CONTINUE
     assert adder.rem_total_tokens == 0
     clipped = make_adder(RadixCache.create_simulated(num_slots=1000), clip=64)
-    assert clipped.add_one_req(waiting(clipped.tree_cache, "clipped", 100, 100_000)) is AddReqResult.CONTINUE
+    assert (
+        clipped.add_one_req(waiting(clipped.tree_cache, "clipped", 100, 100_000))
+        is AddReqResult.CONTINUE
+    )
 
 
 def test_locking_the_matched_prefix_is_rechecked_against_the_budget():

@@ -7,8 +7,13 @@ from engine.sched.retract import check_decode_mem, retract_decode
 
 
 def running(cache: RadixCache, rid: str, input_len: int, output_len: int) -> Req:
-    req = Req(rid, list(range(input_len)), SamplingParams(max_new_tokens=256), output_ids=[1] * output_len,
-              extra_key=rid)
+    req = Req(
+        rid,
+        list(range(input_len)),
+        SamplingParams(max_new_tokens=256),
+        output_ids=[1] * output_len,
+        extra_key=rid,
+    )
     (row,) = cache.req_to_token_pool.alloc(1)
     seqlen = input_len + output_len
     cache.req_to_token_pool.write(row, 0, cache.token_to_kv_pool_allocator.alloc(seqlen))
@@ -29,8 +34,12 @@ def test_decode_mem_check_evicts_cache_before_anything_else():
 
 def test_retracts_fewest_outputs_then_longest_input_first_and_frees_without_caching():
     cache = RadixCache.create_simulated(num_slots=48, max_reqs=8)
-    reqs = [running(cache, "old", 8, 10), running(cache, "short-new", 4, 1), running(cache, "long-new", 12, 1),
-            running(cache, "mid", 6, 5)]
+    reqs = [
+        running(cache, "old", 8, 10),
+        running(cache, "short-new", 4, 1),
+        running(cache, "long-new", 12, 1),
+        running(cache, "mid", 6, 5),
+    ]
     assert cache.token_to_kv_pool_allocator.available_size() == 1
 
     result = retract_decode(reqs, cache)
@@ -53,4 +62,6 @@ def test_keeps_at_least_one_and_aborts_it_with_a_message_when_it_cannot_fit_alon
     assert "cannot hold" in result.aborted.finished_reason.message
     assert cache.token_to_kv_pool_allocator.available_size() == 20
     cache.check_integrity()
-    assert torch.equal(cache.token_to_kv_pool_allocator.free_slots().sort().values, torch.arange(1, 21))
+    assert torch.equal(
+        cache.token_to_kv_pool_allocator.free_slots().sort().values, torch.arange(1, 21)
+    )

@@ -37,13 +37,17 @@ def outputs(results: list[dict]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_requests_arriving_during_decode_join_the_batch_and_match_running_alone(make_engine, overlap):
+def test_requests_arriving_during_decode_join_the_batch_and_match_running_alone(
+    make_engine, overlap
+):
     engine = make_engine(disable_overlap_schedule=not overlap)
     prompts = random_prompts(4, seed=1)
     alone = [engine.generate(p, {**GREEDY, "max_new_tokens": 24})[0]["output_ids"] for p in prompts]
 
-    reqs = [Req(f"r{i}", p, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Req(f"r{i}", p, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     scheduler = engine.scheduler
     scheduler.add_request(reqs[0])
     steps = 0
@@ -80,7 +84,9 @@ def test_lpm_prefills_a_prefix_shared_by_eight_simultaneous_requests_once(make_e
     prompts = [shared + [20 + i, 30 + i] for i in range(8)]
     results = engine.generate(prompts, {**GREEDY, "max_new_tokens": 6})
     prefilled = engine.scheduler.stats.prefill_tokens
-    assert prefilled < len(shared) + 8 * 3, f"prefilled {prefilled} tokens: the shared prefix ran more than once"
+    assert prefilled < len(shared) + 8 * 3, (
+        f"prefilled {prefilled} tokens: the shared prefix ran more than once"
+    )
     assert sum(r["meta"]["cached_tokens"] for r in results) >= 7 * len(shared)
 
     reference = make_engine(disable_radix_cache=True)
@@ -88,20 +94,25 @@ def test_lpm_prefills_a_prefix_shared_by_eight_simultaneous_requests_once(make_e
     assert_idle_and_leak_free(engine)
 
 
-@pytest.mark.parametrize("options", [
-    {"chunked_prefill_size": 64, "disable_overlap_schedule": False},
-    {"chunked_prefill_size": 64, "enable_mixed_chunk": True, "disable_overlap_schedule": False},
-    {"chunked_prefill_size": 64, "disable_overlap_schedule": True},
-    {"chunked_prefill_size": 64, "enable_mixed_chunk": True, "disable_overlap_schedule": True},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"chunked_prefill_size": 64, "disable_overlap_schedule": False},
+        {"chunked_prefill_size": 64, "enable_mixed_chunk": True, "disable_overlap_schedule": False},
+        {"chunked_prefill_size": 64, "disable_overlap_schedule": True},
+        {"chunked_prefill_size": 64, "enable_mixed_chunk": True, "disable_overlap_schedule": True},
+    ],
+)
 def test_chunked_and_mixed_prefill_match_unchunked_runs(make_engine, options):
     prompts = random_prompts(6, seed=4, low=30, high=300)
     params = {**GREEDY, "max_new_tokens": 12}
     reference = outputs(make_engine(chunked_prefill_size=None).generate(prompts, params))
     engine = make_engine(**options)
     scheduler = engine.scheduler
-    reqs = [Req(f"c{i}", p, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Req(f"c{i}", p, SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     scheduler.add_request(reqs[0])
     for step in range(10_000):
         if step == 6:  # the rest arrive while the first decodes, so mixed batches can form
@@ -119,21 +130,34 @@ def test_chunked_and_mixed_prefill_match_unchunked_runs(make_engine, options):
 def test_overlap_loop_matches_the_normal_loop_on_32_random_requests(make_engine):
     rng = random.Random(5)
     prompts = random_prompts(32, seed=5)
-    params = [{"temperature": 0, "max_new_tokens": rng.randint(1, 40), "ignore_eos": rng.random() < 0.5}
-              for _ in prompts]
+    params = [
+        {"temperature": 0, "max_new_tokens": rng.randint(1, 40), "ignore_eos": rng.random() < 0.5}
+        for _ in prompts
+    ]
     normal = make_engine(disable_overlap_schedule=True).generate(prompts, params)
-    overlap = make_engine(disable_overlap_schedule=False, debug_future_map=True, max_running_requests=12)
+    overlap = make_engine(
+        disable_overlap_schedule=False, debug_future_map=True, max_running_requests=12
+    )
     assert outputs(overlap.generate(prompts, params)) == outputs(normal)
     assert_idle_and_leak_free(overlap)
 
 
 def test_poisoned_future_map_stress_with_chunking_retraction_and_sampling(make_engine):
-    engine = make_engine(disable_overlap_schedule=False, debug_future_map=True, max_total_tokens=700,
-                         chunked_prefill_size=48,
-                         enable_mixed_chunk=True, max_running_requests=16)
+    engine = make_engine(
+        disable_overlap_schedule=False,
+        debug_future_map=True,
+        max_total_tokens=700,
+        chunked_prefill_size=48,
+        enable_mixed_chunk=True,
+        max_running_requests=16,
+    )
     prompts = random_prompts(40, seed=6, low=5, high=120)
-    params = [{"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 48, "ignore_eos": True, "seed": i}
-              if i % 3 else {**GREEDY, "max_new_tokens": 48} for i in range(40)]
+    params = [
+        {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 48, "ignore_eos": True, "seed": i}
+        if i % 3
+        else {**GREEDY, "max_new_tokens": 48}
+        for i in range(40)
+    ]
     results = engine.generate(prompts, params)
     assert all(len(r["output_ids"]) == 48 for r in results)
     assert engine.scheduler.stats.num_retractions > 0
@@ -146,8 +170,10 @@ def test_forced_retraction_finishes_everything_identically_and_jumps_the_ratio(m
 
     engine = make_engine(max_total_tokens=600, disable_overlap_schedule=True)
     scheduler = engine.scheduler
-    reqs = [Req(f"t{i}", p, SamplingParams(max_new_tokens=256, temperature=0, ignore_eos=True))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Req(f"t{i}", p, SamplingParams(max_new_tokens=256, temperature=0, ignore_eos=True))
+        for i, p in enumerate(prompts)
+    ]
     for req in reqs:
         scheduler.add_request(req)
     checked = 0
@@ -157,8 +183,11 @@ def test_forced_retraction_finishes_everything_identically_and_jumps_the_ratio(m
         scheduler.step()
         if scheduler.stats.num_retractions > retractions_before:
             kept = [r for r in reqs if id(r) in decoded_before and r.req_pool_idx is not None]
-            expected = min(1.0, (sum(decoded_before[id(r)] for r in kept) + 20 * len(kept))
-                           / (sum(r.sampling_params.max_new_tokens for r in kept) + 1))
+            expected = min(
+                1.0,
+                (sum(decoded_before[id(r)] for r in kept) + 20 * len(kept))
+                / (sum(r.sampling_params.max_new_tokens for r in kept) + 1),
+            )
             assert scheduler.ratio.new_token_ratio == pytest.approx(expected)
             checked += 1
     assert checked > 0 and scheduler.stats.num_retractions > 0
@@ -169,8 +198,12 @@ def test_forced_retraction_finishes_everything_identically_and_jumps_the_ratio(m
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_request_outgrowing_the_pool_alone_finishes_with_an_error_and_the_rest_finish(make_engine, overlap):
-    engine = make_engine(max_total_tokens=600, clip_max_new_tokens=64, disable_overlap_schedule=not overlap)
+def test_request_outgrowing_the_pool_alone_finishes_with_an_error_and_the_rest_finish(
+    make_engine, overlap
+):
+    engine = make_engine(
+        max_total_tokens=600, clip_max_new_tokens=64, disable_overlap_schedule=not overlap
+    )
     prompts = random_prompts(4, seed=8, low=10, high=20)
     params = [{**GREEDY, "max_new_tokens": 1000}] + [{**GREEDY, "max_new_tokens": 40}] * 3
     results = engine.generate(prompts, params)
@@ -194,7 +227,10 @@ def test_requests_that_can_never_fit_are_rejected_at_submission(make_engine):
     with pytest.raises(ValueError, match="KV cache holds 600"):
         engine.generate([[5, 6, 7], [8, 9], list(range(3, 253)) * 3], {"max_new_tokens": 4})
     assert not engine.scheduler.has_work(), "the rejected prompt's batch-mates were left queued"
-    assert engine.generate([5, 6, 7], {**GREEDY, "max_new_tokens": 3})[0]["meta"]["completion_tokens"] == 3
+    assert (
+        engine.generate([5, 6, 7], {**GREEDY, "max_new_tokens": 3})[0]["meta"]["completion_tokens"]
+        == 3
+    )
     assert_idle_and_leak_free(engine)
 
 
@@ -209,8 +245,10 @@ def test_max_new_tokens_beyond_the_context_is_capped(make_engine):
 def test_aborting_waiting_and_running_requests_frees_all_their_slots(make_engine, overlap):
     engine = make_engine(disable_overlap_schedule=not overlap, max_running_requests=2)
     scheduler = engine.scheduler
-    reqs = [Req(f"a{i}", p, SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))
-            for i, p in enumerate(random_prompts(4, seed=9))]
+    reqs = [
+        Req(f"a{i}", p, SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))
+        for i, p in enumerate(random_prompts(4, seed=9))
+    ]
     for req in reqs:
         scheduler.add_request(req)
     for _ in range(5):
@@ -231,22 +269,36 @@ def test_stop_token_ids_and_min_new_tokens(make_engine):
     free_run = engine.generate(prompt, {**GREEDY, "max_new_tokens": 20})[0]["output_ids"]
     stop_at = free_run[5]
     first = free_run.index(stop_at)
-    stopped = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 20, "stop_token_ids": [stop_at]})[0]
+    stopped = engine.generate(
+        prompt, {"temperature": 0, "max_new_tokens": 20, "stop_token_ids": [stop_at]}
+    )[0]
     assert stopped["output_ids"] == free_run[: first + 1]
     assert stopped["meta"]["finish_reason"] == {"type": "stop", "matched": stop_at}
-    late = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 20, "stop_token_ids": [stop_at],
-                                    "min_new_tokens": first + 2})[0]
+    late = engine.generate(
+        prompt,
+        {
+            "temperature": 0,
+            "max_new_tokens": 20,
+            "stop_token_ids": [stop_at],
+            "min_new_tokens": first + 2,
+        },
+    )[0]
     assert len(late["output_ids"]) > first + 1
     assert_idle_and_leak_free(engine)
 
 
 def test_logprobs_of_the_chosen_and_top_tokens_are_returned_per_output_token(make_engine):
     engine = make_engine()
-    result = engine.generate(random_prompts(1, seed=11)[0], {**GREEDY, "max_new_tokens": 5, "logprobs": True,
-                                                           "top_logprobs_num": 3})[0]
+    result = engine.generate(
+        random_prompts(1, seed=11)[0],
+        {**GREEDY, "max_new_tokens": 5, "logprobs": True, "top_logprobs_num": 3},
+    )[0]
     meta = result["meta"]
     assert [t for _, t in meta["output_token_logprobs"]] == result["output_ids"]
     for (chosen, token), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
-        assert len(top) == 3 and top[0] == (chosen, token)  # greedy: the chosen token is the likeliest
+        assert len(top) == 3 and top[0] == (
+            chosen,
+            token,
+        )  # greedy: the chosen token is the likeliest
         assert chosen <= 0 and top[0][0] >= top[1][0] >= top[2][0]
     assert "output_token_logprobs" not in engine.generate([5, 6], {"max_new_tokens": 2})[0]["meta"]

@@ -28,7 +28,12 @@ CONTEXT_LEN = 64
 MAX_TOKENS_CAP = 32
 VOCAB = 49152
 GRAMMAR_LIMITS = {"grammar_max_bytes": 4096, "grammar_max_nesting_depth": 8}
-LIMITS = {"max_tokens_cap": MAX_TOKENS_CAP, "context_len": CONTEXT_LEN, "vocab_size": VOCAB, **GRAMMAR_LIMITS}
+LIMITS = {
+    "max_tokens_cap": MAX_TOKENS_CAP,
+    "context_len": CONTEXT_LEN,
+    "vocab_size": VOCAB,
+    **GRAMMAR_LIMITS,
+}
 USER = [{"role": "user", "content": "hi"}]
 
 
@@ -75,68 +80,223 @@ BAD_INPUT = [
     ("max_tokens fractional", CHAT, {"messages": USER, "max_tokens": 1.5}, 400, "max_tokens"),
     ("stream not a bool", CHAT, {"messages": USER, "stream": "yes"}, 400, "stream"),
     ("stop a number", CHAT, {"messages": USER, "stop": 5}, 400, "stop"),
-    ("content a number", CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
-    ("image content part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
-     "messages[0].content"),
-    ("logit_bias value a string", CHAT, {"messages": USER, "logit_bias": {"5": "x"}}, 400, "logit_bias.5"),
+    (
+        "content a number",
+        CHAT,
+        {"messages": [{"role": "user", "content": 5}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "image content part",
+        CHAT,
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        400,
+        "messages[0].content",
+    ),
+    (
+        "logit_bias value a string",
+        CHAT,
+        {"messages": USER, "logit_bias": {"5": "x"}},
+        400,
+        "logit_bias.5",
+    ),
     ("max_tokens 0", CHAT, {"messages": USER, "max_tokens": 0}, 400, "max_tokens"),
     ("max_tokens negative", COMPLETION, {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ("max_completion_tokens 0", CHAT, {"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-    ("max_tokens beyond the context", COMPLETION, {"prompt": [1, 2, 3], "max_tokens": CONTEXT_LEN}, 400,
-     "max_tokens"),
+    (
+        "max_completion_tokens 0",
+        CHAT,
+        {"messages": USER, "max_completion_tokens": 0},
+        400,
+        "max_completion_tokens",
+    ),
+    (
+        "max_tokens beyond the context",
+        COMPLETION,
+        {"prompt": [1, 2, 3], "max_tokens": CONTEXT_LEN},
+        400,
+        "max_tokens",
+    ),
     ("prompt longer than the context", COMPLETION, {"prompt": [5] * CONTEXT_LEN}, 400, "prompt"),
-    ("chat prompt longer than the context", CHAT, {"messages": [{"role": "user", "content": "hi " * 100}]}, 400,
-     "messages"),
+    (
+        "chat prompt longer than the context",
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi " * 100}]},
+        400,
+        "messages",
+    ),
     ("temperature < 0", CHAT, {"messages": USER, "temperature": -0.5}, 400, "temperature"),
     ("top_p 0", CHAT, {"messages": USER, "top_p": 0.0}, 400, "top_p"),
     ("top_p > 1", COMPLETION, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ("n 0", CHAT, {"messages": USER, "n": 0}, 400, "n"),
-    ("unknown role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
-    ("logit_bias id beyond the vocabulary", CHAT, {"messages": USER, "logit_bias": {str(VOCAB): 1.0}}, 400,
-     "logit_bias"),
-    ("logit_bias id negative", CHAT, {"messages": USER, "logit_bias": {"-1": 1.0}}, 400, "logit_bias"),
-    ("logit_bias key not an id", CHAT, {"messages": USER, "logit_bias": {"hello": 1.0}}, 400, "logit_bias"),
+    (
+        "unknown role",
+        CHAT,
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        400,
+        "messages[0].role",
+    ),
+    (
+        "logit_bias id beyond the vocabulary",
+        CHAT,
+        {"messages": USER, "logit_bias": {str(VOCAB): 1.0}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias id negative",
+        CHAT,
+        {"messages": USER, "logit_bias": {"-1": 1.0}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias key not an id",
+        CHAT,
+        {"messages": USER, "logit_bias": {"hello": 1.0}},
+        400,
+        "logit_bias",
+    ),
     ("prompt token id beyond the vocabulary", COMPLETION, {"prompt": [1, VOCAB]}, 400, "prompt"),
-    ("top_logprobs without logprobs", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
-    ("min_tokens above max_tokens", CHAT, {"messages": USER, "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    (
+        "top_logprobs without logprobs",
+        CHAT,
+        {"messages": USER, "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
+    (
+        "min_tokens above max_tokens",
+        CHAT,
+        {"messages": USER, "max_tokens": 4, "min_tokens": 5},
+        400,
+        "min_tokens",
+    ),
     ("generate without a prompt", GENERATE, {"sampling_params": {}}, 400, None),
     ("generate with both prompt forms", GENERATE, {"text": "a", "input_ids": [1]}, 400, None),
-    ("generate unknown sampling parameter", GENERATE, {"text": "a", "sampling_params": {"max_tokens": 4}}, 400,
-     "sampling_params"),
-    ("generate temperature < 0", GENERATE, {"text": "a", "sampling_params": {"temperature": -1}}, 400,
-     "sampling_params.temperature"),
-    ("generate max_new_tokens a string", GENERATE, {"text": "a", "sampling_params": {"max_new_tokens": "9"}}, 400,
-     "sampling_params.max_new_tokens"),
-    ("generate input id beyond the vocabulary", GENERATE, {"input_ids": [[1], [VOCAB]]}, 400, "input_ids"),
-    ("response_format of an unknown type", CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400,
-     "response_format.type"),
-    ("json_schema format without its schema", CHAT, {"messages": USER, "response_format": {"type": "json_schema"}},
-     400, "response_format"),
-    ("json_schema format with a schema that is not an object", CHAT,
-     {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "int"}}},
-     400, "response_format.json_schema.schema"),
-    ("invalid json schema", CHAT,
-     {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
-     400, "response_format"),
-    ("json schema nested beyond the limit", CHAT,
-     {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": json.loads(
-         '{"type": "array", "items": ' * 9 + '{"type": "integer"}' + "}" * 9)}}}, 400, "response_format"),
+    (
+        "generate unknown sampling parameter",
+        GENERATE,
+        {"text": "a", "sampling_params": {"max_tokens": 4}},
+        400,
+        "sampling_params",
+    ),
+    (
+        "generate temperature < 0",
+        GENERATE,
+        {"text": "a", "sampling_params": {"temperature": -1}},
+        400,
+        "sampling_params.temperature",
+    ),
+    (
+        "generate max_new_tokens a string",
+        GENERATE,
+        {"text": "a", "sampling_params": {"max_new_tokens": "9"}},
+        400,
+        "sampling_params.max_new_tokens",
+    ),
+    (
+        "generate input id beyond the vocabulary",
+        GENERATE,
+        {"input_ids": [[1], [VOCAB]]},
+        400,
+        "input_ids",
+    ),
+    (
+        "response_format of an unknown type",
+        CHAT,
+        {"messages": USER, "response_format": {"type": "xml"}},
+        400,
+        "response_format.type",
+    ),
+    (
+        "json_schema format without its schema",
+        CHAT,
+        {"messages": USER, "response_format": {"type": "json_schema"}},
+        400,
+        "response_format",
+    ),
+    (
+        "json_schema format with a schema that is not an object",
+        CHAT,
+        {
+            "messages": USER,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": "int"},
+            },
+        },
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "invalid json schema",
+        CHAT,
+        {
+            "messages": USER,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"schema": {"type": "nonsense"}},
+            },
+        },
+        400,
+        "response_format",
+    ),
+    (
+        "json schema nested beyond the limit",
+        CHAT,
+        {
+            "messages": USER,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {
+                    "schema": json.loads(
+                        '{"type": "array", "items": ' * 9 + '{"type": "integer"}' + "}" * 9
+                    )
+                },
+            },
+        },
+        400,
+        "response_format",
+    ),
     ("invalid regex", COMPLETION, {"prompt": "hi", "regex": "[a-z"}, 400, "regex"),
     ("regex with a lookahead", COMPLETION, {"prompt": "hi", "regex": "a(?=b)"}, 400, "regex"),
     ("ebnf with an undefined rule", CHAT, {"messages": USER, "ebnf": "root ::= foo"}, 400, "ebnf"),
-    ("regex and response_format together", CHAT,
-     {"messages": USER, "regex": "a+", "response_format": {"type": "json_object"}}, 400, None),
-    ("generate invalid json schema", GENERATE, {"text": "a", "sampling_params": {"json_schema": '{"type": 5}'}},
-     400, "sampling_params.json_schema"),
-    ("generate schema that is not JSON", GENERATE, {"text": "a", "sampling_params": {"json_schema": "{oops"}},
-     400, "sampling_params.json_schema"),
-    ("generate grammar over the size limit", GENERATE,
-     {"text": "a", "sampling_params": {"regex": "a" * 5000}}, 400, "sampling_params.regex"),
+    (
+        "regex and response_format together",
+        CHAT,
+        {"messages": USER, "regex": "a+", "response_format": {"type": "json_object"}},
+        400,
+        None,
+    ),
+    (
+        "generate invalid json schema",
+        GENERATE,
+        {"text": "a", "sampling_params": {"json_schema": '{"type": 5}'}},
+        400,
+        "sampling_params.json_schema",
+    ),
+    (
+        "generate schema that is not JSON",
+        GENERATE,
+        {"text": "a", "sampling_params": {"json_schema": "{oops"}},
+        400,
+        "sampling_params.json_schema",
+    ),
+    (
+        "generate grammar over the size limit",
+        GENERATE,
+        {"text": "a", "sampling_params": {"regex": "a" * 5000}},
+        400,
+        "sampling_params.regex",
+    ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("model", "body", "status", "param"), [case[1:] for case in BAD_INPUT], ids=[case[0] for case in BAD_INPUT]
+    ("model", "body", "status", "param"),
+    [case[1:] for case in BAD_INPUT],
+    ids=[case[0] for case in BAD_INPUT],
 )
 def test_bad_input_answers_an_openai_error_naming_the_field(model, body, status, param, tokenizer):
     got_status, got = answer(model, body, tokenizer)
@@ -151,12 +311,18 @@ def test_bad_input_answers_an_openai_error_naming_the_field(model, body, status,
 
 
 def test_a_normal_request_passes_the_same_checks(tokenizer):
-    assert answer(CHAT, {"model": MODEL, "messages": USER, "max_tokens": 8, "user": "someone"}, tokenizer) == (200, {})
+    assert answer(
+        CHAT, {"model": MODEL, "messages": USER, "max_tokens": 8, "user": "someone"}, tokenizer
+    ) == (200, {})
 
 
 def test_fastapi_validation_errors_drop_the_body_location():
-    missing = RequestValidationError([{"type": "missing", "loc": ("body", "messages"), "msg": "Field required"}])
-    malformed = RequestValidationError([{"type": "json_invalid", "loc": ("body", 14), "msg": "JSON decode error"}])
+    missing = RequestValidationError(
+        [{"type": "missing", "loc": ("body", "messages"), "msg": "Field required"}]
+    )
+    malformed = RequestValidationError(
+        [{"type": "json_invalid", "loc": ("body", 14), "msg": "JSON decode error"}]
+    )
     assert validation_error_body(missing)["error"] == {
         "message": "messages: Field required",
         "type": "invalid_request_error",
@@ -169,35 +335,47 @@ def test_fastapi_validation_errors_drop_the_body_location():
 
 def test_server_errors_have_the_server_error_type():
     body = error_body(RequestError("worker died", code="peer_dead", status=503))
-    assert body == {"error": {"message": "worker died", "type": "server_error", "param": None, "code": "peer_dead"}}
+    assert body == {
+        "error": {
+            "message": "worker died",
+            "type": "server_error",
+            "param": None,
+            "code": "peer_dead",
+        }
+    }
 
 
 def test_every_chat_field_maps_to_its_native_name():
-    request = ChatCompletionRequest.model_validate({
-        "messages": USER,
-        "max_completion_tokens": 20,
-        "max_tokens": 5,
-        "min_tokens": 3,
-        "temperature": 0.5,
-        "top_p": 0.9,
-        "top_k": 40,
-        "min_p": 0.05,
-        "n": 2,
-        "stop": "END",
-        "presence_penalty": 0.5,
-        "frequency_penalty": -0.5,
-        "repetition_penalty": 1.1,
-        "seed": 7,
-        "logit_bias": {"42": -100.0, "7": 2},
-        "logprobs": True,
-        "top_logprobs": 3,
-        "ignore_eos": True,
-        "stop_token_ids": [2],
-        "skip_special_tokens": False,
-        "cache_salt": "tenant-a",
-        "priority": 4,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
-    })
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": USER,
+            "max_completion_tokens": 20,
+            "max_tokens": 5,
+            "min_tokens": 3,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "top_k": 40,
+            "min_p": 0.05,
+            "n": 2,
+            "stop": "END",
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "repetition_penalty": 1.1,
+            "seed": 7,
+            "logit_bias": {"42": -100.0, "7": 2},
+            "logprobs": True,
+            "top_logprobs": 3,
+            "ignore_eos": True,
+            "stop_token_ids": [2],
+            "skip_special_tokens": False,
+            "cache_salt": "tenant-a",
+            "priority": 4,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object"}},
+            },
+        }
+    )
     params = to_sampling_params(request, 10, **LIMITS)
     assert params == SamplingParams(
         max_new_tokens=20,
@@ -228,8 +406,15 @@ def test_every_chat_field_maps_to_its_native_name():
     ("fields", "grammar"),
     [
         ({"response_format": {"type": "json_object"}}, ("json_schema", '{"type": "object"}')),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "integer"}}}},
-         ("json_schema", '{"type": "integer"}')),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "p", "schema": {"type": "integer"}},
+                }
+            },
+            ("json_schema", '{"type": "integer"}'),
+        ),
         ({"response_format": {"type": "text"}}, None),
         ({"regex": "[a-z]+"}, ("regex", "[a-z]+")),
         ({"ebnf": 'root ::= "yes" | "no"'}, ("ebnf", 'root ::= "yes" | "no"')),
@@ -254,26 +439,47 @@ def test_max_tokens_within_the_context_is_clamped_to_the_server_cap():
 
 
 def test_completion_logprobs_count_is_the_top_alternatives():
-    params = to_sampling_params(CompletionRequest.model_validate({"prompt": "hi", "logprobs": 2}), 1, **LIMITS)
+    params = to_sampling_params(
+        CompletionRequest.model_validate({"prompt": "hi", "logprobs": 2}), 1, **LIMITS
+    )
     assert (params.logprobs, params.top_logprobs_num) == (True, 2)
-    params = to_sampling_params(CompletionRequest.model_validate({"prompt": "hi", "logprobs": 0}), 1, **LIMITS)
+    params = to_sampling_params(
+        CompletionRequest.model_validate({"prompt": "hi", "logprobs": 0}), 1, **LIMITS
+    )
     assert (params.logprobs, params.top_logprobs_num) == (True, 0)
     params = to_sampling_params(CompletionRequest.model_validate({"prompt": "hi"}), 1, **LIMITS)
     assert not params.logprobs
 
 
 def test_generate_takes_native_names_and_logprob_flags_beside_them():
-    request = GenerateRequest.model_validate({
-        "text": "hi",
-        "sampling_params": {"max_new_tokens": 8, "temperature": 0, "stop": ["x"], "min_new_tokens": 1},
-        "return_logprob": True,
-        "top_logprobs_num": 2,
-    })
+    request = GenerateRequest.model_validate(
+        {
+            "text": "hi",
+            "sampling_params": {
+                "max_new_tokens": 8,
+                "temperature": 0,
+                "stop": ["x"],
+                "min_new_tokens": 1,
+            },
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        }
+    )
     assert to_sampling_params(request, 1, **LIMITS) == SamplingParams(
-        max_new_tokens=8, min_new_tokens=1, temperature=0, stop=["x"], logprobs=True, top_logprobs_num=2
+        max_new_tokens=8,
+        min_new_tokens=1,
+        temperature=0,
+        stop=["x"],
+        logprobs=True,
+        top_logprobs_num=2,
     )
     default = GenerateRequest.model_validate({"input_ids": [1, 2]})
-    assert to_sampling_params(default, 2, max_tokens_cap=4096, context_len=2048, vocab_size=VOCAB, **GRAMMAR_LIMITS).max_new_tokens == 128
+    assert (
+        to_sampling_params(
+            default, 2, max_tokens_cap=4096, context_len=2048, vocab_size=VOCAB, **GRAMMAR_LIMITS
+        ).max_new_tokens
+        == 128
+    )
 
 
 @pytest.mark.parametrize(
@@ -285,33 +491,55 @@ def test_generate_takes_native_names_and_logprob_flags_beside_them():
     ids=["token ids", "token-id lists"],
 )
 def test_token_id_prompts_pass_through_as_a_batch(prompt, expected):
-    assert tokenize_prompts(CompletionRequest.model_validate({"prompt": prompt}), None, VOCAB) == expected
+    assert (
+        tokenize_prompts(CompletionRequest.model_validate({"prompt": prompt}), None, VOCAB)
+        == expected
+    )
 
 
 def test_text_prompts_are_tokenized_one_by_one(tokenizer):
     one = CompletionRequest.model_validate({"prompt": "Hello world"})
     many = CompletionRequest.model_validate({"prompt": ["Hello world", "Bye"]})
     assert tokenize_prompts(one, tokenizer, VOCAB) == [tokenizer.encode("Hello world")]
-    assert tokenize_prompts(many, tokenizer, VOCAB) == [tokenizer.encode("Hello world"), tokenizer.encode("Bye")]
+    assert tokenize_prompts(many, tokenizer, VOCAB) == [
+        tokenizer.encode("Hello world"),
+        tokenizer.encode("Bye"),
+    ]
 
 
 @pytest.mark.parametrize(
     ("body", "is_batch"),
-    [({"text": "a"}, False), ({"text": ["a", "b"]}, True), ({"input_ids": [1]}, False), ({"input_ids": [[1]]}, True)],
+    [
+        ({"text": "a"}, False),
+        ({"text": ["a", "b"]}, True),
+        ({"input_ids": [1]}, False),
+        ({"input_ids": [[1]]}, True),
+    ],
 )
 def test_generate_remembers_whether_a_batch_was_sent(body, is_batch):
-    for request in GenerateRequest.model_validate(body), GenerateRequest.model_validate_json(json.dumps(body)):
+    for request in (
+        GenerateRequest.model_validate(body),
+        GenerateRequest.model_validate_json(json.dumps(body)),
+    ):
         assert request.is_batch is is_batch
         assert len(request.prompts) == (2 if body.get("text") == ["a", "b"] else 1)
 
 
 def test_chat_template_is_chatml_ending_with_the_assistant_prompt(tokenizer):
-    request = ChatCompletionRequest.model_validate({
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]},
-        ]
-    })
+    request = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Hello"},
+                        {"type": "text", "text": "there"},
+                    ],
+                },
+            ]
+        }
+    )
     ids = apply_chat_template(tokenizer, request.messages)
     text = tokenizer.decode(ids)
     assert text == (

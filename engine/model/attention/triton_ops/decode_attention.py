@@ -64,7 +64,9 @@ def _fwd_grouped_kernel_stage1(
     offs_n = tl.arange(0, BLOCK_N)
 
     q_ptrs = Q + cur_batch * stride_qbs + cur_head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(K_Buffer.dtype.element_ty)
+    q = tl.load(q_ptrs, mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(
+        K_Buffer.dtype.element_ty
+    )
 
     # Padded head rows see q = 0, hence finite scores; they are never stored.
     e_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -75,7 +77,12 @@ def _fwd_grouped_kernel_stage1(
         mask_n = kv_pos < split_end
         slots = tl.load(kv_indices + seq_start + kv_pos, mask=mask_n, other=0).to(tl.int64)
 
-        k_ptrs = K_Buffer + slots[None, :] * stride_buf_kbs + cur_kv_head * stride_buf_kh + offs_d[:, None]
+        k_ptrs = (
+            K_Buffer
+            + slots[None, :] * stride_buf_kbs
+            + cur_kv_head * stride_buf_kh
+            + offs_d[:, None]
+        )
         k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         qk = tl.dot(q, k, input_precision="ieee") * sm_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
@@ -85,12 +92,22 @@ def _fwd_grouped_kernel_stage1(
         p = tl.exp(qk - n_e_max[:, None])
         e_sum = e_sum * re_scale + tl.sum(p, 1)
 
-        v_ptrs = V_Buffer + slots[:, None] * stride_buf_vbs + cur_kv_head * stride_buf_vh + offs_d[None, :]
+        v_ptrs = (
+            V_Buffer
+            + slots[:, None] * stride_buf_vbs
+            + cur_kv_head * stride_buf_vh
+            + offs_d[None, :]
+        )
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         e_max = n_e_max
 
-    mid_o = Att_Out + cur_batch * stride_mid_ob + cur_head[:, None] * stride_mid_oh + split_kv_id * stride_mid_os
+    mid_o = (
+        Att_Out
+        + cur_batch * stride_mid_ob
+        + cur_head[:, None] * stride_mid_oh
+        + split_kv_id * stride_mid_os
+    )
     tl.store(mid_o + offs_d[None, :], acc / e_sum[:, None], mask=mask_h[:, None] & mask_d[None, :])
     mid_lse = Att_Lse + cur_batch * stride_lse_b + cur_head * stride_lse_h + split_kv_id
     tl.store(mid_lse, e_max + tl.log(e_sum), mask=mask_h)
@@ -158,7 +175,9 @@ def decode_attention_fwd(
     `max_kv_splits`, and programs past a request's own split count exit at once.
     """
     assert q.stride(-1) == 1 and o.stride(-1) == 1, "head_dim must be the contiguous axis"
-    assert attn_logits.stride(-1) == 1 and attn_lse.stride(-1) == 1, "partial buffers must be contiguous per row"
+    assert attn_logits.stride(-1) == 1 and attn_lse.stride(-1) == 1, (
+        "partial buffers must be contiguous per row"
+    )
     batch_size, num_heads, head_dim = q.shape
     num_kv_heads = k_buffer.shape[1]
     kv_group_num = num_heads // num_kv_heads

@@ -58,7 +58,9 @@ def _fwd_kernel(
     mask_d = offs_d < Lk
 
     q_ptrs = Q + (q_start + offs_m)[:, None] * stride_qbs + cur_head * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(K_Buffer.dtype.element_ty)
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(
+        K_Buffer.dtype.element_ty
+    )
     q_pos = prefix_len + offs_m
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -72,7 +74,12 @@ def _fwd_kernel(
         mask_n = kv_pos < kv_end
         slots = tl.load(kv_indices + kv_start + kv_pos, mask=mask_n, other=0).to(tl.int64)
 
-        k_ptrs = K_Buffer + slots[None, :] * stride_buf_kbs + cur_kv_head * stride_buf_kh + offs_d[:, None]
+        k_ptrs = (
+            K_Buffer
+            + slots[None, :] * stride_buf_kbs
+            + cur_kv_head * stride_buf_kh
+            + offs_d[:, None]
+        )
         k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         qk = tl.dot(q, k, input_precision="ieee") * sm_scale
         causal = mask_n[None, :] & (kv_pos[None, :] <= q_pos[:, None])
@@ -84,13 +91,20 @@ def _fwd_kernel(
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * re_scale + tl.sum(p, 1)
 
-        v_ptrs = V_Buffer + slots[:, None] * stride_buf_vbs + cur_kv_head * stride_buf_vh + offs_d[None, :]
+        v_ptrs = (
+            V_Buffer
+            + slots[:, None] * stride_buf_vbs
+            + cur_kv_head * stride_buf_vh
+            + offs_d[None, :]
+        )
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
         acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
     o_ptrs = O + (q_start + offs_m)[:, None] * stride_obs + cur_head * stride_oh + offs_d[None, :]
-    tl.store(o_ptrs, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(
+        o_ptrs, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :]
+    )
 
 
 def extend_attention_fwd(

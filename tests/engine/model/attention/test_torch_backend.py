@@ -13,7 +13,9 @@ from engine.model.attention.torch_backend import TorchAttnBackend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 16
-LAYER = AttentionLayer(layer_id=1, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, scaling=0.3)
+LAYER = AttentionLayer(
+    layer_id=1, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, scaling=0.3
+)
 
 
 def make_batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], seed: int = 0):
@@ -26,7 +28,9 @@ def make_batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int]
     for buffer in kv_pool.get_kv_buffer(LAYER.layer_id):
         buffer.copy_(torch.randn(buffer.shape, generator=gen, dtype=torch.float64))
     req_pool = ReqToTokenPool(len(seq_lens) + 2, max(seq_lens) + 3, "cpu")
-    req_pool.req_to_token.copy_(torch.randint(1, pool_size + 1, req_pool.req_to_token.shape, generator=gen))
+    req_pool.req_to_token.copy_(
+        torch.randint(1, pool_size + 1, req_pool.req_to_token.shape, generator=gen)
+    )
     slots = torch.randperm(pool_size, generator=gen)[: sum(seq_lens)] + 1
     rows = (torch.randperm(req_pool.size, generator=gen)[: len(seq_lens)] + 1).tolist()
     out_cache_loc, start = [], 0
@@ -50,35 +54,55 @@ def make_batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int]
         req_to_token_pool=req_pool,
         token_to_kv_pool=kv_pool,
     )
-    q, k, v = (torch.randn(num_tokens, h, HEAD_DIM, generator=gen, dtype=torch.float64) for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
+    q, k, v = (
+        torch.randn(num_tokens, h, HEAD_DIM, generator=gen, dtype=torch.float64)
+        for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)
+    )
     return fb, q, k, v
 
 
-def reference_attention(fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def reference_attention(
+    fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:
     k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(LAYER.layer_id)
     group = NUM_HEADS // NUM_KV_HEADS
     outputs, start = [], 0
-    for row, prefix_len, extend_len in zip(fb.req_pool_indices.tolist(), fb.prefix_lens_cpu, fb.extend_lens_cpu):
+    for row, prefix_len, extend_len in zip(
+        fb.req_pool_indices.tolist(), fb.prefix_lens_cpu, fb.extend_lens_cpu
+    ):
         new = slice(start, start + extend_len)
         prefix_slots = fb.req_to_token_pool.req_to_token[row, :prefix_len].long()
         keys = torch.cat([k_buffer[prefix_slots], k[new]]).repeat_interleave(group, 1)
         values = torch.cat([v_buffer[prefix_slots], v[new]]).repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[new], keys) * LAYER.scaling
-        visible = torch.arange(prefix_len + extend_len)[None, :] <= torch.arange(prefix_len, prefix_len + extend_len)[:, None]
-        outputs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values))
+        visible = (
+            torch.arange(prefix_len + extend_len)[None, :]
+            <= torch.arange(prefix_len, prefix_len + extend_len)[:, None]
+        )
+        outputs.append(
+            torch.einsum(
+                "hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values
+            )
+        )
         start += extend_len
     return torch.cat(outputs)
 
 
 def run(fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    backend = TorchAttnBackend(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, device="cpu")
+    backend = TorchAttnBackend(
+        num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, device="cpu"
+    )
     backend.init_forward_metadata(fb)
     return backend.forward(q, k, v, LAYER, fb)
 
 
 CASES = {
     # (mode, prefix_lens, extend_lens)
-    "extend_ragged_with_prefixes": (ForwardMode.EXTEND, [0, 45, 70, 0, 13, 0], [37, 1, 20, 1, 66, 2]),
+    "extend_ragged_with_prefixes": (
+        ForwardMode.EXTEND,
+        [0, 45, 70, 0, 13, 0],
+        [37, 1, 20, 1, 66, 2],
+    ),
     "extend_one_token_prompts": (ForwardMode.EXTEND, [0, 0, 0], [1, 1, 1]),
     "mixed": (ForwardMode.MIXED, [0, 20, 7, 50], [30, 12, 1, 1]),
     "decode": (ForwardMode.DECODE, [0, 5, 33, 100, 129], [1, 1, 1, 1, 1]),
@@ -88,7 +112,9 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_attention_matches_the_reference(case):
     fb, q, k, v = make_batch(*CASES[case])
-    torch.testing.assert_close(run(fb, q, k, v), reference_attention(fb, q, k, v), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(
+        run(fb, q, k, v), reference_attention(fb, q, k, v), atol=1e-12, rtol=1e-12
+    )
 
 
 def test_new_kv_lands_in_the_pool_at_out_cache_loc():
@@ -118,11 +144,20 @@ def test_decode_output_of_a_request_does_not_depend_on_its_batch_mates():
             req_to_token_pool=fb.req_to_token_pool,
             token_to_kv_pool=fb.token_to_kv_pool,
         )
-        torch.testing.assert_close(run(alone, q[i : i + 1], k[i : i + 1], v[i : i + 1]), together[i : i + 1], atol=1e-14, rtol=0)
+        torch.testing.assert_close(
+            run(alone, q[i : i + 1], k[i : i + 1], v[i : i + 1]),
+            together[i : i + 1],
+            atol=1e-14,
+            rtol=0,
+        )
 
 
 def test_factory_builds_the_torch_backend_and_rejects_unknown_names():
-    backend = create_attention_backend("torch", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, device="cpu")
+    backend = create_attention_backend(
+        "torch", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, device="cpu"
+    )
     assert isinstance(backend, TorchAttnBackend)
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
-        create_attention_backend("flash", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, device="cpu")
+        create_attention_backend(
+            "flash", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, device="cpu"
+        )

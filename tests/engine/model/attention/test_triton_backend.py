@@ -32,13 +32,20 @@ assert torch.cuda.is_available() or INTERPRETED, (
     "engine.model.attention.triton_ops was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py"
 )
 DEVICE_MARKS = {
-    "cpu": pytest.mark.skipif(not INTERPRETED, reason="CUDA is present, so the kernels are compiled for it"),
+    "cpu": pytest.mark.skipif(
+        not INTERPRETED, reason="CUDA is present, so the kernels are compiled for it"
+    ),
     "cuda": pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 }
 DEVICES = [pytest.param(device, marks=mark) for device, mark in DEVICE_MARKS.items()]
 # The interpreter's bf16 tl.dot is wrong, so bf16 runs on CUDA only.
 DEVICE_DTYPES = [
-    pytest.param(device, dtype, id=f"{device}-{str(dtype).removeprefix('torch.')}", marks=DEVICE_MARKS[device])
+    pytest.param(
+        device,
+        dtype,
+        id=f"{device}-{str(dtype).removeprefix('torch.')}",
+        marks=DEVICE_MARKS[device],
+    )
     for device, dtype in [
         ("cpu", torch.float32),
         ("cpu", torch.float16),
@@ -91,7 +98,9 @@ def make_batch(
     forward_batch = ForwardBatch(
         forward_mode=mode,
         input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        positions=torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]).to(device),
+        positions=torch.cat([torch.arange(p, p + e) for p, e in zip(prefix_lens, extend_lens)]).to(
+            device
+        ),
         req_pool_indices=rows.to(device),
         seq_lens=torch.tensor(seq_lens, device=device),
         prefix_lens=torch.tensor(prefix_lens, device=device),
@@ -117,7 +126,9 @@ def reference_attention(batch: Batch) -> torch.Tensor:
     k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
     group = layer.num_heads // layer.num_kv_heads
     outputs, start = [], 0
-    for row, prefix_len, extend_len in zip(fb.req_pool_indices.tolist(), fb.prefix_lens_cpu, fb.extend_lens_cpu):
+    for row, prefix_len, extend_len in zip(
+        fb.req_pool_indices.tolist(), fb.prefix_lens_cpu, fb.extend_lens_cpu
+    ):
         new = slice(start, start + extend_len)
         prefix_slots = fb.req_to_token_pool.req_to_token[row, :prefix_len].long()
         k = torch.cat([k_buffer[prefix_slots], batch.k[new]]).double().repeat_interleave(group, 1)
@@ -183,7 +194,9 @@ def test_extend_matches_reference(device, dtype, head_dim, case):
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_decode_matches_reference(device, dtype, head_dim, case):
     min_kv_split_len, prefix_lens = DECODE_CASES[case]
-    batch = make_batch(ForwardMode.DECODE, prefix_lens, [1] * len(prefix_lens), head_dim, dtype, device)
+    batch = make_batch(
+        ForwardMode.DECODE, prefix_lens, [1] * len(prefix_lens), head_dim, dtype, device
+    )
     out = run(triton_backend(head_dim, device, min_kv_split_len), batch)
     assert_close(out, reference_attention(batch), dtype)
 
@@ -191,7 +204,9 @@ def test_decode_matches_reference(device, dtype, head_dim, case):
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_output_of_a_request_does_not_depend_on_its_batch_mates(device):
     prefix_lens = [100, 3, 57, 129]
-    batch = make_batch(ForwardMode.DECODE, prefix_lens, [1] * len(prefix_lens), 32, torch.float32, device)
+    batch = make_batch(
+        ForwardMode.DECODE, prefix_lens, [1] * len(prefix_lens), 32, torch.float32, device
+    )
     together = run(triton_backend(32, device), batch)
     fb = batch.forward_batch
     for i, prefix_len in enumerate(prefix_lens):
@@ -227,10 +242,15 @@ def test_decode_kv_splits_are_never_empty_and_never_above_the_cap(max_kv_splits,
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "mode,prefix_lens,extend_lens",
-    [*EXTEND_CASES.values(), (ForwardMode.DECODE, DECODE_CASES["splits"][1], [1] * len(DECODE_CASES["splits"][1]))],
+    [
+        *EXTEND_CASES.values(),
+        (ForwardMode.DECODE, DECODE_CASES["splits"][1], [1] * len(DECODE_CASES["splits"][1])),
+    ],
     ids=[*EXTEND_CASES, "decode"],
 )
 def test_matches_torch_backend(device, mode, prefix_lens, extend_lens):
     batch = make_batch(mode, prefix_lens, extend_lens, 32, torch.float32, device)
-    torch_backend = TorchAttnBackend(num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=32, device=device)
+    torch_backend = TorchAttnBackend(
+        num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=32, device=device
+    )
     assert_close(run(triton_backend(32, device), batch), run(torch_backend, batch), torch.float32)

@@ -25,7 +25,12 @@ ROPES = {
 
 
 def hf_config(rope: dict) -> LlamaConfig:
-    return LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=131072, rope_parameters=dict(rope))
+    return LlamaConfig(
+        hidden_size=1024,
+        num_attention_heads=8,
+        max_position_embeddings=131072,
+        rope_parameters=dict(rope),
+    )
 
 
 @pytest.mark.parametrize("rope", ["linear", "llama3"])
@@ -39,14 +44,18 @@ def test_scaled_frequencies_equal_transformers_bit_for_bit(rope):
 def test_rotation_equals_transformers(rope):
     config = hf_config(ROPES[rope])
     params = {k: v for k, v in ROPES[rope].items() if k != "rope_theta"}
-    ours = RotaryEmbedding(128, 131072, ROPES[rope]["rope_theta"], None if rope == "default" else params)
+    ours = RotaryEmbedding(
+        128, 131072, ROPES[rope]["rope_theta"], None if rope == "default" else params
+    )
     positions = torch.tensor([0, 1, 7, 8191, 8192, 100000, 131071])
     q = torch.randn(len(positions), 8, 128, dtype=torch.float64)
     k = torch.randn(len(positions), 2, 128, dtype=torch.float64)
     cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
     q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     q_ours, k_ours = ours(positions, q, k)
-    assert torch.equal(q_ours, q_hf[0].transpose(0, 1)) and torch.equal(k_ours, k_hf[0].transpose(0, 1))
+    assert torch.equal(q_ours, q_hf[0].transpose(0, 1)) and torch.equal(
+        k_ours, k_hf[0].transpose(0, 1)
+    )
 
 
 def test_llama_cpp_freq_factors_reproduce_llama3_scaling_to_float32_rounding():

@@ -20,7 +20,9 @@ def test_prefill_of_a_ragged_batch_matches_transformers(tiny, hf_logits, prompts
     hf_model, runner = tiny
     prompts = prompts_factory([1, 5, 17, 40, 2])
     rows = runner.req_to_token_pool.alloc(len(prompts))
-    logits = runner.forward(runner.build_forward_batch([ExtendInput(r, 0, p) for r, p in zip(rows, prompts)]))
+    logits = runner.forward(
+        runner.build_forward_batch([ExtendInput(r, 0, p) for r, p in zip(rows, prompts)])
+    )
     assert logits.shape == (len(prompts), hf_model.config.vocab_size)
     for i, prompt in enumerate(prompts):
         assert_logits_match(logits[i], hf_logits(hf_model, prompt))
@@ -40,9 +42,15 @@ def test_prefill_split_in_two_reads_the_prefix_from_the_pool(tiny, hf_logits, pr
     prompts = prompts_factory([50, 23, 9], seed=1)
     splits = [31, 1, 8]
     rows = runner.req_to_token_pool.alloc(len(prompts))
-    runner.forward(runner.build_forward_batch([ExtendInput(r, 0, p[:s]) for r, p, s in zip(rows, prompts, splits)]))
+    runner.forward(
+        runner.build_forward_batch(
+            [ExtendInput(r, 0, p[:s]) for r, p, s in zip(rows, prompts, splits)]
+        )
+    )
     logits = runner.forward(
-        runner.build_forward_batch([ExtendInput(r, s, p[s:]) for r, p, s in zip(rows, prompts, splits)])
+        runner.build_forward_batch(
+            [ExtendInput(r, s, p[s:]) for r, p, s in zip(rows, prompts, splits)]
+        )
     )
     for i, prompt in enumerate(prompts):
         assert_logits_match(logits[i], hf_logits(hf_model, prompt))
@@ -53,7 +61,9 @@ def test_mixed_batch_of_extends_and_decodes_matches_transformers(tiny, hf_logits
     prompts = prompts_factory([12, 7, 25, 4], seed=2)
     rows = runner.req_to_token_pool.alloc(len(prompts))
     # Requests 2 and 3 are already decoding; 0 and 1 start (or continue) their prefill.
-    runner.forward(runner.build_forward_batch([ExtendInput(rows[i], 0, prompts[i][:-1]) for i in (1, 2, 3)]))
+    runner.forward(
+        runner.build_forward_batch([ExtendInput(rows[i], 0, prompts[i][:-1]) for i in (1, 2, 3)])
+    )
     batch = [
         ExtendInput(rows[0], 0, prompts[0]),
         ExtendInput(rows[1], len(prompts[1]) - 1, prompts[1][-1:]),
