@@ -10,7 +10,7 @@
 # BASE_IMAGE must provide python3 (3.11 or newer) with the venv module; both stages use it, so
 # the virtualenv built in the first runs unchanged in the second.
 # PIP_INSTALL_ARGS passes options to pip, e.g. "--no-index --find-links /wheelhouse" for an
-# offline build from a wheelhouse mounted with `podman build -v` (deploy/pod_test.sh does this).
+# offline build from a wheelhouse mounted with `podman build -v` (deploy/pod_test.py does this).
 ARG BASE_IMAGE=docker.io/library/python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
@@ -18,7 +18,7 @@ ARG VARIANT=cuda
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_INSTALL_ARGS=""
 WORKDIR /src
-COPY pyproject.toml constraints.txt README.md ./
+COPY pyproject.toml constraints.txt README.md LICENSE ./
 COPY engine engine
 COPY services services
 COPY observability observability

@@ -16,7 +16,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 install: $(VENV)/.installed
 
+# The Debian packages the tests run for real (prometheus, promtool) come first: installed
+# when this user can, otherwise one line with the command to run (deploy/system_deps.sh).
 test: install
+	deploy/system_deps.sh test
 	$(PY) -m pytest
 
 # ruff (lint + format check) over the tree, mypy over engine/, services/, observability/.
@@ -34,9 +37,10 @@ clean:
 
 # The chart's pod run for real (deploy/pod_test.py): an offline podman build of the CPU image,
 # `podman kube play` of the rendered Deployment, probes, a chat completion, a read-only run.
-# Needs root and Debian's podman, buildah, debootstrap and runc.
+# Needs root; Debian's podman, buildah, debootstrap and runc are installed first.
 .PHONY: pod-test
 pod-test: install
+	deploy/system_deps.sh pod-test
 	$(PY) deploy/pod_test.py
 
 # Soak (benchmarks/soak.py): thousands of mixed requests (streams, disconnects, aborts, grammars,
