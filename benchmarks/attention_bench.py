@@ -88,7 +88,8 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(
-        f"{torch.cuda.get_device_name()}  {args.dtype}  heads {NUM_HEADS}/{NUM_KV_HEADS}  head_dim {HEAD_DIM}"
+        f"{torch.cuda.get_device_name()}  {args.dtype}  heads {NUM_HEADS}/{NUM_KV_HEADS}  "
+        f"head_dim {HEAD_DIM}"
     )
     print(f"{'case':<28}{'triton ms':>11}{'torch ms':>11}{'max |diff|':>12}")
     shapes = [(f"decode b={b} ctx={args.context}", b, args.context, 1) for b in (1, 8, 32, 64)]

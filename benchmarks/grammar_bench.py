@@ -1,7 +1,7 @@
 """JSON-schema decoding on the offline Engine: unconstrained vs constrained vs jump-forward,
 and the grammar's cost per token, side by side in one run.
 
-Workload: the 20 schemas of tests/grammar_schemas.py with their prompts, greedy. Rows:
+Workload: the 20 schemas of benchmarks/support/grammar_schemas.py with their prompts, greedy. Rows:
 - "batch": all 20 submitted at once (throughput);
 - "one by one": each request alone (latency; forward passes per request are what
   jump-forward saves).
@@ -28,8 +28,9 @@ from typing import NamedTuple
 import torch
 import xgrammar as xgr
 
+from benchmarks.support.grammar_schemas import SCHEMAS
 from engine.api import Engine
-from tests.grammar_schemas import SCHEMAS
+from engine.outputs import GenerateResult
 
 MODES = {
     "unconstrained": {},
@@ -40,7 +41,7 @@ MODES = {
 
 class Pass(NamedTuple):
     seconds: float
-    results: list[dict]
+    results: list[GenerateResult]
     forward_passes: int
     jump_forward_tokens: int
 
@@ -124,7 +125,7 @@ def main() -> None:
     }
     # The constrained lengths fix how much the unconstrained row decodes.
     reference = run(engines["json_schema"], prompts, grammar_params, one_by_one=False).results
-    lengths = [len(r["output_ids"]) for r in reference]
+    lengths = [len(r.output_ids) for r in reference]
     params = {
         mode: grammar_params
         if mode != "unconstrained"
@@ -135,15 +136,17 @@ def main() -> None:
         run(engine, prompts, params[mode], one_by_one=False)  # warm-up
 
     print(
-        f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
-        f"embedded SmolLM2-135M-Instruct in {args.dtype}; {'overlap' if args.overlap else 'normal'} loop"
+        f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}; embedded SmolLM2-135M-Instruct in {args.dtype}; "
+        f"{'overlap' if args.overlap else 'normal'} loop"
     )
     print(
         f"workload: {len(names)} JSON schemas, greedy, max_new_tokens {args.max_new_tokens}; "
         f"{sum(lengths)} output tokens in the constrained run; median of {args.repeats} passes\n"
     )
     print(
-        "| rows | mode | seconds | output tok/s | forward passes | jump-forward tokens | valid JSON |"
+        "| rows | mode | seconds | output tok/s | forward passes | jump-forward tokens "
+        "| valid JSON |"
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for one_by_one in (False, True):
@@ -154,25 +157,25 @@ def main() -> None:
         for mode in MODES:
             seconds = statistics.median(p.seconds for p in measured[mode])
             last = measured[mode][-1]
-            tokens = sum(len(r["output_ids"]) for r in last.results)
-            valid = (
-                "—" if mode == "unconstrained" else sum(_parses(r["text"]) for r in last.results)
-            )
+            tokens = sum(len(r.output_ids) for r in last.results)
+            valid = "—" if mode == "unconstrained" else sum(_parses(r.text) for r in last.results)
             print(
-                f"| {'one by one' if one_by_one else 'batch'} | {mode} | {seconds:.2f} | {tokens / seconds:.0f} | "
+                f"| {'one by one' if one_by_one else 'batch'} | {mode} | {seconds:.2f} | "
+                f"{tokens / seconds:.0f} | "
                 f"{last.forward_passes} | {last.jump_forward_tokens} | {valid} |"
             )
     same = sum(
-        _parsed(a["text"]) == _parsed(b["text"])
+        _parsed(a.text) == _parsed(b.text)
         for a, b in zip(
             run(engines["json_schema"], prompts, grammar_params, False).results,
             run(engines["json_schema + jump-forward"], prompts, grammar_params, False).results,
         )
     )
     print(f"\nidentical parsed outputs with and without jump-forward: {same} of {len(names)}")
-    cost = mask_overhead_us(engines["json_schema"], [r["output_ids"] for r in reference], schemas)
+    cost = mask_overhead_us(engines["json_schema"], [r.output_ids for r in reference], schemas)
     print(
-        f"grammar cost per token over {cost['tokens']} replayed tokens: fill {cost['fill']:.1f} µs, "
+        f"grammar cost per token over {cost['tokens']} replayed tokens: "
+        f"fill {cost['fill']:.1f} µs, "
         f"apply {cost['apply']:.1f} µs, accept {cost['accept']:.1f} µs"
     )
     for engine in engines.values():

@@ -14,6 +14,7 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, PreTrainedModel
@@ -90,7 +91,7 @@ def bench_ours(dtype: str, args: argparse.Namespace) -> dict[str, float]:
             )
         seq_len = args.decode_context
 
-        def decode() -> None:
+        def decode(rows: list[int] = rows) -> None:  # bound now: the loop rebinds `rows`
             nonlocal seq_len
             runner.forward(runner.build_forward_batch([ExtendInput(r, seq_len, [7]) for r in rows]))
             seq_len += 1
@@ -120,7 +121,7 @@ def bench_hf(dtype: str, args: argparse.Namespace) -> dict[str, float]:
             )
             next_ids = torch.full((batch_size, 1), 7)
             results[f"decode_{batch_size}"] = (
-                median_seconds(lambda: model(next_ids, cache=cache, use_cache=True), args.steps)
+                median_seconds(partial(model, next_ids, cache=cache, use_cache=True), args.steps)
                 * 1000
             )
     return results
@@ -137,7 +138,8 @@ def main() -> None:
 
     decode_cols = [f"decode b={b} (ms/step)" for b in args.batch_sizes]
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; decode context {args.decode_context} tokens/request\n"
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"decode context {args.decode_context} tokens/request\n"
     )
     print(
         f"| engine | dtype | prefill {args.prompt_len} (tok/s) | " + " | ".join(decode_cols) + " |"

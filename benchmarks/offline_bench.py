@@ -52,15 +52,18 @@ def main() -> None:
     args = parser.parse_args()
 
     print(
-        f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}; "
+        f"machine: {platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"torch {torch.__version__}; "
         f"model: {args.model or 'embedded SmolLM2-135M-Instruct'} in {args.dtype}"
     )
     print(
-        f"workload: {args.requests} requests × ({args.prefix_len} shared + {args.suffix_len} distinct) prompt "
-        f"tokens, {args.output_len} output tokens each; schedule policy {args.schedule_policy}\n"
+        f"workload: {args.requests} requests × ({args.prefix_len} shared + "
+        f"{args.suffix_len} distinct) prompt tokens, {args.output_len} output tokens each; "
+        f"schedule policy {args.schedule_policy}\n"
     )
     print(
-        "| configuration | seconds | requests/s | output tok/s | total tok/s | prefilled tokens | cached tokens |"
+        "| configuration | seconds | requests/s | output tok/s | total tok/s | prefilled tokens "
+        "| cached tokens |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     params = {"temperature": 0, "max_new_tokens": args.output_len, "ignore_eos": True}
@@ -82,15 +85,16 @@ def main() -> None:
         results = engine.generate(prompts, params)
         seconds = time.perf_counter() - start
         engine.shutdown()
-        outputs = [r["output_ids"] for r in results]
+        outputs = [r.output_ids for r in results]
         reference = reference or outputs
         same = sum(a == b for a, b in zip(outputs, reference))
         output_tokens = sum(len(o) for o in outputs)
         total_tokens = output_tokens + sum(len(p) for p in prompts)
-        cached = sum(r["meta"]["cached_tokens"] for r in results)
+        cached = sum(r.meta.cached_tokens for r in results)
         print(
-            f"| {name} | {seconds:.1f} | {len(prompts) / seconds:.2f} | {output_tokens / seconds:.0f} | "
-            f"{total_tokens / seconds:.0f} | {stats.prefill_tokens - prefilled_before:,} | {cached:,} |"
+            f"| {name} | {seconds:.1f} | {len(prompts) / seconds:.2f} | "
+            f"{output_tokens / seconds:.0f} | {total_tokens / seconds:.0f} | "
+            f"{stats.prefill_tokens - prefilled_before:,} | {cached:,} |"
             + (
                 ""
                 if same == len(outputs)

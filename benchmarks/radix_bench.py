@@ -5,7 +5,7 @@
    and on int64 memoryviews (what `RadixKey` stores). Comparison counts and wall time.
 2. Insert, match and evict throughput on a tree of about 100,000 nodes.
 
-Run: .venv/bin/python benchmarks/radix_bench.py [--nodes 100000] [--seed 0]
+Run: .venv/bin/python -m benchmarks.radix_bench [--nodes 100000] [--seed 0]
 Results are recorded in docs/benchmarks/radix.md.
 """
 
@@ -19,10 +19,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from benchmarks.support.radix import simulated_cache, total_size
 from engine.cache.radix_cache import RadixCache
 from engine.cache.radix_key import RadixKey, common_prefix_len
-from engine.mem.allocator import TokenToKVPoolAllocator
-from engine.mem.req_to_token_pool import ReqToTokenPool
 
 
 def per_token_match(a: Sequence[int], b: Sequence[int]) -> int:
@@ -77,15 +76,15 @@ def bench_tree(num_nodes: int, seed: int) -> list[tuple[str, int, float]]:
     ]
     keys = [RadixKey(r) for r in requests]
     slots_needed = len(prompts) * 64 + num_nodes * 16
-    allocator = TokenToKVPoolAllocator(slots_needed + 1)
-    cache = RadixCache(ReqToTokenPool(1, 8), allocator)
+    manager = simulated_cache(num_slots=slots_needed + 1, max_reqs=1, max_context_len=8)
+    cache = manager.tree_cache
+    assert isinstance(cache, RadixCache)
 
     rows = []
     start = time.perf_counter()
     for key in keys:
-        value = allocator.alloc(len(key))
-        present = cache.insert(key, value)
-        allocator.free(value[:present])
+        value = manager.alloc_slots(len(key))
+        manager.allocator.free(value[: cache.insert(key, value).prefix_len])
     elapsed = time.perf_counter() - start
     num_tree_nodes = sum(1 for _ in cache._nodes())
     rows.append((f"insert ({num_tree_nodes:,} nodes after)", len(keys), elapsed))
@@ -105,7 +104,7 @@ def bench_tree(num_nodes: int, seed: int) -> list[tuple[str, int, float]]:
         )
     )
 
-    total = cache.total_size()
+    total = total_size(cache)
     start = time.perf_counter()
     calls = 0
     while cache.evict(1_000):
@@ -117,7 +116,7 @@ def bench_tree(num_nodes: int, seed: int) -> list[tuple[str, int, float]]:
             time.perf_counter() - start,
         )
     )
-    cache.check_integrity()
+    manager.check_integrity()
     return rows
 
 
@@ -132,8 +131,8 @@ def main() -> None:
     torch.set_num_threads(1)
 
     print(
-        f"machine: {platform.processor() or platform.machine()}, python {platform.python_version()}, "
-        f"torch {torch.__version__}\n"
+        f"machine: {platform.processor() or platform.machine()}, "
+        f"python {platform.python_version()}, torch {torch.__version__}\n"
     )
     print(f"## Longest-prefix match, {args.shared:,}-token shared prefix\n")
     print("| method | comparisons | µs per match | speed-up vs per-token loop |")

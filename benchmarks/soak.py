@@ -4,9 +4,10 @@
 
 The mix: chat and completions, streamed and not, `n` > 1, native `/generate` (single,
 batch, streamed), shared prompt prefixes (radix hits), logprobs, stop strings, grammars
-(`response_format` json_schema from tests/grammar_schemas.py, regex), clients that
-disconnect mid-stream or before a non-streamed answer, `/abort_request` mid-stream, and
-bad inputs. `--max-queued-requests` is set low enough that bursts are shed with 429s.
+(`response_format` json_schema from benchmarks/support/grammar_schemas.py, regex),
+clients that disconnect mid-stream or before a non-streamed answer, `/abort_request`
+mid-stream, and bad inputs. `--max-queued-requests` is set low enough that bursts are shed
+with 429s.
 
 Every answer is checked for its shape (OpenAI objects and chunk sequences, `[DONE]` last,
 error bodies, grammar outputs that parse and match). Then, once the server is idle:
@@ -25,12 +26,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,28 +40,19 @@ from typing import Any
 import httpx2
 import jsonschema
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.support.grammar_schemas import SCHEMAS
+from benchmarks.support.launcher import ROLES, ServiceLauncher, cpu_flags
+from benchmarks.support.net import server_info
 
-from tests.grammar_schemas import SCHEMAS  # noqa: E402
-
-ROLES = ("worker", "detokenizer", "tokenizer")
-PORT_FLAGS = (
-    "port",
-    "worker-port",
-    "detokenizer-port",
-    "tokenizer-port",
-    "tokenizer-control-port",
-    "worker-metrics-port",
-    "detokenizer-metrics-port",
-)
 PREFIXES = [
     "You are a helpful assistant. Answer briefly and precisely. ",
     "Translate the following sentence into French, keeping the tone: ",
     "Summarise this paragraph in one line for a busy reader: ",
     "Once upon a time, in a kingdom by the sea, there lived ",
 ]
-WORDS = "cat dog river mountain code kernel token cache radix tree prefix sun moon blue red quick lazy".split()
+WORDS = (
+    "cat dog river mountain code kernel token cache radix tree prefix sun moon blue red quick lazy"
+).split()
 GRAMMAR_MAX_TOKENS = 256
 REGEXES = [
     r"(yes|no)",
@@ -96,107 +84,27 @@ BAD_BODIES: list[tuple[str, Any]] = [
 # ----- the server ---------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def tiny_model(work: Path) -> str:
+    """The tiny Llama with SmolLM2's tokenizer, built in `work`."""
+    # Imported here: torch and transformers take seconds to load, and `--help` or another
+    # model needs neither in this process.
+    from benchmarks.support.models import save_tiny_llama
+
+    return str(save_tiny_llama(work / "tiny-llama"))
 
 
-def build_tiny_model(path: Path) -> None:
-    """Random weights with SmolLM2's vocabulary and tokenizer, scaled up so greedy choices are
-    clear-cut rather than near-ties (also the service tests' `tiny_llama_dir`)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from engine.model.loader import load_tokenizer
-
-    tokenizer = load_tokenizer("embedded")
-    tokenizer.save_pretrained(path)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param)
-            param.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else 0.3 * noise)
-    model.save_pretrained(path)
+def rss_mib(launcher: ServiceLauncher) -> dict[str, float]:
+    """VmRSS of each process, MiB."""
+    rss = {}
+    for role, proc in launcher.procs.items():
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        kib = int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)[1])
+        rss[role] = kib / 1024
+    return rss
 
 
-class Server:
-    """The three services as separate processes on free ports, logs in `log_dir`."""
-
-    def __init__(self, model: str, log_dir: Path, extra_flags: list[str]):
-        self.log_dir = log_dir
-        self.ports = {name: free_port() for name in PORT_FLAGS}
-        self.flags = [
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            *extra_flags,
-            *(arg for name, port in self.ports.items() for arg in (f"--{name}", str(port))),
-        ]
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.url = f"http://127.0.0.1:{self.ports['port']}"
-
-    def start(self) -> None:
-        for role in ROLES:
-            with open(self.log_dir / f"{role}.log", "wb") as log:
-                self.procs[role] = subprocess.Popen(
-                    [sys.executable, "-m", f"services.{role}", *self.flags],
-                    cwd=REPO_ROOT,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                )
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx2.get(self.url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx2.TransportError:
-                pass
-            dead = [role for role, proc in self.procs.items() if proc.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                raise SystemExit(
-                    f"the server did not come up (dead: {dead}); logs in {self.log_dir}"
-                )
-            time.sleep(0.5)
-
-    def rss_mib(self) -> dict[str, float]:
-        """VmRSS of each process, MiB."""
-        rss = {}
-        for role, proc in self.procs.items():
-            status = Path(f"/proc/{proc.pid}/status").read_text()
-            kib = int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)[1])
-            rss[role] = kib / 1024
-        return rss
-
-    def alive(self) -> dict[str, bool]:
-        return {role: proc.poll() is None for role, proc in self.procs.items()}
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+def alive(launcher: ServiceLauncher) -> dict[str, bool]:
+    return {role: proc.poll() is None for role, proc in launcher.procs.items()}
 
 
 # ----- requests -------------------------------------------------------------------------------
@@ -656,29 +564,153 @@ async def run_requests(
     return outcomes, failures
 
 
-def server_info(url: str, check_integrity: bool = False) -> dict[str, Any]:
-    params = {"check_integrity": "true"} if check_integrity else {}
-    response = httpx2.get(url + "/get_server_info", params=params, timeout=60)
-    response.raise_for_status()
-    return response.json()
-
-
-def wait_idle(url: str, timeout: float = 120) -> dict[str, Any]:
+def wait_idle(client: httpx2.Client, timeout: float = 120) -> dict[str, Any]:
+    """The server info once nothing runs, waits or is in flight (or when `timeout` ends)."""
     deadline = time.monotonic() + timeout
     while True:
-        info = server_info(url)
+        info = server_info(client)
         if (
             info["num_running_reqs"] == 0
             and info["num_waiting_reqs"] == 0
             and info["num_in_flight_requests"] == 0
-        ):
-            return info
-        if time.monotonic() > deadline:
+        ) or time.monotonic() > deadline:
             return info
         time.sleep(0.5)
 
 
-def main() -> int:
+@dataclass
+class SoakResult:
+    """What the checks read after the run: answers, the idle server, its processes."""
+
+    outcomes: Counter[tuple[str, str]]
+    """(kind, outcome) -> requests, warm-up included."""
+    failures: list[str]
+    run_seconds: float
+    info: dict[str, Any]
+    """/get_server_info once idle after the run."""
+    integrity: str
+    rss_start: dict[str, float]
+    """VmRSS MiB per process at the end of the warm-up."""
+    rss_end: dict[str, float]
+    alive: dict[str, bool]
+
+
+def progress_printer(
+    launcher: ServiceLauncher, started: float, every: int, total: int
+) -> Callable[[int], None]:
+    """Prints the count, the time and each process's VmRSS every `every` requests."""
+
+    def report(done: int) -> None:
+        if done % every == 0 or done == total:
+            rss = ", ".join(f"{role} {mib:.0f}" for role, mib in rss_mib(launcher).items())
+            elapsed = time.monotonic() - started
+            print(f"  {done}/{total} requests ({elapsed:.0f} s); VmRSS MiB {rss}", flush=True)
+
+    return report
+
+
+def soak(
+    args: argparse.Namespace, launcher: ServiceLauncher, url: str, started: float
+) -> SoakResult:
+    """The warm-up, the memory baseline, the measured run, and the idle server's state."""
+    mix = Mix(random.Random(args.seed), args.max_tokens, args.kinds)
+    with httpx2.Client(base_url=url, timeout=60) as client:
+        warm_specs = [mix.spec() for _ in range(args.warmup)]
+        warm_progress = progress_printer(launcher, started, max(1, args.warmup), args.warmup)
+        warm, warm_failures = asyncio.run(
+            run_requests(url, warm_specs, args.concurrency, warm_progress)
+        )
+        wait_idle(client)
+        rss_start = rss_mib(launcher)
+        specs = [mix.spec() for _ in range(args.requests)]
+        run_progress = progress_printer(
+            launcher, started, max(1, args.requests // 10), args.requests
+        )
+        run_started = time.monotonic()
+        outcomes, failures = asyncio.run(run_requests(url, specs, args.concurrency, run_progress))
+        run_seconds = time.monotonic() - run_started
+        outcomes.update(warm)
+        info = wait_idle(client)
+        integrity = server_info(client, check_integrity="true").get(
+            "radix_integrity", "not reported"
+        )
+    return SoakResult(
+        outcomes=outcomes,
+        failures=warm_failures + failures,
+        run_seconds=run_seconds,
+        info=info,
+        integrity=integrity,
+        rss_start=rss_start,
+        rss_end=rss_mib(launcher),
+        alive=alive(launcher),
+    )
+
+
+def print_summary(args: argparse.Namespace, result: SoakResult) -> None:
+    info, outcomes = result.info, result.outcomes
+    by_kind: dict[str, Counter[str]] = {}
+    by_outcome: Counter[str] = Counter()
+    for (kind, outcome), count in outcomes.items():
+        by_kind.setdefault(kind, Counter())[outcome] += count
+        by_outcome[outcome] += count
+    print(
+        f"\n===== soak summary ({args.warmup} warm-up + {args.requests} requests, concurrency "
+        f"{args.concurrency}, model {args.model}, {result.run_seconds:.0f} s measured) ====="
+    )
+    print(f"requests sent: {sum(outcomes.values())}")
+    print("outcomes:")
+    for outcome, count in sorted(by_outcome.items(), key=lambda kv: -kv[1]):
+        print(f"  {outcome:<40} {count}")
+    print("by kind:")
+    for kind, counter in sorted(by_kind.items()):
+        print(f"  {kind:<20} " + ", ".join(f"{o}={c}" for o, c in counter.most_common()))
+    print(
+        f"KV: total {info['max_total_tokens']}, available {info['available_kv_tokens']}, "
+        f"evictable {info['evictable_kv_tokens']}, protected {info['protected_kv_tokens']}; "
+        f"leaked slots: {leaked_slots(info)}"
+    )
+    print(
+        f"idle: running {info['num_running_reqs']}, waiting {info['num_waiting_reqs']}, "
+        f"in flight at the tokenizer {info['num_in_flight_requests']}"
+    )
+    print(f"radix tree integrity: {result.integrity}")
+    print("VmRSS MiB (after warm-up → end):")
+    for role in ROLES:
+        start, end = result.rss_start[role], result.rss_end[role]
+        print(f"  {role:<12} {start:8.1f} → {end:8.1f}  ({end - start:+.1f})")
+    print(f"processes alive: {result.alive}")
+    for failure in result.failures[:20]:
+        print(f"FAILURE {failure}")
+
+
+def leaked_slots(info: dict[str, Any]) -> int:
+    """KV slots neither available nor evictable: held by no request, once the server is idle."""
+    return info["max_total_tokens"] - info["available_kv_tokens"] - info["evictable_kv_tokens"]
+
+
+def problems(args: argparse.Namespace, result: SoakResult) -> list[str]:
+    """Every check the run failed, in words; none is a pass."""
+    info = result.info
+    found = []
+    if result.failures:
+        found.append(f"{len(result.failures)} malformed or failed answers")
+    leaked = leaked_slots(info)
+    if leaked != 0 or info["protected_kv_tokens"] != 0:
+        found.append(f"{leaked} KV slots leaked, {info['protected_kv_tokens']} protected")
+    if info["num_running_reqs"] or info["num_waiting_reqs"] or info["num_in_flight_requests"]:
+        found.append("the server never went idle")
+    if result.integrity != "ok":
+        found.append(f"radix integrity: {result.integrity}")
+    if not all(result.alive.values()):
+        found.append(f"a process died: {result.alive}")
+    for role in ROLES:
+        growth = result.rss_end[role] - result.rss_start[role]
+        if growth > args.rss_growth_mib:
+            found.append(f"{role} VmRSS grew {growth:.1f} MiB (> {args.rss_growth_mib:g})")
+    return found
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=3000, help="requests in the measured run")
     parser.add_argument(
@@ -716,136 +748,33 @@ def main() -> int:
     parser.add_argument(
         "--server-args", default="", help='extra service flags, e.g. "--schedule-policy lpm"'
     )
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> int:
+    args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="radixserve-soak-"))
     log_dir = args.log_dir or work
     log_dir.mkdir(parents=True, exist_ok=True)
-    model = args.model
-    if model == "tiny":
-        model = str(work / "tiny-llama")
-        build_tiny_model(Path(model))
+    model = tiny_model(work) if args.model == "tiny" else args.model
     flags = [
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--max-total-tokens",
-        "32768",
+        *cpu_flags(32768, model),
         "--max-tokens-cap",
         "512",
         "--max-queued-requests",
         str(args.max_queued_requests),
         *args.server_args.split(),
     ]
-    server = Server(model, log_dir, flags)
-    rng = random.Random(args.seed)
-    mix = Mix(rng, args.max_tokens, args.kinds)
+    # The services' own heartbeat interval; the logs stay in log_dir, unprinted.
+    launcher = ServiceLauncher(log_dir, heartbeat_interval=None, show_logs=False)
     started = time.monotonic()
-    server.start()
-    try:
-        server.wait_ready()
+    with launcher.serve(flags, timeout=300) as url:
         print(f"server up in {time.monotonic() - started:.0f} s; logs in {log_dir}", flush=True)
-
-        rss_series: list[tuple[int, dict[str, float]]] = []
-
-        def progress(every: int, total: int, sample: bool = False) -> Callable[[int], None]:
-            def report(done: int) -> None:
-                if done % every == 0 or done == total:
-                    rss = server.rss_mib()
-                    if sample:
-                        rss_series.append((done, rss))
-                    print(
-                        f"  {done}/{total} requests ({time.monotonic() - started:.0f} s); VmRSS MiB "
-                        + ", ".join(f"{role} {mib:.0f}" for role, mib in rss.items()),
-                        flush=True,
-                    )
-
-            return report
-
-        warm_specs = [mix.spec() for _ in range(args.warmup)]
-        warm, warm_failures = asyncio.run(
-            run_requests(
-                server.url, warm_specs, args.concurrency, progress(max(1, args.warmup), args.warmup)
-            )
-        )
-        wait_idle(server.url)
-        rss_start = server.rss_mib()
-        specs = [mix.spec() for _ in range(args.requests)]
-        run_started = time.monotonic()
-        outcomes, failures = asyncio.run(
-            run_requests(
-                server.url,
-                specs,
-                args.concurrency,
-                progress(max(1, args.requests // 10), args.requests, True),
-            )
-        )
-        run_seconds = time.monotonic() - run_started
-        failures = warm_failures + failures
-        outcomes.update(warm)
-        info = wait_idle(server.url)
-        integrity = server_info(server.url, check_integrity=True).get(
-            "radix_integrity", "not reported"
-        )
-        rss_end = server.rss_mib()
-        alive = server.alive()
-    finally:
-        server.stop()
-
-    total = info["max_total_tokens"]
-    leaked = total - info["available_kv_tokens"] - info["evictable_kv_tokens"]
-    by_kind: dict[str, Counter] = {}
-    for (kind, outcome), count in outcomes.items():
-        by_kind.setdefault(kind, Counter())[outcome] += count
-    by_outcome: Counter[str] = Counter()
-    for (_, outcome), count in outcomes.items():
-        by_outcome[outcome] += count
-    print(
-        f"\n===== soak summary ({args.warmup} warm-up + {args.requests} requests, concurrency "
-        f"{args.concurrency}, model {args.model}, {run_seconds:.0f} s measured) ====="
-    )
-    print(f"requests sent: {sum(outcomes.values())}")
-    print("outcomes:")
-    for outcome, count in sorted(by_outcome.items(), key=lambda kv: -kv[1]):
-        print(f"  {outcome:<40} {count}")
-    print("by kind:")
-    for kind, counter in sorted(by_kind.items()):
-        print(f"  {kind:<20} " + ", ".join(f"{o}={c}" for o, c in counter.most_common()))
-    print(
-        f"KV: total {total}, available {info['available_kv_tokens']}, evictable {info['evictable_kv_tokens']}, "
-        f"protected {info['protected_kv_tokens']}; leaked slots: {leaked}"
-    )
-    print(
-        f"idle: running {info['num_running_reqs']}, waiting {info['num_waiting_reqs']}, "
-        f"in flight at the tokenizer {info['num_in_flight_requests']}"
-    )
-    print(f"radix tree integrity: {integrity}")
-    print("VmRSS MiB (after warm-up → end):")
-    grown = {}
-    for role in ROLES:
-        grown[role] = rss_end[role] - rss_start[role]
-        print(f"  {role:<12} {rss_start[role]:8.1f} → {rss_end[role]:8.1f}  ({grown[role]:+.1f})")
-    print(f"processes alive: {alive}")
-    for failure in failures[:20]:
-        print(f"FAILURE {failure}")
-
-    problems = []
-    if failures:
-        problems.append(f"{len(failures)} malformed or failed answers")
-    if leaked != 0 or info["protected_kv_tokens"] != 0:
-        problems.append(f"{leaked} KV slots leaked, {info['protected_kv_tokens']} protected")
-    if info["num_running_reqs"] or info["num_waiting_reqs"] or info["num_in_flight_requests"]:
-        problems.append("the server never went idle")
-    if integrity != "ok":
-        problems.append(f"radix integrity: {integrity}")
-    if not all(alive.values()):
-        problems.append(f"a process died: {alive}")
-    for role, growth in grown.items():
-        if growth > args.rss_growth_mib:
-            problems.append(f"{role} VmRSS grew {growth:.1f} MiB (> {args.rss_growth_mib:g})")
-    print("RESULT: " + ("PASS" if not problems else "FAIL: " + "; ".join(problems)))
-    return 0 if not problems else 1
+        result = soak(args, launcher, url, started)
+    print_summary(args, result)
+    found = problems(args, result)
+    print("RESULT: " + ("PASS" if not found else "FAIL: " + "; ".join(found)))
+    return 0 if not found else 1
 
 
 if __name__ == "__main__":

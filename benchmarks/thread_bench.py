@@ -29,7 +29,8 @@ from engine.api import Engine
 engine = Engine(max_total_tokens=4096)
 engine.generate("warm up", {{"max_new_tokens": 4}})
 start = time.perf_counter()
-engine.generate("Tell me a story", {{"max_new_tokens": {tokens}, "ignore_eos": True, "temperature": 0}})
+params = {{"max_new_tokens": {tokens}, "ignore_eos": True, "temperature": 0}}
+engine.generate("Tell me a story", params)
 print((time.perf_counter() - start) / {tokens} * 1000)
 """
 

@@ -185,7 +185,8 @@ def build_image(wheelhouse: Path) -> str:
 
 
 def render_deployment() -> dict:
-    """The chart's Deployment with the CPU values; the only override points it at the local image."""
+    """The chart's Deployment with the CPU values; the only override points it at the local
+    image."""
     manifest = run(
         HELM,
         "template",
@@ -204,7 +205,8 @@ def render_deployment() -> dict:
 
 
 def pod_container(deployment: dict, name: str) -> str:
-    """podman kube play names a Deployment's pod `<name>-pod-0` and its containers `<pod>-<container>`."""
+    """podman kube play names a Deployment's pod `<name>-pod-0` and its containers
+    `<pod>-<container>`."""
     return f"{deployment['metadata']['name']}-pod-0-{name}"
 
 
@@ -213,7 +215,8 @@ def http_get(container: str, port: int, path: str) -> tuple[int, str]:
     script = (
         "import sys, urllib.request, urllib.error\n"
         "try:\n"
-        "    r = urllib.request.urlopen(sys.argv[1], timeout=10); print(r.status); print(r.read().decode()[:200])\n"
+        "    r = urllib.request.urlopen(sys.argv[1], timeout=10)\n"
+        "    print(r.status); print(r.read().decode()[:200])\n"
         "except urllib.error.HTTPError as e:\n"
         "    print(e.code); print(e.read().decode()[:200])\n"
         "except OSError as e:\n"
@@ -254,7 +257,8 @@ def wait_ready(container: str, port: int, path: str) -> None:
             return
         time.sleep(3)
     sys.exit(
-        f"{container} did not answer 200 on {path} within {READY_TIMEOUT_S} s (last: {status} {body})"
+        f"{container} did not answer 200 on {path} within {READY_TIMEOUT_S} s "
+        f"(last: {status} {body})"
     )
 
 
@@ -311,7 +315,8 @@ def check_security_context(deployment: dict) -> list[str]:
     for container in deployment["spec"]["template"]["spec"]["containers"]:
         uid, writable = user_and_root_write(pod_container(deployment, container["name"]))
         print(
-            f"{container['name']}: uid {uid}, root filesystem {'WRITABLE' if writable else 'read-only'}"
+            f"{container['name']}: uid {uid}, "
+            f"root filesystem {'WRITABLE' if writable else 'read-only'}"
         )
         if uid != expected_uid or writable:
             failed.append(f"{container['name']} runs as uid {uid}, root writable: {writable}")

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -14,9 +13,10 @@ from engine.detokenize import IncrementalDetokenizer
 from engine.grammar import GrammarBackend
 from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
+from engine.outputs import GenerateMeta, GenerateResult, StreamChunk
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import Req
-from engine.sched.scheduler import Scheduler
+from engine.sched.scheduler import Scheduler, after_turns
 
 Prompt = str | Sequence[int]
 SamplingParamsArg = dict[str, Any] | Sequence[dict[str, Any]] | None
@@ -47,7 +47,7 @@ class Engine:
             None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)
         )
         grammar_backend = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and args.grammar_backend == "xgrammar":
             model_config = self.model_runner.model_config
             grammar_backend = GrammarBackend(
                 self.tokenizer,
@@ -68,10 +68,9 @@ class Engine:
 
     def generate(
         self, prompt: Prompt | Sequence[Prompt], sampling_params: SamplingParamsArg = None
-    ) -> list[dict]:
-        """Generate for one prompt or a batch (text, or token ids); one result per prompt:
-        `{"text", "output_ids", "meta": {prompt_tokens, completion_tokens, cached_tokens,
-        finish_reason}}`. `sampling_params` is one dict for all prompts or one per prompt;
+    ) -> list[GenerateResult]:
+        """Generate for one prompt or a batch (text, or token ids); one `GenerateResult`
+        per prompt. `sampling_params` is one dict for all prompts or one per prompt;
         `json_schema` may be a dict. A grammar that fails to compile comes back as a result
         whose finish_reason is an abort with status_code 400, not as an exception."""
         prompts = _as_prompt_list(prompt)
@@ -80,8 +79,7 @@ class Engine:
         try:  # a rejected prompt, or an interrupt, must not leave its batch-mates queued
             for p, sp in zip(prompts, params):
                 reqs.append(self._submit(p, sp))
-            while not all(r.finished for r in reqs):
-                self.scheduler.step()
+            self.scheduler.run_event_loop(should_stop=lambda: all(r.finished for r in reqs))
         finally:
             for req in reqs:
                 if not req.finished:
@@ -90,17 +88,17 @@ class Engine:
 
     def generate_stream(
         self, prompt: Prompt, sampling_params: dict[str, Any] | None = None
-    ) -> Iterator[dict]:
-        """Yield `{"text": delta, "output_ids": new ids}` as tokens arrive; the last chunk
-        also carries `meta`. With jump-forward a chunk may carry `"rollback": k`: the last k
-        ids already yielded were re-encoded and `output_ids` replaces them (the text only
-        ever grows)."""
+    ) -> Iterator[StreamChunk]:
+        """Yield a `StreamChunk` (the text delta and the new ids) as tokens arrive; the
+        last chunk also carries `meta`. With jump-forward a chunk may carry `rollback=k`:
+        the last k ids already yielded were re-encoded and `output_ids` replaces them (the
+        text only ever grows)."""
         req = self._submit(prompt, SamplingParams.from_dict(sampling_params or {}))
         detok = self._detokenizer(req)
         sent = 0
         try:
             while not req.finished:
-                self.scheduler.step()
+                self.scheduler.run_event_loop(should_stop=after_turns(1))
                 rollback, req.output_rollback = min(req.output_rollback, sent), 0
                 new_ids = req.output_ids[sent - rollback :]
                 if new_ids or req.finished:
@@ -108,12 +106,8 @@ class Engine:
                     if detok and rollback:
                         detok.rollback(rollback)
                     text = detok.add_tokens(new_ids, finished=req.finished) if detok else ""
-                    chunk = {"text": text, "output_ids": new_ids}
-                    if rollback:
-                        chunk["rollback"] = rollback
-                    if req.finished:
-                        chunk["meta"] = _meta(req)
-                    yield chunk
+                    meta = _meta(req) if req.finished else None
+                    yield StreamChunk(text, new_ids, rollback, meta)
         finally:
             if not req.finished:
                 self.scheduler.abort_request(req.rid)
@@ -147,7 +141,7 @@ class Engine:
             self.tokenizer, req.sampling_params.stop, req.sampling_params.skip_special_tokens
         )
 
-    def _result(self, req: Req) -> dict:
+    def _result(self, req: Req) -> GenerateResult:
         detok = self._detokenizer(req)
         text = ""
         if detok is not None:
@@ -155,11 +149,12 @@ class Engine:
             output_ids = req.output_ids[:-1] if isinstance(matched, int) else req.output_ids
             detok.add_tokens(output_ids, finished=True)
             text = detok.final_text()
-        return {"text": text, "output_ids": list(req.output_ids), "meta": _meta(req)}
+        return GenerateResult(text, list(req.output_ids), _meta(req))
 
     def _matched_stop_string(self, req: Req) -> str | None:
         """Stop strings are searched in the decoded tail only: a string of n characters
         spans at most n tokens."""
+        assert self.tokenizer is not None, "installed only with a tokenizer"
         stop = req.sampling_params.stop
         tail = req.output_ids[-(max(len(s) for s in stop) + 1) :]
         text = self.tokenizer.decode(
@@ -168,29 +163,28 @@ class Engine:
         return next((s for s in stop if s in text), None)
 
 
-def _meta(req: Req) -> dict:
-    reason = req.finished_reason
-    meta = {
-        "prompt_tokens": len(req.origin_input_ids),
-        "completion_tokens": len(req.output_ids),
-        "cached_tokens": req.cached_tokens or 0,
-        "finish_reason": None
-        if reason is None
-        else {k: v for k, v in dataclasses.asdict(reason).items() if v is not None},
-    }
-    if req.sampling_params.logprobs:
-        meta["output_token_logprobs"] = list(req.output_token_logprobs)
-        if req.sampling_params.top_logprobs_num:
-            meta["output_top_logprobs"] = list(req.output_top_logprobs)
-    return meta
+def _meta(req: Req) -> GenerateMeta:
+    params = req.sampling_params
+    return GenerateMeta(
+        prompt_tokens=len(req.origin_input_ids),
+        completion_tokens=len(req.output_ids),
+        cached_tokens=req.cached_tokens or 0,
+        finish_reason=req.finished_reason,
+        output_token_logprobs=list(req.output_token_logprobs) if params.logprobs else None,
+        output_top_logprobs=list(req.output_top_logprobs)
+        if params.logprobs and params.top_logprobs_num
+        else None,
+    )
 
 
 def _as_prompt_list(prompt: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+    if isinstance(prompt, str):
         return [prompt]
     if not prompt:
         raise ValueError("no prompt given")
-    return list(prompt)
+    if isinstance(prompt[0], int):  # one prompt of token ids
+        return [cast(Sequence[int], prompt)]
+    return list(cast(Sequence[Prompt], prompt))
 
 
 def _as_params_list(sampling_params: SamplingParamsArg, n: int) -> list[SamplingParams]:

@@ -7,12 +7,16 @@ Field names are the snake_case of the server's CLI flags (`--max-total-tokens` i
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
 
 from engine import constants
 from engine.cache.evict_policy import EVICTION_POLICIES
 
+_T = TypeVar("_T")
 
-def _opt(default, help: str, **kwargs):
+
+def _opt(default: _T, help: str, **kwargs: Any) -> _T:
+    """A field with its flag's help text (and `choices`, if any) in its metadata."""
     return field(default=default, metadata={"help": help, **kwargs})
 
 
@@ -53,13 +57,19 @@ class EngineArgs:
     disable_radix_cache: bool = _opt(False, "no prefix sharing")
     disable_overlap_schedule: bool | None = _opt(
         None,
-        "run the normal event loop instead of the overlap loop (default: overlap on CUDA; on CPU the "
-        "normal loop: with two cores the overlap loop gains nothing, equal within +-5% over repeated serving runs)",
+        "run the normal event loop instead of the overlap loop (default: overlap on CUDA; "
+        "on CPU the normal loop: with two cores the overlap loop gains nothing, equal "
+        "within +-5% over repeated serving runs)",
     )
     attention_backend: str | None = _opt(
         None, "torch | triton (default: triton on CUDA, torch on CPU)"
     )
     random_seed: int = _opt(0, "seed for the random schedule policy and unseeded sampling")
+    grammar_backend: str = _opt(
+        "xgrammar",
+        "structured output backend; none refuses json_schema, regex and ebnf with a 400",
+        choices=constants.GRAMMAR_BACKENDS,
+    )
     grammar_compile_workers: int = _opt(2, "threads compiling json_schema / regex / ebnf grammars")
     grammar_compile_timeout: float = _opt(
         30.0, "seconds a request waits for its grammar to compile before a 400"
@@ -79,7 +89,7 @@ class EngineArgs:
     )
 
     @classmethod
-    def from_options(cls, **options) -> EngineArgs:
+    def from_options(cls, **options: Any) -> EngineArgs:
         """Build from keyword options, naming any unknown one (a typo must not pass silently)."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(options) - known)

@@ -1,4 +1,4 @@
-"""The seeds' scheduling constants, by their SGLang names, in one place.
+"""The scheduler's constants, by their SGLang names, in one place.
 
 Each default can be overridden with a `RADIXSERVE_<NAME>` environment variable (read at
 import); the ones users tune per deployment are also engine options (see EngineArgs).
@@ -7,9 +7,12 @@ import); the ones users tune per deployment are also engine options (see EngineA
 from __future__ import annotations
 
 import os
+from typing import TypeVar
+
+_Number = TypeVar("_Number", int, float)
 
 
-def _env(name: str, default: float) -> float:
+def _env(name: str, default: _Number) -> _Number:
     value = os.environ.get(f"RADIXSERVE_{name}")
     return type(default)(value) if value is not None else default
 
@@ -32,6 +35,8 @@ IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD: int = _env(
 """...and defers those sharing at least this many tokens with a queue-mate."""
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
 """Queue orders of engine/sched/policy.py."""
+GRAMMAR_BACKENDS = ("xgrammar", "none")
+"""Structured output: xgrammar, or none (json_schema, regex and ebnf refused)."""
 
 LPM_MAX_QUEUE_LEN: int = _env("LPM_MAX_QUEUE_LEN", 128)
 """Above this many waiting requests lpm falls back to fcfs: matching them all costs too much."""

@@ -15,7 +15,17 @@ from typing import Protocol
 
 
 class Tokenizer(Protocol):
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+    """What is read of a Hugging Face tokenizer. Its `decode` is typed for a batch of id
+    lists too (hence `list[str]`); a flat id list decodes to one string."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str | list[str]: ...
+
+
+def decode_text(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool) -> str:
+    """`tokenizer.decode` of one flat id list: one string."""
+    text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert isinstance(text, str), "a flat id list decodes to one string"
+    return text
 
 
 class IncrementalDetokenizer:
@@ -81,5 +91,5 @@ class IncrementalDetokenizer:
                     break
         return end
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+    def _decode(self, ids: list[int]) -> str:
+        return decode_text(self.tokenizer, ids, self.skip_special_tokens)

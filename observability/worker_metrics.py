@@ -1,4 +1,4 @@
-"""The worker's Prometheus metrics (DESIGN.md §4).
+"""The worker's Prometheus metrics (the list is in docs/operations.md).
 
 The scheduler keeps plain counters and sizes; the worker copies them into a
 `WorkerSample` on its event loop, between steps, a few times a second. A scrape only reads
@@ -44,6 +44,11 @@ QUEUE_TIME_BUCKETS = (
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 FORWARD_TIME_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 COMPILE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
+
+# Label values of a layout with one rank and token-granular KV slots; dashboards read the
+# labels, so they stay.
+TP_RANK = "0"
+PAGE_SIZE = 1
 
 
 @dataclass(frozen=True)
@@ -113,11 +118,8 @@ class _Rolling:
 class WorkerMetrics(Collector):
     """Every worker metric, on `registry`, labelled `model_name` and `tp_rank`."""
 
-    def __init__(
-        self, registry: CollectorRegistry, model_name: str, tp_rank: int = 0, page_size: int = 1
-    ):
-        self.labels = {"model_name": model_name, "tp_rank": str(tp_rank)}
-        self.page_size = page_size
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.labels = {"model_name": model_name, "tp_rank": TP_RANK}
         self.lock = threading.Lock()
         self.latest: WorkerSample | None = None
         self.rolling = _Rolling()
@@ -187,7 +189,7 @@ class WorkerMetrics(Collector):
             s, hit_rate, throughput = self.latest, self.rolling.hit_rate, self.rolling.throughput()
         if s is None:
             return
-        counters = (
+        counters: tuple[tuple[str, str, float], ...] = (
             (
                 "radixserve_prefix_cache_hit_tokens",
                 "Prompt tokens served from the radix tree, once per request at first admission",
@@ -228,7 +230,7 @@ class WorkerMetrics(Collector):
         )
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
-        gauges = (
+        gauges: tuple[tuple[str, str, float], ...] = (
             (
                 "radixserve_cache_hit_rate",
                 f"Prefix-cache hit tokens / query tokens over the last "
@@ -277,7 +279,7 @@ class WorkerMetrics(Collector):
             labels=[*self.labels, "page_size", "num_pages"],
         )
         info.add_metric(
-            [*self.labels.values(), str(self.page_size), str(s.total_tokens // self.page_size)], 1
+            [*self.labels.values(), str(PAGE_SIZE), str(s.total_tokens // PAGE_SIZE)], 1
         )
         yield info
 

@@ -1,4 +1,4 @@
-"""ZMQ sockets between the three processes (DESIGN.md §1), and peer liveness.
+"""ZMQ sockets between the three processes (see `services.protocol`), and peer liveness.
 
 Each PULL socket binds 127.0.0.1 and its PUSH peer connects, so startup order is free
 (ZMQ reconnects). Sends never block a loop: a PUSH socket only queues for a connected
@@ -127,7 +127,8 @@ class Sender:
             dropped = self._dropped.hit()
             if dropped:
                 logger.warning(
-                    "%s → %s: peer not connected or send queue full; dropped %d message(s) (latest %s)",
+                    "%s → %s: peer not connected or send queue full; "
+                    "dropped %d message(s) (latest %s)",
                     self.sender,
                     self.sock.getsockopt_string(zmq.LAST_ENDPOINT),
                     dropped,

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "radix-demo":
         if rest:
             parser.error(f"unrecognized arguments: {' '.join(rest)}")
-        from engine.cache.radix_cache import demo
+        from engine.cache.demo import demo
 
         demo()
     elif args.command == "serve":
@@ -72,7 +72,8 @@ def serve(argv: list[str]) -> int:
             if dead is not None:
                 role, code = dead
                 print(
-                    f"radixserve: the {role} process exited with status {code}; stopping the others",
+                    f"radixserve: the {role} process exited with status {code}; "
+                    "stopping the others",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -99,7 +100,7 @@ class ServiceGroup:
 
     def __init__(self, argv: list[str]):
         self.argv = argv
-        self.procs: dict[str, subprocess.Popen] = {}
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self) -> None:
         for role in ROLES:

@@ -2,10 +2,12 @@
 Hello at start, heartbeats while alive, peer liveness, and a clean exit on SIGTERM/SIGINT.
 
 A service subclasses `Service` and implements `handle` (one non-liveness message) and,
-if it computes between messages, `has_work` and `step`. The loop never spins: it polls
-without waiting only while `has_work()` is true, and otherwise sleeps in the poll until a
-message arrives or a peer may have died. Each service also serves `/metrics` and
-`/healthz` on its metrics port; `/healthz` fails once the loop stops turning.
+if it computes between messages, `has_work` and `step` — or, when its computation is a
+loop of its own (the worker's scheduler), overrides `serve` to run that loop with `poll`
+as its once-a-turn message hook. The loop never spins: `poll` waits for nothing only
+while `has_work()` is true, and otherwise sleeps until a message arrives or a peer may
+have died. Each service also serves `/metrics` and `/healthz` on its metrics port;
+`/healthz` fails once the loop stops turning.
 
 Heartbeats go out from a thread of their own, so that a long scheduler round (a big
 prefill on a CPU) is not mistaken for a death; that thread's watchdog ends a process whose
@@ -22,6 +24,8 @@ import threading
 import time
 import types
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Protocol
 
 import zmq
 from prometheus_client import CollectorRegistry
@@ -82,7 +86,7 @@ class Service(ABC):
         self.metrics_server: MetricsServer | None = None
         self.tracing = setup_tracing(self.role)
         self.last_turn = time.monotonic()
-        """When the loop last finished a turn; /healthz fails once it is too long ago."""
+        """When the loop last polled (once a turn); /healthz fails once it is too long ago."""
         # Half an interval: a peer's death is noticed within 3.5 intervals of its last beat.
         self.idle_timeout_ms = max(1, int(settings.heartbeat_interval * 500))
 
@@ -123,10 +127,12 @@ class Service(ABC):
         """True while `step` has something to do: the loop then polls without waiting."""
         return False
 
-    def step(self) -> None:
-        """Compute between message batches (the worker's scheduler round)."""
+    # The hooks below are optional: a service overrides those it needs.
 
-    def on_peer_event(self, event: PeerEvent) -> None:
+    def step(self) -> None:  # noqa: B027
+        """Compute between message batches, in `serve`'s default loop."""
+
+    def on_peer_event(self, event: PeerEvent) -> None:  # noqa: B027
         """A peer came up, restarted or went silent (already logged)."""
 
     # ----- the loop ---------------------------------------------------------------------
@@ -141,15 +147,23 @@ class Service(ABC):
                 sender.hello()
             self.heartbeats.start()
             logger.info("%s serving (epoch %s)", self.role, self.epoch)
-            while not self.stopping:
-                self.run_once()
+            self.serve(lambda: self.stopping)
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.close()
         logger.info("%s stopped", self.role)
 
-    def run_once(self) -> None:
+    def serve(self, should_stop: Callable[[], bool]) -> None:
+        """The loop, until `should_stop()`: each turn polls, then steps while there is work."""
+        while not should_stop():
+            self.poll()
+            if self.has_work():
+                self.step()
+
+    def poll(self) -> None:
+        """A turn's messaging: flush the outboxes, receive (without waiting while there is
+        work), handle the messages and the peers' events; then `last_turn` is now."""
         held = False
         for outbox in self.outboxes:
             outbox.flush()
@@ -168,8 +182,6 @@ class Service(ABC):
                 except Exception:  # a message must never take the process down
                     logger.exception("dropped %s after an error handling it", type(msg).__name__)
         self._dispatch_peer_events(self.monitor.poll())
-        if self.has_work():
-            self.step()
         self.last_turn = time.monotonic()
 
     def _dispatch_peer_events(self, events: list[PeerEvent]) -> None:
@@ -199,7 +211,8 @@ class Service(ABC):
                 idle = time.monotonic() - self.last_turn
                 if idle > self.settings.watchdog_timeout:
                     logger.critical(
-                        "watchdog: the %s loop has not finished a turn for %.0f s (--watchdog-timeout %g); exiting",
+                        "watchdog: the %s loop has not finished a turn for %.0f s "
+                        "(--watchdog-timeout %g); exiting",
                         self.role,
                         idle,
                         self.settings.watchdog_timeout,
@@ -226,7 +239,15 @@ class Service(ABC):
         self.stopping = True
 
 
-def run_service(service_cls: type[Service]) -> None:
+class ServiceClass(Protocol):
+    """A concrete service: its role, and its constructor from the settings alone."""
+
+    role: str
+
+    def __call__(self, settings: Settings) -> Service: ...
+
+
+def run_service(service_cls: ServiceClass) -> None:
     """`python -m services.<role>`: settings from flags and RADIXSERVE_* variables, logging,
     then the service's loop until SIGTERM/SIGINT."""
     settings = Settings.from_cli(prog=f"python -m services.{service_cls.role}")

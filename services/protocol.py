@@ -1,4 +1,4 @@
-"""Messages between the tokenizer, worker and detokenizer (DESIGN.md §1).
+"""Messages between the tokenizer, worker and detokenizer (see docs/architecture.md).
 
 Every message is a `msgspec.Struct` in the tagged union `Message` (tag field "type",
 tag value the class name), encoded as msgpack. Decoding is typed: bytes that are not a

@@ -20,7 +20,6 @@ from engine.args import EngineArgs
 
 ENV_PREFIX = "RADIXSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-GRAMMAR_BACKENDS = ("xgrammar", "none")
 
 
 def _opt(default: Any, help: str, **kwargs: Any) -> Any:
@@ -46,7 +45,8 @@ class Settings(EngineArgs):
     )
     stall_timeout: float = _opt(
         60.0,
-        "worker and detokenizer /healthz answer 503 once their loop has not finished a turn for this long (s)",
+        "worker and detokenizer /healthz answer 503 once their loop has not finished a turn "
+        "for this long (s)",
     )
     graceful_shutdown_timeout: float = _opt(
         5.0,
@@ -54,15 +54,16 @@ class Settings(EngineArgs):
     )
     watchdog_timeout: float = _opt(
         300.0,
-        "worker and detokenizer exit (status 3) once their loop has not finished a turn for this long (s)",
+        "worker and detokenizer exit (status 3) once their loop has not finished a turn "
+        "for this long (s)",
     )
-    grammar_backend: str = _opt("xgrammar", "structured output backend", choices=GRAMMAR_BACKENDS)
     # repr=False: settings get logged at startup, the key must not be.
     api_key: str | None = field(
         default=None,
         repr=False,
         metadata={
-            "help": "bearer key required on the API (not on /metrics, /health*); prefer the env variable"
+            "help": "bearer key required on the API (not on /metrics, /health*); "
+            "prefer the env variable"
         },
     )
     log_level: str = _opt("info", "logging level", choices=LOG_LEVELS)
@@ -74,7 +75,8 @@ class Settings(EngineArgs):
     )
     max_queued_requests: int | None = _opt(
         None,
-        "load shedding: answer 429 while this many requests wait for their first token (none: no limit)",
+        "load shedding: answer 429 while this many requests wait for their first token "
+        "(none: no limit)",
     )
     request_timeout: float | None = _opt(
         None,
@@ -83,8 +85,6 @@ class Settings(EngineArgs):
     )
 
     def __post_init__(self) -> None:
-        if hasattr(super(), "__post_init__"):  # keep EngineArgs' checks should it gain any
-            super().__post_init__()
         if self.served_model_name is None:
             self.served_model_name = self.model
         for f in fields(self):
@@ -157,7 +157,10 @@ def build_parser(env: Mapping[str, str], prog: str | None = None) -> argparse.Ar
     No abbreviations: `--max-tokens` must not quietly mean `--max-tokens-cap`."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="radixserve: every flag can also be set as RADIXSERVE_<FLAG_IN_CAPS> in the environment.",
+        description=(
+            "radixserve: every flag can also be set as RADIXSERVE_<FLAG_IN_CAPS> in the "
+            "environment."
+        ),
         allow_abbrev=False,
     )
     hints = typing.get_type_hints(Settings)

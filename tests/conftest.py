@@ -1,4 +1,5 @@
-"""Suite-wide settings: Triton's interpreter on machines without a GPU, and the hypothesis profile."""
+"""Suite-wide settings (Triton's interpreter on machines without a GPU, the hypothesis
+profile) and the tiny models that tests in several folders load."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import os
 if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
 from hypothesis import HealthCheck, settings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 settings.register_profile(
     "radixserve",
@@ -19,3 +27,29 @@ settings.register_profile(
     print_blob=True,
 )
 settings.load_profile("radixserve")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a 256-token vocabulary and no tokenizer, for engine tests that
+    feed token ids."""
+    from benchmarks.support.models import save_tiny_model  # torch: not for the deploy tests
+
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with the SmolLM2 vocabulary and tokenizer, which the services load in
+    seconds and which decodes real text."""
+    from benchmarks.support.models import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-smollm2-vocab"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved with `tiny_llama_dir` (SmolLM2's)."""
+    from engine.model.loader import load_tokenizer
+
+    return load_tokenizer(str(tiny_llama_dir))

@@ -1,7 +1,9 @@
 """Benchmark one running OpenAI-compatible server on one workload.
 
-    python -m benchmarks.serving --base-url http://127.0.0.1:30000 --workload shared-prefix --concurrency 8
-    python -m benchmarks.serving --workload random --request-rate 2 --prompt-format text --json out.json
+    python -m benchmarks.serving --base-url http://127.0.0.1:30000 --workload shared-prefix \
+        --concurrency 8
+    python -m benchmarks.serving --workload random --request-rate 2 --prompt-format text \
+        --json out.json
 
 Prints the summary (and writes it as JSON with `--json`). With `--prompt-format text` the
 token-id prompts are decoded with `--tokenizer` and the server re-tokenizes them.
@@ -34,8 +36,8 @@ def format_summary(s: Summary) -> str:
             f"completed {s.completed}, failed {s.failed} {s.errors or ''}, {s.duration_s:.1f} s",
             f"requests/s {s.request_throughput:.2f}   output tok/s {s.output_throughput:.1f}   "
             f"total tok/s {s.total_throughput:.1f}",
-            f"prompt tokens {s.prompt_tokens}, output tokens {s.output_tokens}; cached (usage) {cached}, "
-            f"radix hit rate (/metrics) {rate}",
+            f"prompt tokens {s.prompt_tokens}, output tokens {s.output_tokens}; "
+            f"cached (usage) {cached}, radix hit rate (/metrics) {rate}",
             "latency, ms:",
             stats("TTFT", s.ttft_ms),
             stats("ITL", s.itl_ms),
@@ -105,7 +107,8 @@ def main() -> None:
     )
     summary = summarize(result.results, result.duration_s, result.radix_hit_rate)
     print(
-        f"{args.workload}: {len(requests)} requests, concurrency {args.concurrency}, rate {args.request_rate}"
+        f"{args.workload}: {len(requests)} requests, concurrency {args.concurrency}, "
+        f"rate {args.request_rate}"
     )
     print(format_summary(summary))
     if args.json:

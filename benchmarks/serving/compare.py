@@ -1,4 +1,4 @@
-"""The peer matrix of issue 10 in one run: every peer on every workload at each
+"""The serving benchmark's whole peer matrix in one run: every peer on every workload at each
 concurrency, then one decode cell per peer (batch 32, 512-token contexts, against the
 memory-bandwidth ceiling). Writes `<out>/results.json`, `<out>/*.png` and `<out>.md`.
 
@@ -178,8 +178,9 @@ def run_matrix(
                     json_path.write_text(json.dumps(record, indent=1))
                     s = entry["summary"]
                     print(
-                        f"[{time.perf_counter() - start:6.0f} s]   {workload:<13} c={concurrency:<3} "
-                        f"{s['output_throughput']:7.1f} out tok/s  TTFT p50 {s['ttft_ms']['p50'] or 0:8.0f} ms  "
+                        f"[{time.perf_counter() - start:6.0f} s]   {workload:<13} "
+                        f"c={concurrency:<3} {s['output_throughput']:7.1f} out tok/s  "
+                        f"TTFT p50 {s['ttft_ms']['p50'] or 0:8.0f} ms  "
                         f"ITL p50 {s['itl_ms']['p50'] or 0:6.0f} ms  {s['errors'] or ''}",
                         flush=True,
                     )

@@ -2,11 +2,13 @@
 every request's KV once, so it cannot take less than those bytes over the bandwidth.
 
 At batch 32 and 512-token contexts the embedded SmolLM2-135M in bf16 reads about 270 MB
-of weights and 380 MB of KV per step; at 27 GB/s (the issue's figure for this machine)
-that is about 24 ms per step, 1,300 tokens/s. Measured decode speed over this ceiling
-says how much of the machine a peer uses; `compare --decode-only` measures it.
+of weights and 380 MB of KV per step; at 27 GB/s (the default bandwidth, taken for the CPU
+machine the recorded runs were made on) that is about 24 ms per step, 1,300 tokens/s.
+Measured decode speed over this ceiling says how much of the machine a peer uses;
+`compare --decode-only` measures it.
 
-    python -m benchmarks.serving.decode_ceiling [--batch 32] [--context 512] [--bandwidth-gbs 27]
+    python -m benchmarks.serving.decode_ceiling [--batch 32] [--context 512] \
+        [--bandwidth-gbs 27]
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def main() -> None:
     )
     print(
         f"batch {args.batch}, {args.context}-token contexts, {args.dtype_bytes}-byte values: "
-        f"weights {c.weight_bytes / 1e6:.0f} MB + KV {c.kv_bytes / 1e6:.0f} MB per step; at {c.bandwidth_gbs:g} GB/s "
+        f"weights {c.weight_bytes / 1e6:.0f} MB + KV {c.kv_bytes / 1e6:.0f} MB per step; "
+        f"at {c.bandwidth_gbs:g} GB/s "
         f"{c.step_ms:.1f} ms/step = {c.tokens_per_s:,.0f} tokens/s at most"
     )
 

@@ -11,7 +11,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullFormatter
 
-from benchmarks.serving.report import grouped, median
+from benchmarks.serving.record import grouped, median
 
 
 def _panels(count: int) -> tuple[Figure, list[Axes]]:

@@ -1,5 +1,5 @@
 """The comparison's record rendered for people: `<out>.md` (command, machine, method,
-tables, the issue's target ratios) and the plots in `<out>/` (`plots.py`). Everything is
+tables, the target ratios) and the plots in `<out>/` (`plots.py`). Everything is
 computed from the JSON record, so `compare --report-only` can redo it without rerunning
 anything."""
 
@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+
+from benchmarks.serving.record import grouped, median
 
 NOTES_MARKER = "<!-- Notes below this line are kept when compare.py rewrites this file. -->"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -110,22 +112,6 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def grouped(record: dict[str, Any]) -> dict[tuple[str, str, int], list[dict[str, Any]]]:
-    """Cells by (peer, workload, concurrency): one entry per repeat."""
-    cells: dict[tuple[str, str, int], list[dict[str, Any]]] = defaultdict(list)
-    for entry in record["results"]:
-        cells[entry["peer"], entry["workload"], entry["concurrency"]].append(entry)
-    return cells
-
-
-def median(
-    entries: list[dict[str, Any]], get: Callable[[dict[str, Any]], float | None]
-) -> float | None:
-    """Median over the repeats of a cell of one summary figure; None if none had it."""
-    values = [v for e in entries if (v := get(e["summary"])) is not None]
-    return statistics.median(values) if values else None
-
-
 def _fmt(value: float | None, spec: str = ".0f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -156,22 +142,25 @@ def _errors(entries: list[dict[str, Any]]) -> str:
 def workload_table(record: dict[str, Any], workload: str) -> list[str]:
     cells = grouped(record)
     lines = [
-        "| c | peer | req/s | out tok/s | total tok/s | TTFT p50 / p90 / p99 ms | ITL p50 / p99 ms | "
-        "TPOT p50 ms | E2E p50 / p99 ms | cached | radix hit | errors |",
+        "| c | peer | req/s | out tok/s | total tok/s | TTFT p50 / p90 / p99 ms | "
+        "ITL p50 / p99 ms | TPOT p50 ms | E2E p50 / p99 ms | cached | radix hit | errors |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for c in record["concurrency"]:
         for peer in record["peers"]:
             if not (entries := cells.get((peer, workload, c))):
                 continue
+            cached = median(entries, lambda s: s["cached_prompt_fraction"])
+            radix_hit = median(entries, lambda s: s["radix_hit_rate"])
             lines.append(
                 f"| {c} | {peer} | {_spread(entries, 'request_throughput')} | "
-                f"{_spread(entries, 'output_throughput')} | {_spread(entries, 'total_throughput')} | "
+                f"{_spread(entries, 'output_throughput')} | "
+                f"{_spread(entries, 'total_throughput')} | "
                 f"{_latency(entries, 'ttft_ms', 'p50', 'p90', 'p99')} | "
-                f"{_latency(entries, 'itl_ms', 'p50', 'p99')} | {_latency(entries, 'tpot_ms', 'p50')} | "
+                f"{_latency(entries, 'itl_ms', 'p50', 'p99')} | "
+                f"{_latency(entries, 'tpot_ms', 'p50')} | "
                 f"{_latency(entries, 'e2e_ms', 'p50', 'p99')} | "
-                f"{_percent(median(entries, lambda s: s['cached_prompt_fraction']))} | "
-                f"{_percent(median(entries, lambda s: s['radix_hit_rate']))} | {_errors(entries)} |"
+                f"{_percent(cached)} | {_percent(radix_hit)} | {_errors(entries)} |"
             )
     return lines
 
@@ -193,12 +182,14 @@ def decode_table(record: dict[str, Any]) -> list[str]:
     reference = rates.get(HF_REFERENCE)
     cells = grouped(record)
     lines = [
-        f"Ceiling: {bound['weight_bytes'] / 1e6:.0f} MB of weights + {bound['kv_bytes'] / 1e6:.0f} MB of KV per step "
-        f"(batch {decode['batch']}, mean context {decode['mean_context']}, bf16) at {bound['bandwidth_gbs']:g} GB/s "
+        f"Ceiling: {bound['weight_bytes'] / 1e6:.0f} MB of weights + "
+        f"{bound['kv_bytes'] / 1e6:.0f} MB of KV per step "
+        f"(batch {decode['batch']}, mean context {decode['mean_context']}, bf16) "
+        f"at {bound['bandwidth_gbs']:g} GB/s "
         f"= {bound['step_ms']:.1f} ms/step, **{bound['tokens_per_s']:,.0f} tokens/s**.",
         "",
-        f"| peer | ITL p50 ms (step) | TPOT p50 ms | decode tok/s | of the ceiling | vs {HF_REFERENCE} | "
-        "TTFT p50 ms (prefill) |",
+        "| peer | ITL p50 ms (step) | TPOT p50 ms | decode tok/s | of the ceiling | "
+        f"vs {HF_REFERENCE} | TTFT p50 ms (prefill) |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for peer in record["peers"]:
@@ -206,8 +197,8 @@ def decode_table(record: dict[str, Any]) -> list[str]:
             continue
         entries = cells[peer, "decode", decode["batch"]]
         lines.append(
-            f"| {peer} | {_latency(entries, 'itl_ms', 'p50')} | {_latency(entries, 'tpot_ms', 'p50')} | "
-            f"{rates[peer]:.0f} | "
+            f"| {peer} | {_latency(entries, 'itl_ms', 'p50')} | "
+            f"{_latency(entries, 'tpot_ms', 'p50')} | {rates[peer]:.0f} | "
             f"{rates[peer] / bound['tokens_per_s']:.0%} | {_ratio(rates[peer], reference)} | "
             f"{_latency(entries, 'ttft_ms', 'p50')} |"
         )
@@ -219,7 +210,8 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def target_rows(record: dict[str, Any]) -> Iterable[str]:
-    """The issue's targets as ratios between peers of this run, for each radix-on peer."""
+    """The serving targets (e.g. shared-prefix output >= 3x transformers') as ratios between
+    peers of this run, for each radix-on peer."""
     cells = grouped(record)
 
     def figure(
@@ -246,21 +238,25 @@ def target_rows(record: dict[str, Any]) -> Iterable[str]:
                 if ours is not None and theirs:
                     ratio, bound = ours / theirs, float(goal.split()[1].rstrip("x"))
                     met = ratio >= bound if goal.startswith(">=") else ratio <= bound
-                    yield f"| {what} | {peer} vs {other} | {c} | {ratio:.2f}x | {goal} | {'yes' if met else 'no'} |"
+                    yield (
+                        f"| {what} | {peer} vs {other} | {c} | {ratio:.2f}x | {goal} | "
+                        f"{'yes' if met else 'no'} |"
+                    )
         rates = decode_rates(record)
         if peer in rates and HF_REFERENCE in rates:
             ratio = rates[peer] / rates[HF_REFERENCE]
             yield (
                 f"| decode tok/s, batch {record['decode']['batch']} | {peer} vs {HF_REFERENCE} | "
-                f"{record['decode']['batch']} | {ratio:.2f}x | >= 2x (aim) | {'yes' if ratio >= 2 else 'no'} |"
+                f"{record['decode']['batch']} | {ratio:.2f}x | >= 2x (aim) | "
+                f"{'yes' if ratio >= 2 else 'no'} |"
             )
     for workload in record["workloads"]:
         for c in record["concurrency"]:
             on, off = figure(OVERLAP_ON, workload, c, out), figure(OVERLAP_OFF, workload, c, out)
             if on is not None and off:
                 yield (
-                    f"| {workload} out tok/s | {OVERLAP_ON} vs {OVERLAP_OFF} (overlap loop) | {c} | "
-                    f"{on / off:.2f}x | - | - |"
+                    f"| {workload} out tok/s | {OVERLAP_ON} vs {OVERLAP_OFF} (overlap loop) | "
+                    f"{c} | {on / off:.2f}x | - | - |"
                 )
 
 
@@ -273,25 +269,26 @@ def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
         or "no OMP/MKL variables set"
     )
     duration = f"{record['duration_s'] / 60:.1f} min" if "duration_s" in record else "unfinished"
+    gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
     lines = [
         "# Serving benchmark: radixserve beside transformers `generate`",
         "",
-        f"Generated by `benchmarks/serving/compare.py` ({duration}, started {record['started']}); rerun the "
-        "command to refresh it. Raw figures: "
+        f"Generated by `benchmarks/serving/compare.py` ({duration}, started "
+        f"{record['started']}); rerun the command to refresh it. Raw figures: "
         f"[`{plots_dir}/results.json`]({plots_dir}/results.json).",
         "",
         "```bash",
         record["command"],
         "```",
         "",
-        f"Machine: {m['cpu']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical CPUs ({isa}), "
-        f"{m['memory_gib']} GiB{'; GPU ' + m['gpu'] if m.get('gpu') else ''}; torch {m['torch']} with {m['torch_threads']} threads "
-        f"({thread_env}), transformers "
+        f"Machine: {m['cpu']}, {m['usable_cpus']} usable of {m['logical_cpus']} logical CPUs "
+        f"({isa}), {m['memory_gib']} GiB{gpu}; torch {m['torch']} with {m['torch_threads']} "
+        f"threads ({thread_env}), transformers "
         f"{m['transformers']}, Python {m['python']}; commit {m['git_commit']}"
         f"{' + local changes' if m['git_dirty'] else ''}. "
-        f"Load average at the start {m['load_average_start']}, at the end {m.get('load_average_end', '-')}: "
-        "anything above ~0.5 means other jobs shared the cores, and single figures move by tens of percent; "
-        "read ratios within one run.",
+        f"Load average at the start {m['load_average_start']}, at the end "
+        f"{m.get('load_average_end', '-')}: anything above ~0.5 means other jobs shared the "
+        "cores, and single figures move by tens of percent; read ratios within one run.",
         "",
         "## Peers",
         "",
@@ -300,14 +297,16 @@ def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
         "## Workloads (`benchmarks/serving/workloads.py`, seed "
         f"{cfg['seed']}, {cfg['output_len']} output tokens per request)",
         "",
-        f"- `shared-prefix`: {cfg['requests']} requests in {cfg['groups']} groups; each group shares a "
-        f"{cfg['system_len']}-token system prompt, then a {cfg['question_len']}-token question; groups interleaved.",
-        f"- `multi-turn`: {cfg['requests'] // cfg['turns']} conversations x {cfg['turns']} turns; a turn resends "
-        f"the history ({cfg['user_len']}-token user messages, {cfg['output_len']}-token replies) and waits for the "
-        "previous turn.",
-        f"- `few-shot`: {cfg['requests']} requests share one {cfg['shots']} x {cfg['shot_len']}-token exemplar "
-        f"block, then a {cfg['question_len']}-token question.",
-        f"- `random`: {cfg['requests']} unique prompts of {cfg['random_len'] // 2}-{cfg['random_len']} tokens.",
+        f"- `shared-prefix`: {cfg['requests']} requests in {cfg['groups']} groups; each group "
+        f"shares a {cfg['system_len']}-token system prompt, then a {cfg['question_len']}-token "
+        "question; groups interleaved.",
+        f"- `multi-turn`: {cfg['requests'] // cfg['turns']} conversations x {cfg['turns']} turns; "
+        f"a turn resends the history ({cfg['user_len']}-token user messages, "
+        f"{cfg['output_len']}-token replies) and waits for the previous turn.",
+        f"- `few-shot`: {cfg['requests']} requests share one {cfg['shots']} x "
+        f"{cfg['shot_len']}-token exemplar block, then a {cfg['question_len']}-token question.",
+        f"- `random`: {cfg['requests']} unique prompts of "
+        f"{cfg['random_len'] // 2}-{cfg['random_len']} tokens.",
         "",
         "## Method",
         "",
@@ -330,7 +329,7 @@ def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
     if targets:
         lines += [
             "",
-            "### The issue's targets, as ratios within this run",
+            "### Targets, as ratios within this run",
             "",
             "| figure | peers | c | ratio | goal | met |",
             "|---|---|---:|---:|---|---|",

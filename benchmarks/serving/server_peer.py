@@ -1,10 +1,11 @@
 """radixserve as a benchmark peer: `radixserve serve` in a subprocess on free ports, so a
-run never collides with a server or a test already on the machine."""
+run never collides with a server or a test already on the machine. The peer is started the
+way a user starts it, through the launcher that supervises the three services, rather than
+as the tests' `ServiceLauncher` starts each service on its own."""
 
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,15 +16,9 @@ from types import TracebackType
 
 import httpx2
 
-PORT_FLAGS = (
-    "--port",
-    "--worker-port",
-    "--detokenizer-port",
-    "--tokenizer-port",
-    "--tokenizer-control-port",
-    "--worker-metrics-port",
-    "--detokenizer-metrics-port",
-)
+from benchmarks.support.launcher import port_flags, server_ports
+from benchmarks.support.net import http_status
+
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 30.0
 FLUSH_TIMEOUT_S = 120.0
@@ -36,28 +31,16 @@ class ServerPeer:
     """Besides --model and --dtype, which every radixserve peer shares."""
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free right now (all sockets held open until all are chosen)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 class RadixServer:
     """`with RadixServer(flags) as server:` serves until the block ends; `server.base_url`,
     `server.metrics_urls` (the tokenizer's and the worker's /metrics), `server.flush_cache()`."""
 
     def __init__(self, flags: list[str], log_dir: Path | None = None):
-        ports = dict(zip(PORT_FLAGS, free_ports(len(PORT_FLAGS))))
-        self.base_url = f"http://127.0.0.1:{ports['--port']}"
+        ports = server_ports()
+        self.base_url = f"http://127.0.0.1:{ports['port']}"
         self.metrics_urls = [
             f"{self.base_url}/metrics",
-            f"http://127.0.0.1:{ports['--worker-metrics-port']}/metrics",
+            f"http://127.0.0.1:{ports['worker-metrics-port']}/metrics",
         ]
         self.argv = [
             sys.executable,
@@ -67,7 +50,7 @@ class RadixServer:
             "--host",
             "127.0.0.1",
             *flags,
-            *(x for flag, port in ports.items() for x in (flag, str(port))),
+            *port_flags(ports),
         ]
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="radixserve-bench-")) / "server.log"
         self.proc: subprocess.Popen | None = None
@@ -76,7 +59,7 @@ class RadixServer:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not self._healthy():
+        while http_status(f"{self.base_url}/health", timeout=2.0) != 200:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(
@@ -92,15 +75,6 @@ class RadixServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-
-    def _healthy(self) -> bool:
-        try:
-            return (
-                httpx2.get(f"{self.base_url}/health", timeout=2.0, trust_env=False).status_code
-                == 200
-            )
-        except httpx2.HTTPError:
-            return False
 
     def flush_cache(self) -> None:
         """Empties the radix tree, so no cell of the matrix inherits the previous one's

@@ -1,1 +1,2 @@
-"""RadixAttention: a radix tree over KV slots that shares prefixes across requests."""
+"""Prefix caches over KV slots: the RadixAttention tree that shares prefixes across
+requests, and the cache that shares nothing (`--disable-radix-cache`)."""

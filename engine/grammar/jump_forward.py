@@ -14,16 +14,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
+from engine.detokenize import Tokenizer as Decoder
+from engine.detokenize import decode_text
+
 RETOKENIZE_WINDOW = 4
 """Output tokens re-encoded with the forced text. A BPE merge stays inside one pre-token
 (a run of punctuation, a word), which the last few tokens cover; if even the window's first
 token changes, the merge may reach further back and the jump is skipped."""
 
 
-class Tokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+class Tokenizer(Decoder, Protocol):
+    """What jump-forward reads of a Hugging Face tokenizer: `decode`, and `encode`."""
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
 
 def decodes_concatenatively(tokenizer: Tokenizer) -> bool:
@@ -31,8 +34,8 @@ def decodes_concatenatively(tokenizer: Tokenizer) -> bool:
     window re-encoding relies on. Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) does;
     SentencePiece drops the leading space of a piece decoded alone, so it does not."""
     ids = tokenizer.encode('a b {"c": 1}', add_special_tokens=False)
-    pieces = "".join(tokenizer.decode([i], skip_special_tokens=False) for i in ids)
-    return pieces == tokenizer.decode(ids, skip_special_tokens=False)
+    pieces = "".join(decode_text(tokenizer, [i], skip_special_tokens=False) for i in ids)
+    return pieces == decode_text(tokenizer, ids, skip_special_tokens=False)
 
 
 class JumpForward(NamedTuple):
@@ -51,12 +54,12 @@ def plan_jump_forward(
     re-encoding does not decode back to the same text (tokenizers that add a prefix space),
     the merge reaches past the window, or nothing would be appended."""
     tail = list(output_ids[-window:])
-    tail_text = tokenizer.decode(tail, skip_special_tokens=False)
+    tail_text = decode_text(tokenizer, tail, skip_special_tokens=False)
     if "\ufffd" in tail_text:
         return None
     joint = tail_text + forced
     new_ids = tokenizer.encode(joint, add_special_tokens=False)
-    if tokenizer.decode(new_ids, skip_special_tokens=False) != joint:
+    if decode_text(tokenizer, new_ids, skip_special_tokens=False) != joint:
         return None
     kept = 0
     for old, new in zip(tail, new_ids):
@@ -65,7 +68,7 @@ def plan_jump_forward(
         kept += 1
     if kept == 0 and len(tail) < len(output_ids):
         return None
-    if "\ufffd" in tokenizer.decode(tail[:kept], skip_special_tokens=False):
+    if "\ufffd" in decode_text(tokenizer, tail[:kept], skip_special_tokens=False):
         return None  # the rollback would split a character
     if kept == len(new_ids):
         return None

@@ -8,6 +8,7 @@ for long or exhaust its stack. These checks are cheap and run before any compile
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 
@@ -38,6 +39,7 @@ def json_depth(value: Any) -> int:
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
         node, level = stack.pop()
+        children: Iterable[Any]
         if isinstance(node, dict):
             children = node.values()
         elif isinstance(node, list):

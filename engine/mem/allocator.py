@@ -6,7 +6,7 @@ import torch
 
 
 class TokenToKVPoolAllocator:
-    """Hands out KV slots one token at a time (page_size = 1).
+    """Hands out KV slots one token at a time (`constants.PAGE_SIZE`).
 
     Free slots start as `arange(1, size + 1)`: slot 0 is the padding slot that padded
     tokens write their garbage K/V into. The free list lives on the pool's device, so
@@ -16,9 +16,11 @@ class TokenToKVPoolAllocator:
     nodes, for hours) never pin an old free-list buffer in memory.
     """
 
-    page_size = 1
+    _free: torch.Tensor
+    _released: list[torch.Tensor]
+    _released_size: int
 
-    def __init__(self, size: int, device: str | torch.device = "cpu"):
+    def __init__(self, size: int, device: str | torch.device = "cpu") -> None:
         if size < 1:
             raise ValueError(f"TokenToKVPoolAllocator needs size >= 1, got {size}")
         self.size = size
@@ -50,7 +52,7 @@ class TokenToKVPoolAllocator:
 
     def clear(self) -> None:
         self._free = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
-        self._released: list[torch.Tensor] = []
+        self._released = []
         self._released_size = 0
 
     def _merge_released(self) -> None:

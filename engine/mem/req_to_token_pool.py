@@ -15,7 +15,8 @@ class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu"):
         if size < 1 or max_context_len < 1:
             raise ValueError(
-                f"ReqToTokenPool needs size >= 1 and max_context_len >= 1, got {size}, {max_context_len}"
+                "ReqToTokenPool needs size >= 1 and max_context_len >= 1, "
+                f"got {size}, {max_context_len}"
             )
         self.size = size
         self.max_context_len = max_context_len

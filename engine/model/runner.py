@@ -122,11 +122,6 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits `[batch_size, vocab_size]` (float32, or float64 for a float64 model)."""
-        if forward_batch.forward_mode is ForwardMode.IDLE:
-            logits_dtype = torch.promote_types(self.dtype, torch.float32)
-            return torch.empty(
-                (0, self.model_config.vocab_size), dtype=logits_dtype, device=self.device
-            )
         self.attn_backend.init_forward_metadata(forward_batch)
         return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
 

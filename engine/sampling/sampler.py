@@ -110,12 +110,12 @@ def _sample_from_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Te
     never land on it. Unseeded rows draw from torch's global generator, seeded rows from
     `seeded_uniform`.
     """
-    seeded_rows = info.seeded_rows
+    seeded_rows, seeds, steps = info.seeded_rows, info.sampling_seeds, info.seed_steps
     uniform = torch.empty(probs.shape[0], dtype=torch.float64, device=probs.device)
     if seeded_rows is None or len(seeded_rows) < len(uniform):
         uniform.uniform_()
-    if seeded_rows is not None:
-        uniform[seeded_rows] = seeded_uniform(info.sampling_seeds, info.seed_steps)
+    if seeded_rows is not None and seeds is not None and steps is not None:
+        uniform[seeded_rows] = seeded_uniform(seeds, steps)
     cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     target = uniform.clamp_(max=_MAX_UNIFORM).unsqueeze(1) * cdf[:, -1:]
     # A row with every token forbidden (grammar and min-tokens disagree) has NaN probs and would

@@ -45,9 +45,8 @@ class SamplingBatchInfo:
     min_ps: torch.Tensor  # [B, 1] float32
     is_greedy: torch.Tensor  # [B] bool
     is_all_greedy: bool
-    sort_width: (
-        int  # how many of the likeliest tokens top-k / top-p look at; 0 when no row uses them
-    )
+    # How many of the likeliest tokens top-k / top-p look at; 0 when no row uses them.
+    sort_width: int
     need_top_p_sampling: bool
     need_min_p_sampling: bool
     return_logprob: bool
@@ -58,9 +57,8 @@ class SamplingBatchInfo:
     repetition_penalties: torch.Tensor | None = None  # [B, 1]
     seen_token_mask: torch.Tensor | None = None  # [B, V] bool, prompt + output tokens
     logit_bias: torch.Tensor | None = None  # [B, V] float32, additive
-    min_tokens_rows: torch.Tensor | None = (
-        None  # [N] int64, with min_tokens_ids: (row, token) pairs
-    )
+    # [N] int64, with min_tokens_ids: (row, token) pairs
+    min_tokens_rows: torch.Tensor | None = None
     min_tokens_ids: torch.Tensor | None = None  # [N] int64, EOS / stop ids forbidden this step
     seeded_rows: torch.Tensor | None = None  # [S] int64, rows that carry a seed
     sampling_seeds: torch.Tensor | None = None  # [S] int64
@@ -142,38 +140,55 @@ class SamplingBatchInfo:
         min_ids: list[int] = []
         for i, (req, p) in enumerate(zip(reqs, params)):
             if len(req.output_ids) < p.min_new_tokens:
-                ids = (
+                forbidden = (
                     set(p.stop_token_ids)
                     if p.ignore_eos
                     else set(p.stop_token_ids) | set(eos_token_ids)
                 )
-                min_rows += [i] * len(ids)
-                min_ids += sorted(ids)
+                min_rows += [i] * len(forbidden)
+                min_ids += sorted(forbidden)
         if min_ids:
             info.min_tokens_rows = as_tensor(min_rows)
             info.min_tokens_ids = as_tensor(min_ids)
 
-        seeded_rows = [i for i, p in enumerate(params) if p.seed is not None]
-        if seeded_rows:
-            info.seeded_rows = as_tensor(seeded_rows)
-            info.sampling_seeds = as_tensor([params[i].seed for i in seeded_rows])
-            info.seed_steps = as_tensor([len(reqs[i].output_ids) for i in seeded_rows])
+        seeds = {i: p.seed for i, p in enumerate(params) if p.seed is not None}
+        if seeds:
+            info.seeded_rows = as_tensor(list(seeds))
+            info.sampling_seeds = as_tensor(list(seeds.values()))
+            info.seed_steps = as_tensor([len(reqs[i].output_ids) for i in seeds])
         return info
 
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
         """Everything that edits float32 logits `[B, V]` in place before temperature:
         penalties (multiplicative repetition before the additive ones, as vLLM), then
-        logit_bias (after the penalties, as SGLang), then the min-tokens and grammar masks,
+        logit_bias (after the penalties, as SGLang), then the grammar and min-tokens masks,
         last so that nothing can lift a forbidden token back from -inf."""
-        if self.repetition_penalties is not None:
+        if self.repetition_penalties is not None and self.seen_token_mask is not None:
             apply_repetition_penalty(logits, self.seen_token_mask, self.repetition_penalties)
-        if self.frequency_penalties is not None:
+        if (
+            self.frequency_penalties is not None
+            and self.presence_penalties is not None
+            and self.output_token_counts is not None
+        ):
             apply_frequency_presence_penalties(
                 logits, self.output_token_counts, self.frequency_penalties, self.presence_penalties
             )
         if self.logit_bias is not None:
             logits.add_(self.logit_bias)
-        if self.min_tokens_rows is not None:
-            logits[self.min_tokens_rows, self.min_tokens_ids] = float("-inf")
         if self.vocab_mask is not None:
             apply_vocab_mask(logits, self.vocab_mask)
+        if self.min_tokens_rows is not None and self.min_tokens_ids is not None:
+            self._forbid_min_tokens_stops(logits)
+
+    def _forbid_min_tokens_stops(self, logits: torch.Tensor) -> None:
+        """Forbid the stop tokens of rows still under min_new_tokens, except in a row whose
+        grammar allows nothing else: a grammar that only its stop token can continue has
+        ended, and its end is a hard constraint where min_new_tokens is a wish (else every
+        token of the row would be -inf and the draw meaningless)."""
+        rows, ids = self.min_tokens_rows, self.min_tokens_ids
+        assert rows is not None and ids is not None
+        kept = logits[rows, ids]
+        logits[rows, ids] = float("-inf")
+        if self.vocab_mask is not None:
+            nothing_left = torch.isneginf(logits).all(dim=-1)
+            logits[rows, ids] = torch.where(nothing_left[rows], kept, float("-inf"))

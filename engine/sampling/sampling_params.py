@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeGuard
 
 SAMPLING_EPS = 1e-6
 """A temperature below this is greedy: dividing logits by it would overflow (as in SGLang)."""
@@ -64,7 +64,8 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> SamplingParams:
-        """Build from a request body's `sampling_params`; a misspelt key is an error, not a no-op."""
+        """Build from a request body's `sampling_params`; a misspelt key is an error, not a
+        no-op."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(params) - known)
         if unknown:
@@ -92,7 +93,8 @@ class SamplingParams:
         _check_int("min_new_tokens", self.min_new_tokens, low=0)
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(
-                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}"
+                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                f"got {self.min_new_tokens}"
             )
         _check_float("temperature", self.temperature, low=0.0)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
@@ -151,7 +153,7 @@ def _token_id_key(key: int | str) -> int:
     raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.radix_cache import RadixCache
 from engine.grammar import allocate_vocab_mask
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sched.cache_manager import CacheManager, req_row
 from engine.sched.future_map import FutureMap
 from engine.sched.req import Req
 
@@ -39,7 +39,7 @@ class ScheduleBatch:
         cls,
         extend_reqs: list[Req],
         decode_reqs: list[Req],
-        tree_cache: RadixCache,
+        cache_manager: CacheManager,
         token_to_kv_pool: MHATokenToKVPool,
         vocab_size: int,
         eos_token_ids: Collection[int],
@@ -51,15 +51,12 @@ class ScheduleBatch:
         new request, its earlier chunks for a chunked one. A decode's input is a future —
         the token the previous batch is sampling for that row — resolved on the forward side.
         """
-        req_to_token_pool = tree_cache.req_to_token_pool
         input_ids: list[int] = []
         prefix_lens: list[int] = []
         extend_lens: list[int] = []
         for req in extend_reqs:
             if req.req_pool_idx is None:
-                (req.req_pool_idx,) = req_to_token_pool.alloc(1)
-                req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_indices)
-                req.kv_allocated_len = req.kv_committed_len = len(req.prefix_indices)
+                cache_manager.alloc_row(req)
             start = req.kv_allocated_len
             input_ids += req.all_token_ids()[start : start + req.extend_input_len]
             prefix_lens.append(start)
@@ -68,9 +65,9 @@ class ScheduleBatch:
             prefix_lens.append(req.kv_allocated_len)
             extend_lens.append(1)
 
-        out_cache_loc = alloc_token_slots(tree_cache, sum(extend_lens))
+        out_cache_loc = cache_manager.alloc_slots(sum(extend_lens))
         reqs = extend_reqs + decode_reqs
-        rows = [r.req_pool_idx for r in reqs]
+        rows = [req_row(r) for r in reqs]
         futures = FutureMap.futures(torch.tensor(rows[len(extend_reqs) :], dtype=torch.int64))
         if not extend_reqs:
             mode = ForwardMode.DECODE
@@ -83,20 +80,10 @@ class ScheduleBatch:
             prefix_lens,
             extend_lens,
             out_cache_loc,
-            req_to_token_pool,
+            cache_manager.req_to_token_pool,
             token_to_kv_pool,
         )
-        # Point every new token's table entry at its slot in one indexed write (no per-request op).
-        token_rows = torch.repeat_interleave(
-            forward_batch.req_pool_indices,
-            forward_batch.extend_lens,
-            output_size=len(out_cache_loc),
-        )
-        req_to_token_pool.req_to_token[token_rows, forward_batch.positions] = out_cache_loc.to(
-            torch.int32
-        )
-        for req, extend_len in zip(reqs, extend_lens):
-            req.kv_allocated_len += extend_len
+        cache_manager.assign_slots(reqs, forward_batch)
         sampling_info = SamplingBatchInfo.from_reqs(reqs, vocab_size, eos_token_ids, device)
         chunked = frozenset(id(r) for r in extend_reqs if r.is_chunked)
         sampling_info.vocab_mask = build_vocab_mask(reqs, chunked, vocab_size, device)
@@ -119,18 +106,3 @@ def build_vocab_mask(
     for i, grammar in rows:
         grammar.fill_vocab_mask(vocab_mask, i)
     return vocab_mask.to(device, non_blocking=True)
-
-
-def alloc_token_slots(tree_cache: RadixCache, num_tokens: int) -> torch.Tensor:
-    """Take slots, evicting cache first when the free list alone is short. Admission and
-    the decode memory check guarantee they exist, so a shortfall is a scheduler bug."""
-    allocator = tree_cache.token_to_kv_pool_allocator
-    if allocator.available_size() < num_tokens:
-        tree_cache.evict(num_tokens - allocator.available_size())
-    slots = allocator.alloc(num_tokens)
-    if slots is None:
-        raise RuntimeError(
-            f"KV pool exhausted: {num_tokens} slots needed, {allocator.available_size()} free "
-            f"and {tree_cache.evictable_size()} evictable — admission control let a batch through that does not fit"
-        )
-    return slots

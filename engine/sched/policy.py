@@ -11,6 +11,8 @@ import torch
 from engine import constants
 from engine.cache.radix_cache import RadixCache, TreeNode
 from engine.cache.radix_key import RadixKey
+from engine.mem.allocator import TokenToKVPoolAllocator
+from engine.sched.cache_manager import CacheManager
 from engine.sched.req import Req
 
 SCHEDULE_POLICIES = constants.SCHEDULE_POLICIES
@@ -27,26 +29,29 @@ class SchedulePolicy:
       subtree run together (the SGLang paper's theorem).
     - lof: longest max_new_tokens first. random. priority: higher value first, then arrival.
     - routing-key: requests whose routing key is most common in the running batch first.
+
+    The cache-aware ones (lpm, dfs-weight) fall back to fcfs when the cache is not a radix
+    tree: there is nothing to match.
     """
 
-    def __init__(self, policy: str, tree_cache: RadixCache, seed: int = 0):
+    def __init__(self, policy: str, cache_manager: CacheManager, seed: int = 0) -> None:
         if policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"unknown schedule policy {policy!r}; choose one of {', '.join(SCHEDULE_POLICIES)}"
             )
         self.policy = policy
-        self.tree_cache = tree_cache
+        self.cache_manager = cache_manager
+        tree = cache_manager.tree_cache
+        self.radix_tree = tree if isinstance(tree, RadixCache) else None
         self.rng = random.Random(seed)
         # A token-only tree of the waiting queue for in-batch prefix dedup: its "slots" are
-        # never read, so it gets a one-slot pool and placeholder values.
-        self.waiting_queue_radix_tree = RadixCache.create_simulated(
-            num_slots=1, max_reqs=1, max_context_len=1
-        )
+        # placeholders, never read nor evicted, so it gets a one-slot allocator.
+        self.waiting_queue_radix_tree = RadixCache(TokenToKVPoolAllocator(1))
 
     def active_policy(self, waiting_queue: list[Req]) -> str:
         if self.policy == "lpm" and len(waiting_queue) > constants.LPM_MAX_QUEUE_LEN:
             return "fcfs"
-        if self.policy in CACHE_AWARE_POLICIES and self.tree_cache.disable:
+        if self.policy in CACHE_AWARE_POLICIES and self.radix_tree is None:
             return "fcfs"
         return self.policy
 
@@ -65,8 +70,8 @@ class SchedulePolicy:
             waiting_queue.sort(
                 key=lambda r: float("inf") if r.rid in deferred else -len(r.prefix_indices)
             )
-        elif policy == "dfs-weight":
-            waiting_queue[:] = self._dfs_weight_order(waiting_queue)
+        elif policy == "dfs-weight" and self.radix_tree is not None:
+            waiting_queue[:] = self._dfs_weight_order(waiting_queue, self.radix_tree)
         elif policy == "lof":
             waiting_queue.sort(key=lambda r: -r.sampling_params.max_new_tokens)
         elif policy == "random":
@@ -92,7 +97,7 @@ class SchedulePolicy:
             self._sim_insert(RadixKey(req.all_token_ids(), req.extra_key))
         deferred = set()
         for req in waiting_queue:
-            req.init_next_round_input(self.tree_cache)
+            self.cache_manager.match_req(req)
             if len(req.prefix_indices) > constants.IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
                 continue
             key = RadixKey(req.all_token_ids(), req.extra_key)
@@ -106,10 +111,11 @@ class SchedulePolicy:
     def _sim_insert(self, key: RadixKey) -> None:
         self.waiting_queue_radix_tree.insert(key, torch.zeros(len(key), dtype=torch.int64))
 
-    def _dfs_weight_order(self, waiting_queue: list[Req]) -> list[Req]:
+    @staticmethod
+    def _dfs_weight_order(waiting_queue: list[Req], tree: RadixCache) -> list[Req]:
         reqs_at: dict[TreeNode, list[Req]] = defaultdict(list)
-        for req in waiting_queue:
-            reqs_at[req.last_node].append(req)
+        for req in waiting_queue:  # each matched by `_compute_prefix_matches`
+            reqs_at[req.last_node or tree.root_node].append(req)
         weight: Counter[TreeNode] = Counter({node: len(reqs) for node, reqs in reqs_at.items()})
         for node in list(reqs_at):  # every waiting request weighs on each ancestor once
             ancestor = node.parent
@@ -117,7 +123,7 @@ class SchedulePolicy:
                 weight[ancestor] += len(reqs_at[node])
                 ancestor = ancestor.parent
         order: list[Req] = []
-        stack = [self.tree_cache.root_node]
+        stack = [tree.root_node]
         while stack:
             node = stack.pop()
             order.extend(reqs_at.get(node, ()))

@@ -12,8 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from engine.cache.radix_cache import RadixCache
-from engine.mem.allocator import TokenToKVPoolAllocator
+from engine.sched.cache_manager import CacheManager
 from engine.sched.req import Req
 
 
@@ -29,17 +28,15 @@ class AddReqResult(enum.Enum):
 class PrefillAdder:
     def __init__(
         self,
-        tree_cache: RadixCache,
-        token_to_kv_pool_allocator: TokenToKVPoolAllocator,
+        cache_manager: CacheManager,
         running_reqs: Iterable[Req],
         new_token_ratio: float,
         clip_max_new_tokens: int,
         max_prefill_tokens: int,
         chunked_prefill_size: int | None,
         mixed_with_decode_tokens: int = 0,
-    ):
-        self.tree_cache = tree_cache
-        self.allocator = token_to_kv_pool_allocator
+    ) -> None:
+        self.cache_manager = cache_manager
         self.clip_max_new_tokens = clip_max_new_tokens
         self.rem_input_tokens = max_prefill_tokens - mixed_with_decode_tokens
         self.rem_chunk_tokens = (
@@ -58,9 +55,10 @@ class PrefillAdder:
     @property
     def rem_total_tokens(self) -> float:
         """Recomputed on every read: locking a prefix shrinks `evictable_size`."""
+        cache = self.cache_manager
         return (
-            self.allocator.available_size()
-            + self.tree_cache.evictable_size()
+            cache.allocator.available_size()
+            + cache.tree_cache.evictable_size()
             - self.rem_total_token_offset
         )
 
@@ -77,7 +75,7 @@ class PrefillAdder:
         self._add_prefill(req, max_new_tokens=0)
 
     def add_one_req(self, req: Req) -> AddReqResult:
-        """Admit `req` (matched by `init_next_round_input`) if it fits; lock its prefix."""
+        """Admit `req` (matched by `CacheManager.match_req`) if it fits; lock its prefix."""
         total_tokens = req.extend_input_len + min(
             req.sampling_params.max_new_tokens, self.clip_max_new_tokens
         )
@@ -85,9 +83,9 @@ class PrefillAdder:
             return AddReqResult.NO_TOKEN
         if req.extend_input_len > self.rem_input_tokens and self.can_run_list:
             return AddReqResult.OTHER
-        self.tree_cache.inc_lock_ref(req.last_node)
+        self.cache_manager.lock(req)
         if total_tokens > self.rem_total_tokens:  # the lock took the prefix out of `evictable`
-            self.tree_cache.dec_lock_ref(req.last_node)
+            self.cache_manager.unlock(req)
             return AddReqResult.NO_TOKEN
         self._add_prefill(
             req, max_new_tokens=min(req.sampling_params.max_new_tokens, self.clip_max_new_tokens)

@@ -1,4 +1,4 @@
-"""A generation request as the scheduler and the radix cache see it."""
+"""A generation request as the scheduler sees it."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cache.radix_key import RadixKey
 from engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.cache.radix_cache import RadixCache, TreeNode
+    from engine.cache.radix_cache import TreeNode
     from engine.grammar import GrammarMatcher, PendingGrammar
 
 
@@ -39,10 +38,9 @@ class FinishReason:
 class Req:
     """Token state and KV ownership of one request.
 
-    KV ownership of the request's `req_to_token` row:
-    - `[0, len(prefix_indices))`: slots owned by the radix tree, pinned by `last_node`'s lock;
-    - `[len(prefix_indices), kv_allocated_len)`: slots the request owns and must free.
-    `kv_committed_len` counts the leading tokens whose K/V has actually been written.
+    The KV fields (`req_pool_idx` to `kv_committed_len`) are written by the scheduler's
+    `CacheManager` alone, which documents what they own. `kv_committed_len` counts the
+    leading tokens whose K/V has actually been written.
     """
 
     rid: str
@@ -94,14 +92,6 @@ class Req:
     def all_token_ids(self) -> list[int]:
         """Prompt plus output: also what a retracted request prefills again."""
         return self.origin_input_ids + self.output_ids
-
-    def init_next_round_input(self, tree_cache: RadixCache) -> None:
-        """Match the radix tree before admission. The last token is always recomputed:
-        its logits are what the next token is sampled from."""
-        fill_ids = self.all_token_ids()
-        match = tree_cache.match_prefix(RadixKey(fill_ids[:-1], self.extra_key))
-        self.prefix_indices, self.last_node = match
-        self.extend_input_len = len(fill_ids) - len(self.prefix_indices)
 
     def finish(self, reason: FinishReason) -> None:
         self.status = ReqStatus.FINISHED

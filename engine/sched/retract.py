@@ -1,15 +1,16 @@
 """Retraction: what happens when overcommit overshoots and the next decode step lacks slots.
 
-First the tree gives up unlocked cache; if that is not enough, running requests are sent
-back to the queue — those that decoded least (cheapest to redo) and hold the longest
-input (frees the most) first. Their KV is freed, not cached: the space is needed now.
+First the cache gives up unlocked slots (`CacheManager.make_room`); if that is not enough,
+running requests are sent back to the queue — those that decoded least (cheapest to redo)
+and hold the longest input (frees the most) first. Their KV is freed, not cached: the
+space is needed now.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-from engine.cache.radix_cache import RadixCache
+from engine.sched.cache_manager import CacheManager
 from engine.sched.req import FinishReason, Req, ReqStatus
 
 
@@ -20,42 +21,35 @@ class RetractResult(NamedTuple):
     """The last request, finished with an error when even it alone cannot fit."""
 
 
-def check_decode_mem(num_new_tokens: int, tree_cache: RadixCache) -> bool:
-    """Make room for one decode step by evicting cache; True if it fits."""
-    allocator = tree_cache.token_to_kv_pool_allocator
-    if allocator.available_size() < num_new_tokens:
-        tree_cache.evict(num_new_tokens - allocator.available_size())
-    return allocator.available_size() >= num_new_tokens
-
-
-def release_req(req: Req, tree_cache: RadixCache) -> None:
+def release_req(req: Req, cache_manager: CacheManager) -> None:
     """Free a request's KV without caching it, and send it back to waiting."""
-    tree_cache.cache_finished_req(req, is_insert=False)
+    cache_manager.free_req(req)
     req.is_chunked = False
     req.status = ReqStatus.WAITING
 
 
-def retract_decode(reqs: list[Req], tree_cache: RadixCache) -> RetractResult:
+def retract_decode(reqs: list[Req], cache_manager: CacheManager) -> RetractResult:
     """Retract requests until one decode token per survivor fits; keep at least one."""
     order = sorted(reqs, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
     retracted: list[Req] = []
-    while not check_decode_mem(len(order), tree_cache):
+    while not cache_manager.make_room(len(order)):
         if len(order) == 1:
             last = order.pop()
-            release_req(last, tree_cache)
-            pool = tree_cache.token_to_kv_pool_allocator.size
+            release_req(last, cache_manager)
+            pool = cache_manager.allocator.size
             last.finish(
                 FinishReason(
                     "abort",
                     message=(
-                        f"the KV cache ({pool} tokens) cannot hold this request's {last.seqlen + 1} tokens even alone; "
+                        f"the KV cache ({pool} tokens) cannot hold this request's "
+                        f"{last.seqlen + 1} tokens even alone; "
                         "lower max_tokens or raise --max-total-tokens"
                     ),
                 )
             )
             return RetractResult([], retracted, last)
         req = order.pop()
-        release_req(req, tree_cache)
+        release_req(req, cache_manager)
         req.num_retractions += 1
         retracted.append(req)
     kept_ids = {id(r) for r in order}

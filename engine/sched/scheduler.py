@@ -1,15 +1,17 @@
-"""The scheduler: continuous batching over the radix cache, with overcommit admission,
+"""The scheduler: continuous batching over the prefix cache, with overcommit admission,
 retraction, and two event loops.
 
 Each round `get_next_batch_to_run` prefers a prefill batch (new requests in, their
 prefixes into the tree sooner) and otherwise decodes the running requests. The normal
 loop runs a batch and processes its result before building the next one. The overlap
 loop launches batch N on a forward thread, then processes N−1's result and builds N+1
-while N runs; N+1's decode inputs are futures in the FutureMap.
+while N runs; N+1's decode inputs are futures in the FutureMap. Whoever runs a loop (the
+worker, the offline Engine) hands it its message poll, its output sink and when to stop.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -18,17 +20,20 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from engine.args import EngineArgs
+from engine.cache.base_prefix_cache import BasePrefixCache
+from engine.cache.chunk_cache import ChunkCache
 from engine.cache.radix_cache import RadixCache
-from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher
+from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, PendingGrammar
 from engine.grammar.jump_forward import JumpForward, decodes_concatenatively, plan_jump_forward
 from engine.sampling.sampler import Sampler
 from engine.sched.batch import ScheduleBatch
+from engine.sched.cache_manager import CacheManager
 from engine.sched.future_map import FutureMap
 from engine.sched.new_token_ratio import NewTokenRatioTracker
 from engine.sched.policy import SchedulePolicy
 from engine.sched.prefill_adder import AddReqResult, PrefillAdder
 from engine.sched.req import FinishReason, Req, ReqStatus
-from engine.sched.retract import check_decode_mem, release_req, retract_decode
+from engine.sched.retract import release_req, retract_decode
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -37,6 +42,12 @@ logger = logging.getLogger(__name__)
 
 StopStringChecker = Callable[[Req], str | None]
 """Returns the stop string the request's decoded tail now contains, if any."""
+ShouldStop = Callable[[], bool]
+"""Asked before each turn of an event loop: end the loop now?"""
+RecvRequests = Callable[[], None]
+"""Run at the start of each turn: take in new requests, aborts and control messages."""
+SendOutputs = Callable[[list[Req]], None]
+"""Run at the end of each turn with the requests that advanced or finished in it."""
 
 GRAMMAR_POLL_INTERVAL_S = 0.005
 """With only compiling requests to serve, a round waits this long for a compile to end
@@ -104,13 +115,16 @@ class Scheduler:
         self.max_running_requests = model_runner.req_to_token_pool.size
         self.stop_string_checker = stop_string_checker
         self.grammar_backend = grammar_backend
-        self.tree_cache = RadixCache(
-            model_runner.req_to_token_pool,
-            model_runner.token_to_kv_pool_allocator,
-            disable=args.disable_radix_cache,
-            eviction_policy=args.radix_eviction_policy,
+        allocator = model_runner.token_to_kv_pool_allocator
+        tree_cache: BasePrefixCache = (
+            ChunkCache(allocator.device)
+            if args.disable_radix_cache
+            else RadixCache(allocator, args.radix_eviction_policy)
         )
-        self.policy = SchedulePolicy(args.schedule_policy, self.tree_cache, seed=args.random_seed)
+        self.cache_manager = CacheManager(model_runner.req_to_token_pool, allocator, tree_cache)
+        self.policy = SchedulePolicy(
+            args.schedule_policy, self.cache_manager, seed=args.random_seed
+        )
         self.ratio = NewTokenRatioTracker(args.schedule_conservativeness)
         self.sampler = Sampler()
         self.future_map = FutureMap(
@@ -125,14 +139,16 @@ class Scheduler:
         self.stats = SchedulerStats()
         if args.enable_jump_forward and args.disable_radix_cache:
             raise ValueError(
-                "enable_jump_forward needs the radix cache: a jump hands the request's KV to the tree"
+                "enable_jump_forward needs the radix cache: "
+                "a jump hands the request's KV to the tree"
             )
-        self.jump_forward = args.enable_jump_forward and grammar_backend is not None
-        if self.jump_forward and not decodes_concatenatively(grammar_backend.tokenizer):
-            logger.warning(
-                "jump-forward is off: this tokenizer's pieces do not decode independently"
-            )
-            self.jump_forward = False
+        self.jump_forward = False
+        if args.enable_jump_forward and grammar_backend is not None:
+            self.jump_forward = decodes_concatenatively(grammar_backend.tokenizer)
+            if not self.jump_forward:
+                logger.warning(
+                    "jump-forward is off: this tokenizer's pieces do not decode independently"
+                )
         if args.disable_overlap_schedule is None:
             self.overlap = self.device.type == "cuda"
         else:
@@ -168,18 +184,20 @@ class Scheduler:
         needed = input_len + min(params.max_new_tokens, self.args.clip_max_new_tokens)
         if needed > self.max_total_tokens:
             raise ValueError(
-                f"the prompt ({input_len} tokens) plus max_new_tokens ({params.max_new_tokens}) needs {needed} KV "
-                f"slots; the KV cache holds {self.max_total_tokens}. Lower max_tokens or raise --max-total-tokens"
+                f"the prompt ({input_len} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                f"needs {needed} KV slots; the KV cache holds {self.max_total_tokens}. "
+                "Lower max_tokens or raise --max-total-tokens"
             )
         grammar = params.grammar
         if grammar is not None and self.grammar_backend is None:
             raise ValueError(
-                "json_schema, regex and ebnf need a tokenizer; this engine runs with skip_tokenizer_init"
+                "json_schema, regex and ebnf need a tokenizer and a grammar backend; this "
+                "engine runs with skip_tokenizer_init or --grammar-backend none"
             )
         req.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         req.status = ReqStatus.WAITING
         if grammar is not None:
-            req.pending_grammar = self.grammar_backend.submit(*grammar)
+            req.pending_grammar = self._grammar_backend().submit(*grammar)
             self.grammar_queue.append(req)
         else:
             self.waiting_queue.append(req)
@@ -192,57 +210,72 @@ class Scheduler:
                     queue.remove(req)
                     self._finish(req, FinishReason("abort", message="aborted by the client"))
                     return
-        for req in [*self.running, self.chunked_req]:
-            if req is not None and req.rid == rid and not req.finished:
-                if req is self.chunked_req:
+        holding_kv = self.running if self.chunked_req is None else [*self.running, self.chunked_req]
+        for live in holding_kv:
+            if live.rid == rid and not live.finished:
+                if live is self.chunked_req:
                     self.chunked_req = None
-                release_req(req, self.tree_cache)
-                self._finish(req, FinishReason("abort", message="aborted by the client"))
+                release_req(live, self.cache_manager)
+                self._finish(live, FinishReason("abort", message="aborted by the client"))
                 return
 
     # ----- event loops ------------------------------------------------------------------
 
-    def step(self) -> list[Req]:
-        """One round of the configured loop; returns requests with new tokens or finished."""
-        if self.overlap:
-            self.step_overlap()
-        else:
-            self.step_normal()
+    def event_loop_normal(
+        self, should_stop: ShouldStop, recv_requests: RecvRequests, send_outputs: SendOutputs
+    ) -> None:
+        """Each turn until `should_stop()`: receive; while there is work, build the next
+        batch, run it and process its result; send the requests that advanced or finished."""
+        while not should_stop():
+            recv_requests()
+            if self.has_work():
+                batch = self.get_next_batch_to_run()
+                if batch is None:
+                    self.ratio.on_idle()
+                else:
+                    self.process_batch_result(batch, self.run_batch(batch))
+            send_outputs(self._take_outputs())
+
+    def event_loop_overlap(
+        self, should_stop: ShouldStop, recv_requests: RecvRequests, send_outputs: SendOutputs
+    ) -> None:
+        """As `event_loop_normal`, but each turn launches its batch on the forward thread and
+        processes the previous turn's batch while it runs; the last batch may still be in
+        flight when the loop stops."""
+        while not should_stop():
+            recv_requests()
+            if self.has_work():
+                batch = self.get_next_batch_to_run()
+                launched = (
+                    (batch, self._forward_thread().submit(self.run_batch, batch))
+                    if batch is not None
+                    else None
+                )
+                self.resolve_in_flight()
+                self.in_flight = launched
+                if launched is None:
+                    self.ratio.on_idle()
+            send_outputs(self._take_outputs())
+
+    def run_event_loop(
+        self,
+        should_stop: ShouldStop,
+        recv_requests: RecvRequests = lambda: None,
+        send_outputs: SendOutputs = lambda reqs: None,
+    ) -> None:
+        """The configured loop, overlap or normal. Offline callers have no messages to
+        receive and read their requests directly, so both hooks default to nothing."""
+        loop = self.event_loop_overlap if self.overlap else self.event_loop_normal
+        loop(should_stop, recv_requests, send_outputs)
+
+    def _take_outputs(self) -> list[Req]:
         outputs, self.outputs = self.outputs, []
         return outputs
 
-    def step_normal(self) -> None:
-        batch = self.get_next_batch_to_run()
-        if batch is None:
-            self.ratio.on_idle()
-            return
-        self.process_batch_result(batch, self.run_batch(batch))
-
-    def step_overlap(self) -> None:
-        batch = self.get_next_batch_to_run()
-        launched = (
-            (batch, self.forward_thread.submit(self.run_batch, batch))
-            if batch is not None
-            else None
-        )
-        self.resolve_in_flight()
-        self.in_flight = launched
-        if launched is None:
-            self.ratio.on_idle()
-
-    def event_loop_normal(
-        self, recv_requests: Callable[[], None], should_stop: Callable[[], bool]
-    ) -> None:
-        while not should_stop():
-            recv_requests()
-            self.step_normal()
-
-    def event_loop_overlap(
-        self, recv_requests: Callable[[], None], should_stop: Callable[[], bool]
-    ) -> None:
-        while not should_stop():
-            recv_requests()
-            self.step_overlap()
+    def _forward_thread(self) -> ThreadPoolExecutor:
+        if self.forward_thread is None:
+            raise RuntimeError("the overlap loop needs the forward thread: overlap is off")
+        return self.forward_thread
 
     def resolve_in_flight(self) -> None:
         """Wait for the batch on the forward side and process its result."""
@@ -289,8 +322,7 @@ class Scheduler:
             and self._decode_fits_without_eviction()
         )
         adder = PrefillAdder(
-            self.tree_cache,
-            self.tree_cache.token_to_kv_pool_allocator,
+            self.cache_manager,
             self.running,
             self.ratio.new_token_ratio,
             self.args.clip_max_new_tokens,
@@ -308,7 +340,7 @@ class Scheduler:
                 or adder.budget_exhausted()
             ):
                 break
-            req.init_next_round_input(self.tree_cache)
+            self.cache_manager.match_req(req)
             if adder.add_one_req(req) is not AddReqResult.CONTINUE:
                 break
         if not adder.can_run_list:
@@ -335,12 +367,12 @@ class Scheduler:
         """Compiled requests join the waiting queue; a failed or timed-out compile fails its
         request alone with a 400. Waits briefly for a compile when nothing else can run."""
         if not (self.waiting_queue or self.running or self.chunked_req or self.in_flight):
-            pending = [r.pending_grammar.future for r in self.grammar_queue]
+            pending = [_pending_grammar(r).future for r in self.grammar_queue]
             wait(pending, timeout=GRAMMAR_POLL_INTERVAL_S, return_when=FIRST_COMPLETED)
         still_compiling: list[Req] = []
         for req in self.grammar_queue:
             try:
-                compiled = req.pending_grammar.result()
+                compiled = _pending_grammar(req).result()
             except GrammarError as e:
                 self._finish(req, FinishReason("abort", message=str(e), status_code=400))
                 continue
@@ -355,11 +387,11 @@ class Scheduler:
     def update_running_batch(self) -> ScheduleBatch | None:
         """A decode step for every running request, making room first: evict cache, then
         retract (after the in-flight batch is processed, so nothing retracted is in flight)."""
-        if not check_decode_mem(len(self.running), self.tree_cache):
+        if not self.cache_manager.make_room(len(self.running)):
             self.resolve_in_flight()
             if not self.running:
                 return None
-            if not check_decode_mem(len(self.running), self.tree_cache):
+            if not self.cache_manager.make_room(len(self.running)):
                 self._retract()
                 if not self.running:
                     return None
@@ -368,7 +400,7 @@ class Scheduler:
         return self._prepare([], list(self.running))
 
     def _retract(self) -> None:
-        result = retract_decode(self.running, self.tree_cache)
+        result = retract_decode(self.running, self.cache_manager)
         self.running = result.kept
         self.waiting_queue[:0] = result.retracted
         for req in result.retracted:
@@ -386,7 +418,7 @@ class Scheduler:
         )
 
     def _decode_fits_without_eviction(self) -> bool:
-        return self.tree_cache.token_to_kv_pool_allocator.available_size() >= len(self.running)
+        return self.cache_manager.allocator.available_size() >= len(self.running)
 
     def _prepare(self, extend_reqs: list[Req], decode_reqs: list[Req]) -> ScheduleBatch | None:
         if self.in_flight is not None and any(
@@ -405,7 +437,7 @@ class Scheduler:
         batch = ScheduleBatch.prepare(
             extend_reqs,
             decode_reqs,
-            self.tree_cache,
+            self.cache_manager,
             runner.token_to_kv_pool,
             self.model_config.vocab_size,
             self.model_config.eos_token_ids,
@@ -450,56 +482,50 @@ class Scheduler:
     # ----- results ----------------------------------------------------------------------
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
+        logprobs, top_logprobs = result.next_token_logprobs, result.top_logprobs
         for i, (req, extend_len, token) in enumerate(
             zip(batch.reqs, batch.extend_lens, result.next_token_ids)
         ):
             if req.finished:
                 continue  # finished or aborted while this batch ran; its KV is already freed
-            req.kv_committed_len += extend_len
+            self.cache_manager.commit(req, extend_len)
             if id(req) in batch.chunked:
-                self.tree_cache.cache_unfinished_req(req)
+                self.cache_manager.cache_unfinished_req(req)
                 continue
             req.output_ids.append(token)
             self.stats.generation_tokens += 1
             if req.sampling_params.logprobs:
-                req.output_token_logprobs.append((result.next_token_logprobs[i], token))
+                assert logprobs is not None, "the sampler returns logprobs when a request asks"
+                req.output_token_logprobs.append((logprobs[i], token))
                 if req.sampling_params.top_logprobs_num:
+                    assert top_logprobs is not None, "as for logprobs"
                     req.output_top_logprobs.append(
-                        result.top_logprobs[i][: req.sampling_params.top_logprobs_num]
+                        top_logprobs[i][: req.sampling_params.top_logprobs_num]
                     )
-            reason = self._accept_grammar_token(req, token) if req.grammar is not None else None
+            grammar = req.grammar
+            reason = _accept_grammar_token(grammar, token) if grammar is not None else None
             reason = reason or self._check_finished(req)
             if reason is not None:
-                self.tree_cache.cache_finished_req(req)
+                self.cache_manager.cache_finished_req(req)
                 self._finish(req, reason)
                 continue
             if i < batch.num_extend_reqs:  # share the fresh prefill with later requests now
-                self.tree_cache.cache_unfinished_req(req)
-            if self.jump_forward and req.grammar is not None:
-                self._jump_forward(req)
+                self.cache_manager.cache_unfinished_req(req)
+            if self.jump_forward and grammar is not None:
+                self._jump_forward(req, grammar)
             self.outputs.append(req)
 
-    def _accept_grammar_token(self, req: Req, token: int) -> FinishReason | None:
-        """Advance the matcher; a terminated grammar ends the request, its stop token (the
-        model's EOS) counting as the matched stop token."""
-        if not req.grammar.accept_token(token):
-            # The mask allowed only grammar tokens, so this is a bug, not the client's fault.
-            return FinishReason("abort", message=f"token {token} was sampled outside the grammar")
-        if req.grammar.is_terminated():
-            return FinishReason("stop", matched=token)
-        return None
-
-    def _jump_forward(self, req: Req) -> None:
+    def _jump_forward(self, req: Req, matcher: GrammarMatcher) -> None:
         """Take the text the grammar forces now, if any. The request leaves the running batch
         with its KV handed to the radix tree and returns through the waiting queue as an
         extend of the forced tokens: one forward pass instead of one per token. Under the
         overlap loop nothing of it is in flight here: `_prepare` resolved its last batch
         before building the next, as for every grammar request."""
         params = req.sampling_params
-        forced = req.grammar.find_jump_forward_string()
+        forced = matcher.find_jump_forward_string()
         if not forced or params.logprobs:  # forced tokens have no sampled logprobs to report
             return
-        plan = plan_jump_forward(self.grammar_backend.tokenizer, req.output_ids, forced)
+        plan = plan_jump_forward(self._grammar_backend().tokenizer, req.output_ids, forced)
         if plan is None:
             return
         new_len = len(req.output_ids) - plan.rollback + len(plan.token_ids)
@@ -510,9 +536,9 @@ class Scheduler:
             return  # the forced text would end the request: decode up to the limit instead
         if params.stop and self._forced_text_hits_stop(req, forced):
             return  # decode it token by token, so that the stop check ends the request
-        if not self._retokenize_grammar(req, plan):
+        if not _retokenize_grammar(matcher, req.output_ids, plan):
             return
-        self.tree_cache.cache_finished_req(req)
+        self.cache_manager.cache_finished_req(req)
         del req.output_ids[len(req.output_ids) - plan.rollback :]
         req.output_ids += plan.token_ids
         req.output_rollback = plan.rollback
@@ -522,25 +548,18 @@ class Scheduler:
         self.stats.jump_forwards += 1
         self.stats.jump_forward_tokens += len(plan.token_ids) - plan.rollback
 
-    def _retokenize_grammar(self, req: Req, plan: JumpForward) -> bool:
-        """Move the matcher onto the re-encoded tokens; False (matcher unchanged) if it
-        refuses one, which only a special token inside the forced text could cause."""
-        matcher = req.grammar
-        replaced = req.output_ids[len(req.output_ids) - plan.rollback :]
-        matcher.rollback(plan.rollback)
-        for n, token in enumerate(plan.token_ids):
-            if not matcher.accept_token(token):
-                matcher.rollback(n)
-                for old in replaced:
-                    matcher.accept_token(old)
-                return False
-        return True
-
     def _forced_text_hits_stop(self, req: Req, forced: str) -> bool:
         stop = req.sampling_params.stop
         tail = req.output_ids[-max(len(s) for s in stop) :]
-        text = self.grammar_backend.tokenizer.decode(tail, skip_special_tokens=False) + forced
-        return any(s in text for s in stop)
+        decoded = self._grammar_backend().tokenizer.decode(tail, skip_special_tokens=False)
+        assert isinstance(decoded, str), "a flat id list decodes to one string"
+        return any(s in decoded + forced for s in stop)
+
+    def _grammar_backend(self) -> GrammarBackend:
+        """The backend, there whenever a request has a grammar (`add_request` checks)."""
+        if self.grammar_backend is None:
+            raise RuntimeError("a grammar request reached a scheduler without a grammar backend")
+        return self.grammar_backend
 
     def _check_finished(self, req: Req) -> FinishReason | None:
         params = req.sampling_params
@@ -565,6 +584,45 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         self.outputs.append(req)
+
+
+def _accept_grammar_token(matcher: GrammarMatcher, token: int) -> FinishReason | None:
+    """Advance the matcher; a terminated grammar ends the request, its stop token (the
+    model's EOS) counting as the matched stop token."""
+    if not matcher.accept_token(token):
+        # The mask allowed only grammar tokens, so this is a bug, not the client's fault.
+        return FinishReason("abort", message=f"token {token} was sampled outside the grammar")
+    if matcher.is_terminated():
+        return FinishReason("stop", matched=token)
+    return None
+
+
+def _retokenize_grammar(matcher: GrammarMatcher, output_ids: list[int], plan: JumpForward) -> bool:
+    """Move the matcher onto the re-encoded tokens; False (matcher unchanged) if it refuses
+    one, which only a special token inside the forced text could cause."""
+    replaced = output_ids[len(output_ids) - plan.rollback :]
+    matcher.rollback(plan.rollback)
+    for n, token in enumerate(plan.token_ids):
+        if not matcher.accept_token(token):
+            matcher.rollback(n)
+            for old in replaced:
+                matcher.accept_token(old)
+            return False
+    return True
+
+
+def _pending_grammar(req: Req) -> PendingGrammar:
+    """The compile a request in the grammar queue waits for."""
+    if req.pending_grammar is None:
+        raise RuntimeError(f"request {req.rid} is in the grammar queue without a compile")
+    return req.pending_grammar
+
+
+def after_turns(num_turns: int) -> ShouldStop:
+    """A `should_stop` that ends an event loop after `num_turns` turns, for callers that do
+    work of their own between turns (the offline stream yields after each)."""
+    turns = itertools.count()
+    return lambda: next(turns) >= num_turns
 
 
 def _needs_output_history(req: Req) -> bool:

@@ -1,1 +1,4 @@
-"""The detokenizer process: token ids in, safe text deltas out (`python -m services.detokenizer`)."""
+"""The detokenizer process: token ids in, safe text deltas out.
+
+Run it with `python -m services.detokenizer`.
+"""

@@ -44,7 +44,9 @@ class Detokenizer(Service):
         self.first_seen: dict[str, float] = {}
         """rid → when its first output arrived (time.monotonic()); kept only while tracing."""
         self.metrics = DetokenizerMetrics(
-            self.registry, settings.served_model_name, lambda: len(self.decode_status)
+            self.registry,
+            settings.served_model_name or settings.model,
+            lambda: len(self.decode_status),
         )
         self.serve_metrics(settings.detokenizer_metrics_port)
 
@@ -54,8 +56,7 @@ class Detokenizer(Service):
             self.to_tokenizer.put(self.detokenize(msg))
             end = time.monotonic()
             self.metrics.observe_batch(end - start)
-            if self.tracing is not None:
-                self.trace(msg, start, end)
+            self.trace(msg, start, end)
         else:
             logger.warning(
                 "dropped a %s from %s: not a detokenizer message",
@@ -118,7 +119,10 @@ class Detokenizer(Service):
 
     def trace(self, batch: BatchTokenIDOutput, start: float, end: float) -> None:
         """Remember when each rid first came; a finished one gets its detokenize span, from
-        its first output to its last (the carrier comes with the last)."""
+        its first output to its last (the carrier comes with the last). Nothing while
+        tracing is off."""
+        if self.tracing is None:
+            return
         contexts = batch.trace_contexts or [{}] * len(batch.rids)
         for rid, reason, context in zip(batch.rids, batch.finished_reasons, contexts):
             first = self.first_seen.setdefault(rid, start)

@@ -23,7 +23,9 @@ def main() -> None:
         port=settings.port,
         log_config=None,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=settings.graceful_shutdown_timeout,
+        # uvicorn annotates this as int but passes it to asyncio.wait_for, which takes any
+        # number of seconds: a fractional timeout is honoured as given.
+        timeout_graceful_shutdown=settings.graceful_shutdown_timeout,  # type: ignore[arg-type]
     )
 
 

@@ -123,6 +123,7 @@ def to_sampling_params(
     A grammar (json_schema, regex, ebnf, response_format) is checked against the limits
     and parsed here, so that a bad one is a 400 before the request is queued.
     """
+    prompt_param: str
     if isinstance(request, GenerateRequest):
         names, kwargs, requested = _native_kwargs(request)
         prefix, prompt_param = "sampling_params.", request.prompt_field
@@ -266,6 +267,7 @@ def _renamed(message: str, names: dict[str, str], prefix: str) -> RequestError:
     """A `SamplingParams` error in the vocabulary of the request that caused it: renamed
     fields take the request's names, the others are found under `prefix`."""
     field = message.split(" ", 1)[0]
+    param: str | None
     if field in _SAMPLING_FIELDS:
         param = names.get(field, prefix + field)
     else:

@@ -20,9 +20,9 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import zmq
 import zmq.asyncio
@@ -58,6 +58,9 @@ PEERS = ("worker", "detokenizer")
 """Processes a request needs alive from submission to its last token."""
 CONTROL_TIMEOUT_S = 10.0
 """How long a control request (flush, server info) waits for the worker's reply."""
+
+ControlReply = FlushCacheReqOutput | GetServerInfoReqOutput
+ReplyT = TypeVar("ReplyT", FlushCacheReqOutput, GetServerInfoReqOutput)
 
 
 def unavailable(message: str) -> RequestError:
@@ -118,10 +121,8 @@ class TokenizerManager:
             settings.heartbeat_interval,
         )
         self.receivers = [
-            AsyncReceiver(bind_pull(self.actx, settings.tokenizer_port), "tokenizer-outputs"),
-            AsyncReceiver(
-                bind_pull(self.actx, settings.tokenizer_control_port), "tokenizer-control"
-            ),
+            AsyncReceiver(self._bind_pull(settings.tokenizer_port), "tokenizer-outputs"),
+            AsyncReceiver(self._bind_pull(settings.tokenizer_control_port), "tokenizer-control"),
         ]
         self.monitor = PeerMonitor(settings.heartbeat_interval)
         self.worker_info: WorkerReady | None = None
@@ -130,8 +131,12 @@ class TokenizerManager:
         """rid → the group waiting for its outputs, from submission until it finishes."""
         self.num_queued = 0
         """Requests submitted that have had no output yet (the sum of the groups' `queued`)."""
-        self.control: dict[str, asyncio.Future[Message]] = {}
-        self.tasks: list[asyncio.Task] = []
+        self.control: dict[str, asyncio.Future[ControlReply]] = {}
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def _bind_pull(self, port: int) -> zmq.asyncio.Socket:
+        # `bind_pull` is typed for any context; on an asyncio one it makes an asyncio socket.
+        return cast(zmq.asyncio.Socket, bind_pull(self.actx, port))
 
     # ----- lifecycle ---------------------------------------------------------------------
 
@@ -179,14 +184,14 @@ class TokenizerManager:
             return
         if num_reqs > limit:
             raise RequestError(
-                f"this request fans out into {num_reqs} sequences (prompts × n); at most {limit} may wait at "
-                "once on this server (--max-queued-requests)",
+                f"this request fans out into {num_reqs} sequences (prompts × n); "
+                f"at most {limit} may wait at once on this server (--max-queued-requests)",
                 param="n",
             )
         if self.num_queued + num_reqs > limit:
             raise overloaded(
-                f"the server is overloaded: {self.num_queued} request(s) are already waiting for their first token "
-                f"(--max-queued-requests {limit}); retry later"
+                f"the server is overloaded: {self.num_queued} request(s) are already waiting "
+                f"for their first token (--max-queued-requests {limit}); retry later"
             )
 
     # ----- requests ---------------------------------------------------------------------
@@ -197,7 +202,7 @@ class TokenizerManager:
 
     async def generate(
         self, reqs: Sequence[TokenizedGenerateReqInput], observed: bool = True
-    ) -> AsyncIterator[ReqOutput]:
+    ) -> AsyncGenerator[ReqOutput, None]:
         """Submit `reqs` as one group and yield their outputs as they arrive, until all have
         finished. Raises `RequestError`: 503 if a peer dies meanwhile, 504 past
         `--request-timeout`. Leaving the loop early aborts the requests that have not
@@ -223,9 +228,7 @@ class TokenizerManager:
             for req in reqs:
                 try:
                     sent = self.to_worker.send(req)
-                except (
-                    OverflowError
-                ):  # the adapters check the known fields; a safety net for the rest
+                except OverflowError:  # a safety net: the adapters check the known fields
                     raise RequestError("a number in the request does not fit in 64 bits") from None
                 if not sent:
                     raise unavailable(
@@ -256,8 +259,10 @@ class TokenizerManager:
         try:
             return await asyncio.wait_for(group.queue.get(), max(0.0, deadline - time.monotonic()))
         except TimeoutError:
-            timeout = self.settings.request_timeout
-            message = f"the request did not finish within {timeout:g} s (--request-timeout); it was aborted"
+            message = (
+                f"the request did not finish within {self.settings.request_timeout:g} s "
+                "(--request-timeout); it was aborted"
+            )
             raise RequestError(message, code="request_timeout", status=504) from None
 
     @staticmethod
@@ -286,21 +291,28 @@ class TokenizerManager:
         return len(rids)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
-        return await self._control(FlushCacheReq(rid=self.new_rid("flush")))
+        return await self._control(FlushCacheReq(rid=self.new_rid("flush")), FlushCacheReqOutput)
 
-    async def server_info(self, check_integrity: bool = False) -> dict:
-        reply = await self._control(
-            GetServerInfoReq(rid=self.new_rid("info"), check_integrity=check_integrity)
-        )
+    async def server_info(self, check_integrity: bool = False) -> dict[str, Any]:
+        request = GetServerInfoReq(rid=self.new_rid("info"), check_integrity=check_integrity)
+        reply = await self._control(request, GetServerInfoReqOutput)
         return reply.info
 
-    async def _control(self, msg: FlushCacheReq | GetServerInfoReq) -> Message:
+    async def _control(
+        self, msg: FlushCacheReq | GetServerInfoReq, reply_type: type[ReplyT]
+    ) -> ReplyT:
+        """The worker's reply to `msg`; a 503 if it sends none in time, or another kind."""
         self.require_ready(peers=("worker",))  # answered by the worker alone
         future = self.control[msg.rid] = asyncio.get_running_loop().create_future()
         try:
             if not self.to_worker.send(msg):
                 raise unavailable("the worker is not connected")
-            return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
+            reply = await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
+            if not isinstance(reply, reply_type):
+                raise unavailable(
+                    f"the worker answered {type(msg).__name__} with a {type(reply).__name__}"
+                )
+            return reply
         except TimeoutError:
             message = (
                 f"the worker did not answer {type(msg).__name__} within {CONTROL_TIMEOUT_S:g} s"
@@ -387,7 +399,9 @@ class TokenizerManager:
         )
 
     def _token_text(self, token_id: int) -> str:
-        return str(token_id) if self.tokenizer is None else self.tokenizer.decode([token_id])
+        if self.tokenizer is None:
+            return str(token_id)
+        return cast(str, self.tokenizer.decode([token_id]))  # one sequence: one string
 
     async def _liveness_loop(self) -> None:
         """Heartbeats to the worker, and the peer deaths that fail requests."""

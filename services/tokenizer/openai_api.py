@@ -12,7 +12,7 @@ the field instead of one error per union member.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -41,7 +41,8 @@ def _join_text_parts(content: object) -> object:
             and isinstance(part.get("text"), str)
         ):
             raise ValueError(
-                'content parts must be {"type": "text", "text": <string>}; this server accepts text only'
+                'content parts must be {"type": "text", "text": <string>}; '
+                "this server accepts text only"
             )
         texts.append(part["text"])
     return "\n".join(texts)
@@ -67,14 +68,16 @@ def _prompt_batch(prompt: object) -> object:
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt:
         raise ValueError(
-            "must be a non-empty string, list of strings, list of token ids or list of token-id lists"
+            "must be a non-empty string, list of strings, list of token ids "
+            "or list of token-id lists"
         )
     if all(isinstance(p, str) for p in prompt) or all(_is_token_ids(p) for p in prompt):
         if any(len(p) == 0 for p in prompt):
             raise ValueError("an empty prompt has nothing to continue from")
         return prompt
     raise ValueError(
-        "must be a string, a list of strings, a list of token ids or a list of token-id lists, not a mix"
+        "must be a string, a list of strings, a list of token ids or a list of token-id lists, "
+        "not a mix"
     )
 
 
@@ -125,7 +128,7 @@ class ResponseFormat(_Request):
         """The JSON schema this format constrains output to, None for plain text."""
         if self.type == "json_object":
             return {"type": "object"}
-        if self.type == "json_schema":
+        if self.type == "json_schema" and self.json_schema is not None:
             return self.json_schema.schema_
         return None
 
@@ -293,29 +296,11 @@ class ChatCompletionResponseChoice(BaseModel):
     finish_reason: FinishReasonName | None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-
-
 class ChatCompletionResponseStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChoiceLogprobs | None = None
     finish_reason: FinishReasonName | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
 
 
 class CompletionResponseChoice(BaseModel):
@@ -325,22 +310,38 @@ class CompletionResponseChoice(BaseModel):
     finish_reason: FinishReasonName | None = None
 
 
-class CompletionResponse(BaseModel):
+ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
+
+
+class ChoicesEnvelope(BaseModel, Generic[ChoiceT]):
+    """What OpenAI puts around the choices of a response and of a stream chunk, in its
+    field order; a subclass fixes `object`. A chunk's `usage` is null but in the last
+    chunk of a stream with `include_usage`."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
-    choices: list[CompletionResponseChoice]
+    choices: list[ChoiceT]
+    usage: UsageInfo | None = None
+
+
+class ChatCompletionResponse(ChoicesEnvelope[ChatCompletionResponseChoice]):
+    object: Literal["chat.completion"] = "chat.completion"
     usage: UsageInfo
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ChoicesEnvelope[ChatCompletionResponseStreamChoice]):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class CompletionResponse(ChoicesEnvelope[CompletionResponseChoice]):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo | None = None
+    usage: UsageInfo
+
+
+class CompletionChunk(ChoicesEnvelope[CompletionResponseChoice]):
+    object: Literal["text_completion"] = "text_completion"
 
 
 class ModelCard(BaseModel):

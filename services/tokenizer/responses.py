@@ -8,16 +8,14 @@ Choices are numbered as OpenAI numbers them: with `p` prompts and `n` samples ea
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from engine.sched.req import FinishReason
+from services.protocol import FinishReason
 from services.tokenizer.adapters import RequestError, error_body
 from services.tokenizer.openai_api import (
     ChatCompletionChunk,
@@ -27,6 +25,7 @@ from services.tokenizer.openai_api import (
     ChatCompletionTokenLogprob,
     ChatMessage,
     ChoiceLogprobs,
+    ChoicesEnvelope,
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
@@ -39,6 +38,9 @@ from services.tokenizer.openai_api import (
     TopLogprob,
     UsageInfo,
 )
+
+if TYPE_CHECKING:  # the engine imports torch, which the tokenizer service does not need
+    from engine.outputs import GenerateResult
 
 SSE_DONE = "data: [DONE]\n\n"
 """The last event of every OpenAI stream."""
@@ -68,16 +70,20 @@ class ChoiceOutput:
     """Present only when the request asked for logprobs."""
 
     @classmethod
-    def from_engine_result(cls, result: dict[str, Any]) -> ChoiceOutput:
-        """From the offline Engine's `{"text", "output_ids", "meta"}`."""
-        meta = result["meta"]
+    def from_engine_result(cls, result: GenerateResult) -> ChoiceOutput:
+        """From a finished result of the offline Engine."""
+        meta, reason = result.meta, result.meta.finish_reason
+        if reason is None:
+            raise ValueError("an unfinished engine result has no choice")
         return cls(
-            text=result["text"],
-            output_ids=list(result["output_ids"]),
-            finish_reason=FinishReason(**meta["finish_reason"]),
-            prompt_tokens=meta["prompt_tokens"],
-            completion_tokens=meta["completion_tokens"],
-            cached_tokens=meta["cached_tokens"],
+            text=result.text,
+            output_ids=list(result.output_ids),
+            finish_reason=FinishReason(
+                reason.type, reason.matched, reason.message, reason.status_code
+            ),
+            prompt_tokens=meta.prompt_tokens,
+            completion_tokens=meta.completion_tokens,
+            cached_tokens=meta.cached_tokens,
         )
 
 
@@ -88,11 +94,6 @@ class ResponseHeader:
     id: str
     model: str
     created: int
-
-    @classmethod
-    def new(cls, model: str, prefix: str) -> ResponseHeader:
-        """`prefix` is OpenAI's: "chatcmpl" for chat, "cmpl" for completions."""
-        return cls(id=f"{prefix}-{uuid.uuid4().hex}", model=model, created=int(time.time()))
 
     def fields(self) -> dict[str, Any]:
         return {"id": self.id, "model": self.model, "created": self.created}
@@ -199,25 +200,46 @@ def sse_event(obj: BaseModel | dict[str, Any]) -> str:
     return f"data: {payload}\n\n"
 
 
-class _Stream(ABC):
+@dataclass(frozen=True)
+class ChunkPart:
+    """What one chunk of a stream says of one choice."""
+
+    index: int
+    text: str
+    logprobs: Sequence[TokenLogprob]
+    reason: FinishReasonName | None
+    text_offset: int
+    """Where `text` starts in the choice's text."""
+
+
+StreamChoiceT = TypeVar(
+    "StreamChoiceT", ChatCompletionResponseStreamChoice, CompletionResponseChoice
+)
+
+
+class _Stream(ABC, Generic[StreamChoiceT]):
     """SSE events of one streamed request, in OpenAI's order: per choice its deltas and a
     chunk with its finish reason; then, with `include_usage`, a chunk with empty choices
     and the usage of the whole request; then `[DONE]`. Chat and completions differ only
     in how a choice's chunk looks and whether a choice opens with a role."""
 
-    chunk_model: type[ChatCompletionChunk | CompletionChunk]
+    chunk_model: type[ChoicesEnvelope[StreamChoiceT]]
 
     def __init__(self, header: ResponseHeader, n: int = 1, include_usage: bool = False):
         self.header = header
         self.n = n
         self.include_usage = include_usage
         self.outputs: dict[int, ChoiceOutput] = {}
+        self.text_offsets: dict[int, int] = {}
+        """Per choice opened, the length of the text streamed so far."""
 
     def delta(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[str]:
         """Events for new text of choice `index` (none for an empty delta)."""
-        events = self._open(index)
+        events: list[str] = [] if index in self.text_offsets else self._open(index)
+        offset = self.text_offsets.setdefault(index, 0)
         if text or logprobs:
-            events.append(self._event(self._choice(index, text, logprobs, None)))
+            events.append(self._event(self._choice(ChunkPart(index, text, logprobs, None, offset))))
+            self.text_offsets[index] = offset + len(text)
         return events
 
     def finish(
@@ -232,12 +254,13 @@ class _Stream(ABC):
         reason = openai_finish_reason(output.finish_reason)
         events = self.delta(index, text, logprobs)
         self.outputs[index] = output
-        events.append(self._event(self._choice(index, "", (), reason)))
+        last = ChunkPart(index, "", (), reason, self.text_offsets[index])
+        events.append(self._event(self._choice(last)))
         return events
 
     def end(self) -> list[str]:
         """The closing events, once every choice has finished."""
-        events = []
+        events: list[str] = []
         if self.include_usage:
             usage = usage_info([self.outputs[i] for i in sorted(self.outputs)], self.n)
             events.append(
@@ -249,98 +272,66 @@ class _Stream(ABC):
         """A stream cannot change its HTTP status once started: the error is an event."""
         return [sse_event(error_body(err)), SSE_DONE]
 
-    def _event(self, choice: BaseModel) -> str:
+    def _event(self, choice: StreamChoiceT) -> str:
         return sse_event(self.chunk_model(**self.header.fields(), choices=[choice]))
 
     def _open(self, index: int) -> list[str]:
+        """Events that open choice `index`, before its first delta."""
         return []
 
     @abstractmethod
-    def _choice(
-        self,
-        index: int,
-        text: str,
-        logprobs: Sequence[TokenLogprob],
-        reason: FinishReasonName | None,
-    ) -> BaseModel:
-        """One choice's entry in a chunk."""
+    def _choice(self, part: ChunkPart) -> StreamChoiceT:
+        """`part` as the choice's entry in a chunk."""
 
 
-class ChatCompletionStream(_Stream):
+class ChatCompletionStream(_Stream[ChatCompletionResponseStreamChoice]):
     """Each choice opens with a `{"role": "assistant", "content": ""}` delta."""
 
     chunk_model = ChatCompletionChunk
 
-    def __init__(self, header: ResponseHeader, n: int = 1, include_usage: bool = False):
-        super().__init__(header, n, include_usage)
-        self.opened: set[int] = set()
-
     def _open(self, index: int) -> list[str]:
-        if index in self.opened:
-            return []
-        self.opened.add(index)
         role = DeltaMessage(role="assistant", content="")
         return [self._event(ChatCompletionResponseStreamChoice(index=index, delta=role))]
 
-    def _choice(
-        self,
-        index: int,
-        text: str,
-        logprobs: Sequence[TokenLogprob],
-        reason: FinishReasonName | None,
-    ) -> ChatCompletionResponseStreamChoice:
+    def _choice(self, part: ChunkPart) -> ChatCompletionResponseStreamChoice:
         return ChatCompletionResponseStreamChoice(
-            index=index,
-            delta=DeltaMessage(content=text or None),
-            logprobs=chat_logprobs(logprobs) if logprobs else None,
-            finish_reason=reason,
+            index=part.index,
+            delta=DeltaMessage(content=part.text or None),
+            logprobs=chat_logprobs(part.logprobs) if part.logprobs else None,
+            finish_reason=part.reason,
         )
 
 
-class CompletionStream(_Stream):
+class CompletionStream(_Stream[CompletionResponseChoice]):
     """Logprob text offsets continue across a choice's chunks."""
 
     chunk_model = CompletionChunk
 
-    def __init__(self, header: ResponseHeader, n: int = 1, include_usage: bool = False):
-        super().__init__(header, n, include_usage)
-        self.text_offsets: dict[int, int] = {}
-
-    def _choice(
-        self,
-        index: int,
-        text: str,
-        logprobs: Sequence[TokenLogprob],
-        reason: FinishReasonName | None,
-    ) -> CompletionResponseChoice:
-        offset = self.text_offsets.get(index, 0)
-        self.text_offsets[index] = offset + len(text)
+    def _choice(self, part: ChunkPart) -> CompletionResponseChoice:
+        logprobs = part.logprobs
         return CompletionResponseChoice(
-            index=index,
-            text=text,
-            logprobs=completion_logprobs(logprobs, offset) if logprobs else None,
-            finish_reason=reason,
+            index=part.index,
+            text=part.text,
+            logprobs=completion_logprobs(logprobs, part.text_offset) if logprobs else None,
+            finish_reason=part.reason,
         )
 
 
 def generate_response(output: ChoiceOutput) -> dict[str, Any]:
-    """SGLang's native answer for one prompt (one sample). An abort is reported in
+    """SGLang's native answer for one prompt (one sample): its progress at the end, with
+    the finish reason and, when asked, the logprobs. An abort is reported in
     `finish_reason`, as SGLang does, not turned into an error: native clients read it."""
     reason = output.finish_reason
-    meta_info: dict[str, Any] = {
-        "prompt_tokens": output.prompt_tokens,
-        "completion_tokens": output.completion_tokens,
-        "cached_tokens": output.cached_tokens,
-        "finish_reason": {
-            k: v
-            for k, v in {
-                "type": reason.type,
-                "matched": reason.matched,
-                "message": reason.message,
-            }.items()
-            if v is not None
-        },
-    }
+    finish_reason = {"type": reason.type, "matched": reason.matched, "message": reason.message}
+    answer = generate_progress(
+        output.text,
+        output.output_ids,
+        prompt_tokens=output.prompt_tokens,
+        completion_tokens=output.completion_tokens,
+        cached_tokens=output.cached_tokens,
+    )
+    meta_info = answer["meta_info"]
+    meta_info["finish_reason"] = {k: v for k, v in finish_reason.items() if v is not None}
     if output.logprobs is not None:
         meta_info["output_token_logprobs"] = [
             [lp.logprob, lp.token_id, lp.token] for lp in output.logprobs
@@ -348,8 +339,27 @@ def generate_response(output: ChoiceOutput) -> dict[str, Any]:
         meta_info["output_top_logprobs"] = [
             [[t.logprob, t.token_id, t.token] for t in lp.top_logprobs] for lp in output.logprobs
         ]
-    return {"text": output.text, "output_ids": list(output.output_ids), "meta_info": meta_info}
+    return answer
 
 
-def model_list(model: str, max_model_len: int, created: int) -> ModelList:
+def generate_progress(
+    text: str,
+    output_ids: Sequence[int],
+    *,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+) -> dict[str, Any]:
+    """SGLang's native answer so far for a prompt still generating (a stream's event):
+    the text and ids until now, and a null `finish_reason`."""
+    meta_info: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": cached_tokens,
+        "finish_reason": None,
+    }
+    return {"text": text, "output_ids": list(output_ids), "meta_info": meta_info}
+
+
+def model_list(model: str, max_model_len: int | None, created: int) -> ModelList:
     return ModelList(data=[ModelCard(id=model, created=created, max_model_len=max_model_len)])

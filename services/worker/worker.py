@@ -1,7 +1,9 @@
 """The worker: the engine's scheduler behind a ZMQ loop.
 
-Requests arrive from the tokenizer already tokenized; each scheduler round's new tokens
-go to the detokenizer as one `BatchTokenIDOutput`, and control replies (ready, flush,
+The worker's loop is the scheduler's event loop (normal or overlap): it polls the sockets
+at the start of each turn and sends the turn's outputs at its end. Requests arrive from
+the tokenizer already tokenized; each turn's new tokens go to the detokenizer as one
+`BatchTokenIDOutput`, and control replies (ready, flush,
 server info) go straight back to the tokenizer on the control socket. Once the model is
 loaded the worker serves `/metrics` and `/healthz` on its metrics port, and a traced
 request gets its queue-wait, prefill and decode spans when it finishes.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -20,6 +23,7 @@ import zmq
 from engine.api import Engine
 from engine.sched.req import FinishReason, Req
 from observability.worker_metrics import WorkerMetrics, WorkerSample
+from services import protocol
 from services.ipc import PeerEvent
 from services.process import Service
 from services.protocol import (
@@ -94,9 +98,11 @@ class Worker(Service):
         """Requests refused at submission, reported with the next output batch."""
         self.ready_pending = True
         """WorkerReady is owed to the tokenizer: not yet delivered, or the tokenizer restarted."""
-        self.metrics = WorkerMetrics(
-            self.registry, settings.served_model_name, page_size=self.scheduler.tree_cache.page_size
+        self.model_name = (
+            settings.model if settings.served_model_name is None else settings.served_model_name
         )
+        """The model id of the API (`Settings` fills `served_model_name` in from `model`)."""
+        self.metrics = WorkerMetrics(self.registry, self.model_name)
         self.scheduler.stats.observer = self
         if self.scheduler.grammar_backend is not None:
             self.scheduler.grammar_backend.on_compile = self.metrics.observe_grammar_compile
@@ -105,18 +111,31 @@ class Worker(Service):
         # Only now: a startupProbe on /healthz must not pass before the model is loaded.
         self.serve_metrics(settings.worker_metrics_port)
 
-    # ----- the loop hooks ---------------------------------------------------------------
+    # ----- the loop -----------------------------------------------------------------------
+
+    def serve(self, should_stop: Callable[[], bool]) -> None:
+        """The scheduler's event loop, polling the sockets once a turn."""
+        self.scheduler.run_event_loop(should_stop, self.poll, self.send_outputs)
 
     def has_work(self) -> bool:
+        """The scheduler has work, or outputs wait to be sent: the poll then waits for none."""
         return bool(self.scheduler.has_work() or self.scheduler.outputs or self.rejected)
 
-    def step(self) -> None:
-        """One scheduler round (which also collects aborts finished outside it), then one
-        output message for everything that advanced, finished or was rejected."""
+    def poll(self) -> None:
+        if self.ready_pending:
+            self.send_ready()
+        super().poll()
+        if self.last_turn >= self.next_sample:
+            self.metrics.publish(self.sample())
+            self.next_sample = self.last_turn + METRICS_SAMPLE_INTERVAL_S
+
+    def send_outputs(self, reqs: list[Req]) -> None:
+        """One output message per turn for everything that advanced, finished (aborts
+        included) or was rejected."""
         entries = [_Entry(req, 0, 0, {}) for req in self.rejected]
         self.rejected = []
-        # Under the overlap loop a req can advance and then be retracted-and-aborted in one round.
-        outputs = {id(r): r for r in self.scheduler.step()}.values()
+        # Under the overlap loop a req can advance and then be retracted-and-aborted in one turn.
+        outputs = {id(r): r for r in reqs}.values()
         now = time.monotonic()
         for req in outputs:
             state = self.live[req.rid]
@@ -133,14 +152,6 @@ class Worker(Service):
                     self.trace_finished(req, state, now)
         if entries:
             self.send_batch_output(entries)
-
-    def run_once(self) -> None:
-        if self.ready_pending:
-            self.send_ready()
-        super().run_once()
-        if self.last_turn >= self.next_sample:
-            self.metrics.publish(self.sample())
-            self.next_sample = self.last_turn + METRICS_SAMPLE_INTERVAL_S
 
     # ----- what the scheduler tells its observer ----------------------------------------
 
@@ -217,56 +228,51 @@ class Worker(Service):
         want_logprobs = any(e.req.sampling_params.logprobs for e in entries)
         want_top = any(e.req.sampling_params.top_logprobs_num for e in entries)
         contexts = [e.trace_context for e in entries]
-        out = BatchTokenIDOutput(
-            rids=[],
-            output_ids=[],
-            finished_reasons=[],
-            prompt_tokens=[],
-            completion_tokens=[],
-            cached_tokens=[],
-            skip_special_tokens=[],
-            stop=[],
-            output_token_logprobs_val=[] if want_logprobs else None,
-            output_top_logprobs_val=[] if want_top else None,
-            output_top_logprobs_idx=[] if want_top else None,
-        )
-        if any(contexts):
-            out.trace_contexts = contexts
-        if any(e.rollback for e in entries):
-            out.rollbacks = [e.rollback for e in entries]
+        logprobs: list[list[float]] = []
+        top_val: list[list[list[float]]] = []
+        top_idx: list[list[list[int]]] = []
         for req, sent, rollback, _ in entries:
             start = sent - rollback
             params = req.sampling_params
-            out.rids.append(req.rid)
-            out.output_ids.append(req.output_ids[start:])
-            out.finished_reasons.append(req.finished_reason)
-            out.prompt_tokens.append(len(req.origin_input_ids))
-            out.completion_tokens.append(len(req.output_ids))
-            out.cached_tokens.append(req.cached_tokens or 0)
-            out.skip_special_tokens.append(params.skip_special_tokens)
-            out.stop.append(params.stop)
             if want_logprobs:
-                out.output_token_logprobs_val.append(
+                logprobs.append(
                     [lp for lp, _ in req.output_token_logprobs[start:]] if params.logprobs else []
                 )
             if want_top:
                 top = req.output_top_logprobs[start:] if params.top_logprobs_num else []
-                out.output_top_logprobs_val.append([[lp for lp, _ in entry] for entry in top])
-                out.output_top_logprobs_idx.append([[tid for _, tid in entry] for entry in top])
+                top_val.append([[lp for lp, _ in entry] for entry in top])
+                top_idx.append([[tid for _, tid in entry] for entry in top])
+        out = BatchTokenIDOutput(
+            rids=[e.req.rid for e in entries],
+            output_ids=[e.req.output_ids[e.sent - e.rollback :] for e in entries],
+            finished_reasons=[_wire_reason(e.req.finished_reason) for e in entries],
+            prompt_tokens=[len(e.req.origin_input_ids) for e in entries],
+            completion_tokens=[len(e.req.output_ids) for e in entries],
+            cached_tokens=[e.req.cached_tokens or 0 for e in entries],
+            skip_special_tokens=[e.req.sampling_params.skip_special_tokens for e in entries],
+            stop=[e.req.sampling_params.stop for e in entries],
+            output_token_logprobs_val=logprobs if want_logprobs else None,
+            output_top_logprobs_val=top_val if want_top else None,
+            output_top_logprobs_idx=top_idx if want_top else None,
+            trace_contexts=contexts if any(contexts) else None,
+            rollbacks=[e.rollback for e in entries] if any(e.rollback for e in entries) else None,
+        )
         self.to_detokenizer.put(out)
 
     def trace_finished(self, req: Req, state: _ReqState, now: float) -> None:
         """The request's worker spans, from the times kept while it ran: queue wait until
         its first admission, prefill until its first token, decode until now."""
-        carrier, reason = state.trace_context, req.finished_reason
+        tracing, carrier, reason = self.tracing, state.trace_context, req.finished_reason
+        if tracing is None or reason is None:
+            return
         error = (reason.message or "aborted") if reason.type == "abort" else None
         attributes = {"radixserve.rid": req.rid}
         if state.admitted is None:
-            self.tracing.record("queue_wait", carrier, state.arrived, now, error, **attributes)
+            tracing.record("queue_wait", carrier, state.arrived, now, error, **attributes)
             return
-        self.tracing.record("queue_wait", carrier, state.arrived, state.admitted, **attributes)
+        tracing.record("queue_wait", carrier, state.arrived, state.admitted, **attributes)
         first_token = state.first_token or now
-        self.tracing.record(
+        tracing.record(
             "prefill",
             carrier,
             state.admitted,
@@ -275,11 +281,11 @@ class Worker(Service):
             **attributes,
             **{
                 "radixserve.prompt_tokens": len(req.origin_input_ids),
-                "radixserve.cached_tokens": req.cached_tokens,
+                "radixserve.cached_tokens": req.cached_tokens or 0,  # set at admission
             },
         )
         if state.first_token is not None:
-            self.tracing.record(
+            tracing.record(
                 "decode",
                 carrier,
                 first_token,
@@ -302,7 +308,7 @@ class Worker(Service):
         sched = self.scheduler
         ready = WorkerReady(
             model_path=self.settings.model,
-            served_model_name=self.settings.served_model_name,
+            served_model_name=self.model_name,
             max_total_tokens=sched.max_total_tokens,
             context_length=sched.context_len,
             vocab_size=sched.model_config.vocab_size,
@@ -314,7 +320,7 @@ class Worker(Service):
             logger.info("sent WorkerReady to the tokenizer")
 
     def flush_cache(self, rid: str) -> FlushCacheReqOutput:
-        """Empty the radix tree and both pools; refused while any request holds KV or waits
+        """Empty the prefix cache and both pools; refused while any request holds KV or waits
         for it (SGLang answers such a flush with 409)."""
         sched = self.scheduler
         if sched.has_work():
@@ -324,24 +330,22 @@ class Worker(Service):
             )
             logger.info("refused flush_cache: %s", message)
             return FlushCacheReqOutput(success=False, message=message, rid=rid)
-        sched.tree_cache.reset()
-        sched.tree_cache.token_to_kv_pool_allocator.clear()
-        sched.tree_cache.req_to_token_pool.clear()
+        sched.cache_manager.reset()
         logger.info("flushed the cache")
         return FlushCacheReqOutput(success=True, message="cache flushed", rid=rid)
 
     def server_info(self) -> dict[str, Any]:
         sched = self.scheduler
-        tree = sched.tree_cache
+        cache = sched.cache_manager
         return {
             "model_path": self.settings.model,
-            "served_model_name": self.settings.served_model_name,
+            "served_model_name": self.model_name,
             "max_total_tokens": sched.max_total_tokens,
             "context_length": sched.context_len,
             "max_running_requests": sched.max_running_requests,
-            "available_kv_tokens": tree.token_to_kv_pool_allocator.available_size(),
-            "evictable_kv_tokens": tree.evictable_size(),
-            "protected_kv_tokens": tree.protected_size(),
+            "available_kv_tokens": cache.allocator.available_size(),
+            "evictable_kv_tokens": cache.tree_cache.evictable_size(),
+            "protected_kv_tokens": cache.tree_cache.protected_size(),
             "num_running_reqs": self.num_running(),
             "num_waiting_reqs": len(sched.waiting_queue),
             "new_token_ratio": sched.ratio.new_token_ratio,
@@ -349,22 +353,26 @@ class Worker(Service):
         }
 
     def check_integrity(self) -> str:
-        """The radix tree's integrity check (every KV slot accounted for exactly once, the
-        size ledgers and the evictable set right): "ok", what is wrong, or "skipped" while
-        requests hold KV (their slots are mid-flight under the overlap loop)."""
+        """The KV integrity check (every KV slot accounted for exactly once, the tree's size
+        ledgers and evictable set right): "ok", what is wrong, or "skipped" while requests
+        hold KV (their slots are mid-flight under the overlap loop)."""
         sched = self.scheduler
         if sched.has_work():
-            return f"skipped: {self.num_running()} running and {len(sched.waiting_queue)} waiting request(s)"
+            return (
+                f"skipped: {self.num_running()} running and "
+                f"{len(sched.waiting_queue)} waiting request(s)"
+            )
         try:
-            sched.tree_cache.check_integrity()
+            sched.cache_manager.check_integrity()
         except AssertionError as e:
             logger.error("radix tree integrity check failed: %s", e)
             return f"failed: {e}"
         return "ok"
 
     def sample(self) -> WorkerSample:
-        """The scheduler's counters and sizes now, for the metrics (taken between steps)."""
-        sched, tree = self.scheduler, self.scheduler.tree_cache
+        """The scheduler's counters and sizes now, for the metrics (taken between turns)."""
+        sched = self.scheduler
+        cache, tree = sched.cache_manager, sched.cache_manager.tree_cache
         stats = sched.stats
         return WorkerSample(
             time=time.monotonic(),
@@ -379,7 +387,7 @@ class Worker(Service):
             new_token_ratio=sched.ratio.new_token_ratio,
             evictable_tokens=tree.evictable_size(),
             protected_tokens=tree.protected_size(),
-            available_tokens=tree.token_to_kv_pool_allocator.available_size(),
+            available_tokens=cache.allocator.available_size(),
             total_tokens=sched.max_total_tokens,
             num_running=self.num_running(),
             num_waiting=len(sched.waiting_queue),
@@ -393,3 +401,10 @@ class Worker(Service):
     def close(self) -> None:
         self.engine.shutdown()
         super().close()
+
+
+def _wire_reason(reason: FinishReason | None) -> protocol.FinishReason | None:
+    """The engine's finish reason as the message struct (same fields)."""
+    if reason is None:
+        return None
+    return protocol.FinishReason(reason.type, reason.matched, reason.message, reason.status_code)

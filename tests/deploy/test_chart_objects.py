@@ -137,7 +137,8 @@ def test_the_service_monitor_scrapes_all_three_processes(all_on):
     assert (
         monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     )
-    # The scrape job is named after the Service; RadixserveTargetDown matches jobs containing "radixserve".
+    # The scrape job is named after the Service; RadixserveTargetDown matches jobs containing
+    # "radixserve".
     assert "radixserve" in service["metadata"]["name"]
     service_ports = {p["name"] for p in service["spec"]["ports"]}
     endpoints = monitor["spec"]["endpoints"]

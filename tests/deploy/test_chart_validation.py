@@ -10,8 +10,8 @@ import pytest
 import yaml
 
 from engine.cache.evict_policy import EVICTION_POLICIES
-from engine.constants import SCHEDULE_POLICIES
-from services.settings import GRAMMAR_BACKENDS, LOG_LEVELS
+from engine.constants import GRAMMAR_BACKENDS, SCHEDULE_POLICIES
+from services.settings import LOG_LEVELS
 from tests.deploy.conftest import (
     ALL_ON_VALUES,
     CHART,
@@ -22,7 +22,8 @@ from tests.deploy.conftest import (
 )
 
 VALUES_FILES = {"default": [], "cpu": [CPU_VALUES], "all_on": [ALL_ON_VALUES]}
-# The oldest and newest Kubernetes that kubernetes-validate has schemas for; Chart.yaml says >= 1.25.
+# The oldest and newest Kubernetes that kubernetes-validate has schemas for; Chart.yaml says
+# >= 1.25.
 KUBERNETES_VERSIONS = ["1.25.0", "1.37.0"]
 CUSTOM_RESOURCES = {"ServiceMonitor", "PrometheusRule"}
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())

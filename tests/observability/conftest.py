@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,27 +28,19 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from tests.engine.conftest import tiny_model_dir  # noqa: F401  (fixtures shared with these tests)
+from benchmarks.support.launcher import ServiceLauncher, cpu_flags, server_ports
+from benchmarks.support.net import free_port, wait_until
 from tests.observability.dashboard import RULES
-from tests.services.conftest import (  # noqa: F401  (fixtures shared with these tests)
-    REPO_ROOT,
-    ServiceLauncher,
-    http_status,
-    tiny_llama_dir,
-    tokenizer,
-    wait_until,
-)
 
 MODEL = "tiny-llama"
 MAX_TOTAL_TOKENS = 300
 """Ample for one shared-prefix request at a time, far too small for the concurrent burst."""
 HEARTBEAT_INTERVAL = 1.0
 """As in the serve test: a CPU shared with the long burst must not make a process look dead."""
-ROLES = ("tokenizer", "worker", "detokenizer")
 PREFIX = (
-    "You are a careful assistant who answers questions about geography, history and science in plain words. "
-    * 3
-)
+    "You are a careful assistant who answers questions about geography, history and science "
+    "in plain words. "
+) * 3
 QUESTIONS = ("the Alps", "the Nile", "volcanoes", "the Moon", "glaciers", "deserts")
 SHARED_MAX_TOKENS = 12
 BURST = 8
@@ -126,32 +117,6 @@ class OtlpReceiver:
         self.server.server_close()
 
 
-class Launcher(ServiceLauncher):
-    """ServiceLauncher with slower heartbeats and extra environment variables."""
-
-    def __init__(self, log_dir: Path, env: dict[str, str]):
-        super().__init__(log_dir)
-        self.env = env
-
-    def start(self, role: str, flags: list[str]) -> subprocess.Popen:
-        with open(self.log_dir / f"{role}.log", "wb") as log:
-            self.procs[role] = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    f"services.{role}",
-                    *flags,
-                    "--heartbeat-interval",
-                    str(HEARTBEAT_INTERVAL),
-                ],
-                cwd=REPO_ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
-            )
-        return self.procs[role]
-
-
 # ----- Prometheus -------------------------------------------------------------------------
 
 
@@ -160,7 +125,7 @@ class Prometheus:
     second and loading the alert rules, with its data in `workdir`."""
 
     def __init__(self, binary: str, targets: dict[str, str], workdir: Path):
-        self.port = ServiceLauncher.free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -261,7 +226,8 @@ def run_traffic(base_url: str) -> dict[str, Any]:
                 lambda i: _completion(
                     base_url,
                     {
-                        "prompt": f"Request {i} of the burst: write a long story about the sea and ships number {i}.",
+                        "prompt": f"Request {i} of the burst: write a long story about the sea "
+                        f"and ships number {i}.",
                         "max_tokens": BURST_MAX_TOKENS,
                         "ignore_eos": True,
                     },
@@ -273,38 +239,15 @@ def run_traffic(base_url: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def system(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:  # noqa: F811
+def system(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
     receiver = OtlpReceiver()
     # Spans leave within 0.1 s instead of the default 5 s.
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    launcher = Launcher(tmp_path_factory.mktemp("observability-logs"), otel)
-    ports = {
-        name: launcher.free_port()
-        for name in (
-            "port",
-            "worker-port",
-            "detokenizer-port",
-            "tokenizer-port",
-            "tokenizer-control-port",
-            "worker-metrics-port",
-            "detokenizer-metrics-port",
-        )
-    }
-    flags = [
-        "--model",
-        str(tiny_llama_dir),
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--max-total-tokens",
-        str(MAX_TOTAL_TOKENS),
-        "--served-model-name",
-        MODEL,
-        "--host",
-        "127.0.0.1",
-        *(arg for name, port in ports.items() for arg in (f"--{name}", str(port))),
-    ]
+    launcher = ServiceLauncher(
+        tmp_path_factory.mktemp("observability-logs"), HEARTBEAT_INTERVAL, env=otel
+    )
+    ports = server_ports()  # chosen first: Prometheus is told its targets before they run
+    flags = [*cpu_flags(MAX_TOTAL_TOKENS, tiny_llama_dir), "--served-model-name", MODEL]
     targets = {
         "radixserve-tokenizer": f"127.0.0.1:{ports['port']}",
         "radixserve-worker": f"127.0.0.1:{ports['worker-metrics-port']}",
@@ -327,37 +270,34 @@ def system(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     phases = {}  # seconds per setup phase, printed with the logs: where a slow run spent its time
     try:
         started = time.monotonic()
-        for role in ("worker", "detokenizer", "tokenizer"):
-            launcher.start(role, flags)
-        wait_until(lambda: http_status(system.base_url + "/health") == 200, 120, "/health 200")
-        phases["start"] = time.monotonic() - started
-        if prometheus is not None:
-            wait_until(
-                lambda: prometheus.value('count(up{job=~"radixserve-.*"} == 1)') == 3,
-                60,
-                "Prometheus to scrape all three processes",
-            )
-        phases["first scrape"] = time.monotonic() - started - sum(phases.values())
-        system.traffic = run_traffic(system.base_url)
-        phases["traffic"] = time.monotonic() - started - sum(phases.values())
-        if prometheus is not None:  # the counters Prometheus holds are the final ones
-            requests = len(QUESTIONS) + 1 + BURST
-            wait_until(
-                lambda: (
-                    prometheus.value("sum(radixserve_e2e_request_latency_seconds_count)")
-                    == requests
-                    and prometheus.value("sum(radixserve_num_requests_running)") == 0
-                ),
-                30,
-                "Prometheus to scrape the finished traffic",
-            )
-        phases["last scrape"] = time.monotonic() - started - sum(phases.values())
-        yield system
+        with launcher.serve(flags, timeout=120, ports=ports):
+            phases["start"] = time.monotonic() - started
+            if prometheus is not None:
+                wait_until(
+                    lambda: prometheus.value('count(up{job=~"radixserve-.*"} == 1)') == 3,
+                    60,
+                    "Prometheus to scrape all three processes",
+                )
+            phases["first scrape"] = time.monotonic() - started - sum(phases.values())
+            system.traffic = run_traffic(system.base_url)
+            phases["traffic"] = time.monotonic() - started - sum(phases.values())
+            if prometheus is not None:  # the counters Prometheus holds are the final ones
+                requests = len(QUESTIONS) + 1 + BURST
+                wait_until(
+                    lambda: (
+                        prometheus.value("sum(radixserve_e2e_request_latency_seconds_count)")
+                        == requests
+                        and prometheus.value("sum(radixserve_num_requests_running)") == 0
+                    ),
+                    30,
+                    "Prometheus to scrape the finished traffic",
+                )
+            phases["last scrape"] = time.monotonic() - started - sum(phases.values())
+            yield system
     finally:
         print(
             "system setup seconds:", {phase: round(seconds, 1) for phase, seconds in phases.items()}
         )
-        launcher.stop_all()
         if prometheus is not None:
             prometheus.close()
         receiver.close()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.observability.conftest import ROLES, System
+from benchmarks.support.launcher import ROLES
+from tests.observability.conftest import System
 from tests.observability.dashboard import metric_names_used
 
 
@@ -26,7 +27,7 @@ def test_every_metric_of_the_dashboard_and_the_rules_is_exported(system: System)
     assert not missing, f"used by the dashboard or the rules but not exported: {missing}"
 
 
-def test_the_design_metrics_are_exported_with_their_types(system: System):
+def test_the_cache_scheduler_and_latency_metrics_are_exported_with_their_types(system: System):
     families = {
         family.name: family.type
         for role in ROLES

@@ -57,6 +57,6 @@ def test_hits_count_once_per_request_through_chunks_and_retractions(
     )  # retracted ones prefilled again
     assert sorted(Counter(recorder.admitted).values()) == [1] * len(prompts)
     assert stats.cache_query_tokens == sum(map(len, prompts))
-    assert stats.cache_hit_tokens == sum(r["meta"]["cached_tokens"] for r in results) > 0
+    assert stats.cache_hit_tokens == sum(r.meta.cached_tokens for r in results) > 0
     assert recorder.forwards == Counter(stats.forward_modes)
     assert "observer" not in stats.counters()

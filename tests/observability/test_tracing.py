@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from benchmarks.support.launcher import ROLES
+from benchmarks.support.net import wait_until
 from observability.tracing import setup_tracing
-from tests.observability.conftest import ROLES, ReceivedSpan, System, wait_until
+from tests.observability.conftest import ReceivedSpan, System
 
 SPANS = {
     "tokenizer": {"POST /v1/completions", "tokenize"},

@@ -13,12 +13,13 @@ import httpx2
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from benchmarks.support.launcher import ServiceLauncher
 from engine.sampling.sampling_params import SamplingParams
+from engine.sched.scheduler import after_turns
 from observability.worker_metrics import ROLLING_WINDOW_S, WorkerMetrics, WorkerSample
 from services.protocol import TokenizedGenerateReqInput
 from services.settings import Settings
 from services.worker.worker import METRICS_SAMPLE_INTERVAL_S, Worker
-from tests.services.conftest import ServiceLauncher
 
 IDLE = WorkerSample(
     time=0.0,
@@ -156,10 +157,11 @@ def worker(tiny_llama_dir: Path) -> Iterator[Worker]:
 def run(worker: Worker, *reqs: TokenizedGenerateReqInput) -> None:
     for req in reqs:
         worker.handle(req)
-    while worker.has_work():
-        worker.step()
+    worker.serve(lambda: not worker.has_work())
     time.sleep(METRICS_SAMPLE_INTERVAL_S)
-    worker.run_once()  # a loop turn, when a sample is due: publishes what the scrape reads
+    worker.serve(
+        after_turns(1)
+    )  # a loop turn, when a sample is due: publishes what the scrape reads
 
 
 def test_worker_counts_each_request_once_and_observes_its_batches(worker: Worker, tokenizer):

@@ -1,157 +1,20 @@
-"""Real service processes on free ports, and a stand-in for the peers a test plays.
-
-The model is a tiny random-weight Llama with the SmolLM2 vocabulary, saved next to the
-embedded model's tokenizer, so the processes load in seconds and decode real text.
+"""Real service processes on free ports (`launcher`), and a stand-in for the peers a test
+plays (`make_stub`). The processes serve the tiny Llama with the SmolLM2 vocabulary
+(`tiny_llama_dir`), so they load in seconds and decode real text.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
-import httpx2
 import pytest
 import zmq
-from transformers import PreTrainedTokenizerBase
 
-from benchmarks.soak import build_tiny_model
-from engine.model.loader import load_tokenizer
+from benchmarks.support.launcher import HEARTBEAT_INTERVAL, ServiceLauncher
 from services.ipc import Receiver, Sender, bind_pull, bound_port, connect_push
 from services.protocol import BatchStrOutput, Heartbeat, Hello, Message, new_epoch
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-TINY_CONTEXT_LENGTH = 8192
-"""Longer than the tests' --max-total-tokens, so a request can fit the context but never the pool."""
-HEARTBEAT_INTERVAL = 0.2
-"""Fast heartbeats in tests, so liveness is seen without waiting seconds."""
-SERVER_PORTS = (
-    "port",
-    "worker-port",
-    "detokenizer-port",
-    "tokenizer-port",
-    "tokenizer-control-port",
-    "worker-metrics-port",
-    "detokenizer-metrics-port",
-)
-"""The port flags (without `--`) of one server's three processes."""
-
-
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Random weights, scaled up so greedy choices are clear-cut rather than near-ties."""
-    path = tmp_path_factory.mktemp("tiny-llama-smollm2-vocab")
-    build_tiny_model(path)
-    return path
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
-    return load_tokenizer(str(tiny_llama_dir))
-
-
-def wait_until(
-    condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.1
-) -> Any:
-    """Poll `condition` until it is truthy (its value is returned) or `timeout` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
-        time.sleep(interval)
-    return result
-
-
-def http_status(url: str) -> int | None:
-    """The status of a GET, or None while nothing answers."""
-    try:
-        return httpx2.get(url, timeout=2).status_code
-    except httpx2.TransportError:
-        return None
-
-
-class ServiceLauncher:
-    """Starts `python -m services.<role>` processes with their logs in one folder, and stops
-    whatever is still running at teardown."""
-
-    def __init__(self, log_dir: Path, heartbeat_interval: float = HEARTBEAT_INTERVAL):
-        self.log_dir = log_dir
-        self.heartbeat_interval = heartbeat_interval
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    @staticmethod
-    def free_port() -> int:
-        """A port free right now (the OS does not hand it out again at once)."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-
-    def server_ports(self) -> dict[str, int]:
-        """A free port for each of SERVER_PORTS."""
-        return {name: self.free_port() for name in SERVER_PORTS}
-
-    @staticmethod
-    def port_flags(ports: dict[str, int]) -> list[str]:
-        return [arg for name, port in ports.items() for arg in (f"--{name}", str(port))]
-
-    @contextmanager
-    def serve(
-        self, flags: list[str], timeout: float = 120, role_flags: dict[str, list[str]] | None = None
-    ) -> Iterator[str]:
-        """One server, its three processes on free ports (`role_flags` adds a role's own
-        flags); yields its base URL once /health answers 200 and stops them all after."""
-        ports = self.server_ports()
-        flags = [*flags, "--host", "127.0.0.1", *self.port_flags(ports)]
-        for role in ("worker", "detokenizer", "tokenizer"):
-            self.start(role, [*flags, *(role_flags or {}).get(role, [])])
-        url = f"http://127.0.0.1:{ports['port']}"
-        try:
-            wait_until(lambda: http_status(url + "/health") == 200, timeout, "/health 200")
-            yield url
-        finally:
-            self.stop_all()
-
-    def start(self, role: str, flags: list[str]) -> subprocess.Popen:
-        with open(self.log_dir / f"{role}.log", "wb") as log:
-            self.procs[role] = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    f"services.{role}",
-                    *flags,
-                    "--heartbeat-interval",
-                    str(self.heartbeat_interval),
-                ],
-                cwd=REPO_ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-        return self.procs[role]
-
-    def stop(self, role: str, timeout: float = 5.0) -> int | None:
-        """SIGTERM, then the exit status, or None (and a kill) if it did not exit in time."""
-        proc = self.procs[role]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            return None
-
-    def stop_all(self) -> None:
-        for role in self.procs:
-            self.stop(role)
-            print(f"----- {role} log -----\n{(self.log_dir / f'{role}.log').read_text()}")
 
 
 @pytest.fixture(scope="module")

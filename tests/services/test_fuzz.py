@@ -24,8 +24,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks.support.launcher import ServiceLauncher, cpu_flags
+from benchmarks.support.net import wait_until
 from engine.sampling.sampling_params import SamplingParams
-from tests.services.conftest import ServiceLauncher, wait_until
 
 API_KEY = "fuzz-key"
 MAX_TOKENS_CAP = 8
@@ -330,14 +331,7 @@ def request(draw: st.DrawFn) -> dict[str, Any]:
 def base_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     launcher = ServiceLauncher(tmp_path_factory.mktemp("fuzz-logs"), heartbeat_interval=0.5)
     flags = [
-        "--model",
-        str(tiny_llama_dir),
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--max-total-tokens",
-        "16384",
+        *cpu_flags(16384, tiny_llama_dir),
         "--max-tokens-cap",
         str(MAX_TOKENS_CAP),
         "--api-key",
@@ -352,7 +346,8 @@ def base_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def check_answer(req: dict[str, Any], response: httpx2.Response) -> str:
     """Fail unless `response` is what its endpoint promises; return its outcome's name."""
     text = response.text
-    where = f"{req['method']} {req['url']} {str(req.get('content'))[:300]!r} → {response.status_code} {text[:300]!r}"
+    sent = f"{req['method']} {req['url']} {str(req.get('content'))[:300]!r}"
+    where = f"{sent} → {response.status_code} {text[:300]!r}"
     assert response.status_code < 500, where
     assert "Traceback" not in text and 'File "/' not in text, where
     if req["url"] == "/metrics" or (

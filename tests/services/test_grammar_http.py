@@ -14,8 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.grammar_schemas import SCHEMAS
-from tests.services.conftest import ServiceLauncher
+from benchmarks.support.grammar_schemas import SCHEMAS
+from benchmarks.support.launcher import ServiceLauncher, cpu_flags
 
 HEARTBEAT_INTERVAL = 1.0
 """The embedded model's prefill runs between heartbeats; a busy machine must not fake a death."""
@@ -28,6 +28,11 @@ PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 YES_NO = 'root ::= answer "." \nanswer ::= "yes" | "no"'
 
 
+def json_schema_format(schema: dict, name: str) -> dict:
+    """The OpenAI `response_format` that constrains an answer to `schema`."""
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+
+
 def nested_schema(levels: int) -> dict:
     schema: dict = {"type": "integer"}
     for _ in range(levels):
@@ -38,15 +43,8 @@ def nested_schema(levels: int) -> dict:
 @pytest.fixture(scope="module")
 def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     launcher = ServiceLauncher(tmp_path_factory.mktemp("grammar-http-logs"), HEARTBEAT_INTERVAL)
-    flags = [  # no --model: the embedded SmolLM2-135M-Instruct
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "16384",
-        "--device",
-        "cpu",
-        "--enable-jump-forward",
-    ]
+    # No model: the embedded SmolLM2-135M-Instruct.
+    flags = [*cpu_flags(16384), "--enable-jump-forward"]
     role_flags = {
         "worker": ["--grammar-max-nesting-depth", str(WORKER_MAX_DEPTH)],
         "tokenizer": ["--grammar-max-nesting-depth", str(TOKENIZER_MAX_DEPTH)],
@@ -68,10 +66,7 @@ def test_twenty_json_schemas_through_response_format_validate_and_stop(client: o
             messages=[{"role": "user", "content": prompt}],
             temperature=0,
             max_tokens=96,
-            response_format={
-                "type": "json_schema",
-                "json_schema": {"name": "answer", "schema": schema},
-            },
+            response_format=json_schema_format(schema, "answer"),
         )
 
     with ThreadPoolExecutor(len(SCHEMAS)) as pool:  # concurrent: they share batches
@@ -117,10 +112,7 @@ def test_a_streamed_json_schema_answer_equals_the_non_streamed_one(client: opena
         messages=[{"role": "user", "content": prompt}],
         temperature=0,
         max_tokens=96,
-        response_format={
-            "type": "json_schema",
-            "json_schema": {"name": "person", "schema": schema},
-        },
+        response_format=json_schema_format(schema, "person"),
     )
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
     streamed = "".join(
@@ -135,23 +127,13 @@ def test_a_streamed_json_schema_answer_equals_the_non_streamed_one(client: opena
     ("fields", "param", "message"),
     [
         (
-            {
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": {"type": "nonsense"}},
-                }
-            },
+            {"response_format": json_schema_format({"type": "nonsense"}, "x")},
             "response_format",
             'Unsupported type "nonsense"',
         ),
         ({"regex": "(abc"}, "regex", "invalid regex"),
         (
-            {
-                "response_format": {
-                    "type": "json_schema",
-                    "json_schema": {"name": "x", "schema": nested_schema(80)},
-                }
-            },
+            {"response_format": json_schema_format(nested_schema(80), "x")},
             "response_format",
             "nests 161 levels deep; the limit is 150",
         ),
@@ -208,10 +190,7 @@ def test_a_grammar_the_worker_refuses_after_the_headers_ends_the_stream_with_an_
         "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 16,
         "stream": True,
-        "response_format": {
-            "type": "json_schema",
-            "json_schema": {"name": "deep", "schema": schema},
-        },
+        "response_format": json_schema_format(schema, "deep"),
     }
     with httpx2.stream(
         "POST", base_url + "/v1/chat/completions", json=body, timeout=120

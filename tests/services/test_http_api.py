@@ -15,22 +15,16 @@ import httpx2
 import openai
 import pytest
 
+from benchmarks.support.launcher import ServiceLauncher, cpu_flags
+from benchmarks.support.models import TINY_LLAMA_CONTEXT
+from benchmarks.support.net import all_kv_free, server_info, wait_until
 from engine.api import Engine
 from services.tokenizer.adapters import apply_chat_template
 from services.tokenizer.openai_api import ChatCompletionMessageParam
-from tests.services.conftest import TINY_CONTEXT_LENGTH, ServiceLauncher, wait_until
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"
 MAX_TOTAL_TOKENS = 4096
-ENGINE_FLAGS = [
-    "--dtype",
-    "float32",
-    "--max-total-tokens",
-    str(MAX_TOTAL_TOKENS),
-    "--device",
-    "cpu",
-]
 USER = [{"role": "user", "content": "Tell me a story about a cat."}]
 LONG = {"max_tokens": 3000, "ignore_eos": True}
 """Runs long enough to act on it mid-stream."""
@@ -41,9 +35,7 @@ def base_url(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     launcher = ServiceLauncher(tmp_path_factory.mktemp("http-api-logs"))
     with launcher.serve(
         [
-            "--model",
-            str(tiny_llama_dir),
-            *ENGINE_FLAGS,
+            *cpu_flags(MAX_TOTAL_TOKENS, tiny_llama_dir),
             "--api-key",
             API_KEY,
             "--served-model-name",
@@ -74,22 +66,6 @@ def offline(tiny_llama_dir: Path) -> Iterator[Engine]:
         yield engine
 
 
-def server_info(http: httpx2.Client) -> dict[str, Any]:
-    response = http.get("/get_server_info")
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def all_kv_free(http: httpx2.Client) -> bool:
-    info = server_info(http)
-    return (
-        info["num_running_reqs"] == 0
-        and info["num_waiting_reqs"] == 0
-        and info["protected_kv_tokens"] == 0
-        and info["available_kv_tokens"] + info["evictable_kv_tokens"] == MAX_TOTAL_TOKENS
-    )
-
-
 # ----- health, auth, info ---------------------------------------------------------------------
 
 
@@ -99,14 +75,13 @@ def test_probes_need_no_key_and_the_api_does(base_url: str, http: httpx2.Client)
     assert httpx2.get(base_url + "/health_generate", timeout=30).status_code == 200
     denied = httpx2.get(base_url + "/v1/models")
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
-    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == TINY_CONTEXT_LENGTH
+    assert http.get("/v1/models").json()["data"][0]["max_model_len"] == TINY_LLAMA_CONTEXT
 
 
 def test_model_and_server_info(http: httpx2.Client, tiny_llama_dir: Path):
     model = http.get("/get_model_info").json()
     assert (
-        model["model_path"] == str(tiny_llama_dir)
-        and model["context_length"] == TINY_CONTEXT_LENGTH
+        model["model_path"] == str(tiny_llama_dir) and model["context_length"] == TINY_LLAMA_CONTEXT
     )
     info = server_info(http)
     assert info["max_total_tokens"] == MAX_TOTAL_TOKENS and "api_key" not in info
@@ -124,7 +99,7 @@ def test_greedy_chat_equals_the_offline_engine(client: openai.OpenAI, offline: E
         input_ids, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     )[0]
     choice = response.choices[0]
-    assert choice.message.role == "assistant" and choice.message.content == expected["text"]
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
     assert choice.finish_reason == "length"
     assert (response.usage.prompt_tokens, response.usage.completion_tokens) == (len(input_ids), 16)
     assert response.usage.total_tokens == len(input_ids) + 16
@@ -307,7 +282,7 @@ def test_flush_cache_when_idle(http: httpx2.Client):
 # ----- bad input ------------------------------------------------------------------------------
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
-TOO_LONG_PROMPT = [1] * (TINY_CONTEXT_LENGTH + 8)
+TOO_LONG_PROMPT = [1] * (TINY_LLAMA_CONTEXT + 8)
 BAD_INPUT = [
     ("malformed-json", CHAT, '{"messages": [', 400),
     ("wrong-content-type", CHAT, ("text/plain", json.dumps({"messages": USER})), 415),
@@ -363,7 +338,8 @@ def test_metrics_count_requests_by_endpoint_and_outcome_without_a_key(
 ):
     def count(endpoint: str, outcome: str) -> float:
         text = httpx2.get(base_url + "/metrics").text
-        pattern = rf'radixserve_requests_total{{[^}}]*endpoint="{re.escape(endpoint)}"[^}}]*outcome="{outcome}"[^}}]*}} (\S+)'
+        labels = rf'[^}}]*endpoint="{re.escape(endpoint)}"[^}}]*outcome="{outcome}"[^}}]*'
+        pattern = rf"radixserve_requests_total{{{labels}}} (\S+)"
         match = re.search(pattern, text)
         return float(match[1]) if match else 0.0
 

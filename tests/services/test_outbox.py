@@ -7,15 +7,15 @@ import time
 
 import zmq
 
+from benchmarks.support.net import free_port
 from services.ipc import Outbox, Receiver, Sender, bind_pull, connect_push
 from services.protocol import AbortReq
-from tests.services.conftest import ServiceLauncher
 
 
 def test_messages_for_an_absent_peer_are_held_and_arrive_in_order_once_it_binds():
     ctx = zmq.Context()
     try:
-        port = ServiceLauncher.free_port()
+        port = free_port()
         outbox = Outbox(Sender(connect_push(ctx, port), "worker", "epoch-1"))
         for i in range(5):
             outbox.put(AbortReq(rid=f"r{i}"))
@@ -39,9 +39,7 @@ def test_messages_for_an_absent_peer_are_held_and_arrive_in_order_once_it_binds(
 def test_an_outbox_holds_at_most_max_held_dropping_the_oldest():
     ctx = zmq.Context()
     try:
-        outbox = Outbox(
-            Sender(connect_push(ctx, ServiceLauncher.free_port()), "worker", "e"), max_held=3
-        )
+        outbox = Outbox(Sender(connect_push(ctx, free_port()), "worker", "e"), max_held=3)
         for i in range(10):
             outbox.put(AbortReq(rid=f"r{i}"))
         assert [m.rid for m in outbox.held] == ["r7", "r8", "r9"]

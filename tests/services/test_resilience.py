@@ -1,6 +1,7 @@
-"""What Kubernetes does to a pod, done to the three real processes (DESIGN.md §1): one
-container killed and restarted while the other two keep running, a stalled worker, garbage
-on every ZMQ port, more load than the server takes, and requests that run too long.
+"""What Kubernetes does to a pod, done to the three real processes (tokenizer, worker,
+detokenizer): one container killed and restarted while the other two keep running, a
+stalled worker, garbage on every ZMQ port, more load than the server takes, and requests
+that run too long.
 
 One cluster (tiny random-weight model) serves the module; a test that restarts a process
 starts it again on the same ports, as a container restart does. The worker runs at most
@@ -28,6 +29,15 @@ import msgspec
 import pytest
 import zmq
 
+from benchmarks.support.launcher import (
+    REPO_ROOT,
+    ROLES,
+    ServiceLauncher,
+    cpu_flags,
+    port_flags,
+    server_ports,
+)
+from benchmarks.support.net import all_kv_free, free_ports, http_status, server_info, wait_until
 from engine.sampling.sampling_params import SamplingParams
 from services.ipc import connect_push
 from services.process import WATCHDOG_EXIT_CODE
@@ -42,7 +52,6 @@ from services.protocol import (
     encode,
 )
 from services.tokenizer.server import MAX_REQUEST_BODY_BYTES
-from tests.services.conftest import REPO_ROOT, ServiceLauncher
 
 HEARTBEAT_INTERVAL = 0.5
 """Slower than the other service tests' 0.2 s, so a loaded machine never fakes a death."""
@@ -53,7 +62,6 @@ MAX_RUNNING = 4
 STREAMS = 16
 LONG = {"max_tokens": 6000, "ignore_eos": True}
 """Far longer than any test waits: a stream that ends did not end by finishing."""
-ROLES = ("worker", "detokenizer", "tokenizer")
 REQUEST_TIMEOUT = 15
 SHEDDING = ["--max-queued-requests", "2", "--request-timeout", str(REQUEST_TIMEOUT)]
 """The tokenizer's flags for the load-shedding tests (the last ones of the module)."""
@@ -64,21 +72,14 @@ class Cluster:
 
     def __init__(self, launcher: ServiceLauncher, model_dir: Path):
         self.launcher = launcher
-        self.ports = launcher.server_ports()
+        self.ports = server_ports()
         self.flags = [
-            "--model",
-            str(model_dir),
-            "--dtype",
-            "float32",
-            "--device",
-            "cpu",
+            *cpu_flags(MAX_TOTAL_TOKENS, model_dir),
             "--host",
             "127.0.0.1",
-            "--max-total-tokens",
-            str(MAX_TOTAL_TOKENS),
             "--max-running-requests",
             str(MAX_RUNNING),
-            *launcher.port_flags(self.ports),
+            *port_flags(self.ports),
         ]
         self.extra: dict[str, list[str]] = {}
         self.lives: dict[str, int] = {}
@@ -110,10 +111,10 @@ class Cluster:
         return all(self.proc(role).poll() is None for role in ROLES)
 
     def log(self, role: str) -> str:
-        return (self.launcher.log_dir / f"{role}.log").read_text(errors="replace")
+        return self.launcher.log(role)
 
     def wait_ready(self, timeout: float = 120) -> None:
-        wait_until(lambda: status(self.url + "/health") == 200, timeout, "/health 200")
+        wait_until(lambda: http_status(self.url + "/health") == 200, timeout, "/health 200")
 
 
 @pytest.fixture(scope="module")
@@ -138,37 +139,6 @@ def http(cluster: Cluster) -> Iterator[httpx2.Client]:
         yield client
         assert cluster.all_running()
         wait_until(lambda: all_kv_free(client), 60, "every KV slot to be free again")
-
-
-def status(url: str) -> int | None:
-    try:
-        return httpx2.get(url, timeout=5).status_code
-    except httpx2.TransportError:
-        return None
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (result := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {what}"
-        time.sleep(0.1)
-    return result
-
-
-def server_info(client: httpx2.Client, **params: str) -> dict[str, Any]:
-    response = client.get("/get_server_info", params=params)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def all_kv_free(client: httpx2.Client) -> bool:
-    info = server_info(client)
-    return (
-        info["num_running_reqs"] == 0
-        and info["num_waiting_reqs"] == 0
-        and info["protected_kv_tokens"] == 0
-        and info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_tokens"]
-    )
 
 
 def completion_works(client: httpx2.Client) -> dict[str, Any]:
@@ -279,7 +249,7 @@ def test_worker_killed_mid_stream_fails_every_request_then_a_new_worker_resumes_
         results, killed_at[0], "service_unavailable", "worker process"
     )
     # Meanwhile the tokenizer says so, and answers at once instead of hanging.
-    wait_until(lambda: status(cluster.url + "/health") == 503, DEATH_NOTICED_S, "/health 503")
+    wait_until(lambda: http_status(cluster.url + "/health") == 503, DEATH_NOTICED_S, "/health 503")
     assert_error_body(http.get("/health"), 503, "service_unavailable")
     started = time.monotonic()
     assert_error_body(
@@ -319,7 +289,7 @@ def test_detokenizer_killed_mid_stream_fails_every_request_then_a_new_one_resume
     assert_each_ended_with_an_error_event(
         results, killed_at[0], "service_unavailable", "detokenizer process"
     )
-    wait_until(lambda: status(cluster.url + "/health") == 503, DEATH_NOTICED_S, "/health 503")
+    wait_until(lambda: http_status(cluster.url + "/health") == 503, DEATH_NOTICED_S, "/health 503")
     assert_error_body(
         http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}),
         503,
@@ -375,7 +345,7 @@ def test_stalled_worker_is_failed_fast_and_rejoins_when_it_resumes(
         assert_each_ended_with_an_error_event(
             results, stopped_at[0], "service_unavailable", "worker process"
         )
-        assert status(cluster.url + "/health") == 503
+        assert http_status(cluster.url + "/health") == 503
     finally:
         cluster.signal("worker", signal.SIGCONT)
     # Same life (same epoch), so no restart: it is heard again, and the aborts the tokenizer
@@ -421,7 +391,7 @@ Stuck(settings).serve_forever()
 
 
 def test_watchdog_ends_a_service_whose_loop_stops_turning_with_status_3(tmp_path: Path):
-    ports = [str(ServiceLauncher.free_port()) for _ in range(2)]
+    ports = [str(port) for port in free_ports(2)]
     proc = subprocess.run(
         [sys.executable, "-c", STUCK_SERVICE, *ports],
         cwd=REPO_ROOT,
@@ -545,7 +515,7 @@ def test_garbage_on_every_zmq_port_is_dropped_and_every_process_keeps_serving(
         ctx.destroy(linger=0)
     time.sleep(3 * HEARTBEAT_INTERVAL)  # long enough for a fault to show as a death
     assert cluster.all_running()
-    assert status(cluster.url + "/health") == 200
+    assert http_status(cluster.url + "/health") == 200
     completion_works(http)
     for role in ("worker", "detokenizer", "tokenizer"):
         assert "dropped" in cluster.log(role), f"the {role} logged no dropped message"

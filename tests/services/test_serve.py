@@ -18,23 +18,13 @@ import httpx2
 import openai
 import pytest
 
+from benchmarks.support.launcher import REPO_ROOT, cpu_flags, port_flags, server_ports
 from engine.api import Engine
-from tests.services.conftest import REPO_ROOT, ServiceLauncher
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 # Longer than the other service tests' 0.2 s: the embedded model's prefill runs between
 # heartbeats, and a busy CI machine must not make the worker look dead.
 HEARTBEAT_INTERVAL = 1.0
-
-PORT_FLAGS = (
-    "--port",
-    "--worker-port",
-    "--detokenizer-port",
-    "--tokenizer-port",
-    "--tokenizer-control-port",
-    "--worker-metrics-port",
-    "--detokenizer-metrics-port",
-)
 
 
 @pytest.mark.timeout(240)
@@ -48,19 +38,14 @@ def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_
         offline = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": 24})[0]
 
     script = shutil.which("radixserve") or str(Path(sys.executable).parent / "radixserve")
-    ports = {flag: ServiceLauncher.free_port() for flag in PORT_FLAGS}
+    ports = server_ports()
     flags = [  # no --model: the embedded SmolLM2-135M-Instruct
-        "--dtype",
-        "float32",
-        "--max-total-tokens",
-        "4096",
-        "--device",
-        "cpu",
+        *cpu_flags(max_total_tokens=4096),
         "--host",
         "127.0.0.1",
         "--heartbeat-interval",
         str(HEARTBEAT_INTERVAL),
-        *(arg for flag, port in ports.items() for arg in (flag, str(port))),
+        *port_flags(ports),
     ]
     log = tmp_path / "children.log"
     with open(log, "wb") as stderr:
@@ -74,15 +59,14 @@ def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_
         )
     try:
         pids, url = {}, None
-        for (
-            line
-        ) in serve.stdout:  # the launcher prints the children's pids, then the URL when ready
+        # The launcher prints the children's pids, then the URL when ready.
+        for line in serve.stdout:
             if match := re.match(r"radixserve: started (\w+) \(pid (\d+)\)", line):
                 pids[match[1]] = int(match[2])
             elif match := re.match(r"radixserve: serving .* at (\S+)", line):
                 url = match[1]
                 break
-        assert url == f"http://127.0.0.1:{ports['--port']}/v1", log.read_text()
+        assert url == f"http://127.0.0.1:{ports['port']}/v1", log.read_text()
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
         answer = client.chat.completions.create(
             model="embedded", messages=MESSAGES, max_tokens=16, temperature=0
@@ -92,10 +76,9 @@ def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_
         served = client.completions.create(
             model="embedded", prompt=prompt_ids, max_tokens=24, temperature=0
         )
-        assert served.choices[0].text == offline["text"]
-        assert offline["text"].startswith(
-            answer.choices[0].message.content
-        )  # the chat path renders the same ids
+        assert served.choices[0].text == offline.text
+        # The chat path renders the same ids.
+        assert offline.text.startswith(answer.choices[0].message.content)
 
         # A stream in flight when the detokenizer dies fails with a clear error, not a hang.
         body = {

@@ -1,5 +1,5 @@
 """The worker and the detokenizer as real processes on real sockets; the test plays the
-tokenizer (DESIGN.md §1): it pushes to the worker and pulls the text outputs and the
+tokenizer (docs/architecture.md §1): it pushes to the worker and pulls the text outputs and the
 control replies."""
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def test_greedy_stream_equals_the_offline_engine(stub, offline, tokenizer):
     expected = offline.generate(input_ids, params)[0]
     generate(stub, "greedy", input_ids, SamplingParams(**params))
     stream = stub.result("greedy")
-    assert stream.ids == expected["output_ids"]
+    assert stream.ids == expected.output_ids
     assert stream.messages > 1, "the output should arrive token by token, not at the end"
     assert stream.text == tokenizer.decode(stream.ids, skip_special_tokens=True)
     assert msgspec.structs.asdict(stream.finished_reason) == {
@@ -111,7 +111,7 @@ def test_greedy_stream_equals_the_offline_engine(stub, offline, tokenizer):
     }
     assert (stream.prompt_tokens, stream.completion_tokens) == (len(input_ids), 24)
     assert stream.logprobs == pytest.approx(
-        [lp for lp, _ in expected["meta"]["output_token_logprobs"]], abs=1e-4
+        [lp for lp, _ in expected.meta.output_token_logprobs], abs=1e-4
     )
 
 
@@ -120,8 +120,8 @@ def test_stop_string_ends_the_stream_and_is_trimmed(stub, offline, tokenizer):
     free = offline.generate(
         input_ids, {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True}
     )[0]
-    text = free["text"]
-    cut = len(tokenizer.decode(free["output_ids"][:8]))
+    text = free.text
+    cut = len(tokenizer.decode(free.output_ids[:8]))
     stop = next(text[i : i + 3] for i in range(cut, len(text)) if text.find(text[i : i + 3]) == i)
     generate(
         stub,

@@ -18,7 +18,7 @@ __all__ = [
 
 
 def default_attention_backend(device: str | torch.device) -> str:
-    """Triton kernels on CUDA, SDPA elsewhere."""
+    """Triton kernels on CUDA, the torch backend elsewhere."""
     return "triton" if torch.device(device).type == "cuda" else "torch"
 
 
@@ -29,10 +29,15 @@ def create_attention_backend(
     arguments (`num_heads`, `num_kv_heads`, `head_dim`, `device`), so the runner never
     branches on which one it got. `triton` is imported only when asked for: importing it
     imports Triton."""
+    backend_cls: type[AttentionBackend]
     if name == "torch":
-        from engine.model.attention.torch_backend import TorchAttnBackend as backend_cls
+        from engine.model.attention.torch_backend import TorchAttnBackend
+
+        backend_cls = TorchAttnBackend
     elif name == "triton":
-        from engine.model.attention.triton_backend import TritonAttnBackend as backend_cls
+        from engine.model.attention.triton_backend import TritonAttnBackend
+
+        backend_cls = TritonAttnBackend
     else:
         raise ValueError(
             f"unknown attention backend {name!r} (choose from {', '.join(ATTENTION_BACKENDS)})"

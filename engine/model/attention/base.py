@@ -44,6 +44,7 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.device = torch.device(device)
 
+    @abstractmethod
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build per-batch index tensors once, before the first layer runs."""
 

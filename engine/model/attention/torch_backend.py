@@ -1,4 +1,5 @@
-"""The portable attention backend: PyTorch SDPA over K/V gathered from the pool."""
+"""The portable attention backend over K/V gathered from the pool: one SDPA call per
+multi-token request, two batched matmuls for all one-token requests together."""
 
 from __future__ import annotations
 
@@ -28,9 +29,8 @@ class DecodeGroup:
     head-major: row (r, h, j) of the gather is KV head h of request r's j-th key."""
 
     token_indices: torch.Tensor | None  # [n] rows of q; None: every row, in order
-    kv_rows: (
-        torch.Tensor
-    )  # [n * kv_heads * max_seq_len] int64 rows of the pool seen as [slots * kv_heads, head_dim]
+    # [n * kv_heads * max_seq_len] int64: rows of the pool seen as [slots * kv_heads, head_dim]
+    kv_rows: torch.Tensor
     bias: torch.Tensor  # [n, 1, max_seq_len] float: 0 for a key, -inf for padding
     max_seq_len: int
 
@@ -49,10 +49,11 @@ class TorchAttnBackend(AttentionBackend):
     Every index tensor and mask is built once per batch in `init_forward_metadata`; a layer
     only gathers and multiplies, with no device sync. One-token requests (all of a decode
     batch, the riders of a mixed one) share two batched matmuls padded to the longest of
-    them (`_attend_decode`). Multi-token requests get one SDPA call each: padding ragged prompts to a common length would
-    cost memory quadratic in the longest one, and the per-request loop runs once per layer,
-    never per token. Gathers use `index_select`: on CPU, advanced indexing with an index
-    tensor goes through a parallel kernel that costs milliseconds when the cores are busy.
+    them (`_attend_decode`). Multi-token requests get one SDPA call each: padding ragged
+    prompts to a common length would cost memory quadratic in the longest one, and the
+    per-request loop runs once per layer, never per token. Gathers use `index_select`: on
+    CPU, advanced indexing with an index tensor goes through a parallel kernel that costs
+    milliseconds when the cores are busy.
     """
 
     def __init__(
@@ -92,6 +93,7 @@ class TorchAttnBackend(AttentionBackend):
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         md = self.forward_metadata
+        assert md is not None, "init_forward_metadata runs before the first layer"
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         out = torch.empty_like(q)
         for seq in md.extend_seqs:
@@ -104,29 +106,35 @@ class TorchAttnBackend(AttentionBackend):
                 scale=layer.scaling,
                 enable_gqa=True,
             )[0].transpose(0, 1)
-        if md.decode is not None:
-            rows = md.decode.token_indices
+        group = md.decode
+        if group is not None:
+            rows = group.token_indices
             if rows is None:
-                return self._attend_decode(q, layer, forward_batch)
+                return self._attend_decode(q, layer, forward_batch, group)
             out.index_copy_(
-                0, rows, self._attend_decode(q.index_select(0, rows), layer, forward_batch)
+                0, rows, self._attend_decode(q.index_select(0, rows), layer, forward_batch, group)
             )
         return out
 
     def forward_decode(
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        return self._attend_decode(q, layer, forward_batch)
+        md = self.forward_metadata
+        assert md is not None and md.decode is not None, "a decode batch has a decode group"
+        return self._attend_decode(q, layer, forward_batch, md.decode)
 
     def _attend_decode(
-        self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+        group: DecodeGroup,
     ) -> torch.Tensor:
         """Two batched matmuls over K/V gathered head-major, so that each (request, KV head)
         is one contiguous `[max_seq_len, head_dim]` block: bmm then reads the gather in place.
         The query heads sharing a KV head are that block's queries (no GQA expansion). SDPA
         is slower here on CPU (its flash kernel tiles for long queries, not 1-3 of them) and
         slower still over the strided `[seq, kv_heads, dim]` gather the pool's layout gives."""
-        group = self.forward_metadata.decode
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         num_reqs, d = q.shape[0], layer.head_dim
         blocks = (num_reqs * layer.num_kv_heads, group.max_seq_len, d)

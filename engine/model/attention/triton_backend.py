@@ -12,22 +12,26 @@ from engine.model.forward_batch import ForwardBatch
 
 
 @dataclass
+class DecodeSplits:
+    """A decode batch's split counts and the buffers for the splits' partial results."""
+
+    num_kv_splits: torch.Tensor  # [batch] int32
+    attn_logits: torch.Tensor  # [batch, heads, max_kv_splits, head_dim] fp32
+    attn_lse: torch.Tensor  # [batch, heads, max_kv_splits] fp32
+
+
+@dataclass
 class ForwardMetadata:
     """Per-batch index tensors, built once and shared by every layer of the forward pass."""
 
-    qo_indptr: (
-        torch.Tensor
-    )  # [batch + 1] int32: request i's queries are rows qo_indptr[i]:qo_indptr[i+1]
-    kv_indptr: (
-        torch.Tensor
-    )  # [batch + 1] int32: request i's keys are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
-    kv_indices: (
-        torch.Tensor
-    )  # [sum(seq_lens)] int32 KV slots: prefix from req_to_token, then out_cache_loc
+    # [batch + 1] int32: request i's queries are rows qo_indptr[i]:qo_indptr[i+1]
+    qo_indptr: torch.Tensor
+    # [batch + 1] int32: request i's keys are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
+    kv_indptr: torch.Tensor
+    # [sum(seq_lens)] int32 KV slots: prefix from req_to_token, then out_cache_loc
+    kv_indices: torch.Tensor
     max_extend_len: int
-    num_kv_splits: torch.Tensor | None  # decode only: [batch] int32
-    attn_logits: torch.Tensor | None  # decode only: [batch, heads, max_kv_splits, head_dim] fp32
-    attn_lse: torch.Tensor | None  # decode only: [batch, heads, max_kv_splits] fp32
+    decode: DecodeSplits | None  # decode batches only
 
 
 def get_num_kv_splits(
@@ -69,30 +73,31 @@ class TritonAttnBackend(AttentionBackend):
         qo_indptr = self._indptr(fb.extend_lens)
         kv_indptr = self._indptr(fb.seq_lens)
         kv_indices = self._kv_indices(fb, qo_indptr, kv_indptr, sum(fb.seq_lens_cpu))
-        num_kv_splits = attn_logits = attn_lse = None
+        decode = None
         if fb.forward_mode.is_decode():
-            num_kv_splits = get_num_kv_splits(
-                fb.seq_lens, self.max_kv_splits, self.min_kv_split_len
-            )
             shape = (batch_size, self.num_heads, self.max_kv_splits)
-            attn_logits = torch.empty(
-                (*shape, self.head_dim), dtype=torch.float32, device=self.device
+            decode = DecodeSplits(
+                num_kv_splits=get_num_kv_splits(
+                    fb.seq_lens, self.max_kv_splits, self.min_kv_split_len
+                ),
+                attn_logits=torch.empty(
+                    (*shape, self.head_dim), dtype=torch.float32, device=self.device
+                ),
+                attn_lse=torch.empty(shape, dtype=torch.float32, device=self.device),
             )
-            attn_lse = torch.empty(shape, dtype=torch.float32, device=self.device)
         self.forward_metadata = ForwardMetadata(
             qo_indptr=qo_indptr,
             kv_indptr=kv_indptr,
             kv_indices=kv_indices,
             max_extend_len=max(fb.extend_lens_cpu, default=0),
-            num_kv_splits=num_kv_splits,
-            attn_logits=attn_logits,
-            attn_lse=attn_lse,
+            decode=decode,
         )
 
     def forward_extend(
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         md = self.forward_metadata
+        assert md is not None, "init_forward_metadata runs before the first layer"
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         o = torch.empty_like(q)
         extend_attention_fwd(
@@ -112,6 +117,7 @@ class TritonAttnBackend(AttentionBackend):
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         md = self.forward_metadata
+        assert md is not None and md.decode is not None, "a decode batch has its splits"
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         o = torch.empty_like(q)
         decode_attention_fwd(
@@ -121,9 +127,9 @@ class TritonAttnBackend(AttentionBackend):
             v_buffer,
             md.kv_indptr,
             md.kv_indices,
-            md.num_kv_splits,
-            md.attn_logits,
-            md.attn_lse,
+            md.decode.num_kv_splits,
+            md.decode.attn_logits,
+            md.decode.attn_lse,
             layer.scaling,
         )
         return o

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers.linear import default_weight_loader
+from engine.model.layers.linear import default_weight_loader, set_weight_loader
 
 
 class VocabEmbedding(nn.Module):
@@ -16,7 +16,7 @@ class VocabEmbedding(nn.Module):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
-        self.weight.weight_loader = default_weight_loader
+        set_weight_loader(self.weight, default_weight_loader)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)

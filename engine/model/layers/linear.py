@@ -1,11 +1,14 @@
 """Linear layers whose weights arrive from checkpoints in pieces.
 
-Each parameter carries a `weight_loader(param, loaded, shard_id)`; the model's
-`load_weights` routes every checkpoint tensor to it. Parameters are allocated with
-`torch.empty`: every one is overwritten by the checkpoint, so initialising them is wasted time.
+Each parameter carries a `weight_loader(param, loaded, shard_id)` (`set_weight_loader`);
+the model's `load_weights` routes every checkpoint tensor to it (`get_weight_loader`).
+Parameters are allocated with `torch.empty`: every one is overwritten by the checkpoint, so
+initialising them is wasted time.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,9 +21,25 @@ def default_weight_loader(
     """Copy a whole checkpoint tensor into `param` (converting dtype and device)."""
     if param.shape != loaded.shape:
         raise ValueError(
-            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}"
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
+            f"{tuple(param.shape)}"
         )
     param.data.copy_(loaded)
+
+
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, str | None], None]
+"""Copies one checkpoint tensor (or the shard `shard_id` of a fused one) into a parameter."""
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    """Attach `loader` to `param`, where `load_weights` finds it (SGLang's attribute name)."""
+    vars(param)["weight_loader"] = loader
+
+
+def get_weight_loader(param: nn.Parameter) -> WeightLoader:
+    """The loader attached to `param`, else a whole-tensor copy."""
+    loader: WeightLoader = getattr(param, "weight_loader", default_weight_loader)
+    return loader
 
 
 PACK_BATCH_HINT = 32
@@ -68,11 +87,11 @@ class Linear(nn.Module):
         self.input_size = input_size
         self.output_size = output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
-        self.weight.weight_loader = self.weight_loader
-        self.bias = None
+        set_weight_loader(self.weight, self.weight_loader)
+        self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
@@ -112,7 +131,8 @@ class MergedColumnLinear(Linear):
 
 
 class QKVLinear(MergedColumnLinear):
-    """The q, k and v projections fused; `forward` output splits as `[q_size, kv_size, kv_size]`."""
+    """The q, k and v projections fused; `forward` output splits as
+    `[q_size, kv_size, kv_size]`."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False

@@ -25,11 +25,12 @@ def compute_inv_freq(
     inv_freq = 1.0 / (
         base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim)
     )
-    rope_type = (rope_scaling or {}).get("rope_type", "default")
+    scaling: Mapping[str, Any] = rope_scaling or {}
+    rope_type = scaling.get("rope_type", "default")
     if rope_type == "linear":
-        inv_freq = inv_freq / rope_scaling["factor"]
+        inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
-        inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
     elif rope_type != "default":
         raise ValueError(f"rope type {rope_type!r} is not supported")
     if freq_factors is not None:
@@ -61,6 +62,9 @@ class RotaryEmbedding(nn.Module):
     """Rotates q and k by their token's position. cos/sin are tabulated once in float32 for
     every position up to `max_position` (one table shared by all layers) and cast to the
     activations' dtype when applied, as transformers does."""
+
+    cos_cache: torch.Tensor  # [max_position, head_dim / 2] float32
+    sin_cache: torch.Tensor
 
     def __init__(
         self,

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from engine.model.models.llama import LlamaForCausalLM
 from engine.model.models.qwen2 import Qwen2ForCausalLM
 from engine.model.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+# Every supported architecture is the Llama decoder with ModelConfig flags.
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -16,10 +15,11 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
+def get_model_class(architecture: str) -> type[LlamaForCausalLM]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
         raise ValueError(
-            f"model architecture {architecture!r} is not supported (supported: {', '.join(MODEL_REGISTRY)})"
+            f"model architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(MODEL_REGISTRY)})"
         ) from None

@@ -13,7 +13,7 @@ from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.layers.activation import SiluAndMul
 from engine.model.layers.embedding import LMHead, VocabEmbedding
-from engine.model.layers.linear import Linear, MergedColumnLinear, QKVLinear, default_weight_loader
+from engine.model.layers.linear import Linear, MergedColumnLinear, QKVLinear, get_weight_loader
 from engine.model.layers.logits_processor import LogitsProcessor
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.radix_attention import RadixAttention
@@ -69,7 +69,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         out = self.attn(q, k, v, forward_batch)
@@ -184,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
                 )
             param = params[name]
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor, shard_id)
+            get_weight_loader(param)(param, tensor, shard_id)
             filled[name] += tensor.numel()
         unfilled = [name for name, param in params.items() if filled[name] != param.numel()]
         if unfilled:

@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from benchmarks.serving import client
 from benchmarks.serving.metrics import HIT_TOKENS, QUERY_TOKENS, RequestResult
-from benchmarks.serving.server_peer import free_ports
 from benchmarks.serving.workloads import BenchRequest
+from benchmarks.support.net import free_port
 
 FAIL_503, FAIL_IN_STREAM, SHORT_OUTPUT = 1, 2, 3
 """A prompt starting with one of these ids makes the stub fail that way."""
@@ -60,6 +60,12 @@ class StubServer:
         self.query += len(prompt)
         self.hit += len(prompt) // 2
 
+        def event(payload: dict | str) -> str:
+            return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+        def chunk(i: int, text: str, finish_reason: str | None) -> str:
+            return event({"choices": [{"index": i, "text": text, "finish_reason": finish_reason}]})
+
         async def events() -> AsyncIterator[str]:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
@@ -67,19 +73,19 @@ class StubServer:
                 for i in range(n):
                     await asyncio.sleep(0.005)
                     if prompt[0] == FAIL_IN_STREAM and i == 1:
-                        yield f"data: {json.dumps({'error': {'message': 'lost', 'code': 'request_aborted'}})}\n\n"
-                        yield "data: [DONE]\n\n"
+                        yield event({"error": {"message": "lost", "code": "request_aborted"}})
+                        yield event("[DONE]")
                         return
-                    yield f"data: {json.dumps({'choices': [{'index': 0, 'text': f't{i}', 'finish_reason': None}]})}\n\n"
-                yield f"data: {json.dumps({'choices': [{'index': 0, 'text': '', 'finish_reason': 'length'}]})}\n\n"
+                    yield chunk(0, f"t{i}", None)
+                yield chunk(0, "", "length")
                 usage = {
                     "prompt_tokens": len(prompt),
                     "completion_tokens": n,
                     "total_tokens": len(prompt) + n,
                     "prompt_tokens_details": {"cached_tokens": len(prompt) // 2},
                 }
-                yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
-                yield "data: [DONE]\n\n"
+                yield event({"choices": [], "usage": usage})
+                yield event("[DONE]")
             finally:
                 self.in_flight -= 1
 
@@ -89,7 +95,7 @@ class StubServer:
 @pytest.fixture(scope="module")
 def stub() -> Iterator[tuple[StubServer, str]]:
     stub = StubServer()
-    (port,) = free_ports(1)
+    port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(stub.app, host="127.0.0.1", port=port, log_level="warning")
     )
@@ -168,7 +174,7 @@ def test_metrics_urls_are_discovered_from_server_info(stub: tuple[StubServer, st
 
 
 def test_a_server_that_is_not_there_is_a_transport_error():
-    (port,) = free_ports(1)
+    port = free_port()
 
     async def send() -> RequestResult:
         async with client.new_http_client(1, 5.0) as http:

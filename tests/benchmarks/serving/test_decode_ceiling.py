@@ -4,9 +4,9 @@ projection whole, an untied input embedding not) and every request's KV."""
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.serving.decode_ceiling import ceiling, decode_params, kv_bytes_per_token
+from benchmarks.support.models import tiny_hf_model
 from engine.model.config import ModelConfig
 
 SMOLLM2_135M = ModelConfig(
@@ -27,7 +27,7 @@ SMOLLM2_135M = ModelConfig(
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_decode_params_are_the_models_parameters_less_an_untied_embedding(tied: bool):
-    hf_config = LlamaConfig(
+    model = tiny_hf_model(
         vocab_size=97,
         hidden_size=24,
         intermediate_size=40,
@@ -37,22 +37,8 @@ def test_decode_params_are_the_models_parameters_less_an_untied_embedding(tied: 
         head_dim=8,
         tie_word_embeddings=tied,
     )
-    model = LlamaForCausalLM(hf_config)
     total = sum(p.numel() for p in model.parameters())  # a tied matrix is counted once
-    config = ModelConfig(
-        architecture="LlamaForCausalLM",
-        num_hidden_layers=3,
-        hidden_size=24,
-        intermediate_size=40,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=8,
-        vocab_size=97,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        context_len=128,
-        tie_word_embeddings=tied,
-    )
+    config = ModelConfig.from_hf(model.config.to_dict())
     assert decode_params(config) == total - (0 if tied else 97 * 24)
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import PreTrainedModel
 
 from benchmarks.serving.hf_peer import HFGeneratePeer, static_batches
 from benchmarks.serving.workloads import BenchRequest, WorkloadConfig, build
+from benchmarks.support.models import TINY_CONFIG, tiny_hf_model
 
-EOS = 2
+EOS = TINY_CONFIG["eos_token_id"]
 
 
 def test_static_batches_take_requests_in_order_size_at_a_time():
@@ -41,21 +42,10 @@ class AlwaysEOS(nn.Module):
         return logits
 
 
-def tiny_eager_model() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
-    model.lm_head = AlwaysEOS(config.vocab_size)
+def tiny_eager_model() -> PreTrainedModel:
+    """The tiny Llama with an output head that always answers EOS."""
+    model = tiny_hf_model(tie_word_embeddings=False)
+    model.lm_head = AlwaysEOS(model.config.vocab_size)
     return model
 
 

@@ -1,4 +1,4 @@
-"""The report is computed from the JSON record alone: tables, the issue's target ratios,
+"""The report is computed from the JSON record alone: tables, the target ratios,
 the decode figure against its ceiling, and notes that survive a rewrite."""
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from pathlib import Path
 from benchmarks.serving import client
 from benchmarks.serving.server_peer import RadixServer
 from benchmarks.serving.workloads import BenchRequest
+from benchmarks.support.launcher import cpu_flags
 
 SHARED = list(range(1000, 1064))
 
@@ -30,16 +31,7 @@ def test_the_client_measures_radixserve_and_a_flush_starts_the_next_cell_cold(
     tiny_llama_dir: Path, tmp_path: Path
 ):
     requests = [BenchRequest(SHARED + [2000 + i] * 4, 6) for i in range(3)]
-    flags = [
-        "--model",
-        str(tiny_llama_dir),
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--max-total-tokens",
-        "4096",
-    ]
+    flags = cpu_flags(4096, tiny_llama_dir)
     with RadixServer(flags, log_dir=tmp_path) as server:
         first = run(server, requests)
         assert [r.error for r in first.results] == [None] * 3, server.log_tail()

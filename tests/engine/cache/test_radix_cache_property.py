@@ -13,8 +13,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from benchmarks.support.radix import simulated_cache, total_size
 from engine.cache.evict_policy import EVICTION_POLICIES
-from engine.cache.radix_cache import RadixCache, TreeNode
+from engine.cache.radix_cache import TreeNode
 from engine.cache.radix_key import RadixKey
 
 NUM_SLOTS = 40
@@ -33,8 +34,9 @@ class RadixCacheVersusBruteForce(RuleBasedStateMachine):
 
     @initialize(policy=st.sampled_from(sorted(EVICTION_POLICIES)))
     def make_cache(self, policy: str) -> None:
-        self.cache = RadixCache.create_simulated(num_slots=NUM_SLOTS, eviction_policy=policy)
-        self.allocator = self.cache.token_to_kv_pool_allocator
+        self.manager = simulated_cache(num_slots=NUM_SLOTS, eviction_policy=policy)
+        self.cache = self.manager.tree_cache
+        self.allocator = self.manager.allocator
 
     def cached_len(self, ns: str | None, seq: list[int]) -> int:
         """The model is prefix-closed, so the longest cached prefix is the first gap."""
@@ -51,7 +53,7 @@ class RadixCacheVersusBruteForce(RuleBasedStateMachine):
         if slots is None:
             return
         expected = self.cached_len(ns, seq)
-        assert self.cache.insert(RadixKey(seq, ns), slots) == expected
+        assert self.cache.insert(RadixKey(seq, ns), slots) == (expected, len(seq))
         self.allocator.free(slots[:expected])
         for i in range(expected, len(seq)):
             self.slot_of[(ns, tuple(seq[: i + 1]))] = int(slots[i])
@@ -97,11 +99,11 @@ class RadixCacheVersusBruteForce(RuleBasedStateMachine):
     def tree_agrees_with_the_model(self) -> None:
         if not hasattr(self, "cache"):
             return
-        self.cache.check_integrity()
+        self.manager.check_integrity()  # the tree's own check, and every slot accounted once
         protected = sum(1 for p in self.slot_of if self.lock_count[p] > 0)
         assert self.cache.protected_size() == protected
         assert self.cache.evictable_size() == len(self.slot_of) - protected
-        assert self.cache.total_size() == len(self.slot_of)
+        assert total_size(self.cache) == len(self.slot_of)
 
 
 RadixCacheVersusBruteForce.TestCase.settings = settings(max_examples=500, stateful_step_count=40)

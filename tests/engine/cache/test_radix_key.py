@@ -30,7 +30,7 @@ def test_ten_thousand_shared_tokens_cost_27_slice_comparisons():
     b = RadixKey(shared + [2] * 10_000)
     result = common_prefix_len(a.token_ids, b.token_ids)
     assert result.length == 10_000
-    assert result.comparisons == 27  # 14 galloping windows + 13 bisection steps, as the seed counts
+    assert result.comparisons == 27  # 14 galloping windows + 13 bisection steps
 
 
 def test_keys_in_different_namespaces_never_match():

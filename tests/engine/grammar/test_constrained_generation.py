@@ -7,10 +7,10 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
+from benchmarks.support.grammar_schemas import SCHEMAS
 from engine.api import Engine
 from engine.sampling.sampling_params import SamplingParams
-from engine.sched.req import Req
-from tests.grammar_schemas import SCHEMAS
+from engine.sched.req import FinishReason, Req
 
 PROMPTS = {name: prompt for name, (prompt, _) in SCHEMAS.items()}
 SCHEMA = {name: schema for name, (_, schema) in SCHEMAS.items()}
@@ -37,26 +37,26 @@ def test_json_schemas_give_valid_json_that_stops(engine):
     ]
     results = engine.generate([PROMPTS[n] for n in names], params)
     for name, result in zip(names, results):
-        assert result["meta"]["finish_reason"]["type"] == "stop", (name, result)
-        jsonschema.validate(json.loads(result["text"]), SCHEMA[name])
+        assert result.meta.finish_reason.type == "stop", (name, result)
+        jsonschema.validate(json.loads(result.text), SCHEMA[name])
 
 
 def test_regex_output_fullmatches(engine):
     pattern = r"\(\d{3}\) \d{3}-\d{4}"
     result = engine.generate("A US phone number:", {**GREEDY, "regex": pattern})[0]
-    assert re.fullmatch(pattern, result["text"])
-    assert result["meta"]["finish_reason"]["type"] == "stop"
+    assert re.fullmatch(pattern, result.text)
+    assert result.meta.finish_reason.type == "stop"
 
 
 def test_ebnf_output_is_accepted_by_the_grammar(engine):
     result = engine.generate("Write a small sum:", {**GREEDY, "ebnf": ARITHMETIC})[0]
-    assert result["meta"]["finish_reason"]["type"] == "stop"
+    assert result.meta.finish_reason.type == "stop"
     compiler = xgr.GrammarCompiler(
         xgr.TokenizerInfo.from_huggingface(engine.tokenizer, vocab_size=49152)
     )
     matcher = xgr.GrammarMatcher(compiler.compile_grammar(ARITHMETIC))
-    assert matcher.accept_string(result["text"]) and matcher.is_completed(), result["text"]
-    assert isinstance(eval(result["text"]), int)
+    assert matcher.accept_string(result.text) and matcher.is_completed(), result.text
+    assert isinstance(eval(result.text), int)
 
 
 def test_grammar_and_plain_requests_in_one_batch_are_both_correct(engine):
@@ -67,8 +67,8 @@ def test_grammar_and_plain_requests_in_one_batch_are_both_correct(engine):
         ["The three primary colors are", PROMPTS["enum"]],
         [plain, {**GREEDY, "json_schema": schema}],
     )
-    assert mixed[0]["output_ids"] == alone["output_ids"]
-    jsonschema.validate(json.loads(mixed[1]["text"]), schema)
+    assert mixed[0].output_ids == alone.output_ids
+    jsonschema.validate(json.loads(mixed[1].text), schema)
 
 
 def test_overlap_and_normal_loops_give_the_same_constrained_outputs(engine):
@@ -83,8 +83,8 @@ def test_overlap_and_normal_loops_give_the_same_constrained_outputs(engine):
     ) as overlap_engine:
         assert overlap_engine.scheduler.overlap
         overlapped = overlap_engine.generate(prompts, params)
-    assert [r["output_ids"] for r in overlapped] == [r["output_ids"] for r in normal]
-    assert all(r["meta"]["finish_reason"]["type"] == "stop" for r in overlapped)
+    assert [r.output_ids for r in overlapped] == [r.output_ids for r in normal]
+    assert all(r.meta.finish_reason.type == "stop" for r in overlapped)
 
 
 def test_bad_grammars_fail_alone_with_400_while_a_plain_request_finishes(engine):
@@ -106,14 +106,10 @@ def test_bad_grammars_fail_alone_with_400_while_a_plain_request_finishes(engine)
         "json_schema nests 81 levels deep",
     ]
     for result, message in zip(results, messages):
-        reason = result["meta"]["finish_reason"]
-        assert (
-            reason["type"] == "abort"
-            and reason["status_code"] == 400
-            and message in reason["message"]
-        )
-        assert result["output_ids"] == []
-    assert results[3]["meta"]["finish_reason"] == {"type": "length"}
+        reason = result.meta.finish_reason
+        assert reason.type == "abort" and reason.status_code == 400 and message in reason.message
+        assert result.output_ids == []
+    assert results[3].meta.finish_reason == FinishReason("length")
     assert engine.scheduler.grammar_queue == []
 
 
@@ -125,8 +121,7 @@ def test_a_grammar_request_waits_in_the_grammar_queue_until_compiled(engine):
     )
     engine.scheduler.add_request(req)
     assert engine.scheduler.grammar_queue == [req] and req not in engine.scheduler.waiting_queue
-    while not req.finished:
-        engine.scheduler.step()
+    engine.scheduler.run_event_loop(lambda: req.finished)
     assert engine.tokenizer.decode(req.output_ids, skip_special_tokens=True) in ("a", "b")
     assert req.finished_reason.type == "stop" and not engine.scheduler.has_work()
 

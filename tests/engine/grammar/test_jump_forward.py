@@ -7,11 +7,11 @@ import re
 import jsonschema
 import pytest
 
+from benchmarks.support.grammar_schemas import SCHEMAS
 from engine.api import Engine
 from engine.detokenize import IncrementalDetokenizer
 from engine.grammar.jump_forward import JumpForward, decodes_concatenatively, plan_jump_forward
 from engine.model.loader import load_tokenizer
-from tests.grammar_schemas import SCHEMAS
 
 GREEDY = {"temperature": 0, "max_new_tokens": 96}
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
@@ -104,8 +104,8 @@ def test_jump_forward_gives_valid_outputs_with_fewer_forward_passes(engines):
         ]
         passes[engine] = sum(stats.forward_modes.values()) - before
     for name, result in zip(names, results[jf]):
-        assert result["meta"]["finish_reason"]["type"] == "stop", (name, result)
-        jsonschema.validate(json.loads(result["text"]), SCHEMAS[name][1])
+        assert result.meta.finish_reason.type == "stop", (name, result)
+        jsonschema.validate(json.loads(result.text), SCHEMAS[name][1])
     stats = jf.scheduler.stats
     assert stats.jump_forwards > len(names) and stats.jump_forward_tokens > stats.jump_forwards
     assert passes[jf] < passes[plain] / 2
@@ -113,7 +113,7 @@ def test_jump_forward_gives_valid_outputs_with_fewer_forward_passes(engines):
     # identical; a forced token can also remove a merged token that carried a choice (`",`
     # = close the string and continue the list), so a few outputs may differ.
     same = sum(
-        json.loads(a["text"]) == json.loads(b["text"]) for a, b in zip(results[plain], results[jf])
+        json.loads(a.text) == json.loads(b.text) for a, b in zip(results[plain], results[jf])
     )
     assert same >= 15, same
 
@@ -134,14 +134,14 @@ def test_a_stream_with_rollbacks_rebuilds_the_final_text_and_ids(
     _, jf = engines
     expected = jf.generate(prompt, {**GREEDY, **grammar})[0]
     chunks = list(jf.generate_stream(prompt, {**GREEDY, **grammar}))
-    text = "".join(c["text"] for c in chunks)
+    text = "".join(c.text for c in chunks)
     ids: list[int] = []
     for chunk in chunks:
-        assert chunk.get("rollback", 0) <= len(ids)
-        del ids[len(ids) - chunk.get("rollback", 0) :]
-        ids += chunk["output_ids"]
-    assert text == expected["text"] and ids == expected["output_ids"]
-    assert chunks[-1]["meta"]["finish_reason"]["type"] == "stop"
+        assert chunk.rollback <= len(ids)
+        del ids[len(ids) - chunk.rollback :]
+        ids += chunk.output_ids
+    assert text == expected.text and ids == expected.output_ids
+    assert chunks[-1].meta.finish_reason.type == "stop"
     if "regex" in grammar:
         assert re.fullmatch(PHONE, text)
     else:

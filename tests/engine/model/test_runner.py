@@ -11,7 +11,8 @@ from engine.model.runner import DEFAULT_CPU_KV_CACHE_BYTES, ExtendInput
 
 
 @pytest.fixture
-def tiny_llama_dir(tmp_path, hf_model_factory):
+def llama_dir(tmp_path, hf_model_factory):
+    """The model tests' tiny Llama (128-token vocabulary) saved to a folder."""
     hf_model_factory("llama").save_pretrained(tmp_path)
     return tmp_path
 
@@ -33,9 +34,9 @@ def test_greedy_tokens_alone_equal_those_in_a_batch_of_eight(
 
 
 def test_build_forward_batch_lays_out_tokens_and_points_rows_at_new_slots(
-    tiny_llama_dir, runner_factory
+    llama_dir, runner_factory
 ):
-    runner = runner_factory(tiny_llama_dir)
+    runner = runner_factory(llama_dir)
     rows = runner.req_to_token_pool.alloc(2)
     fb = runner.build_forward_batch(
         [ExtendInput(rows[0], 0, [5, 6, 7]), ExtendInput(rows[1], 4, [9])]
@@ -53,26 +54,19 @@ def test_build_forward_batch_lays_out_tokens_and_points_rows_at_new_slots(
     )
 
 
-def test_build_forward_batch_fails_clearly_when_the_pool_is_full(tiny_llama_dir, runner_factory):
-    runner = runner_factory(tiny_llama_dir, max_total_tokens=8)
+def test_build_forward_batch_fails_clearly_when_the_pool_is_full(llama_dir, runner_factory):
+    runner = runner_factory(llama_dir, max_total_tokens=8)
     row = runner.req_to_token_pool.alloc(1)[0]
     with pytest.raises(RuntimeError, match="8 free slots, the batch needs 9"):
         runner.build_forward_batch([ExtendInput(row, 0, list(range(9)))])
 
 
-def test_idle_batch_returns_no_logits(tiny_llama_dir, runner_factory):
-    runner = runner_factory(tiny_llama_dir)
-    row = runner.req_to_token_pool.alloc(1)[0]
-    fb = runner.build_forward_batch([ExtendInput(row, 0, [1])], ForwardMode.IDLE)
-    assert runner.forward(fb).shape == (0, 128)
-
-
-def test_kv_pool_is_sized_from_max_total_tokens_or_the_cpu_budget(tiny_llama_dir, runner_factory):
-    runner = runner_factory(tiny_llama_dir)
+def test_kv_pool_is_sized_from_max_total_tokens_or_the_cpu_budget(llama_dir, runner_factory):
+    runner = runner_factory(llama_dir)
     assert runner.max_total_num_tokens == 4096
     assert runner.token_to_kv_pool.get_key_buffer(0).shape == (4097, 2, 16)
     assert runner.req_to_token_pool.req_to_token.shape == (17, 256)
-    budget_runner = runner_factory(tiny_llama_dir, max_total_tokens=None, context_len=64)
+    budget_runner = runner_factory(llama_dir, max_total_tokens=None, context_len=64)
     expected = MHATokenToKVPool.max_tokens_for_budget(
         DEFAULT_CPU_KV_CACHE_BYTES, 2, 16, 2, torch.float64
     )
@@ -81,12 +75,12 @@ def test_kv_pool_is_sized_from_max_total_tokens_or_the_cpu_budget(tiny_llama_dir
 
 
 def test_bfloat16_runner_returns_float32_logits_close_to_float64(
-    tiny_llama_dir, runner_factory, prompts_factory
+    llama_dir, runner_factory, prompts_factory
 ):
     prompt = prompts_factory([20])[0]
     logits = {}
     for dtype in ("bfloat16", "float64"):
-        runner = runner_factory(tiny_llama_dir, dtype=dtype)
+        runner = runner_factory(llama_dir, dtype=dtype)
         row = runner.req_to_token_pool.alloc(1)[0]
         logits[dtype] = runner.forward(runner.build_forward_batch([ExtendInput(row, 0, prompt)]))
     assert logits["bfloat16"].dtype == torch.float32
@@ -95,19 +89,19 @@ def test_bfloat16_runner_returns_float32_logits_close_to_float64(
     ].abs().max()
 
 
-def test_unsupported_dtype_for_the_device_is_rejected(tiny_llama_dir, runner_factory):
+def test_unsupported_dtype_for_the_device_is_rejected(llama_dir, runner_factory):
     with pytest.raises(ValueError, match="float16 is not supported on cpu"):
-        runner_factory(tiny_llama_dir, dtype="float16")
+        runner_factory(llama_dir, dtype="float16")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_runner_matches_cpu_float64_greedy_tokens(
-    tiny_llama_dir, runner_factory, greedy, prompts_factory
+    llama_dir, runner_factory, greedy, prompts_factory
 ):
     prompts = prompts_factory([7, 30, 2])
-    on_cpu = greedy(runner_factory(tiny_llama_dir), prompts, max_new_tokens=8)
+    on_cpu = greedy(runner_factory(llama_dir), prompts, max_new_tokens=8)
     on_cuda = greedy(
-        runner_factory(tiny_llama_dir, dtype="bfloat16", device="cuda", mem_fraction_static=0.5),
+        runner_factory(llama_dir, dtype="bfloat16", device="cuda", mem_fraction_static=0.5),
         prompts,
         max_new_tokens=8,
     )

@@ -302,6 +302,20 @@ def test_vocab_mask_forbids_everything_not_allowed(make_info: MakeInfo) -> None:
     assert set(tokens[1::2].tolist()) == {3}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_only_its_stop_token_continues_ends_before_min_new_tokens(
+    make_info: MakeInfo, temperature: float
+) -> None:
+    eos, vocab_size = 7, 32
+    logits = torch.zeros(2, vocab_size)
+    logits[:, 5] = 10.0
+    params = SamplingParams(temperature=temperature, min_new_tokens=5)
+    info = make_info([params] * 2, vocab_size, outputs=[[2]] * 2, eos_token_ids=[eos])
+    # Row 0's grammar has ended (EOS alone allowed); row 1's still allows EOS and token 5.
+    info.vocab_mask = torch.tensor([[1 << eos], [(1 << eos) | (1 << 5)]], dtype=torch.int32)
+    assert Sampler()(logits, info).next_token_ids.tolist() == [eos, 5]
+
+
 def test_seeded_request_draws_the_same_tokens_alone_or_anywhere_in_any_batch(
     make_info: MakeInfo,
 ) -> None:
@@ -355,7 +369,8 @@ def test_seeded_draws_follow_the_distribution_across_seeds_and_across_steps(
 
 
 def test_seeded_uniform_is_the_splitmix64_stream_of_the_mixed_seed() -> None:
-    """A pure-Python SplitMix64 pins the int64 tensor arithmetic (wrapping products, logical shifts)."""
+    """A pure-Python SplitMix64 pins the int64 tensor arithmetic (wrapping products, logical
+    shifts)."""
     mask, gamma = (1 << 64) - 1, 0x9E3779B97F4A7C15
 
     def mix64(z: int) -> int:

@@ -1,18 +1,18 @@
 import pytest
 import torch
 
-from engine.cache.radix_cache import RadixCache
+from benchmarks.support.radix import insert_fresh, simulated_cache
 from engine.cache.radix_key import RadixKey
 from engine.sampling.sampling_params import SamplingParams
+from engine.sched.cache_manager import CacheManager
 from engine.sched.policy import SCHEDULE_POLICIES, SchedulePolicy
 from engine.sched.req import Req
 
 
-def cache_with(*sequences: list[int]) -> RadixCache:
-    cache = RadixCache.create_simulated(num_slots=4096)
+def cache_with(*sequences: list[int]) -> CacheManager:
+    cache = simulated_cache(num_slots=4096)
     for tokens in sequences:
-        slots = cache.token_to_kv_pool_allocator.alloc(len(tokens))
-        cache.token_to_kv_pool_allocator.free(slots[: cache.insert(RadixKey(tokens), slots)])
+        insert_fresh(cache, tokens)
     return cache
 
 
@@ -139,8 +139,10 @@ def test_unknown_policy_is_rejected_with_the_choices():
 
 
 def test_cache_aware_policies_fall_back_to_fcfs_without_a_radix_cache():
-    cache = RadixCache.create_simulated(disable=True)
-    assert SchedulePolicy("lpm", cache).active_policy([Req("a", [1])]) == "fcfs"
+    cache = simulated_cache(disable_radix_cache=True)
+    for policy in ("lpm", "dfs-weight"):
+        assert SchedulePolicy(policy, cache).active_policy([Req("a", [1])]) == "fcfs"
     assert torch.equal(
-        cache.match_prefix(RadixKey([1])).device_indices, torch.empty(0, dtype=torch.int64)
+        cache.tree_cache.match_prefix(RadixKey([1])).device_indices,
+        torch.empty(0, dtype=torch.int64),
     )

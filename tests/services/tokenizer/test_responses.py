@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from engine.sched.req import FinishReason
+from engine.outputs import GenerateMeta, GenerateResult
+from engine.sched.req import FinishReason as EngineFinishReason
+from services.protocol import FinishReason
 from services.tokenizer.adapters import RequestError
 from services.tokenizer.openai_api import ChatCompletionChunk, CompletionChunk
 from services.tokenizer.responses import (
@@ -223,16 +225,16 @@ def test_sse_event_frames_models_and_dicts():
 
 
 def test_generate_response_is_sglangs_native_shape():
-    result = {
-        "text": "Hi!",
-        "output_ids": [3, 4, 2],
-        "meta": {
-            "prompt_tokens": 5,
-            "completion_tokens": 3,
-            "cached_tokens": 4,
-            "finish_reason": {"type": "stop", "matched": 2},
-        },
-    }
+    result = GenerateResult(
+        text="Hi!",
+        output_ids=[3, 4, 2],
+        meta=GenerateMeta(
+            prompt_tokens=5,
+            completion_tokens=3,
+            cached_tokens=4,
+            finish_reason=EngineFinishReason("stop", matched=2),
+        ),
+    )
     assert generate_response(ChoiceOutput.from_engine_result(result)) == {
         "text": "Hi!",
         "output_ids": [3, 4, 2],

@@ -16,32 +16,32 @@ import triton.language as tl
 
 @triton.jit
 def _fwd_grouped_kernel_stage1(
-    Q,
-    K_Buffer,
-    V_Buffer,
-    kv_indptr,
-    kv_indices,
-    num_kv_splits,
-    sm_scale,
-    Att_Out,
-    Att_Lse,
-    stride_qbs,
-    stride_qh,
-    stride_buf_kbs,
-    stride_buf_kh,
-    stride_buf_vbs,
-    stride_buf_vh,
-    stride_mid_ob,
-    stride_mid_oh,
-    stride_mid_os,
-    stride_lse_b,
-    stride_lse_h,
+    Q: tl.tensor,
+    K_Buffer: tl.tensor,
+    V_Buffer: tl.tensor,
+    kv_indptr: tl.tensor,
+    kv_indices: tl.tensor,
+    num_kv_splits: tl.tensor,
+    sm_scale: tl.tensor,
+    Att_Out: tl.tensor,
+    Att_Lse: tl.tensor,
+    stride_qbs: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_buf_kbs: tl.tensor,
+    stride_buf_kh: tl.tensor,
+    stride_buf_vbs: tl.tensor,
+    stride_buf_vh: tl.tensor,
+    stride_mid_ob: tl.tensor,
+    stride_mid_oh: tl.tensor,
+    stride_mid_os: tl.tensor,
+    stride_lse_b: tl.tensor,
+    stride_lse_h: tl.tensor,
     kv_group_num: tl.constexpr,
     Lk: tl.constexpr,
     BLOCK_DMODEL: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):
+) -> None:
     cur_batch = tl.program_id(0)
     cur_kv_head = tl.program_id(1)
     split_kv_id = tl.program_id(2)
@@ -115,20 +115,20 @@ def _fwd_grouped_kernel_stage1(
 
 @triton.jit
 def _fwd_kernel_stage2(
-    Att_Out,
-    Att_Lse,
-    O,
-    num_kv_splits,
-    stride_mid_ob,
-    stride_mid_oh,
-    stride_mid_os,
-    stride_lse_b,
-    stride_lse_h,
-    stride_obs,
-    stride_oh,
+    Att_Out: tl.tensor,
+    Att_Lse: tl.tensor,
+    Out: tl.tensor,
+    num_kv_splits: tl.tensor,
+    stride_mid_ob: tl.tensor,
+    stride_mid_oh: tl.tensor,
+    stride_mid_os: tl.tensor,
+    stride_lse_b: tl.tensor,
+    stride_lse_h: tl.tensor,
+    stride_obs: tl.tensor,
+    stride_oh: tl.tensor,
     Lv: tl.constexpr,
     BLOCK_DV: tl.constexpr,
-):
+) -> None:
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
     kv_splits = tl.load(num_kv_splits + cur_batch)
@@ -151,8 +151,8 @@ def _fwd_kernel_stage2(
         e_sum = e_sum * old_scale + exp_lse
         e_max = n_e_max
 
-    o_ptrs = O + cur_batch * stride_obs + cur_head * stride_oh + offs_d
-    tl.store(o_ptrs, (acc / e_sum).to(O.dtype.element_ty), mask=mask_d)
+    o_ptrs = Out + cur_batch * stride_obs + cur_head * stride_oh + offs_d
+    tl.store(o_ptrs, (acc / e_sum).to(Out.dtype.element_ty), mask=mask_d)
 
 
 def decode_attention_fwd(

@@ -16,28 +16,28 @@ import triton.language as tl
 
 @triton.jit
 def _fwd_kernel(
-    Q,
-    O,
-    K_Buffer,
-    V_Buffer,
-    qo_indptr,
-    kv_indptr,
-    kv_indices,
-    sm_scale,
-    stride_qbs,
-    stride_qh,
-    stride_obs,
-    stride_oh,
-    stride_buf_kbs,
-    stride_buf_kh,
-    stride_buf_vbs,
-    stride_buf_vh,
+    Q: tl.tensor,
+    Out: tl.tensor,
+    K_Buffer: tl.tensor,
+    V_Buffer: tl.tensor,
+    qo_indptr: tl.tensor,
+    kv_indptr: tl.tensor,
+    kv_indices: tl.tensor,
+    sm_scale: tl.tensor,
+    stride_qbs: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_obs: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_buf_kbs: tl.tensor,
+    stride_buf_kh: tl.tensor,
+    stride_buf_vbs: tl.tensor,
+    stride_buf_vh: tl.tensor,
     kv_group_num: tl.constexpr,
     Lk: tl.constexpr,
     BLOCK_DMODEL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):
+) -> None:
     cur_seq = tl.program_id(0)
     cur_head = tl.program_id(1)
     cur_block_m = tl.program_id(2)
@@ -101,9 +101,11 @@ def _fwd_kernel(
         acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
 
-    o_ptrs = O + (q_start + offs_m)[:, None] * stride_obs + cur_head * stride_oh + offs_d[None, :]
+    o_ptrs = Out + (q_start + offs_m)[:, None] * stride_obs + cur_head * stride_oh + offs_d[None, :]
     tl.store(
-        o_ptrs, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :]
+        o_ptrs,
+        (acc / l_i[:, None]).to(Out.dtype.element_ty),
+        mask=mask_m[:, None] & mask_d[None, :],
     )
 
 

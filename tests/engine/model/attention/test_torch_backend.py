@@ -20,7 +20,8 @@ LAYER = AttentionLayer(
 
 def make_batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], seed: int = 0):
     """Requests on scattered slots of a pool full of random K/V. Prefix slots are in
-    `req_to_token`; the new tokens' entries hold stale slots, as before the scheduler writes them."""
+    `req_to_token`; the new tokens' entries hold stale slots, as before the scheduler writes
+    them."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     pool_size = sum(seq_lens) + 11

@@ -29,7 +29,8 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 # Without CUDA, the kernels must have been decorated after TRITON_INTERPRET=1 was set.
 assert torch.cuda.is_available() or INTERPRETED, (
-    "engine.model.attention.triton_ops was imported before TRITON_INTERPRET=1 was set; set it in tests/conftest.py"
+    "engine.model.attention.triton_ops was imported before TRITON_INTERPRET=1 was set; "
+    "set it in tests/conftest.py"
 )
 DEVICE_MARKS = {
     "cpu": pytest.mark.skipif(

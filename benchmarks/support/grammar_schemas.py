@@ -1,7 +1,8 @@
 """Twenty JSON schemas, each with a prompt, for the constrained-decoding tests (offline
-Engine and HTTP). Together they cover nested objects, arrays with item bounds, enums,
-bounded integers and numbers, optional fields, `$defs`/`$ref`, `anyOf`, and strings
-bounded with maxLength (a 135M model would otherwise write strings until max_tokens)."""
+Engine and HTTP), the grammar benchmark and the soak. Together they cover nested objects,
+arrays with item bounds, enums, bounded integers and numbers, optional fields,
+`$defs`/`$ref`, `anyOf`, and strings bounded with maxLength (a 135M model would otherwise
+write strings until max_tokens)."""
 
 from __future__ import annotations
 

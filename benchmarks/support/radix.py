@@ -1,0 +1,51 @@
+"""Prefix caches over small CPU pools — no model, no KV tensors — for the cache and
+scheduler tests and `benchmarks/radix_bench.py`."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.base_prefix_cache import BasePrefixCache
+from engine.cache.chunk_cache import ChunkCache
+from engine.cache.radix_cache import RadixCache
+from engine.cache.radix_key import RadixKey
+from engine.mem.allocator import TokenToKVPoolAllocator
+from engine.mem.req_to_token_pool import ReqToTokenPool
+from engine.sched.cache_manager import CacheManager
+
+
+def simulated_cache(
+    num_slots: int = 64,
+    max_reqs: int = 8,
+    max_context_len: int = 64,
+    eviction_policy: str = "lru",
+    disable_radix_cache: bool = False,
+) -> CacheManager:
+    """A CacheManager over a `num_slots`-slot allocator and a `max_reqs`-row table, with a
+    RadixCache (or, with `disable_radix_cache`, a ChunkCache) as the scheduler builds it."""
+    allocator = TokenToKVPoolAllocator(num_slots)
+    tree: BasePrefixCache = (
+        ChunkCache(allocator.device)
+        if disable_radix_cache
+        else RadixCache(allocator, eviction_policy)
+    )
+    return CacheManager(ReqToTokenPool(max_reqs, max_context_len), allocator, tree)
+
+
+def insert_fresh(
+    cache: CacheManager, tokens: list[int], extra_key: str | None = None
+) -> torch.Tensor:
+    """Insert `tokens` with newly allocated slots, freeing as callers must the duplicates
+    and what the cache did not keep; returns the slots allocated."""
+    slots = cache.allocator.alloc(len(tokens))
+    if slots is None:
+        raise RuntimeError(f"{len(tokens)} slots needed, {cache.allocator.available_size()} free")
+    inserted = cache.tree_cache.insert(RadixKey(tokens, extra_key), slots)
+    cache.allocator.free(slots[: inserted.prefix_len])
+    cache.allocator.free(slots[inserted.kept_len :])
+    return slots
+
+
+def total_size(tree: BasePrefixCache) -> int:
+    """Tokens the cache holds, counted from its slots rather than its ledgers."""
+    return len(tree.cached_slots())

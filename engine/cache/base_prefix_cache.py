@@ -1,0 +1,96 @@
+"""The prefix cache's interface: KV slots stored under token runs (`RadixKey`s).
+
+The cache knows keys and slots only. Which request holds which slots, and when they are
+inserted, matched or freed, is the business of the scheduler's `CacheManager`. Two
+implementations: `RadixCache` shares prefixes across requests; `ChunkCache`
+(`--disable-radix-cache`) shares nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from engine.cache.radix_key import RadixKey
+
+if TYPE_CHECKING:
+    from engine.cache.radix_cache import TreeNode
+
+
+class MatchResult(NamedTuple):
+    device_indices: torch.Tensor
+    """KV slots of the longest cached prefix (int64, possibly empty)."""
+    last_node: TreeNode | None
+    """Deepest node of the match: lock it to pin the prefix. None from a cache that holds
+    nothing to pin."""
+
+
+class InsertResult(NamedTuple):
+    prefix_len: int
+    """Leading tokens the cache held before: the caller's slots for them are duplicates,
+    which the caller frees."""
+    kept_len: int
+    """Leading tokens the cache holds after the insert; the caller's slots beyond them stay
+    the caller's (to free once its request finishes)."""
+
+
+def check_invariant(ok: bool, message: str) -> None:
+    """Raise AssertionError(message) unless `ok`: an assert that `python -O` keeps."""
+    if not ok:
+        raise AssertionError(message)
+
+
+class BasePrefixCache(ABC):
+    """KV slots under token keys, with SGLang's surface: match, insert, lock, evict.
+
+    Slots the cache holds are either evictable (no lock on them: `evict` may free them to
+    the allocator on demand) or protected (locked by a running request's prefix).
+    """
+
+    evicted_tokens: int
+    """Tokens evicted since creation; a counter, so `reset` leaves it alone."""
+
+    @abstractmethod
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        """The longest cached prefix of `key`, within its namespace."""
+
+    @abstractmethod
+    def insert(
+        self, key: RadixKey, value: torch.Tensor, priority: int = 0, chunked: bool = False
+    ) -> InsertResult:
+        """Offer `key` with its KV slots `value`. `chunked` marks a chunked-prefill
+        self-insert, which does not count as a hit."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` unlocked slots, if held; return how many were freed."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        """Lock the prefix ending at `node`; return the change in evictable size (≤ 0)."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        """Unlock the prefix ending at `node`; return the change in evictable size (≥ 0)."""
+
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Slots held and unlocked: free on demand, so admission budgets them as free."""
+
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Slots held and locked by running requests."""
+
+    @abstractmethod
+    def cached_slots(self) -> torch.Tensor:
+        """Every slot the cache holds, for the slot accounting of integrity checks."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Drop everything held. Slots are not freed: pair with the allocator's `clear()`."""
+
+    @abstractmethod
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless the cache's structure and size ledgers agree."""

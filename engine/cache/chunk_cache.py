@@ -1,0 +1,59 @@
+"""The prefix cache that shares nothing, for `--disable-radix-cache` (SGLang's ChunkCache).
+
+Every request prefills its whole prompt and frees all its slots when it finishes. It
+exists so that the scheduler runs one code path with or without prefix sharing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.cache.base_prefix_cache import BasePrefixCache, InsertResult, MatchResult
+from engine.cache.radix_key import RadixKey
+
+if TYPE_CHECKING:
+    from engine.cache.radix_cache import TreeNode
+
+
+class ChunkCache(BasePrefixCache):
+    """A match finds nothing and an insert keeps nothing, so the caller keeps, and at the
+    end frees, every slot; with nothing held there is nothing to lock or evict."""
+
+    evicted_tokens = 0
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def match_prefix(self, key: RadixKey) -> MatchResult:
+        return MatchResult(self.cached_slots(), None)
+
+    def insert(
+        self, key: RadixKey, value: torch.Tensor, priority: int = 0, chunked: bool = False
+    ) -> InsertResult:
+        return InsertResult(prefix_len=0, kept_len=0)
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def inc_lock_ref(self, node: TreeNode) -> int:
+        return 0
+
+    def dec_lock_ref(self, node: TreeNode) -> int:
+        return 0
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def cached_slots(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.device)
+
+    def reset(self) -> None:
+        """Nothing is held."""
+
+    def check_integrity(self) -> None:
+        """Nothing is held, so nothing can disagree."""

@@ -1,0 +1,48 @@
+"""What the offline Engine returns: one result per prompt, or a stream of chunks.
+
+Typed, not JSON: whoever serves a result over the wire (the HTTP layer's `ChoiceOutput`)
+converts it there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.sched.req import FinishReason
+
+
+@dataclass(frozen=True)
+class GenerateMeta:
+    """A finished request's counts and why it stopped."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    """Prompt tokens served from the radix cache at first admission."""
+    finish_reason: FinishReason | None
+    output_token_logprobs: list[tuple[float, int]] | None = None
+    """(logprob, token id) per output token; None unless `logprobs` was asked."""
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    """The likeliest (logprob, token id) per output token; None unless `logprobs` and
+    `top_logprobs_num` were asked."""
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One prompt's output: `text` is decoded with stop strings and a matched stop token
+    trimmed; `output_ids` holds every generated id."""
+
+    text: str
+    output_ids: list[int]
+    meta: GenerateMeta
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """What one step of `generate_stream` adds. With jump-forward, `rollback` says how many
+    ids already yielded were re-encoded: `output_ids` replaces them (the text only ever
+    grows). Only the last chunk carries `meta`."""
+
+    text: str
+    output_ids: list[int]
+    rollback: int = 0
+    meta: GenerateMeta | None = None

@@ -1,0 +1,161 @@
+"""The HTTP endpoints (docs/api.md). Each handler finds the manager and the settings in
+the app's state (`serving.AppState`); the three generation endpoints are one flow,
+`serving.serve`, with an adapter each."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict
+
+from engine.sampling.sampling_params import SamplingParams
+from services.protocol import TokenizedGenerateReqInput
+from services.tokenizer.adapters import RequestError, error_body
+from services.tokenizer.manager import unavailable
+from services.tokenizer.openai_api import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.tokenizer.responses import model_list
+from services.tokenizer.serving import (
+    ChatEndpoint,
+    CompletionsEndpoint,
+    GenerateEndpoint,
+    app_state,
+    parse_body,
+    serve,
+)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+router = APIRouter()
+
+
+class AbortRequestInput(BaseModel):
+    """SGLang's `/abort_request`: one rid (an OpenAI response id aborts all its choices)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    rid: str = ""
+    abort_all: bool = False
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    body = await parse_body(request, ChatCompletionRequest)
+    return await serve(request, ChatEndpoint(body, app_state(request).model))
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    body = await parse_body(request, CompletionRequest)
+    return await serve(request, CompletionsEndpoint(body, app_state(request).model))
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    info = state.manager.worker_info
+    context_length = None if info is None else info.context_length
+    return model_list(state.model, context_length, state.started).model_dump()
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Response:
+    body = await parse_body(request, GenerateRequest)
+    return await serve(request, GenerateEndpoint(body))
+
+
+@router.get("/health")
+async def health(request: Request) -> Response:
+    try:
+        app_state(request).manager.require_ready()
+    except RequestError as err:
+        return JSONResponse(error_body(err), err.status)
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def prometheus_metrics(request: Request) -> Response:
+    return Response(generate_latest(app_state(request).registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/healthz")
+async def healthz() -> Response:
+    """Liveness of this process alone: a dead peer must not get it restarted too."""
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """Readiness proven end to end: one token through worker and detokenizer."""
+    manager = app_state(request).manager
+    info = manager.require_ready()
+    probe = TokenizedGenerateReqInput(
+        rid=manager.new_rid("health"),
+        input_ids=[info.eos_token_ids[0] if info.eos_token_ids else 0],
+        sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+    )
+
+    async def run() -> None:
+        async with aclosing(manager.generate([probe], observed=False)) as outputs:
+            async for _ in outputs:
+                pass
+
+    try:
+        await asyncio.wait_for(run(), HEALTH_GENERATE_TIMEOUT_S)
+    except TimeoutError:
+        raise unavailable(f"no token within {HEALTH_GENERATE_TIMEOUT_S:g} s") from None
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    info = state.manager.require_ready()
+    return {
+        "model_path": state.settings.model,
+        "tokenizer_path": state.settings.tokenizer or state.settings.model,
+        "served_model_name": state.settings.served_model_name,
+        "is_generation": True,
+        "context_length": info.context_length,
+        "vocab_size": info.vocab_size,
+        "max_total_tokens": info.max_total_tokens,
+        "eos_token_ids": info.eos_token_ids,
+    }
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request) -> dict[str, Any]:
+    """The settings (never the API key) and the worker's live state; the worker's
+    values win where both have one (the KV size it actually allocated).
+    `?check_integrity=true` adds `radix_integrity` ("ok", "failed: ...", or "skipped"
+    while requests run): the radix tree's full check, a debugging aid."""
+    state = app_state(request)
+    check = request.query_params.get("check_integrity", "").lower() in ("1", "true", "yes")
+    settings = {k: v for k, v in dataclasses.asdict(state.settings).items() if k != "api_key"}
+    info = await state.manager.server_info(check_integrity=check)
+    return {
+        **settings,
+        **info,
+        "num_in_flight_requests": state.manager.num_in_flight(),
+        "num_queued_requests": state.manager.num_queued,
+    }
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> Response:
+    reply = await app_state(request).manager.flush_cache()
+    if not reply.success:
+        raise RequestError(reply.message, code="requests_in_flight", status=409)
+    return JSONResponse({"message": reply.message})
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request) -> dict[str, int]:
+    body = await parse_body(request, AbortRequestInput)
+    if not body.rid and not body.abort_all:
+        raise RequestError("give a rid, or abort_all: true", param="rid")
+    return {"aborted": app_state(request).manager.abort("" if body.abort_all else body.rid)}

@@ -1,0 +1,72 @@
+"""The prefix cache knows keys and slots only: nothing under engine/cache imports the
+scheduler, not even for type checking."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import engine.cache
+
+CACHE_DIR = Path(engine.cache.__file__).parent
+
+
+def imported_modules(source: str, package: str) -> set[str]:
+    """Every module that `source`, a module of `package`, names in an import statement
+    anywhere (inside functions and `if TYPE_CHECKING:` blocks too), relative ones resolved;
+    `from m import x` counts as `m` and as `m.x` (x may be a submodule)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = parts[: len(parts) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def package_of(path: Path) -> str:
+    return ".".join(["engine", "cache", *path.relative_to(CACHE_DIR).parts[:-1]])
+
+
+def names_the_scheduler(module: str) -> bool:
+    return module.split(".")[:2] == ["engine", "sched"]
+
+
+def test_no_module_under_engine_cache_imports_the_scheduler():
+    paths = sorted(CACHE_DIR.rglob("*.py"))
+    assert {"radix_cache.py", "base_prefix_cache.py", "chunk_cache.py"} <= {p.name for p in paths}
+    offending = {
+        str(path.relative_to(CACHE_DIR)): sorted(
+            filter(names_the_scheduler, imported_modules(path.read_text(), package_of(path)))
+        )
+        for path in paths
+    }
+    assert {path: names for path, names in offending.items() if names} == {}
+
+
+def test_the_walk_sees_type_checking_blocks_plain_and_relative_imports():
+    source = (
+        "import engine.sched.policy\n"
+        "if TYPE_CHECKING:\n"
+        "    from engine.sched.req import Req\n"
+        "def f():\n"
+        "    from ..sched import batch\n"
+    )
+    found = set(filter(names_the_scheduler, imported_modules(source, "engine.cache")))
+    assert found == {
+        "engine.sched.policy",
+        "engine.sched.req",
+        "engine.sched.req.Req",
+        "engine.sched",
+        "engine.sched.batch",
+    }
+    assert not any(
+        map(names_the_scheduler, imported_modules("from . import radix_key", "engine.cache"))
+    )

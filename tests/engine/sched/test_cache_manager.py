@@ -1,0 +1,171 @@
+"""The owner of requests' KV: what finishing, continuing and freeing a request do to its
+row, its slots and the tree, and the integrity check over all three."""
+
+import pytest
+import torch
+
+from benchmarks.support.radix import insert_fresh, simulated_cache, total_size
+from engine.cache.radix_key import RadixKey
+from engine.sched.cache_manager import CacheManager
+from engine.sched.req import Req
+
+
+def admit(cache: CacheManager, req: Req, extra_slots: int = 0) -> None:
+    """What admission and the first batch do: match, lock, take a row starting with the
+    prefix, then slots for the rest of the prompt and `extra_slots` more."""
+    cache.match_req(req)
+    cache.lock(req)
+    cache.alloc_row(req)
+    start = len(req.prefix_indices)
+    new = cache.alloc_slots(len(req.origin_input_ids) - start + extra_slots)
+    cache.req_to_token_pool.write(req.req_pool_idx, start, new)
+    req.kv_allocated_len = start + len(new)
+
+
+def row_slots(cache: CacheManager, req: Req, n: int) -> list[int]:
+    return cache.req_to_token_pool.req_to_token[req.req_pool_idx, :n].tolist()
+
+
+def test_two_requests_with_one_prompt_end_with_one_copy_of_its_slots():
+    cache = simulated_cache()
+    prompt = list(range(100, 110))
+    a, b = Req("a", prompt, output_ids=[7]), Req("b", prompt, output_ids=[8])
+    admit(cache, a)
+    admit(cache, b)  # admitted together: neither sees the other's KV yet
+    for req in (a, b):
+        cache.commit(req, len(prompt))
+    a_slots = row_slots(cache, a, len(prompt))
+    cache.check_integrity([a, b])
+
+    cache.cache_finished_req(a)
+    cache.check_integrity([b])
+    cache.cache_finished_req(b)
+
+    assert total_size(cache.tree_cache) == len(prompt)
+    assert cache.tree_cache.match_prefix(RadixKey(prompt)).device_indices.tolist() == a_slots
+    assert cache.allocator.available_size() == 64 - len(prompt)
+    cache.check_integrity()
+
+
+def test_unfinished_req_is_repointed_at_the_shared_copy_and_locks_it():
+    cache = simulated_cache()
+    prompt = list(range(100, 110))
+    a, b = Req("a", prompt), Req("b", prompt)
+    admit(cache, a)
+    admit(cache, b)
+    for req in (a, b):
+        cache.commit(req, len(prompt))
+    a_slots = row_slots(cache, a, len(prompt))
+
+    cache.cache_unfinished_req(a)
+    cache.cache_unfinished_req(b)
+
+    assert row_slots(cache, b, len(prompt)) == a_slots
+    assert b.prefix_indices.tolist() == a_slots and b.last_node is a.last_node
+    assert a.last_node.lock_ref == 2
+    tree = cache.tree_cache
+    assert (tree.evictable_size(), tree.protected_size()) == (0, len(prompt))
+    cache.check_integrity([a, b])
+
+
+def test_finished_req_inserts_input_and_all_but_the_last_output_token():
+    cache = simulated_cache()
+    req = Req("r", [1, 2, 3, 4, 5], output_ids=[6, 7, 8])
+    admit(cache, req, extra_slots=3)  # slots for 6, 7 and the never-forwarded 8
+    cache.commit(req, 7)
+    slots = row_slots(cache, req, 8)
+
+    cache.cache_finished_req(req)
+
+    tree = cache.tree_cache
+    assert total_size(tree) == 7
+    assert (
+        tree.match_prefix(RadixKey([1, 2, 3, 4, 5, 6, 7, 8])).device_indices.tolist() == slots[:7]
+    )
+    assert slots[7] in cache.allocator.free_slots().tolist()
+    assert cache.req_to_token_pool.available_size() == cache.req_to_token_pool.size
+    assert (req.req_pool_idx, req.last_node, req.kv_allocated_len) == (None, None, 0)
+    cache.check_integrity()
+
+
+def test_chunked_prefill_self_inserts_do_not_count_hits():
+    cache = simulated_cache(eviction_policy="lfu")
+    prompt = list(range(200, 212))
+    req = Req("long", prompt)
+    cache.match_req(req)
+    cache.alloc_row(req)
+    for start in range(0, 12, 4):  # three chunks of 4 tokens
+        cache.req_to_token_pool.write(req.req_pool_idx, start, cache.alloc_slots(4))
+        req.kv_allocated_len = start + 4
+        cache.commit(req, 4)
+        cache.cache_unfinished_req(req)
+        cache.check_integrity([req])
+        assert len(req.prefix_indices) == start + 4
+
+    assert all(node.hit_count == 0 for node in cache.tree_cache._nodes())
+    other = Req("other", prompt + [1])
+    admit(cache, other)
+    assert len(other.prefix_indices) == 12
+    cache.check_integrity([req, other])
+
+
+def test_without_the_radix_cache_nothing_is_shared_and_a_finish_frees_everything():
+    cache = simulated_cache(disable_radix_cache=True)
+    tree = cache.tree_cache
+    insert_fresh(cache, [1, 2, 3])
+    assert total_size(tree) == 0
+    assert tree.insert(RadixKey([4, 5]), torch.tensor([1, 2])) == (0, 0)
+    req = Req("r", [1, 2, 3], output_ids=[4])
+    admit(cache, req, extra_slots=1)
+    assert req.prefix_indices.numel() == 0 and req.last_node is None
+    cache.commit(req, 3)
+    cache.cache_unfinished_req(req)
+    assert req.prefix_indices.numel() == 0 and req.kv_committed_len == 3
+    cache.check_integrity([req])
+
+    cache.cache_finished_req(req)
+
+    assert tree.evict(10) == 0
+    assert cache.allocator.available_size() == 64
+    cache.check_integrity()
+
+
+def test_freeing_without_insert_frees_owned_slots_and_unlocks_the_prefix():
+    cache = simulated_cache()
+    insert_fresh(cache, [1, 2, 3, 4])
+    req = Req("retracted", [1, 2, 3, 4, 5, 6], output_ids=[7])
+    admit(cache, req, extra_slots=1)
+    tree = cache.tree_cache
+    assert len(req.prefix_indices) == 4 and tree.protected_size() == 4
+    cache.commit(req, 2)  # the prompt after its cached prefix
+
+    cache.free_req(req)
+
+    assert total_size(tree) == 4 and tree.protected_size() == 0
+    assert cache.allocator.available_size() == 64 - 4
+    cache.check_integrity()
+
+
+def test_make_room_evicts_cache_before_anything_else():
+    cache = simulated_cache(num_slots=10)
+    insert_fresh(cache, list(range(6)))
+    cache.allocator.alloc(4)
+    assert cache.make_room(3)
+    assert total_size(cache.tree_cache) < 6
+    assert not cache.make_room(11)
+
+
+def test_integrity_check_catches_a_row_that_is_not_its_locked_prefix():
+    cache = simulated_cache()
+    insert_fresh(cache, [1, 2, 3, 4])
+    req = Req("r", [1, 2, 3, 4, 5])
+    admit(cache, req)
+    cache.check_integrity([req])
+    first = int(cache.req_to_token_pool.req_to_token[req.req_pool_idx, 0])
+    cache.req_to_token_pool.req_to_token[req.req_pool_idx, 0] = first + 1
+    with pytest.raises(AssertionError, match="row != prefix"):
+        cache.check_integrity([req])
+    cache.req_to_token_pool.req_to_token[req.req_pool_idx, 0] = first
+    cache.unlock(req)
+    with pytest.raises(AssertionError, match="prefix unlocked"):
+        cache.check_integrity([req])
