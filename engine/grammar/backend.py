@@ -29,6 +29,7 @@ class GrammarMatcher:
 
     def __init__(self, compiled: xgr.CompiledGrammar):
         self._matcher = xgr.GrammarMatcher(compiled)
+        self._vocab_size: int = compiled.tokenizer_info.vocab_size
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into `vocab_mask[row]` (xgrammar's int32 layout)."""
@@ -37,6 +38,15 @@ class GrammarMatcher:
     def accept_token(self, token: int) -> bool:
         """Advance past `token`; False if the grammar does not allow it (state unchanged)."""
         return self._matcher.accept_token(token)
+
+    def allows_any_token(self) -> bool:
+        """False when no token of the vocabulary continues the grammar from here: the
+        client's grammar needs text this tokenizer cannot spell. Off the hot path: only
+        asked once a sampled token was refused."""
+        mask = xgr.allocate_token_bitmask(1, self._vocab_size)
+        self._matcher.fill_next_token_bitmask(mask, 0)
+        bits = (mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bool(bits.flatten()[: self._vocab_size].any())
 
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted."""

@@ -47,12 +47,6 @@ class MHATokenToKVPool:
         """How many token slots fit in `budget_bytes` (the padding slot included)."""
         return budget_bytes // cls.cell_size(head_num, head_dim, layer_num, dtype) - 1
 
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.k_buffer[layer_id]
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.v_buffer[layer_id]
-
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 

@@ -590,6 +590,13 @@ def _accept_grammar_token(matcher: GrammarMatcher, token: int) -> FinishReason |
     """Advance the matcher; a terminated grammar ends the request, its stop token (the
     model's EOS) counting as the matched stop token."""
     if not matcher.accept_token(token):
+        if not matcher.allows_any_token():  # every token was masked: the draw was arbitrary
+            return FinishReason(
+                "abort",
+                message="no token of the model's vocabulary can continue the json_schema, "
+                "regex or ebnf here: it needs text this tokenizer cannot produce",
+                status_code=400,
+            )
         # The mask allowed only grammar tokens, so this is a bug, not the client's fault.
         return FinishReason("abort", message=f"token {token} was sampled outside the grammar")
     if matcher.is_terminated():

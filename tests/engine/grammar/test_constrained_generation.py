@@ -130,3 +130,18 @@ def test_grammars_need_a_tokenizer(make_engine):
     engine = make_engine()
     with pytest.raises(ValueError, match="need a tokenizer"):
         engine.generate([5, 6, 7], {"regex": "a"})
+
+
+def test_a_grammar_the_tokenizer_cannot_spell_is_a_400_not_a_server_error(engine):
+    # U+98904 (UTF-8 F2 98 A4 84) has no spelling in SmolLM2's vocabulary: the mask empties.
+    result = engine.generate("Hi", {"regex": "\U00098904", "max_new_tokens": 8})[0]
+    reason = result.meta.finish_reason
+    assert (reason.type, reason.status_code) == ("abort", 400)
+    assert "regex" in reason.message
+    assert not engine.scheduler.has_work()
+
+
+def test_min_new_tokens_yields_to_a_grammar_that_has_ended(engine):
+    params = {"temperature": 0, "regex": "a", "min_new_tokens": 5, "max_new_tokens": 8}
+    result = engine.generate("Say a", params)[0]
+    assert result.text == "a" and result.meta.finish_reason.type == "stop"

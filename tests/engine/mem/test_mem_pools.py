@@ -77,15 +77,15 @@ def test_kv_pool_stores_and_returns_per_layer_kv_at_slots(device, dtype):
     pool = MHATokenToKVPool(
         size=16, dtype=dtype, head_num=2, head_dim=4, layer_num=3, device=device
     )
-    assert pool.get_key_buffer(0).shape == (17, 2, 4)
+    assert pool.k_buffer[0].shape == (17, 2, 4)
     loc = torch.tensor([3, 9, 1], device=device)
     k = torch.randn(3, 2, 4, device=device)
     v = torch.randn(3, 2, 4, device=device)
     pool.set_kv_buffer(1, loc, k, v)
-    assert torch.equal(pool.get_key_buffer(1)[loc], k.to(dtype))
-    assert torch.equal(pool.get_value_buffer(1)[loc], v.to(dtype))
-    assert not pool.get_key_buffer(0).any() and not pool.get_key_buffer(2).any()
-    assert not pool.get_key_buffer(1)[0].any()
+    assert torch.equal(pool.k_buffer[1][loc], k.to(dtype))
+    assert torch.equal(pool.v_buffer[1][loc], v.to(dtype))
+    assert not pool.k_buffer[0].any() and not pool.k_buffer[2].any()
+    assert not pool.k_buffer[1][0].any()
 
 
 def test_kv_pool_budget_counts_k_and_v_of_every_layer():

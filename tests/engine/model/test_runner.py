@@ -64,7 +64,7 @@ def test_build_forward_batch_fails_clearly_when_the_pool_is_full(llama_dir, runn
 def test_kv_pool_is_sized_from_max_total_tokens_or_the_cpu_budget(llama_dir, runner_factory):
     runner = runner_factory(llama_dir)
     assert runner.max_total_num_tokens == 4096
-    assert runner.token_to_kv_pool.get_key_buffer(0).shape == (4097, 2, 16)
+    assert runner.token_to_kv_pool.k_buffer[0].shape == (4097, 2, 16)
     assert runner.req_to_token_pool.req_to_token.shape == (17, 256)
     budget_runner = runner_factory(llama_dir, max_total_tokens=None, context_len=64)
     expected = MHATokenToKVPool.max_tokens_for_budget(

@@ -121,8 +121,8 @@ def test_attention_matches_the_reference(case):
 def test_new_kv_lands_in_the_pool_at_out_cache_loc():
     fb, q, k, v = make_batch(*CASES["mixed"])
     run(fb, q, k, v)
-    assert torch.equal(fb.token_to_kv_pool.get_key_buffer(LAYER.layer_id)[fb.out_cache_loc], k)
-    assert torch.equal(fb.token_to_kv_pool.get_value_buffer(LAYER.layer_id)[fb.out_cache_loc], v)
+    assert torch.equal(fb.token_to_kv_pool.k_buffer[LAYER.layer_id][fb.out_cache_loc], k)
+    assert torch.equal(fb.token_to_kv_pool.v_buffer[LAYER.layer_id][fb.out_cache_loc], v)
 
 
 def test_decode_output_of_a_request_does_not_depend_on_its_batch_mates():
