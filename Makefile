@@ -37,7 +37,7 @@ clean:
 
 # The chart's pod run for real (deploy/pod_test.py): an offline podman build of the CPU image,
 # `podman kube play` of the rendered Deployment, probes, a chat completion, a read-only run.
-# Needs root; Debian's podman, buildah, debootstrap and runc are installed first.
+# Needs root; Debian's podman, buildah, debootstrap, runc and catatonit are installed first.
 .PHONY: pod-test
 pod-test: install
 	deploy/system_deps.sh pod-test

@@ -11,8 +11,8 @@
    completion with `podman exec` (podman 4.3's kube play has no --publish), then runs the
    image once with `--read-only` and only the chart's writable mounts.
 
-Needs root, podman, buildah, debootstrap and runc (Debian: `apt-get install podman buildah
-debootstrap runc`), and the project's .venv with helm (`helm-binary`). Everything podman
+Needs root, podman, buildah, debootstrap, runc and catatonit (`make pod-test` installs them
+with deploy/system_deps.sh), and the project's .venv with helm (`helm-binary`). Everything podman
 stores goes to POD_TEST_DIR (default /var/tmp/radixserve-pod-test): its own image store,
 the base root and the wheelhouse, kept between runs so that a rerun only rebuilds the image.
 """

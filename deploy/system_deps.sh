@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages a make target needs: `deploy/system_deps.sh test|pod-test`.
 # test: prometheus and promtool (tests/observability scrapes and checks rules for real).
-# pod-test: podman, buildah, debootstrap and runc (runc named: Debian's podman pulls crun,
+# pod-test: podman, buildah, debootstrap, runc and catatonit (podman's pause process, only
+# recommended by Debian's podman; runc named: Debian's podman pulls crun,
 # which fails on some hosts). As root (or with passwordless sudo) it installs what is missing;
 # otherwise it prints the one command to run and fails before any test starts.
 set -euo pipefail
@@ -9,7 +10,8 @@ set -euo pipefail
 declare -A packages
 case "${1:-}" in
   test) packages=([prometheus]=prometheus [promtool]=prometheus) ;;
-  pod-test) packages=([podman]=podman [buildah]=buildah [debootstrap]=debootstrap [runc]=runc) ;;
+  pod-test) packages=([podman]=podman [buildah]=buildah [debootstrap]=debootstrap [runc]=runc
+    [catatonit]=catatonit) ;;
   *) echo "usage: $0 test|pod-test" >&2; exit 2 ;;
 esac
 
