@@ -94,7 +94,7 @@ class Settings(EngineArgs):
                     f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}"
                 )
         by_port: dict[int, list[str]] = {}
-        for name in _PORT_FIELDS:
+        for name in PORT_FIELDS:
             port = getattr(self, name)
             if not 1 <= port <= 65535:
                 raise ValueError(f"{name} must be in [1, 65535], got {port}")
@@ -141,7 +141,7 @@ class Settings(EngineArgs):
             parser.error(str(e))
 
 
-_PORT_FIELDS = (
+PORT_FIELDS = (
     "port",
     "worker_port",
     "detokenizer_port",

@@ -13,12 +13,12 @@ import httpx2
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from benchmarks.support.launcher import ServiceLauncher
+from benchmarks.support.net import free_ports
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.scheduler import after_turns
 from observability.worker_metrics import ROLLING_WINDOW_S, WorkerMetrics, WorkerSample
 from services.protocol import TokenizedGenerateReqInput
-from services.settings import Settings
+from services.settings import PORT_FIELDS, Settings
 from services.worker.worker import METRICS_SAMPLE_INTERVAL_S, Worker
 
 IDLE = WorkerSample(
@@ -126,18 +126,7 @@ def test_grammar_compiles_and_refusals_are_counted_apart():
 
 @pytest.fixture(scope="module")
 def worker(tiny_llama_dir: Path) -> Iterator[Worker]:
-    ports = {
-        name: ServiceLauncher.free_port()
-        for name in (
-            "port",
-            "worker_port",
-            "detokenizer_port",
-            "tokenizer_port",
-            "tokenizer_control_port",
-            "worker_metrics_port",
-            "detokenizer_metrics_port",
-        )
-    }
+    ports = dict(zip(PORT_FIELDS, free_ports(len(PORT_FIELDS))))
     settings = Settings(
         model=str(tiny_llama_dir),
         dtype="float32",
