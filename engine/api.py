@@ -165,6 +165,8 @@ class Engine:
 
 def _meta(req: Req) -> GenerateMeta:
     params = req.sampling_params
+    start = params.logprob_start_len
+    prompt_logprobs = start >= 0 and not req.prompt_logprobs_pending  # an abort has them part-done
     return GenerateMeta(
         prompt_tokens=len(req.origin_input_ids),
         completion_tokens=len(req.output_ids),
@@ -173,6 +175,12 @@ def _meta(req: Req) -> GenerateMeta:
         output_token_logprobs=list(req.output_token_logprobs) if params.logprobs else None,
         output_top_logprobs=list(req.output_top_logprobs)
         if params.logprobs and params.top_logprobs_num
+        else None,
+        input_token_logprobs=list(zip(req.input_token_logprobs, req.origin_input_ids[start:]))
+        if prompt_logprobs
+        else None,
+        input_top_logprobs=list(req.input_top_logprobs)
+        if prompt_logprobs and params.prompt_top_logprobs_num
         else None,
     )
 

@@ -80,6 +80,12 @@ class EngineArgs:
         "deepest nesting accepted: JSON containers of a schema, brackets "
         "of a regex or ebnf (xgrammar recurses natively over them)",
     )
+    reasoning_parser: str | None = _opt(
+        None,
+        "the model writes a <think> section first: split it into reasoning_content, and "
+        "apply grammars only after it",
+        choices=tuple(constants.REASONING_PARSERS),
+    )
     enable_jump_forward: bool = _opt(
         False,
         "append text a grammar forces without a forward pass per token (needs the radix cache)",

@@ -40,3 +40,7 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")
 
 LPM_MAX_QUEUE_LEN: int = _env("LPM_MAX_QUEUE_LEN", 128)
 """Above this many waiting requests lpm falls back to fcfs: matching them all costs too much."""
+
+REASONING_PARSERS = {"deepseek_r1": "</think>", "qwen3": "</think>"}
+"""`--reasoning-parser` names (SGLang's and vLLM's), each with the token that ends the
+reasoning section: a grammar constrains only what follows it."""

@@ -24,6 +24,13 @@ class GenerateMeta:
     output_top_logprobs: list[list[tuple[float, int]]] | None = None
     """The likeliest (logprob, token id) per output token; None unless `logprobs` and
     `top_logprobs_num` were asked."""
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    """(logprob, token id) per prompt position from `logprob_start_len` on; the logprob is
+    None at position 0, which nothing predicts. None unless `logprob_start_len` >= 0, or
+    when the request ended before its prefill did (aborted)."""
+    input_top_logprobs: list[list[tuple[float, int]]] | None = None
+    """The likeliest (logprob, token id) at each of those positions ([] at position 0);
+    None unless `logprob_start_len` >= 0 and `prompt_top_logprobs_num` were asked."""
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ class TokenizedGenerateReqInput(_Msg):
     `sampling_params` is the engine's own `SamplingParams` dataclass: msgspec checks its
     field types on decode, and the worker checks values with `verify(vocab_size)` (the
     token-id range is only known there). Logprobs are asked for with
-    `sampling_params.logprobs` / `top_logprobs_num`, so there is no separate flag.
+    `sampling_params.logprobs` / `top_logprobs_num`, and the prompt's with
+    `logprob_start_len` / `prompt_top_logprobs_num`, so there is no separate flag.
     """
 
     rid: str
@@ -172,6 +173,15 @@ class _BatchOutput(_Msg, kw_only=True):
     rollbacks: list[int] | None = None
     """Per rid, how many ids sent before this `output_ids` a grammar jump-forward replaced
     (re-encoded with the forced text; the text only grows). None when no rid rolled back."""
+    input_token_logprobs_val: list[list[float | None]] | None = None
+    """Per rid, once (in its first output after its prefill completes): the logprob of each
+    prompt token from its `logprob_start_len` on, None at prompt position 0, which nothing
+    predicts ([] for a rid that carries none). None when no rid of the batch carries any.
+    The receiver knows the prompt's ids, so they are not sent back."""
+    input_top_logprobs_val: list[list[list[float]]] | None = None
+    """Per rid, per one of those positions, the `prompt_top_logprobs_num` best logprobs
+    ([] at position 0); `_idx` holds their token ids."""
+    input_top_logprobs_idx: list[list[list[int]]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.rids)
@@ -192,6 +202,26 @@ class _BatchOutput(_Msg, kw_only=True):
                     raise ValueError(
                         f"{name} of {rid!r} has {len(values)} entries for {len(ids)} new tokens"
                     )
+        self._check_prompt_logprobs()
+
+    def _check_prompt_logprobs(self) -> None:
+        """Top-k columns come as a pair, and match the logprobs column position by position."""
+        top_val, top_idx = self.input_top_logprobs_val, self.input_top_logprobs_idx
+        if (top_val is None) != (top_idx is None):
+            raise ValueError("input_top_logprobs_val and input_top_logprobs_idx come together")
+        if top_val is None or top_idx is None:
+            return
+        values = self.input_token_logprobs_val or [[] for _ in self.rids]
+        for rid, positions, vals, idx in zip(self.rids, values, top_val, top_idx):
+            if vals and len(vals) != len(positions):
+                raise ValueError(
+                    f"input_top_logprobs_val of {rid!r} has {len(vals)} entries "
+                    f"for {len(positions)} prompt positions"
+                )
+            if [len(v) for v in vals] != [len(i) for i in idx]:
+                raise ValueError(
+                    f"input_top_logprobs_idx of {rid!r} does not match input_top_logprobs_val"
+                )
 
     def _per_rid_fields(self) -> tuple[str, ...]:
         return tuple(f for f in self.__struct_fields__ if f not in ("sender", "epoch", "rids"))

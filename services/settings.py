@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.args import EngineArgs
+from services.tokenizer.parsers.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 ENV_PREFIX = "RADIXSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -30,6 +31,11 @@ def _opt(default: Any, help: str, **kwargs: Any) -> Any:
 class Settings(EngineArgs):
     """Every engine option plus what the three processes need to find each other and serve."""
 
+    tool_call_parser: str = _opt(
+        DEFAULT_TOOL_PARSER,
+        "how tool calls are read from the model's text (vLLM's names)",
+        choices=tuple(TOOL_PARSERS),
+    )
     host: str = _opt("0.0.0.0", "HTTP bind address (the ZMQ sockets always bind 127.0.0.1)")
     port: int = _opt(30000, "HTTP port of the OpenAI-compatible API")
     served_model_name: str | None = _opt(None, "model id in the API (default: --model)")
@@ -88,11 +94,9 @@ class Settings(EngineArgs):
         if self.served_model_name is None:
             self.served_model_name = self.model
         for f in fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(
-                    f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}"
-                )
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices and value not in choices and not (value is None and f.default is None):
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {value!r}")
         by_port: dict[int, list[str]] = {}
         for name in PORT_FIELDS:
             port = getattr(self, name)

@@ -1,6 +1,7 @@
 """Tiny random-weight Hugging Face models (Llama, Qwen2, Qwen3), optionally saved with a real
 tokenizer: they load in a second, so tests and the soak exercise the engine and the serving
-machinery rather than a model.
+machinery rather than a model. And transformers' own reading of the embedded GGUF, the
+reference that the engine's numbers are checked against.
 
 Weights are drawn wider than transformers' init, and norm weights away from 1: logits are
 then far from flat, so greedy choices are clear-cut rather than near-ties, and a misplaced
@@ -15,6 +16,8 @@ from typing import Any
 
 import torch
 from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     PretrainedConfig,
@@ -24,7 +27,9 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
+from engine.model.embedded import embedded_model_path
 from engine.model.loader import load_tokenizer
 
 TINY_CONFIG: dict[str, Any] = dict(
@@ -120,3 +125,15 @@ def save_tiny_llama(path: Path) -> Path:
     """The tiny Llama with the embedded SmolLM2's tokenizer and a TINY_LLAMA_CONTEXT-token
     context: what the service tests and the soak serve."""
     return save_tiny_model(path, tokenizer="embedded", max_position_embeddings=TINY_LLAMA_CONTEXT)
+
+
+def embedded_hf_model() -> PreTrainedModel:
+    """transformers' float32 model from the embedded GGUF, through transformers' own GGUF
+    reader and dequantizer (what `from_pretrained(gguf_file=...)` does, minus `accelerate`)."""
+    path = embedded_model_path()
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    state = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model

@@ -9,12 +9,14 @@ from engine.grammar.backend import (
     allocate_vocab_mask,
 )
 from engine.grammar.limits import check_grammar_limits
+from engine.grammar.reasoning import ReasoningGrammarMatcher
 
 __all__ = [
     "GrammarBackend",
     "GrammarError",
     "GrammarMatcher",
     "PendingGrammar",
+    "ReasoningGrammarMatcher",
     "allocate_vocab_mask",
     "check_grammar_limits",
 ]

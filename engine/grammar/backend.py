@@ -12,6 +12,8 @@ import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
 from engine.grammar.limits import GrammarError, check_grammar_limits
+from engine.grammar.reasoning import ReasoningGrammarMatcher
+from engine.grammar.strict_json import json_schema_grammar
 from engine.grammar.validate import grammar_error
 
 __all__ = [
@@ -87,7 +89,8 @@ class GrammarBackend:
     requests with one grammar share a single compile; xgrammar's own cache is off so a
     grammar is held once. A failed compile is cached too: the same bad grammar sent again
     fails at once instead of taking a worker. JSON schemas compile without
-    free whitespace: a small model given the choice loops on whitespace until max_tokens.
+    free whitespace: a small model given the choice loops on whitespace until max_tokens;
+    and with every string strict JSON (`strict_json`), as tool-call arguments are parsed.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class GrammarBackend:
         max_grammar_bytes: int = 65536,
         max_nesting_depth: int = 64,
         cache_size: int = 128,
+        think_end_token: str | None = None,
     ):
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer,
@@ -120,6 +124,10 @@ class GrammarBackend:
         self.on_compile: Callable[[float | None], None] | None = None
         """Hears the seconds of each compile, or None for each grammar refused (the worker's
         metrics); called on the compile threads. Cache hits are not compiles."""
+        self.think_end_token_id = (
+            None if think_end_token is None else _token_id(tokenizer, think_end_token, vocab_size)
+        )
+        """The token that closes a reasoning section (the reasoning parser's), if any."""
 
     def submit(self, kind: str, source: str) -> PendingGrammar:
         """Start compiling (or reuse the cached compile of) `source`; never blocks. A
@@ -142,6 +150,16 @@ class GrammarBackend:
                 self.cache.popitem(last=False)
         return PendingGrammar(kind, future, self.compile_timeout_s)
 
+    def new_matcher(
+        self, compiled: xgr.CompiledGrammar, reasoning: bool
+    ) -> GrammarMatcher | ReasoningGrammarMatcher:
+        """A request's matcher; with `reasoning` (its output opens with a reasoning section)
+        and a think-end token, one that constrains only what follows that token."""
+        matcher = GrammarMatcher(compiled)
+        if reasoning and self.think_end_token_id is not None:
+            return ReasoningGrammarMatcher(matcher, self.think_end_token_id)
+        return matcher
+
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
@@ -162,7 +180,7 @@ class GrammarBackend:
     def _run_compiler(self, kind: str, source: str) -> xgr.CompiledGrammar:
         try:
             if kind == "json_schema":
-                return self.compiler.compile_json_schema(source, any_whitespace=False)
+                return self.compiler.compile_grammar(json_schema_grammar(source))
             if kind == "regex":
                 return self.compiler.compile_regex(source)
             if kind == "ebnf":
@@ -170,6 +188,15 @@ class GrammarBackend:
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses for bad input
             raise grammar_error(kind, e) from None
         raise GrammarError(f"unknown grammar kind {kind!r}")
+
+
+def _token_id(tokenizer: PreTrainedTokenizerBase, token: str, vocab_size: int) -> int:
+    """The id of `token`, which the tokenizer must encode as one token of the vocabulary: a
+    reasoning section is seen to end by that one id."""
+    ids = tokenizer.encode(token, add_special_tokens=False)
+    if len(ids) != 1 or not 0 <= ids[0] < vocab_size:
+        raise ValueError(f"{token!r} is not one token of the vocabulary: it encodes as {ids}")
+    return ids[0]
 
 
 def allocate_vocab_mask(batch_size: int, vocab_size: int) -> torch.Tensor:

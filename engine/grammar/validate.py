@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 
 import xgrammar as xgr
 
 from engine.grammar.limits import GrammarError, check_grammar_limits
+from engine.grammar.strict_json import json_schema_grammar
 
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 """xgrammar's messages start with "[time] source.cc:line: ", which tells a client nothing."""
 
-_PARSERS = {
-    "json_schema": lambda source: xgr.Grammar.from_json_schema(source, any_whitespace=False),
+_PARSERS: dict[str, Callable[[str], xgr.Grammar]] = {
+    "json_schema": json_schema_grammar,
     "regex": xgr.Grammar.from_regex,
     "ebnf": xgr.Grammar.from_ebnf,
 }

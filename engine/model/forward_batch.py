@@ -24,6 +24,20 @@ class ForwardMode(enum.Enum):
 
 
 @dataclass
+class PromptLogprobsInput:
+    """Which token rows of an extend batch also get the logprob of the prompt token after
+    them. Only the requests asking for prompt logprobs have rows here, and only from the
+    first position they need: every other row gets no vocabulary projection."""
+
+    token_rows: torch.Tensor  # [N] int64: rows of the batch's token-major hidden states
+    next_token_ids: torch.Tensor  # [N] int64: the prompt token each row predicts
+    top_k: int
+    """How many likeliest alternatives per row: the largest any of those requests asks."""
+    rows_per_req: list[int]
+    """Per request of the batch, how many of the N rows are its (in order; decodes have 0)."""
+
+
+@dataclass
 class ForwardBatch:
     """One batch, token-major. Every mode is described as "extend": request i has
     `prefix_lens[i]` tokens already in the KV pool (read through `req_to_token`) and
@@ -47,6 +61,8 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: MHATokenToKVPool
+    prompt_logprobs: PromptLogprobsInput | None = None
+    """Set when some extend request asks for prompt logprobs (the scheduler sets it)."""
 
     @classmethod
     def build(

@@ -16,6 +16,7 @@ from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.attention import create_attention_backend, default_attention_backend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.model.layers.linear import Linear
+from engine.model.layers.logits_processor import LogitsProcessorOutput
 from engine.model.loader import load_model, open_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -119,11 +120,18 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         return int(free - total * (1 - mem_fraction_static))
 
-    @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """Logits `[batch_size, vocab_size]` (float32, or float64 for a float64 model)."""
+        return self.forward_output(forward_batch).next_token_logits
+
+    @torch.inference_mode()
+    def forward_output(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """The logits and the prompt logprobs `forward_batch.prompt_logprobs` asks for."""
         self.attn_backend.init_forward_metadata(forward_batch)
-        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        output: LogitsProcessorOutput = self.model(
+            forward_batch.input_ids, forward_batch.positions, forward_batch
+        )
+        return output
 
     def build_forward_batch(
         self, reqs: Sequence[ExtendInput], forward_mode: ForwardMode | None = None

@@ -43,9 +43,20 @@ class SamplingParams:
     n: int = 1
     logprobs: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    """Return the logprob of every prompt token from this position on (SGLang's name; -1:
+    none). Position 0 has none (nothing predicts it); the scheduler checks that it is below
+    the prompt length. With `max_new_tokens` 0 a request is a prefill alone, which is what
+    evaluation harnesses send to score a text (`echo` with `max_tokens` 0 or 1)."""
+    prompt_top_logprobs_num: int = 0
+    """How many likeliest alternatives to return at each of those prompt positions (vLLM's
+    `prompt_logprobs: k`)."""
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    reasoning: bool = False
+    """The output opens with a reasoning section (think … /think); a grammar constrains only
+    what follows it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -134,6 +145,10 @@ class SamplingParams:
         _check_int("top_logprobs_num", self.top_logprobs_num, low=0, high=vocab_size)
         if self.top_logprobs_num and not self.logprobs:
             raise ValueError("top_logprobs_num needs logprobs=True")
+        _check_int("logprob_start_len", self.logprob_start_len, low=-1)
+        _check_int("prompt_top_logprobs_num", self.prompt_top_logprobs_num, low=0, high=vocab_size)
+        if self.prompt_top_logprobs_num and self.logprob_start_len < 0:
+            raise ValueError("prompt_top_logprobs_num needs logprob_start_len >= 0")
         grammars = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
         for kind in grammars:
             if not isinstance(getattr(self, kind), str):
@@ -142,6 +157,7 @@ class SamplingParams:
                 )
         if len(grammars) > 1:
             raise ValueError(f"only one of json_schema, regex, ebnf may be set, got {grammars}")
+        _check_bool("reasoning", self.reasoning)
 
 
 def _token_id_key(key: int | str) -> int:

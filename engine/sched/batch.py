@@ -9,7 +9,7 @@ import torch
 
 from engine.grammar import allocate_vocab_mask
 from engine.mem.kv_pool import MHATokenToKVPool
-from engine.model.forward_batch import ForwardBatch, ForwardMode
+from engine.model.forward_batch import ForwardBatch, ForwardMode, PromptLogprobsInput
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.sched.cache_manager import CacheManager, req_row
 from engine.sched.future_map import FutureMap
@@ -84,10 +84,54 @@ class ScheduleBatch:
             token_to_kv_pool,
         )
         cache_manager.assign_slots(reqs, forward_batch)
+        forward_batch.prompt_logprobs = prompt_logprobs_input(
+            extend_reqs, prefix_lens, extend_lens, len(reqs), device
+        )
         sampling_info = SamplingBatchInfo.from_reqs(reqs, vocab_size, eos_token_ids, device)
         chunked = frozenset(id(r) for r in extend_reqs if r.is_chunked)
         sampling_info.vocab_mask = build_vocab_mask(reqs, chunked, vocab_size, device)
         return cls(reqs, extend_lens, len(extend_reqs), chunked, forward_batch, sampling_info)
+
+
+def prompt_logprobs_input(
+    extend_reqs: list[Req],
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    batch_size: int,
+    device: torch.device,
+) -> PromptLogprobsInput | None:
+    """The token rows whose logits give pending prompt logprobs, None when there are none.
+
+    The logits at position q give the logprob of prompt token q + 1, so a request starting
+    at `logprob_start_len` s needs positions max(s - 1, 0) .. len(prompt) - 2; this batch
+    computes its positions prefix_len .. prefix_len + extend_len - 1 of them. A chunk's
+    last position predicts the next chunk's first token, so chunks join without a gap; the
+    radix match stopped before the first needed position (`Req.max_prefix_len`).
+    """
+    rows: list[torch.Tensor] = []
+    next_ids: list[int] = []
+    rows_per_req = [0] * batch_size
+    top_k = 0
+    offset = 0
+    for i, (req, prefix_len, extend_len) in enumerate(zip(extend_reqs, prefix_lens, extend_lens)):
+        if req.prompt_logprobs_pending:
+            params = req.sampling_params
+            first = max(params.logprob_start_len - 1, 0, prefix_len)
+            last = min(prefix_len + extend_len, len(req.origin_input_ids) - 1)  # exclusive
+            if last > first:
+                rows.append(torch.arange(first, last) + (offset - prefix_len))
+                next_ids += req.origin_input_ids[first + 1 : last + 1]
+                rows_per_req[i] = last - first
+                top_k = max(top_k, params.prompt_top_logprobs_num)
+        offset += extend_len
+    if not rows:
+        return None
+    return PromptLogprobsInput(
+        torch.cat(rows).to(device, non_blocking=True),
+        torch.tensor(next_ids, dtype=torch.int64).to(device, non_blocking=True),
+        top_k,
+        rows_per_req,
+    )
 
 
 def build_vocab_mask(

@@ -40,11 +40,12 @@ class CacheManager:
     # ----- admission --------------------------------------------------------------------
 
     def match_req(self, req: Req) -> None:
-        """Match a waiting request against the cache (SGLang's `init_next_round_input`). The
-        last token is always recomputed: its logits are what the next token is sampled from."""
+        """Match a waiting request against the cache (SGLang's `init_next_round_input`), at
+        most `req.max_prefix_len` tokens: the last token is always recomputed, and so are the
+        positions whose logits its pending prompt logprobs need."""
         fill_ids = req.all_token_ids()
         req.prefix_indices, req.last_node = self.tree_cache.match_prefix(
-            RadixKey(fill_ids[:-1], req.extra_key)
+            RadixKey(fill_ids[: req.max_prefix_len], req.extra_key)
         )
         req.extend_input_len = len(fill_ids) - len(req.prefix_indices)
 

@@ -101,7 +101,8 @@ class SchedulePolicy:
             if len(req.prefix_indices) > constants.IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
                 continue
             key = RadixKey(req.all_token_ids(), req.extra_key)
-            shared = len(sim.match_prefix(key).device_indices)
+            # What it could reuse next round: a request computing prompt logprobs may not.
+            shared = min(len(sim.match_prefix(key).device_indices), req.max_prefix_len)
             if shared >= constants.IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                 deferred.add(req.rid)
             else:

@@ -72,6 +72,13 @@ class Req:
     """(logprob, token id) per output token, when `sampling_params.logprobs`."""
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     """The `top_logprobs_num` likeliest (logprob, token id) per output token."""
+    input_token_logprobs: list[float | None] = field(default_factory=list)
+    """Per prompt position from `logprob_start_len` on, the logprob of that prompt token
+    given those before it (None at position 0, which nothing predicts). Grows chunk by chunk
+    and is complete once the prefill is: see `prompt_logprobs_pending`."""
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    """The `prompt_top_logprobs_num` likeliest (logprob, token id) at each of those
+    positions ([] at position 0); empty when that number is 0."""
     pending_grammar: PendingGrammar | None = None
     """The compile this request waits for in the grammar queue."""
     grammar: GrammarMatcher | None = None
@@ -88,6 +95,23 @@ class Req:
     @property
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """It asks for prompt logprobs and its prefill has not computed them all yet."""
+        start = self.sampling_params.logprob_start_len
+        return start >= 0 and len(self.input_token_logprobs) < len(self.origin_input_ids) - start
+
+    @property
+    def max_prefix_len(self) -> int:
+        """How many leading tokens a radix hit may cover. Never the last: its logits are what
+        the next token is sampled from. While prompt logprobs are pending, none of the
+        positions whose logits they need: those of `logprob_start_len - 1` (at least 0) on.
+        The tree holds K/V, not logits, so those positions must be computed again."""
+        limit = self.seqlen - 1
+        if self.prompt_logprobs_pending:
+            limit = min(limit, max(self.sampling_params.logprob_start_len - 1, 0))
+        return limit
 
     def all_token_ids(self) -> list[int]:
         """Prompt plus output: also what a retracted request prefills again."""

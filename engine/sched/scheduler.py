@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from engine.args import EngineArgs
 from engine.cache.base_prefix_cache import BasePrefixCache
@@ -36,9 +36,15 @@ from engine.sched.req import FinishReason, Req, ReqStatus
 from engine.sched.retract import release_req, retract_decode
 
 if TYPE_CHECKING:
+    import torch
+
+    from engine.model.forward_batch import PromptLogprobsInput
+    from engine.model.layers.logits_processor import LogitsProcessorOutput
     from engine.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 StopStringChecker = Callable[[Req], str | None]
 """Returns the stop string the request's decoded tail now contains, if any."""
@@ -58,6 +64,11 @@ class BatchResult(NamedTuple):
     next_token_ids: list[int]
     next_token_logprobs: list[float] | None
     top_logprobs: list[list[tuple[float, int]]] | None
+    input_token_logprobs: list[list[float]] | None = None
+    """Per request of the batch, the prompt logprobs its rows of this batch gave (see
+    `PromptLogprobsInput`); None when no request has any."""
+    input_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
+    """Per request, per one of those rows, the likeliest (logprob, token id)."""
 
 
 class SchedulerObserver(Protocol):
@@ -174,6 +185,11 @@ class Scheduler:
         if input_len >= self.context_len:
             raise ValueError(
                 f"the prompt has {input_len} tokens; the context length is {self.context_len}"
+            )
+        if req.sampling_params.logprob_start_len >= input_len:
+            raise ValueError(
+                f"logprob_start_len must be below the prompt length ({input_len}), "
+                f"got {req.sampling_params.logprob_start_len}"
             )
         if req.sampling_params.stop and self.stop_string_checker is None:
             raise ValueError(
@@ -455,23 +471,20 @@ class Scheduler:
         start = time.perf_counter()
         forward_batch = batch.forward_batch
         forward_batch.input_ids = self.future_map.resolve(forward_batch.input_ids)
-        logits = self.model_runner.forward(forward_batch)
-        out = self.sampler(logits, batch.sampling_info)
+        logits_output = self.model_runner.forward_output(forward_batch)
+        out = self.sampler(logits_output.next_token_logits, batch.sampling_info)
         self.future_map.store(forward_batch.req_pool_indices, out.next_token_ids)
         logprobs = top = None
         if out.next_token_logprobs is not None:
             logprobs = out.next_token_logprobs.tolist()
         if out.next_token_top_logprobs_val is not None:
-            top = [
-                list(zip(v, i))
-                for v, i in zip(
-                    out.next_token_top_logprobs_val.tolist(),
-                    out.next_token_top_logprobs_idx.tolist(),
-                )
-            ]
+            top = _pairs(out.next_token_top_logprobs_val, out.next_token_top_logprobs_idx)
         result = BatchResult(
-            out.next_token_ids.tolist(), logprobs, top
-        )  # .tolist() waits for the device
+            out.next_token_ids.tolist(),  # .tolist() waits for the device
+            logprobs,
+            top,
+            *_per_req_prompt_logprobs(logits_output, forward_batch.prompt_logprobs),
+        )
         if self.stats.observer is not None:
             elapsed = time.perf_counter() - start
             self.stats.observer.on_forward(
@@ -489,8 +502,14 @@ class Scheduler:
             if req.finished:
                 continue  # finished or aborted while this batch ran; its KV is already freed
             self.cache_manager.commit(req, extend_len)
+            if i < batch.num_extend_reqs and req.prompt_logprobs_pending:
+                _add_prompt_logprobs(req, result, i)
             if id(req) in batch.chunked:
                 self.cache_manager.cache_unfinished_req(req)
+                continue
+            if req.sampling_params.max_new_tokens == 0:  # a prefill alone: nothing to sample
+                self.cache_manager.cache_finished_req(req)
+                self._finish(req, FinishReason("length"))
                 continue
             req.output_ids.append(token)
             self.stats.generation_tokens += 1
@@ -623,6 +642,47 @@ def _pending_grammar(req: Req) -> PendingGrammar:
     if req.pending_grammar is None:
         raise RuntimeError(f"request {req.rid} is in the grammar queue without a compile")
     return req.pending_grammar
+
+
+def _pairs(values: torch.Tensor, ids: torch.Tensor | None) -> list[list[tuple[float, int]]]:
+    """[N, K] logprobs and their token ids as N lists of (logprob, token id)."""
+    assert ids is not None, "top-k values come with their ids"
+    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
+
+
+def _per_req_prompt_logprobs(
+    output: LogitsProcessorOutput, spec: PromptLogprobsInput | None
+) -> tuple[list[list[float]] | None, list[list[list[tuple[float, int]]]] | None]:
+    """The batch's prompt logprobs and their top-k as lists per request (BatchResult's
+    `input_*` fields)."""
+    if spec is None or output.input_token_logprobs is None:
+        return None, None
+    values = _split(output.input_token_logprobs.tolist(), spec.rows_per_req)
+    if output.input_top_logprobs_val is None:
+        return values, None
+    top = _pairs(output.input_top_logprobs_val, output.input_top_logprobs_idx)
+    return values, _split(top, spec.rows_per_req)
+
+
+def _split(items: list[T], counts: list[int]) -> list[list[T]]:
+    """`items` cut into consecutive runs of `counts` items."""
+    ends = list(itertools.accumulate(counts))
+    return [items[end - n : end] for n, end in zip(counts, ends)]
+
+
+def _add_prompt_logprobs(req: Req, result: BatchResult, i: int) -> None:
+    """Append what batch row `i` computed of `req`'s prompt logprobs; position 0, which
+    nothing predicts, is None and comes first."""
+    params = req.sampling_params
+    if not req.input_token_logprobs and params.logprob_start_len == 0:
+        req.input_token_logprobs.append(None)
+        if params.prompt_top_logprobs_num:
+            req.input_top_logprobs.append([])
+    if result.input_token_logprobs is not None:
+        req.input_token_logprobs += result.input_token_logprobs[i]
+    if params.prompt_top_logprobs_num and result.input_top_logprobs is not None:
+        k = params.prompt_top_logprobs_num
+        req.input_top_logprobs += [top[:k] for top in result.input_top_logprobs[i]]
 
 
 def after_turns(num_turns: int) -> ShouldStop:

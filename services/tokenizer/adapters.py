@@ -10,22 +10,22 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from jinja2 import TemplateError
 from pydantic import ValidationError
 
 from engine.grammar.limits import GrammarError
 from engine.grammar.validate import validate_grammar
-from engine.sampling.sampling_params import SamplingParams
+from engine.sampling.sampling_params import GRAMMAR_KINDS, SamplingParams
 from services.tokenizer.openai_api import (
-    ChatCompletionMessageParam,
     ChatCompletionRequest,
     CompletionRequest,
     ErrorInfo,
     ErrorResponse,
     GenerateRequest,
+    NamedToolChoice,
 )
+from services.tokenizer.parsers import named_tool_schema, required_tools_schema, tool_specs
 
 if TYPE_CHECKING:
     from fastapi.exceptions import RequestValidationError
@@ -34,7 +34,11 @@ if TYPE_CHECKING:
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 _INT64 = (-(2**63), 2**63 - 1)
 """msgpack carries 64-bit integers: a larger one could not reach the worker."""
-_VALIDATION_CODES = {"missing": "missing_required_parameter", "json_invalid": "invalid_json"}
+_VALIDATION_CODES = {
+    "missing": "missing_required_parameter",
+    "json_invalid": "invalid_json",
+    "unsupported": "unsupported_parameter",
+}
 """OpenAI-style codes for the pydantic error types that have one of their own."""
 
 
@@ -89,7 +93,11 @@ def _dotted(loc: Sequence[str | int]) -> str:
     return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
-def check_model(request: ChatCompletionRequest | CompletionRequest, served_model: str) -> None:
+class _NamesModel(Protocol):
+    model: str | None
+
+
+def check_model(request: _NamesModel, served_model: str) -> None:
     """A request for another model is an error rather than silently served by this one;
     omitting `model` means this one."""
     if request.model is not None and request.model != served_model:
@@ -98,6 +106,46 @@ def check_model(request: ChatCompletionRequest | CompletionRequest, served_model
             param="model",
             code="model_not_found",
             status=404,
+        )
+
+
+def check_chat_request(request: ChatCompletionRequest) -> None:
+    """What the chat fields say together: a forced tool must be one of the tools, and a
+    continued final message opens no new turn."""
+    names = [t.function.name for t in request.tools or ()]
+    if len(set(names)) != len(names):
+        raise RequestError("tools: two tools have the same name", param="tools")
+    choice = request.tool_choice
+    if choice == "required" and not names:
+        raise RequestError('tool_choice "required" needs tools', param="tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise RequestError(
+            f"tool_choice names the function {choice.function.name!r}, which is not among "
+            f"the tools {names}",
+            param="tool_choice",
+        )
+    if request.continue_final_message and request.add_generation_prompt:
+        raise RequestError(
+            "continue_final_message needs add_generation_prompt: false",
+            param="continue_final_message",
+        )
+
+
+def check_completion_request(request: CompletionRequest) -> None:
+    """Prompt logprobs are computed by each request's own prefill: refused where that
+    would repeat a prompt's prefill per sample, and not streamed."""
+    wants_prompt_logprobs = request.prompt_logprobs is not None or (
+        request.echo and request.logprobs is not None
+    )
+    if wants_prompt_logprobs and request.n > 1:
+        raise RequestError(
+            "prompt logprobs (echo with logprobs, or prompt_logprobs) are served with n: 1 only",
+            param="n",
+        )
+    if request.prompt_logprobs is not None and request.stream:
+        raise RequestError(
+            "prompt_logprobs are not streamed; send stream: false (or echo with logprobs)",
+            param="prompt_logprobs",
         )
 
 
@@ -128,6 +176,7 @@ def to_sampling_params(
         names, kwargs, requested = _native_kwargs(request)
         prefix, prompt_param = "sampling_params.", request.prompt_field
         default = SamplingParams.max_new_tokens
+        allow_zero = True
     else:
         names, kwargs, requested = _openai_kwargs(request)
         prefix, prompt_param = (
@@ -135,12 +184,14 @@ def to_sampling_params(
             "messages" if isinstance(request, ChatCompletionRequest) else "prompt",
         )
         default = context_len
+        allow_zero = isinstance(request, CompletionRequest) and request.echo
     kwargs["max_new_tokens"] = _max_new_tokens(
         requested,
         names.get("max_new_tokens", prefix + "max_new_tokens"),
         prompt_len,
         prompt_param,
         default=default,
+        allow_zero=allow_zero,
         max_tokens_cap=max_tokens_cap,
         context_len=context_len,
     )
@@ -201,6 +252,16 @@ def _openai_kwargs(
         names["json_schema"] = "response_format"
     requested = request.max_tokens
     if isinstance(request, ChatCompletionRequest):
+        forced = _forced_tools_schema(request)
+        if forced is not None:
+            given = [k for k in GRAMMAR_KINDS if kwargs.get(k) is not None]
+            if given:
+                raise RequestError(
+                    f"tool_choice forces the output to be tool calls; it cannot also be "
+                    f"constrained by {names.get(given[0], given[0])}",
+                    param="tool_choice",
+                )
+            kwargs["json_schema"], names["json_schema"] = forced, "tool_choice"
         kwargs.update(logprobs=request.logprobs, top_logprobs_num=request.top_logprobs)
         names["top_logprobs_num"] = "top_logprobs"
         if request.max_completion_tokens is not None:
@@ -211,7 +272,41 @@ def _openai_kwargs(
     else:
         kwargs.update(logprobs=request.logprobs is not None, top_logprobs_num=request.logprobs)
         names["top_logprobs_num"] = "logprobs"
+        if request.echo and request.logprobs is not None:
+            kwargs.update(logprob_start_len=0, prompt_top_logprobs_num=request.logprobs)
+            names["prompt_top_logprobs_num"] = "logprobs"
+        if request.prompt_logprobs is not None:
+            kwargs.update(logprob_start_len=0, prompt_top_logprobs_num=request.prompt_logprobs)
+            names["prompt_top_logprobs_num"] = "prompt_logprobs"
+    grammar = _structured_outputs_grammar(request)
+    if grammar is not None:
+        kwargs[grammar[0]] = grammar[1]
+        names[grammar[0]] = "structured_outputs"
     return names, {k: v for k, v in kwargs.items() if v is not None}, requested
+
+
+def _forced_tools_schema(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    """The JSON schema of the calls a forced tool choice demands: a named function's
+    arguments object, or for "required" a list of `{"name", "parameters"}` items."""
+    choice = request.effective_tool_choice
+    specs = tool_specs([t.model_dump() for t in request.tools or ()])
+    if isinstance(choice, NamedToolChoice):
+        spec = next(s for s in specs if s.name == choice.function.name)
+        return named_tool_schema(spec)
+    if choice == "required":
+        return required_tools_schema(specs, request.parallel_tool_calls)
+    return None
+
+
+def _structured_outputs_grammar(
+    request: ChatCompletionRequest | CompletionRequest,
+) -> tuple[str, str | dict[str, Any]] | None:
+    if request.structured_outputs is None:
+        return None
+    kind, source = request.structured_outputs.as_grammar()
+    if kind in ("regex", "ebnf") and getattr(request, kind) is not None:
+        raise RequestError(f"give one of structured_outputs and {kind}", param="structured_outputs")
+    return kind, source
 
 
 def _native_kwargs(request: GenerateRequest) -> tuple[dict[str, str], dict[str, Any], object]:
@@ -225,6 +320,13 @@ def _native_kwargs(request: GenerateRequest) -> tuple[dict[str, str], dict[str, 
             request.top_logprobs_num,
             "top_logprobs_num",
         )
+    if request.return_logprob and request.logprob_start_len >= 0:
+        kwargs["logprob_start_len"], names["logprob_start_len"] = (
+            request.logprob_start_len,
+            "logprob_start_len",
+        )
+        kwargs["prompt_top_logprobs_num"] = request.top_logprobs_num
+        names["prompt_top_logprobs_num"] = "top_logprobs_num"
     return names, kwargs, kwargs.pop("max_new_tokens", None)
 
 
@@ -235,6 +337,7 @@ def _max_new_tokens(
     prompt_param: str,
     *,
     default: int,
+    allow_zero: bool,
     max_tokens_cap: int,
     context_len: int,
 ) -> object:
@@ -250,9 +353,11 @@ def _max_new_tokens(
         return min(default, room, max_tokens_cap)
     if not isinstance(requested, int) or isinstance(requested, bool):
         return requested  # SamplingParams.verify names the type error
-    if requested < 1:
-        # The engine samples a token from the prefill, so it cannot honour 0.
-        raise RequestError(f"{param} must be at least 1, got {requested}", param=param)
+    if requested < (0 if allow_zero else 1):
+        only = (
+            " (0 asks for the prompt's logprobs alone: send it with echo)" if requested == 0 else ""
+        )
+        raise RequestError(f"{param} must be at least 1, got {requested}{only}", param=param)
     if requested > room:
         raise RequestError(
             f"this model's context is {context_len} tokens; the prompt takes {prompt_len}, "
@@ -301,24 +406,3 @@ def tokenize_prompts(
             message = f"token id {bad} in {param}[{i}] is outside the vocabulary [0, {vocab_size})"
             raise RequestError(message, param=param)
     return [list(ids) for ids in prompts]
-
-
-def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase, messages: Sequence[ChatCompletionMessageParam]
-) -> list[int]:
-    """The prompt ids of a conversation, by the model's own chat template, ending with the
-    assistant's generation prompt.
-
-    The template is rendered to text and then encoded without special tokens added, because
-    templates that start with a BOS token write it into the text themselves.
-    """
-    conversation = [{"role": m.role, "content": m.content or ""} for m in messages]
-    try:
-        text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=False
-        )
-    except (TemplateError, ValueError) as exc:
-        raise RequestError(
-            f"the chat template rejected the messages: {exc}", param="messages"
-        ) from None
-    return tokenizer.encode(text, add_special_tokens=False)

@@ -87,6 +87,13 @@ class ReqOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     rollback: int = 0
     """How many ids of the previous outputs `output_ids` replaces (grammar jump-forward)."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """Per prompt position from `logprob_start_len`, in the output that brings them (once);
+    the prompt's first token has logprob None: nothing predicts it."""
+    """One entry per prompt position from `logprob_start_len` on, in the one output that
+    brings them (the first after the prefill; () in every other): the prompt token, its
+    logprob and its `prompt_top_logprobs_num` alternatives. None at prompt position 0,
+    which nothing predicts."""
 
 
 @dataclass
@@ -95,6 +102,9 @@ class _Group:
     unfinished: set[str] = field(default_factory=set)
     queued: set[str] = field(default_factory=set)
     """Rids with no output yet: waiting in the worker, compiling a grammar or prefilling."""
+    prompt_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Rid → its prompt ids from `logprob_start_len` on, for those that ask prompt logprobs
+    (the worker sends back the logprobs only)."""
 
 
 class TokenizerManager:
@@ -210,7 +220,15 @@ class TokenizerManager:
         Load shedding is the caller's (`check_capacity`), before a stream's response starts."""
         self.require_ready()
         rids = {r.rid for r in reqs}
-        group = _Group(unfinished=set(rids), queued=set(rids))
+        group = _Group(
+            unfinished=set(rids),
+            queued=set(rids),
+            prompt_ids={
+                r.rid: r.input_ids[r.sampling_params.logprob_start_len :]
+                for r in reqs
+                if r.sampling_params.logprob_start_len >= 0
+            },
+        )
         timeout = self.settings.request_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         index = {r.rid: i for i, r in enumerate(reqs)}
@@ -380,6 +398,7 @@ class TokenizerManager:
                     cached_tokens=batch.cached_tokens[i],
                     logprobs=self._logprobs(batch, i),
                     rollback=batch.rollbacks[i] if batch.rollbacks else 0,
+                    prompt_logprobs=self._prompt_logprobs(batch, i, group),
                 )
             )
 
@@ -389,19 +408,55 @@ class TokenizerManager:
             return ()
         top_vals = batch.output_top_logprobs_val[i] if batch.output_top_logprobs_val else []
         top_ids = batch.output_top_logprobs_idx[i] if batch.output_top_logprobs_idx else []
+        return self._token_logprobs(batch.output_ids[i], values, top_vals, top_ids)
+
+    def _prompt_logprobs(
+        self, batch: BatchStrOutput, i: int, group: _Group
+    ) -> tuple[TokenLogprob, ...]:
+        """The prompt logprobs batch row `i` brings, with the prompt ids kept at submission
+        (dropped now: they come once)."""
+        values = batch.input_token_logprobs_val[i] if batch.input_token_logprobs_val else []
+        if not values:
+            return ()
+        rid = batch.rids[i]
+        prompt_ids = group.prompt_ids.pop(rid, [])
+        if len(values) != len(prompt_ids):
+            logger.error(
+                "dropped the prompt logprobs of %s: %d values for its %d prompt tokens",
+                rid,
+                len(values),
+                len(prompt_ids),
+            )
+            return ()
+        top_vals = batch.input_top_logprobs_val[i] if batch.input_top_logprobs_val else []
+        top_ids = batch.input_top_logprobs_idx[i] if batch.input_top_logprobs_idx else []
+        return self._token_logprobs(prompt_ids, values, top_vals, top_ids)
+
+    def _token_logprobs(
+        self,
+        token_ids: Sequence[int],
+        values: Sequence[float | None],
+        top_vals: Sequence[Sequence[float]],
+        top_ids: Sequence[Sequence[int]],
+    ) -> tuple[TokenLogprob, ...]:
+        """A TokenLogprob per token with its alternatives, every text from one decode."""
+        text = self._token_texts([*token_ids, *(t for ids in top_ids for t in ids)])
         tops = [
-            tuple(TokenLogprob(t, self._token_text(t), lp) for lp, t in zip(vals, ids))
+            tuple(TokenLogprob(t, text[t], lp) for lp, t in zip(vals, ids))
             for vals, ids in zip(top_vals, top_ids)
-        ] or [()] * len(values)
+        ] or [()] * len(token_ids)
         return tuple(
-            TokenLogprob(token_id, self._token_text(token_id), logprob, top)
-            for token_id, logprob, top in zip(batch.output_ids[i], values, tops)
+            TokenLogprob(token_id, text[token_id], value, top)
+            for token_id, value, top in zip(token_ids, values, tops)
         )
 
-    def _token_text(self, token_id: int) -> str:
+    def _token_texts(self, token_ids: Sequence[int]) -> dict[int, str]:
+        """Each distinct token's text alone (what `decode([id])` gives), in one batched
+        decode: a prompt's logprobs name thousands of tokens."""
+        distinct = list(dict.fromkeys(token_ids))
         if self.tokenizer is None:
-            return str(token_id)
-        return cast(str, self.tokenizer.decode([token_id]))  # one sequence: one string
+            return {t: str(t) for t in distinct}
+        return dict(zip(distinct, self.tokenizer.batch_decode([[t] for t in distinct])))
 
     async def _liveness_loop(self) -> None:
         """Heartbeats to the worker, and the peer deaths that fail requests."""

@@ -1,9 +1,12 @@
 """Wire models of the OpenAI-compatible API and SGLang's native `/generate`.
 
 Requests validate the types of the fields they know (strictly: `"n": "2"` is an error, not
-a 2) and ignore the fields they don't, because OpenAI clients send some we do not
-implement (`user`, `service_tier`, ...). Value ranges are checked once, by
-`SamplingParams.verify`, through `adapters.to_sampling_params`.
+a 2). Fields nobody implements here fall in three kinds (docs/api.md lists them): fields
+ignored on purpose (`user`, `metadata`, ...) are accepted, fields we know and do not
+serve are a 400 naming them unless sent at their default (SDKs send many at their
+defaults), and fields we have never heard of are ignored, as OpenAI's own server does.
+Value ranges are checked once, by `SamplingParams.verify`, through
+`adapters.to_sampling_params`.
 
 The union-typed inputs (message content, `stop`, `prompt`) are normalised by a
 before-validator that also checks their shape, so a client sees one clear message naming
@@ -12,9 +15,11 @@ the field instead of one error per union member.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -24,6 +29,7 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 # ---------------------------------------------------------------------------- requests
 
@@ -86,18 +92,105 @@ StopList = Annotated[list[str] | None, BeforeValidator(_stop_list)]
 PromptBatch = Annotated[list[str] | list[list[int]], BeforeValidator(_prompt_batch)]
 
 
+def _same(value: object, default: object) -> bool:
+    """Equal and of the same kind: `false` is not `0`, but `1` is `1.0`."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return value is default
+    return value == default
+
+
+def refused_unless(*defaults: object, hint: str = "") -> AfterValidator:
+    """A field we know and do not serve: accepted only at one of `defaults`, the values
+    that ask for nothing (clients send many fields at their defaults)."""
+
+    def check(value: object) -> object:
+        if not any(_same(value, d) for d in defaults):
+            shown = " or ".join(json.dumps(d) for d in defaults)
+            raise PydanticCustomError(
+                "unsupported",
+                "{message}",
+                {"message": f"not supported by this server; send {shown} or leave it out{hint}"},
+            )
+        return value
+
+    return AfterValidator(check)
+
+
+Refused = Annotated[object, refused_unless(None)]
+"""A field we do not serve, accepted only as null."""
+IgnoredText = Annotated[str | None, Field(json_schema_extra={"ignored": True})]
+"""A field accepted and ignored on purpose (docs/api.md lists them)."""
+_GUIDED = refused_unless(None, hint="; vLLM's structured_outputs replaces the guided_* fields")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str
+    """JSON text, as OpenAI sends it."""
+
+
+class ToolCallParam(_Request):
+    """An assistant message's earlier tool call, sent back with the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatCompletionMessageParam(_Request):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: TextContent = None
     """A string, or a list of text parts joined into one string."""
+    name: IgnoredText = None
+    tool_calls: list[ToolCallParam] | None = None
+    """Only on an assistant message: the calls it made."""
+    tool_call_id: str | None = None
+    """Only on a tool message: the call whose result it carries."""
+
+    @model_validator(mode="after")
+    def _tool_fields_on_their_roles(self) -> ChatCompletionMessageParam:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        return self
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of the arguments object; omitted: any object."""
+    strict: bool | None = None
+    """Arguments always follow the schema when the call is forced (tool_choice required or
+    named); under "auto" the parser returns what the model wrote."""
+
+
+class ChatCompletionToolParam(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = None
+    """Ignored on purpose: nothing here pads the stream."""
 
 
 class JsonSchemaFormat(_Request):
@@ -133,6 +226,46 @@ class ResponseFormat(_Request):
         return None
 
 
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: one constraint, mapped onto the same grammars as
+    `response_format`, `regex` and `ebnf`."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: Refused = None
+    whitespace_pattern: Refused = None
+    disable_any_whitespace: bool | None = None
+    """Ignored on purpose: JSON is always generated without free whitespace."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> StructuredOutputs:
+        given = [
+            k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(self, k)
+        ]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar and json_object")
+        return self
+
+    def as_grammar(self) -> tuple[str, str | dict[str, Any]]:
+        """(kind, source) in `SamplingParams`' grammar kinds; a `choice` is an EBNF of its
+        literal alternatives."""
+        if self.json_ is not None:
+            return "json_schema", self.json_
+        if self.json_object:
+            return "json_schema", {"type": "object"}
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "ebnf", "root ::= " + " | ".join(json.dumps(c) for c in self.choice)
+        assert self.grammar is not None, "_one_constraint leaves one"
+        return "ebnf", self.grammar
+
+
 class SamplingRequest(_Request):
     """The fields chat and completions share. `None` means the engine's default
     (`SamplingParams`), which follows OpenAI's (temperature 1.0, top_p 1.0)."""
@@ -151,11 +284,13 @@ class SamplingRequest(_Request):
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
+    user: IgnoredText = None
     # Extras beyond OpenAI, with vLLM's and SGLang's names.
     regex: str | None = None
     """Constrain the output to this regular expression (xgrammar's syntax)."""
     ebnf: str | None = None
     """Constrain the output to this EBNF grammar (xgrammar's GBNF dialect, `root` first)."""
+    structured_outputs: StructuredOutputs | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -167,6 +302,22 @@ class SamplingRequest(_Request):
     """Radix-cache namespace: requests with different salts share no KV."""
     priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     """Any 64-bit integer (the wire carries no more)."""
+    # Known and not served: a 400 unless sent at the value that asks for nothing.
+    best_of: Annotated[object, refused_unless(None, 1)] = None
+    use_beam_search: Annotated[object, refused_unless(None, False)] = None
+    length_penalty: Annotated[object, refused_unless(None, 1.0)] = None
+    include_stop_str_in_output: Annotated[object, refused_unless(None, False)] = None
+    spaces_between_special_tokens: Annotated[object, refused_unless(None, True)] = None
+    truncate_prompt_tokens: Refused = None
+    allowed_token_ids: Refused = None
+    bad_words: Refused = None
+    return_tokens_as_token_ids: Annotated[object, refused_unless(None, False)] = None
+    guided_json: Annotated[object, _GUIDED] = None
+    guided_regex: Annotated[object, _GUIDED] = None
+    guided_choice: Annotated[object, _GUIDED] = None
+    guided_grammar: Annotated[object, _GUIDED] = None
+    lora_path: Refused = None
+    return_hidden_states: Annotated[object, refused_unless(None, False)] = None
 
     @property
     def include_usage(self) -> bool:
@@ -179,6 +330,40 @@ class ChatCompletionRequest(SamplingRequest):
     """OpenAI's newer name for `max_tokens`; wins when both are sent."""
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatCompletionToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    """Omitted: "auto" with tools, "none" without."""
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables of the chat template, e.g. `{"enable_thinking": false}`."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Continue the last (assistant) message instead of opening a new turn."""
+    metadata: dict[str, str] | None = None
+    """Ignored on purpose, as `store`: nothing is stored."""
+    store: bool | None = None
+    service_tier: IgnoredText = None
+    prompt_cache_key: IgnoredText = None
+    safety_identifier: IgnoredText = None
+    audio: Refused = None
+    modalities: Annotated[object, refused_unless(None, ["text"])] = None
+    prediction: Refused = None
+    web_search_options: Refused = None
+    functions: Annotated[object, refused_unless(None, hint="; send tools")] = None
+    function_call: Annotated[object, refused_unless(None, hint="; send tool_choice")] = None
+    reasoning_effort: Refused = None
+    verbosity: Refused = None
+    echo: Annotated[object, refused_unless(None, False)] = None
+    documents: Refused = None
+    chat_template: Refused = None
+    mm_processor_kwargs: Refused = None
+    prompt_logprobs: Refused = None
+
+    @property
+    def effective_tool_choice(self) -> Literal["none", "auto", "required"] | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
 
 class CompletionRequest(SamplingRequest):
@@ -187,6 +372,39 @@ class CompletionRequest(SamplingRequest):
     held as a batch (a list of texts or a list of token-id lists)."""
     logprobs: int | None = None
     """How many top alternatives to return per token; 0 returns the sampled token's only."""
+    echo: bool = False
+    """Prepend the prompt to each choice's text (and its tokens' logprobs, when asked)."""
+    prompt_logprobs: int | None = None
+    """vLLM's extra: the logprob of every prompt token and its k likeliest alternatives."""
+    suffix: Refused = None
+    prompt_embeds: Refused = None
+
+
+class TokenizeCompletionRequest(_Request):
+    """vLLM's `/tokenize` for a text prompt."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Request):
+    """vLLM's `/tokenize` for a conversation: the ids chat would send to the worker."""
+
+    model: str | None = None
+    messages: list[ChatCompletionMessageParam] = Field(min_length=1)
+    tools: list[ChatCompletionToolParam] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
 
 
 class GenerateRequest(_Request):
@@ -200,6 +418,9 @@ class GenerateRequest(_Request):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    """With `return_logprob`: also the prompt tokens' logprobs from this position on
+    (-1: none), in `meta_info.input_token_logprobs`."""
     _is_batch: bool = PrivateAttr(default=False)
 
     @model_validator(mode="wrap")
@@ -270,17 +491,62 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-FinishReasonName = Literal["stop", "length"]
+FinishReasonName = Literal["stop", "length", "tool_calls"]
+
+
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+    """Compact JSON text of the arguments object."""
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    """The reasoning section (`--reasoning-parser`); absent without one."""
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_extras(self, handler: Any) -> dict[str, Any]:
+        """`content` is always present (null with tool calls only), the extras only when set."""
+        data: dict[str, Any] = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k == "content"}
+
+
+class ToolCallDeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """One streamed piece of a tool call: the first carries `id`, `type` and the name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ToolCallDeltaFunction
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler: Any) -> dict[str, Any]:
@@ -303,11 +569,20 @@ class ChatCompletionResponseStreamChoice(BaseModel):
     finish_reason: FinishReasonName | None = None
 
 
+class VllmLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    """Not computed: the rank would need a sort of the vocabulary per position."""
+    decoded_token: str
+
+
 class CompletionResponseChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReasonName | None = None
+    prompt_logprobs: list[dict[str, VllmLogprob] | None] | None = None
+    """vLLM's, when asked."""
 
 
 ChoiceT = TypeVar("ChoiceT", bound=BaseModel)
@@ -355,6 +630,17 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

@@ -7,9 +7,10 @@ Choices are numbered as OpenAI numbers them: with `p` prompts and `n` samples ea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -17,6 +18,7 @@ from pydantic import BaseModel
 
 from services.protocol import FinishReason
 from services.tokenizer.adapters import RequestError, error_body
+from services.tokenizer.chat_output import ChatDelta, ChatOutputFormat, parse_whole
 from services.tokenizer.openai_api import (
     ChatCompletionChunk,
     ChatCompletionResponse,
@@ -37,6 +39,7 @@ from services.tokenizer.openai_api import (
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
+    VllmLogprob,
 )
 
 if TYPE_CHECKING:  # the engine imports torch, which the tokenizer service does not need
@@ -48,11 +51,12 @@ SSE_DONE = "data: [DONE]\n\n"
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A sampled token's logprob and its most likely alternatives, with their text."""
+    """A token's logprob and its most likely alternatives, with their text. A prompt's
+    first token has none (None): nothing comes before it to predict it."""
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None
     top_logprobs: tuple[TokenLogprob, ...] = ()
 
 
@@ -68,6 +72,8 @@ class ChoiceOutput:
     cached_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] | None = None
     """Present only when the request asked for logprobs."""
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    """Per prompt position from `logprob_start_len`; present only when asked."""
 
     @classmethod
     def from_engine_result(cls, result: GenerateResult) -> ChoiceOutput:
@@ -127,6 +133,7 @@ def usage_info(choices: Sequence[ChoiceOutput], n: int) -> UsageInfo:
 
 def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> ChoiceLogprobs:
     def entry(lp: TokenLogprob) -> TopLogprob:
+        assert lp.logprob is not None, "chat reports generated tokens only, each predicted"
         return TopLogprob(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()))
 
     return ChoiceLogprobs(
@@ -143,7 +150,8 @@ def completion_logprobs(
     logprobs: Sequence[TokenLogprob], text_offset: int = 0
 ) -> CompletionLogprobs:
     """The legacy completions shape; `text_offset` is where these tokens start in the
-    choice's text (non-zero for the later chunks of a stream)."""
+    choice's text (non-zero for the later chunks of a stream). An echoed prompt's first
+    token has null logprob and null alternatives, as OpenAI's echo gives it."""
     offsets = []
     for lp in logprobs:
         offsets.append(text_offset)
@@ -152,31 +160,51 @@ def completion_logprobs(
         text_offset=offsets,
         token_logprobs=[lp.logprob for lp in logprobs],
         tokens=[lp.token for lp in logprobs],
-        top_logprobs=[{t.token: t.logprob for t in lp.top_logprobs} for lp in logprobs],
+        top_logprobs=[
+            None if lp.logprob is None else {t.token: t.logprob or 0.0 for t in lp.top_logprobs}
+            for lp in logprobs
+        ],
     )
 
 
 def chat_completion_response(
-    header: ResponseHeader, choices: Sequence[ChoiceOutput]
+    header: ResponseHeader,
+    choices: Sequence[ChoiceOutput],
+    fmt: ChatOutputFormat | None = None,
 ) -> ChatCompletionResponse:
+    """`fmt` says how to split each choice's text into reasoning, content and tool calls
+    (None: it is all content)."""
     return ChatCompletionResponse(
         **header.fields(),
-        choices=[
-            ChatCompletionResponseChoice(
-                index=i,
-                message=ChatMessage(content=c.text),
-                logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs),
-                finish_reason=openai_finish_reason(c.finish_reason),
-            )
-            for i, c in enumerate(choices)
-        ],
+        choices=[_chat_choice(i, c, fmt) for i, c in enumerate(choices)],
         usage=usage_info(choices, n=len(choices)),
     )
 
 
+def _chat_choice(
+    index: int, choice: ChoiceOutput, fmt: ChatOutputFormat | None
+) -> ChatCompletionResponseChoice:
+    reason = openai_finish_reason(choice.finish_reason)
+    message = ChatMessage(content=choice.text)
+    if fmt is not None and not fmt.plain:
+        parts, reason = parse_whole(fmt, choice.text, reason)
+        message = ChatMessage(
+            content=parts.content or None if parts.calls else parts.content,
+            reasoning_content=parts.reasoning or None,
+            tool_calls=parts.tool_calls,
+        )
+    return ChatCompletionResponseChoice(
+        index=index,
+        message=message,
+        logprobs=None if choice.logprobs is None else chat_logprobs(choice.logprobs),
+        finish_reason=reason,
+    )
+
+
 def completion_response(
-    header: ResponseHeader, choices: Sequence[ChoiceOutput], n: int
+    header: ResponseHeader, choices: Sequence[ChoiceOutput], n: int, vllm_prompt: bool = False
 ) -> CompletionResponse:
+    """`vllm_prompt`: the request asked for vLLM's `prompt_logprobs`."""
     return CompletionResponse(
         **header.fields(),
         choices=[
@@ -185,6 +213,9 @@ def completion_response(
                 text=c.text,
                 logprobs=None if c.logprobs is None else completion_logprobs(c.logprobs),
                 finish_reason=openai_finish_reason(c.finish_reason),
+                prompt_logprobs=vllm_prompt_logprobs(c.prompt_logprobs or ())
+                if vllm_prompt
+                else None,
             )
             for i, c in enumerate(choices)
         ],
@@ -210,6 +241,8 @@ class ChunkPart:
     reason: FinishReasonName | None
     text_offset: int
     """Where `text` starts in the choice's text."""
+    message: ChatDelta | None = None
+    """Chat's reasoning, content and tool-call pieces, when the text was parsed into them."""
 
 
 StreamChoiceT = TypeVar(
@@ -233,12 +266,19 @@ class _Stream(ABC, Generic[StreamChoiceT]):
         self.text_offsets: dict[int, int] = {}
         """Per choice opened, the length of the text streamed so far."""
 
-    def delta(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = ()) -> list[str]:
+    def delta(
+        self,
+        index: int,
+        text: str,
+        logprobs: Sequence[TokenLogprob] = (),
+        message: ChatDelta | None = None,
+    ) -> list[str]:
         """Events for new text of choice `index` (none for an empty delta)."""
         events: list[str] = [] if index in self.text_offsets else self._open(index)
         offset = self.text_offsets.setdefault(index, 0)
-        if text or logprobs:
-            events.append(self._event(self._choice(ChunkPart(index, text, logprobs, None, offset))))
+        if (message if message is not None else text) or logprobs:
+            part = ChunkPart(index, text, logprobs, None, offset, message)
+            events.append(self._event(self._choice(part)))
             self.text_offsets[index] = offset + len(text)
         return events
 
@@ -248,11 +288,16 @@ class _Stream(ABC, Generic[StreamChoiceT]):
         output: ChoiceOutput,
         text: str = "",
         logprobs: Sequence[TokenLogprob] = (),
+        message: ChatDelta | None = None,
+        reason_of: Callable[[FinishReasonName], FinishReasonName] | None = None,
     ) -> list[str]:
-        """Events for the last text of choice `index` and its end. Raises `RequestError`
-        for an aborted choice: pass it to `error`."""
+        """Events for the last text of choice `index` and its end; `reason_of` may turn
+        the engine's finish reason into another (chat's "tool_calls"). Raises
+        `RequestError` for an aborted choice: pass it to `error`."""
         reason = openai_finish_reason(output.finish_reason)
-        events = self.delta(index, text, logprobs)
+        if reason_of is not None:
+            reason = reason_of(reason)
+        events = self.delta(index, text, logprobs, message)
         self.outputs[index] = output
         last = ChunkPart(index, "", (), reason, self.text_offsets[index])
         events.append(self._event(self._choice(last)))
@@ -294,12 +339,50 @@ class ChatCompletionStream(_Stream[ChatCompletionResponseStreamChoice]):
         return [self._event(ChatCompletionResponseStreamChoice(index=index, delta=role))]
 
     def _choice(self, part: ChunkPart) -> ChatCompletionResponseStreamChoice:
+        message = part.message
+        delta = (
+            DeltaMessage(content=part.text or None)
+            if message is None
+            else DeltaMessage(
+                content=message.content or None,
+                reasoning_content=message.reasoning or None,
+                tool_calls=message.tool_calls or None,
+            )
+        )
         return ChatCompletionResponseStreamChoice(
             index=part.index,
-            delta=DeltaMessage(content=part.text or None),
+            delta=delta,
             logprobs=chat_logprobs(part.logprobs) if part.logprobs else None,
             finish_reason=part.reason,
         )
+
+
+def echoed(prompt: str, choice: ChoiceOutput) -> ChoiceOutput:
+    """`choice` with its prompt in front of its text, and in front of its logprobs when it
+    has them: OpenAI's `echo`."""
+    logprobs = choice.logprobs
+    if logprobs is not None:
+        logprobs = (*(choice.prompt_logprobs or ()), *logprobs)
+    return dataclasses.replace(choice, text=prompt + choice.text, logprobs=logprobs)
+
+
+def vllm_prompt_logprobs(
+    entries: Sequence[TokenLogprob],
+) -> list[dict[str, VllmLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, a map from token id to its logprob, the
+    prompt's own token first, then its likeliest alternatives; null for the first token."""
+    result: list[dict[str, VllmLogprob] | None] = []
+    for lp in entries:
+        if lp.logprob is None:
+            result.append(None)
+            continue
+        by_id = {str(lp.token_id): VllmLogprob(logprob=lp.logprob, decoded_token=lp.token)}
+        for t in lp.top_logprobs:
+            by_id.setdefault(
+                str(t.token_id), VllmLogprob(logprob=t.logprob or 0.0, decoded_token=t.token)
+            )
+        result.append(by_id)
+    return result
 
 
 class CompletionStream(_Stream[CompletionResponseChoice]):
@@ -338,6 +421,14 @@ def generate_response(output: ChoiceOutput) -> dict[str, Any]:
         ]
         meta_info["output_top_logprobs"] = [
             [[t.logprob, t.token_id, t.token] for t in lp.top_logprobs] for lp in output.logprobs
+        ]
+    if output.prompt_logprobs is not None:
+        meta_info["input_token_logprobs"] = [
+            [lp.logprob, lp.token_id, lp.token] for lp in output.prompt_logprobs
+        ]
+        meta_info["input_top_logprobs"] = [
+            [[t.logprob, t.token_id, t.token] for t in lp.top_logprobs] or None
+            for lp in output.prompt_logprobs
         ]
     return answer
 

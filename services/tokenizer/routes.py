@@ -9,6 +9,7 @@ import dataclasses
 from contextlib import aclosing
 from typing import Any
 
+import pydantic_core
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -16,15 +17,28 @@ from pydantic import BaseModel, ConfigDict
 
 from engine.sampling.sampling_params import SamplingParams
 from services.protocol import TokenizedGenerateReqInput
-from services.tokenizer.adapters import RequestError, error_body
+from services.tokenizer.adapters import RequestError, check_model, error_body
+from services.tokenizer.chat_template import render_chat
 from services.tokenizer.manager import unavailable
-from services.tokenizer.openai_api import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.tokenizer.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    GenerateRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
 from services.tokenizer.responses import model_list
+from services.tokenizer.responses_api import ResponsesRequest, responses_error
 from services.tokenizer.serving import (
     ChatEndpoint,
     CompletionsEndpoint,
     GenerateEndpoint,
+    ResponsesEndpoint,
     app_state,
+    json_body,
     parse_body,
     serve,
 )
@@ -45,7 +59,14 @@ class AbortRequestInput(BaseModel):
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
-    return await serve(request, ChatEndpoint(body, app_state(request).model))
+    state = app_state(request)
+    endpoint = ChatEndpoint(
+        body,
+        state.model,
+        tool_call_parser=state.settings.tool_call_parser,
+        reasoning_parser=state.settings.reasoning_parser,
+    )
+    return await serve(request, endpoint)
 
 
 @router.post("/v1/completions")
@@ -54,12 +75,118 @@ async def completions(request: Request) -> Response:
     return await serve(request, CompletionsEndpoint(body, app_state(request).model))
 
 
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    body = await parse_body(request, ResponsesRequest)
+    state = app_state(request)
+    try:
+        endpoint = ResponsesEndpoint(
+            body,
+            state.model,
+            tool_call_parser=state.settings.tool_call_parser,
+            reasoning_parser=state.settings.reasoning_parser,
+        )
+        return await serve(request, endpoint)
+    except RequestError as err:
+        raise responses_error(err) from None
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
     state = app_state(request)
     info = state.manager.worker_info
     context_length = None if info is None else info.context_length
     return model_list(state.model, context_length, state.started).model_dump()
+
+
+@router.get("/v1/models/{model_id:path}")
+async def model_card(request: Request, model_id: str) -> dict[str, Any]:
+    state = app_state(request)
+    if model_id != state.model:
+        raise RequestError(
+            f"the model {model_id!r} does not exist; this server serves {state.model!r}",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
+    info = state.manager.worker_info
+    context_length = None if info is None else info.context_length
+    return model_list(state.model, context_length, state.started).data[0].model_dump()
+
+
+@router.post("/tokenize")
+@router.post("/v1/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    """vLLM's `/tokenize`: a prompt's ids, or a conversation's as chat would send them."""
+    state = app_state(request)
+    raw = await json_body(request)
+    try:
+        data = pydantic_core.from_json(raw)
+    except ValueError:
+        data = None  # not JSON: the model's validation names the fault
+    chat = isinstance(data, dict) and "messages" in data
+    body: TokenizeChatRequest | TokenizeCompletionRequest = (
+        TokenizeChatRequest.model_validate_json(raw)
+        if chat
+        else TokenizeCompletionRequest.model_validate_json(raw)
+    )
+    check_model(body, state.model)
+    tokenizer = state.require_tokenizer("messages" if chat else "prompt")
+    if isinstance(body, TokenizeChatRequest):
+        ids = render_chat(
+            tokenizer,
+            body.messages,
+            tools=body.tools,
+            template_kwargs=body.chat_template_kwargs,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+        ).ids
+        if body.add_special_tokens:
+            ids = tokenizer.build_inputs_with_special_tokens(ids)
+    else:
+        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    info = state.manager.require_ready()
+    strs = list(tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
+    return TokenizeResponse(
+        count=len(ids), max_model_len=info.context_length, tokens=ids, token_strs=strs
+    ).model_dump()
+
+
+@router.post("/detokenize")
+@router.post("/v1/detokenize")
+async def detokenize(request: Request) -> dict[str, Any]:
+    state = app_state(request)
+    body = await parse_body(request, DetokenizeRequest)
+    check_model(body, state.model)
+    tokenizer = state.require_tokenizer("tokens")
+    info = state.manager.require_ready()
+    bad = next((t for t in body.tokens if not 0 <= t < info.vocab_size), None)
+    if bad is not None:
+        raise RequestError(
+            f"token id {bad} is outside the vocabulary [0, {info.vocab_size})", param="tokens"
+        )
+    text = tokenizer.decode(body.tokens)
+    assert isinstance(text, str), "one id list decodes to one text"
+    return DetokenizeResponse(prompt=text).model_dump()
+
+
+@router.get("/tokenizer_info")
+@router.get("/v1/tokenizer_info")
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """vLLM's `/tokenizer_info`: what a client needs to tokenize as the server does (its
+    special tokens and chat template); lm-eval's remote tokenizer reads it."""
+    tokenizer = app_state(request).require_tokenizer(None)
+    template = tokenizer.chat_template
+    return {
+        "tokenizer_class": type(tokenizer).__name__,
+        "eos_token": tokenizer.eos_token,
+        "bos_token": tokenizer.bos_token,
+        "pad_token": tokenizer.pad_token,
+        "unk_token": tokenizer.unk_token,
+        "model_max_length": app_state(request).manager.require_ready().context_length,
+        "vocab_size": len(tokenizer),
+        "chat_template": template if isinstance(template, str) else None,
+    }
 
 
 @router.post("/generate")

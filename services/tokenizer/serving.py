@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from abc import ABC, abstractmethod
@@ -37,14 +38,18 @@ from services.protocol import TokenizedGenerateReqInput
 from services.settings import Settings
 from services.tokenizer.adapters import (
     RequestError,
-    apply_chat_template,
+    check_chat_request,
+    check_completion_request,
     check_model,
     error_body,
     to_sampling_params,
     tokenize_prompts,
 )
+from services.tokenizer.chat_output import ChatOutputFormat, ChoiceParser
+from services.tokenizer.chat_template import render_chat
 from services.tokenizer.manager import ReqOutput, TokenizerManager
 from services.tokenizer.openai_api import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.tokenizer.parsers import DEFAULT_TOOL_PARSER
 from services.tokenizer.responses import (
     SSE_DONE,
     ChatCompletionStream,
@@ -54,9 +59,17 @@ from services.tokenizer.responses import (
     TokenLogprob,
     chat_completion_response,
     completion_response,
+    echoed,
     generate_progress,
     generate_response,
     sse_event,
+)
+from services.tokenizer.responses_api import (
+    ResponsesRequest,
+    ResponsesStream,
+    responses_error,
+    to_chat_request,
+    to_response,
 )
 
 if TYPE_CHECKING:
@@ -94,6 +107,14 @@ class AppState:
     def model(self) -> str:
         return served_model(self.settings)
 
+    def require_tokenizer(self, param: str | None) -> PreTrainedTokenizerBase:
+        """The tokenizer, or a 400 naming `param` on a server started without one."""
+        if self.tokenizer is None:
+            raise RequestError(
+                "this needs a tokenizer; this server was started without one", param=param
+            )
+        return self.tokenizer
+
     def sampling_params(self, body: GenerationBody, prompt_len: int) -> SamplingParams:
         info = self.manager.require_ready()
         return to_sampling_params(
@@ -115,6 +136,11 @@ def app_state(request: Request) -> AppState:
 async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
     """The JSON body as `model`; a pydantic ValidationError (malformed JSON included) is
     answered by the app's handler."""
+    return model.model_validate_json(await json_body(request))
+
+
+async def json_body(request: Request) -> bytes:
+    """The body of a request that must be JSON: a 415 for any other Content-Type."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
         raise RequestError(
@@ -122,7 +148,7 @@ async def parse_body(request: Request, model: type[BodyT]) -> BodyT:
             code="unsupported_media_type",
             status=415,
         )
-    return model.model_validate_json(await request.body())
+    return await request.body()
 
 
 # ----- the endpoints ------------------------------------------------------------------------
@@ -160,6 +186,10 @@ class Endpoint(ABC):
         self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int
     ) -> list[list[int]]:
         """The prompts' token ids."""
+
+    def sampling_params(self, state: AppState, prompt_len: int) -> SamplingParams:
+        """One prompt's `SamplingParams`, from the body."""
+        return state.sampling_params(self.body, prompt_len)
 
     @abstractmethod
     def check_output(self, out: ReqOutput) -> None:
@@ -221,15 +251,33 @@ class _OpenAIEndpoint(Endpoint):
 
 
 class ChatEndpoint(_OpenAIEndpoint):
-    """`/v1/chat/completions`: one prompt, the messages through the model's chat template."""
+    """`/v1/chat/completions`: one prompt, the messages (and tools) through the model's chat
+    template; the output split into reasoning, content and tool calls (`chat_output`)."""
 
     id_prefix = "chatcmpl"
     prompt_param = "messages"
     body: ChatCompletionRequest
 
-    def __init__(self, body: ChatCompletionRequest, model: str):
+    def __init__(
+        self,
+        body: ChatCompletionRequest,
+        model: str,
+        *,
+        tool_call_parser: str = DEFAULT_TOOL_PARSER,
+        reasoning_parser: str | None = None,
+    ):
         super().__init__(body, 1, model)
         self.stream = ChatCompletionStream(self.header, n=body.n, include_usage=body.include_usage)
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        self.format: ChatOutputFormat | None = None
+        """Set once the prompt is rendered: whether it left the model inside a reasoning
+        section decides how the output is read."""
+        self.parsers: dict[int, ChoiceParser] = {}
+
+    def check(self) -> None:
+        super().check()
+        check_chat_request(self.body)
 
     def tokenize(
         self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int
@@ -238,10 +286,97 @@ class ChatEndpoint(_OpenAIEndpoint):
             raise RequestError(
                 "chat needs a tokenizer; this server was started without one", param="messages"
             )
-        return [apply_chat_template(tokenizer, self.body.messages)]
+        body = self.body
+        prompt = render_chat(
+            tokenizer,
+            body.messages,
+            tools=body.tools if body.effective_tool_choice != "none" else None,
+            template_kwargs=body.chat_template_kwargs,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+        )
+        self.format = ChatOutputFormat.for_request(
+            body,
+            tool_parser=self.tool_call_parser,
+            reasoning_parser=self.reasoning_parser,
+            starts_in_reasoning=prompt.opens_reasoning,
+            reasoning_closed=prompt.reasoning_closed,
+        )
+        return [prompt.ids]
+
+    def sampling_params(self, state: AppState, prompt_len: int) -> SamplingParams:
+        """A grammar waits for the end of a reasoning section the model is still to write."""
+        params = super().sampling_params(state, prompt_len)
+        fmt = self.format
+        if fmt is not None and fmt.reasoning_parser is not None and fmt.enable_thinking:
+            params = dataclasses.replace(params, reasoning=True)
+        return params
+
+    def events(
+        self, out: ReqOutput, choice: ChoiceOutput | None, acc: ChoiceAccumulator
+    ) -> list[str]:
+        fmt = self.format
+        if fmt is None or fmt.plain:
+            return super().events(out, choice, acc)
+        parser = self.parsers.setdefault(out.index, ChoiceParser(fmt))
+        delta = parser.feed(out.text)
+        if choice is None:
+            return self.stream.delta(out.index, delta.content, out.logprobs, delta)
+        delta += parser.finish()
+        return self.stream.finish(
+            out.index, choice, delta.content, out.logprobs, delta, parser.finish_reason
+        )
 
     def answer(self, choices: list[ChoiceOutput]) -> Any:
-        return chat_completion_response(self.header, choices).model_dump()
+        return chat_completion_response(self.header, choices, self.format).model_dump()
+
+
+class ResponsesEndpoint(ChatEndpoint):
+    """`/v1/responses`: the request translated into a chat completion
+    (`responses_api.to_chat_request`), served as one, and its answer or chunk stream
+    translated back into a Response and its events. Stateless: nothing is stored."""
+
+    id_prefix = "resp"
+
+    def __init__(
+        self,
+        request: ResponsesRequest,
+        model: str,
+        *,
+        tool_call_parser: str = DEFAULT_TOOL_PARSER,
+        reasoning_parser: str | None = None,
+    ):
+        body = ChatCompletionRequest.model_validate(to_chat_request(request))
+        super().__init__(
+            body, model, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser
+        )
+        self.request = request
+        self.responses = ResponsesStream(request, self.id, self.header.created, model)
+        self.started = False
+
+    def events(
+        self, out: ReqOutput, choice: ChoiceOutput | None, acc: ChoiceAccumulator
+    ) -> list[str]:
+        opening = [] if self.started else self.responses.start()
+        self.started = True
+        return opening + self._translated(super().events(out, choice, acc))
+
+    def end(self) -> list[str]:
+        return self._translated(super().end()) + self.responses.finish()
+
+    def error(self, err: RequestError) -> list[str]:
+        return self.responses.error(responses_error(err))
+
+    def answer(self, choices: list[ChoiceOutput]) -> Any:
+        chat = super().answer(choices)
+        return to_response(self.request, chat, self.id, self.header.created)
+
+    def _translated(self, chat_events: list[str]) -> list[str]:
+        events: list[str] = []
+        for event in chat_events:
+            if event != SSE_DONE:
+                events += self.responses.feed(json.loads(event.removeprefix("data: ")))
+        return events
 
 
 class CompletionsEndpoint(_OpenAIEndpoint):
@@ -254,14 +389,51 @@ class CompletionsEndpoint(_OpenAIEndpoint):
     def __init__(self, body: CompletionRequest, model: str):
         super().__init__(body, len(body.prompt), model)
         self.stream = CompletionStream(self.header, n=body.n, include_usage=body.include_usage)
+        self.prompt_texts: list[str] = []
+        """With `echo`: each prompt as text."""
+
+    def check(self) -> None:
+        super().check()
+        check_completion_request(self.body)
 
     def tokenize(
         self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int
     ) -> list[list[int]]:
-        return tokenize_prompts(self.body, tokenizer, vocab_size)
+        prompts = tokenize_prompts(self.body, tokenizer, vocab_size)
+        if self.body.echo:
+            texts = self.body.prompt
+            self.prompt_texts = [
+                text if isinstance(text, str) else _decoded(tokenizer, ids)
+                for text, ids in zip(texts, prompts)
+            ]
+        return prompts
+
+    def events(
+        self, out: ReqOutput, choice: ChoiceOutput | None, acc: ChoiceAccumulator
+    ) -> list[str]:
+        """With `echo`, a choice's first chunk opens with its prompt (and its logprobs,
+        which come with the choice's first output)."""
+        if self.body.echo and out.index not in self.stream.text_offsets:
+            prompt = self.prompt_texts[out.index // self.body.n]
+            logprobs = (*out.prompt_logprobs, *out.logprobs) if acc.want_logprobs else ()
+            out = dataclasses.replace(out, text=prompt + out.text, logprobs=logprobs)
+        return super().events(out, choice, acc)
 
     def answer(self, choices: list[ChoiceOutput]) -> Any:
-        return completion_response(self.header, choices, self.body.n).model_dump()
+        if self.body.echo:
+            n = self.body.n
+            choices = [echoed(self.prompt_texts[i // n], c) for i, c in enumerate(choices)]
+        vllm_prompt = self.body.prompt_logprobs is not None
+        return completion_response(self.header, choices, self.body.n, vllm_prompt).model_dump()
+
+
+def _decoded(tokenizer: PreTrainedTokenizerBase | None, ids: list[int]) -> str:
+    """A token-id prompt as text, for echo: "" on a server without a tokenizer."""
+    if tokenizer is None:
+        return ""
+    text = tokenizer.decode(ids)
+    assert isinstance(text, str), "one id list decodes to one text"
+    return text
 
 
 class GenerateEndpoint(Endpoint):
@@ -322,7 +494,7 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
         check_fan_out(endpoint.num_prompts * endpoint.n, endpoint.n_param)
     with maybe_span(state.tracing, "tokenize"):
         prompts = endpoint.tokenize(state.tokenizer, info.vocab_size)
-    params = [state.sampling_params(endpoint.body, len(ids)) for ids in prompts]
+    params = [endpoint.sampling_params(state, len(ids)) for ids in prompts]
     n = params[0].n
     check_fan_out(len(prompts) * n, endpoint.n_param)
     reqs = fan_out(
@@ -422,6 +594,7 @@ class ChoiceAccumulator:
         self.texts: dict[int, list[str]] = {}
         self.ids: dict[int, list[int]] = {}
         self.logprobs: dict[int, list[TokenLogprob]] = {}
+        self.prompt_logprobs: dict[int, tuple[TokenLogprob, ...]] = {}
 
     def add(self, out: ReqOutput) -> ChoiceOutput | None:
         """Adds `out` to its choice; the finished choice when `out` is its last output."""
@@ -430,6 +603,8 @@ class ChoiceAccumulator:
         del ids[len(ids) - out.rollback :]
         ids.extend(out.output_ids)
         self.logprobs.setdefault(out.index, []).extend(out.logprobs)
+        if out.prompt_logprobs:
+            self.prompt_logprobs[out.index] = out.prompt_logprobs
         if out.finished_reason is None:
             return None
         return ChoiceOutput(
@@ -440,6 +615,7 @@ class ChoiceAccumulator:
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
             logprobs=tuple(self.logprobs[out.index]) if self.want_logprobs else None,
+            prompt_logprobs=self.prompt_logprobs.get(out.index),
         )
 
     def text(self, index: int) -> str:

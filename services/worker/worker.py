@@ -54,6 +54,8 @@ class _Entry(NamedTuple):
     rollback: int
     """How many of those a jump-forward replaced: the entry's ids start at `sent - rollback`."""
     trace_context: dict[str, str]
+    prompt_logprobs: bool = False
+    """The entry carries the request's prompt logprobs (once, when its prefill completes)."""
 
 
 @dataclass
@@ -69,6 +71,8 @@ class _ReqState:
     admitted: float | None = None
     """First admission into a batch (time.monotonic(), as all times here)."""
     first_token: float | None = None
+    prompt_logprobs_sent: bool = False
+    """Its prompt logprobs went out (they go once, in the first output after the prefill)."""
 
 
 class Worker(Service):
@@ -142,8 +146,20 @@ class Worker(Service):
             if state.first_token is None and req.output_ids:
                 state.first_token = now
             rollback, req.output_rollback = min(req.output_rollback, state.sent), 0
+            prompt_logprobs = (
+                req.sampling_params.logprob_start_len >= 0
+                and not req.prompt_logprobs_pending  # an abort mid-prefill has them part-done
+                and not state.prompt_logprobs_sent
+            )
+            state.prompt_logprobs_sent |= prompt_logprobs
             entries.append(
-                _Entry(req, state.sent, rollback, state.trace_context if req.finished else {})
+                _Entry(
+                    req,
+                    state.sent,
+                    rollback,
+                    state.trace_context if req.finished else {},
+                    prompt_logprobs,
+                )
             )
             state.sent = len(req.output_ids)
             if req.finished:
@@ -231,7 +247,7 @@ class Worker(Service):
         logprobs: list[list[float]] = []
         top_val: list[list[list[float]]] = []
         top_idx: list[list[list[int]]] = []
-        for req, sent, rollback, _ in entries:
+        for req, sent, rollback, *_ in entries:
             start = sent - rollback
             params = req.sampling_params
             if want_logprobs:
@@ -242,6 +258,7 @@ class Worker(Service):
                 top = req.output_top_logprobs[start:] if params.top_logprobs_num else []
                 top_val.append([[lp for lp, _ in entry] for entry in top])
                 top_idx.append([[tid for _, tid in entry] for entry in top])
+        prompt = _prompt_logprob_columns(entries)
         out = BatchTokenIDOutput(
             rids=[e.req.rid for e in entries],
             output_ids=[e.req.output_ids[e.sent - e.rollback :] for e in entries],
@@ -256,6 +273,9 @@ class Worker(Service):
             output_top_logprobs_idx=top_idx if want_top else None,
             trace_contexts=contexts if any(contexts) else None,
             rollbacks=[e.rollback for e in entries] if any(e.rollback for e in entries) else None,
+            input_token_logprobs_val=prompt.input_token_logprobs_val,
+            input_top_logprobs_val=prompt.input_top_logprobs_val,
+            input_top_logprobs_idx=prompt.input_top_logprobs_idx,
         )
         self.to_detokenizer.put(out)
 
@@ -401,6 +421,31 @@ class Worker(Service):
     def close(self) -> None:
         self.engine.shutdown()
         super().close()
+
+
+class _PromptLogprobColumns(NamedTuple):
+    """The `input_*` columns of one BatchTokenIDOutput."""
+
+    input_token_logprobs_val: list[list[float | None]] | None = None
+    input_top_logprobs_val: list[list[list[float]]] | None = None
+    input_top_logprobs_idx: list[list[list[int]]] | None = None
+
+
+def _prompt_logprob_columns(entries: list[_Entry]) -> _PromptLogprobColumns:
+    """The `input_*` columns of an output batch: each entry's prompt logprobs when it
+    carries them, else []; None when no entry carries any."""
+    carrying = [e.req if e.prompt_logprobs else None for e in entries]
+    if not any(carrying):
+        return _PromptLogprobColumns()
+    values = [req.input_token_logprobs if req else [] for req in carrying]
+    if not any(req and req.sampling_params.prompt_top_logprobs_num for req in carrying):
+        return _PromptLogprobColumns(values)
+    tops = [req.input_top_logprobs if req else [] for req in carrying]
+    return _PromptLogprobColumns(
+        values,
+        [[[lp for lp, _ in t] for t in top] for top in tops],
+        [[[tid for _, tid in t] for t in top] for top in tops],
+    )
 
 
 def _wire_reason(reason: FinishReason | None) -> protocol.FinishReason | None:

@@ -121,6 +121,20 @@ def test_rids_in_one_batch_keep_separate_state_and_other_columns_pass_through(st
     assert first.output_token_logprobs_val == [[-0.5], [-1.5]]
 
 
+def test_prompt_logprobs_pass_through_untouched(stub, tokenizer):
+    batch = token_batch(("scored", [], LENGTH), ("other", tokenizer.encode("Hi")))
+    batch.input_token_logprobs_val = [[None, -3.5, -0.75], []]
+    batch.input_top_logprobs_val = [[[], [-1.0, -3.5], [-0.75, -2.0]], []]
+    batch.input_top_logprobs_idx = [[[], [40, 41], [42, 43]], []]
+    stub.send(batch)
+    stub.result("scored")
+    out = stub.batches[-1]
+    assert out.output_strs == ["", "Hi"]
+    assert out.input_token_logprobs_val == [[None, -3.5, -0.75], []]
+    assert out.input_top_logprobs_val == [[[], [-1.0, -3.5], [-0.75, -2.0]], []]
+    assert out.input_top_logprobs_idx == [[[], [40, 41], [42, 43]], []]
+
+
 def test_a_finished_rid_starts_afresh_when_reused(stub, tokenizer):
     stream_one_by_one(stub, "reused", tokenizer.encode("Hello world,"), stop=["stop"])
     stub.streams.pop("reused")

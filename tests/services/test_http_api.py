@@ -19,7 +19,7 @@ from benchmarks.support.launcher import ServiceLauncher, cpu_flags
 from benchmarks.support.models import TINY_LLAMA_CONTEXT
 from benchmarks.support.net import all_kv_free, server_info, wait_until
 from engine.api import Engine
-from services.tokenizer.adapters import apply_chat_template
+from services.tokenizer.chat_template import render_chat
 from services.tokenizer.openai_api import ChatCompletionMessageParam
 
 API_KEY = "test-key"
@@ -94,7 +94,7 @@ def test_greedy_chat_equals_the_offline_engine(client: openai.OpenAI, offline: E
     response = client.chat.completions.create(
         model=MODEL, messages=USER, temperature=0, max_tokens=16, extra_body={"ignore_eos": True}
     )
-    input_ids = apply_chat_template(tokenizer, [ChatCompletionMessageParam(**m) for m in USER])
+    input_ids = render_chat(tokenizer, [ChatCompletionMessageParam(**m) for m in USER]).ids
     expected = offline.generate(
         input_ids, {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
     )[0]

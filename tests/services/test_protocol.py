@@ -40,6 +40,9 @@ def _batch_columns(n: int) -> dict:
         "output_token_logprobs_val": [[-0.5, -1.5]] + [[]] * (n - 1),
         "output_top_logprobs_val": [[[-0.5, -2.0], [-1.5, -3.0]]] + [[]] * (n - 1),
         "output_top_logprobs_idx": [[[7, 8], [9, 10]]] + [[]] * (n - 1),
+        "input_token_logprobs_val": [[None, -2.5, -0.25]] + [[]] * (n - 1),
+        "input_top_logprobs_val": [[[], [-0.5, -2.5], [-0.25, -4.0]]] + [[]] * (n - 1),
+        "input_top_logprobs_idx": [[[], [11, 12], [13, 14]]] + [[]] * (n - 1),
     }
 
 
@@ -58,6 +61,8 @@ EXAMPLES = [
             json_schema='{"type": "object"}',
             logprobs=True,
             top_logprobs_num=2,
+            logprob_start_len=1,
+            prompt_top_logprobs_num=3,
         ),
         stream=True,
         extra_key="tenant-a",
@@ -164,6 +169,8 @@ def test_sampling_params_travel_as_the_engine_dataclass():
     msg = decode(encode(EXAMPLES[2]))
     assert type(msg.sampling_params) is SamplingParams
     assert msg.sampling_params.logit_bias == {42: -100.0}
+    params = msg.sampling_params
+    assert (params.logprob_start_len, params.prompt_top_logprobs_num) == (1, 3)
 
 
 def test_engine_finish_reason_encodes_as_the_wire_finish_reason():
@@ -187,6 +194,44 @@ def test_batch_columns_of_different_lengths_are_rejected_on_construction():
             **(_batch_columns(3) | {"output_token_logprobs_val": [[-1.0], [], []]}),
             output_strs=["", "", ""],
         )
+
+
+def test_prompt_logprobs_round_trip_with_none_at_prompt_position_0():
+    msg = decode(encode(BatchStrOutput(**_batch_columns(2), output_strs=["", ""])))
+    assert msg.input_token_logprobs_val == [[None, -2.5, -0.25], []]
+    assert msg.input_top_logprobs_idx == [[[], [11, 12], [13, 14]], []]
+    without = {k: v for k, v in _batch_columns(2).items() if not k.startswith("input_")}
+    plain = decode(encode(BatchStrOutput(**without, output_strs=["", ""])))
+    assert plain.input_token_logprobs_val is None and plain.input_top_logprobs_val is None
+
+
+@pytest.mark.parametrize(
+    ("columns", "error"),
+    [
+        (
+            {"input_token_logprobs_val": [[-1.0]]},
+            "input_token_logprobs_val has 1 entries for 2 rids",
+        ),
+        (
+            {"input_top_logprobs_val": [[[-0.5]], []], "input_top_logprobs_idx": [[[3]], []]},
+            "input_top_logprobs_val of 'r0' has 1 entries for 3 prompt positions",
+        ),
+        (
+            {"input_top_logprobs_idx": [[[], [11], [13, 14]], []]},
+            "input_top_logprobs_idx of 'r0' does not match input_top_logprobs_val",
+        ),
+        (
+            {"input_top_logprobs_idx": None},
+            "input_top_logprobs_val and input_top_logprobs_idx come together",
+        ),
+    ],
+)
+def test_prompt_logprob_columns_that_do_not_line_up_are_rejected(columns, error):
+    with pytest.raises(ValueError, match=error):
+        BatchStrOutput(**(_batch_columns(2) | columns), output_strs=["", ""])
+    raw = msgspec.msgpack.decode(encode(BatchStrOutput(**_batch_columns(2), output_strs=["", ""])))
+    with pytest.raises(ProtocolError):
+        decode(msgspec.msgpack.encode(raw | columns))
 
 
 def test_encode_refuses_what_is_not_a_message():

@@ -14,7 +14,7 @@ from engine.model.forward_batch import ForwardBatch
 from engine.model.layers.activation import SiluAndMul
 from engine.model.layers.embedding import LMHead, VocabEmbedding
 from engine.model.layers.linear import Linear, MergedColumnLinear, QKVLinear, get_weight_loader
-from engine.model.layers.logits_processor import LogitsProcessor
+from engine.model.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.radix_attention import RadixAttention
 from engine.model.layers.rotary_embedding import RotaryEmbedding
@@ -159,8 +159,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
-    ) -> torch.Tensor:
-        """Logits `[batch, vocab]`: one row per request, for the position it samples next."""
+    ) -> LogitsProcessorOutput:
+        """Logits `[batch, vocab]`, one row per request for the position it samples next, and
+        the prompt logprobs the batch asks for."""
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+from transformers import PreTrainedModel
 
-from engine.model.embedded import embedded_model_path
+from benchmarks.support.models import embedded_hf_model
 from engine.model.runner import ModelRunner
 
 CHATS = [
@@ -41,15 +40,7 @@ def chat_prompts(embedded_tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def hf_model() -> PreTrainedModel:
-    """transformers' model from the same GGUF, through transformers' own GGUF reader and
-    dequantizer (what `from_pretrained(gguf_file=...)` does, minus `accelerate`)."""
-    path = embedded_model_path()
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    state = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
-    model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    return model
+    return embedded_hf_model()
 
 
 def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:

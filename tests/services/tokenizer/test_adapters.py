@@ -14,13 +14,14 @@ from transformers import PreTrainedTokenizerBase
 from engine.sampling.sampling_params import SamplingParams
 from services.tokenizer.adapters import (
     RequestError,
-    apply_chat_template,
+    check_chat_request,
     check_model,
     error_body,
     to_sampling_params,
     tokenize_prompts,
     validation_error_body,
 )
+from services.tokenizer.chat_template import render_chat
 from services.tokenizer.openai_api import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 MODEL = "smollm2"
@@ -50,7 +51,8 @@ def answer(
     try:
         if isinstance(request, ChatCompletionRequest):
             check_model(request, MODEL)
-            prompts = [apply_chat_template(tokenizer, request.messages)]
+            check_chat_request(request)
+            prompts = [render_chat(tokenizer, request.messages, tools=request.tools).ids]
         else:
             if isinstance(request, CompletionRequest):
                 check_model(request, MODEL)
@@ -540,7 +542,7 @@ def test_chat_template_is_chatml_ending_with_the_assistant_prompt(tokenizer):
             ]
         }
     )
-    ids = apply_chat_template(tokenizer, request.messages)
+    ids = render_chat(tokenizer, request.messages).ids
     text = tokenizer.decode(ids)
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n"

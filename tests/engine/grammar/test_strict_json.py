@@ -1,0 +1,247 @@
+"""JSON-schema grammars admit only strict JSON: no raw control character inside a string,
+length bounds counted in JSON characters, patterns xgrammar would expand unfiltered refused."""
+
+import json
+import random
+import re
+import time
+
+import jsonschema
+import pytest
+import torch
+import xgrammar as xgr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, allocate_vocab_mask
+from engine.grammar.validate import validate_grammar
+from engine.model.loader import load_tokenizer
+
+VOCAB = 49152  # SmolLM2's, the embedded tokenizer's
+EOS = 2
+CONTROL_CHARS = [chr(c) for c in range(0x20)]
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 4},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 1, "maxLength": 2},
+            "maxItems": 2,
+        },
+        "meta": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}$"}},
+            "required": ["code"],
+        },
+    },
+    "required": ["name", "tags", "meta"],
+}
+REFS = {
+    "type": "object",
+    "properties": {
+        "a": {"$ref": "#/$defs/short"},
+        "b": {"type": ["string", "null"], "maxLength": 1},
+    },
+    "required": ["a", "b"],
+    "$defs": {"short": {"type": "string", "minLength": 2, "maxLength": 2}},
+}
+
+CASES = [
+    pytest.param(
+        {"type": "string", "minLength": 1, "maxLength": 3},
+        # An escape sequence is one character; a surrogate pair's two escapes are one too.
+        ['"a"', '"abc"', '"😀é€"', r'"\n\t\\"', r'"\"\/\u0001"', r'"\ud83d\ude00\u00e9"'],
+        ['""', '"abcd"', r'"\n\t\\\""', r'"\ud83d"', r'"\ude00"', r'"\x"', '"a\\"'],
+        "{}",
+        id="minLength-maxLength",
+    ),
+    pytest.param(
+        {"type": "string", "minLength": 2}, ['"ab"', r'"\"\""'], ['"a"'], "{}", id="minLength"
+    ),
+    pytest.param(
+        {"type": "string", "maxLength": 0}, ['""'], ['"a"', r'"\n"'], "{}", id="maxLength-0"
+    ),
+    pytest.param(
+        {"type": "string", "pattern": "^a.*$"}, ['"a"', '"a b"'], ['"b"'], "a{}", id="pattern"
+    ),
+    pytest.param(
+        {"type": "string", "pattern": "^é.*$"},
+        ['"é"', '"éa€"'],
+        ['"a"', '"é""'],
+        "é{}",
+        id="non-ascii-pattern",
+    ),
+    pytest.param(
+        {"type": "string", "pattern": "^[а-я]+$"}, ['"абв"'], ['"abc"'], None, id="cyrillic-class"
+    ),
+    pytest.param(
+        {"enum": ["a\nb", "c\t"]}, [r'"a\nb"', r'"c\t"'], [], "a{}b", id="enum-with-escapes"
+    ),
+    pytest.param(
+        NESTED,
+        [
+            '{"name": "", "tags": [], "meta": {"code": "AB"}}',
+            r'{"name": "\"ab\"", "tags": ["x", "\t"], "meta": {"code": "ZZ"}}',
+        ],
+        ['{"name": "abcde", "tags": [], "meta": {"code": "AB"}}'],
+        '{{"name": "{}", "tags": [], "meta": {{"code": "AB"}}}}',
+        id="nested",
+    ),
+    pytest.param(
+        REFS,
+        ['{"a": "ab", "b": null}', r'{"a": "\u00e9\n", "b": "x"}'],
+        ['{"a": "a", "b": null}'],
+        '{{"a": "a{}", "b": null}}',
+        id="refs-and-type-lists",
+    ),
+    pytest.param(
+        {"type": "object", "patternProperties": {"^é.*$": {"type": "integer"}}},
+        ['{"éa": 1}'],
+        ['{"a": 1}'],
+        '{{"é{}": 1}}',
+        id="pattern-properties",
+    ),
+    pytest.param(
+        {"type": "string", "format": "email"}, ['"a@b.co"'], [], '"a{}@b.co"', id="format"
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    backend = GrammarBackend(load_tokenizer("embedded"), VOCAB, stop_token_ids=[EOS])
+    yield backend
+    backend.shutdown()
+
+
+def compiled(backend: GrammarBackend, schema: dict) -> xgr.CompiledGrammar:
+    pending = backend.submit("json_schema", json.dumps(schema))
+    while (result := pending.result()) is None:
+        time.sleep(0.005)
+    return result
+
+
+def accepts(grammar: xgr.CompiledGrammar, text: str) -> bool:
+    matcher = xgr.GrammarMatcher(grammar, terminate_without_stop_token=True)
+    return matcher.accept_string(text) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize(("schema", "valid", "invalid", "raw_template"), CASES)
+def test_the_grammar_refuses_raw_control_characters_and_keeps_the_bounds(
+    backend, schema, valid, invalid, raw_template
+):
+    grammar = compiled(backend, schema)
+    for text in valid:
+        jsonschema.validate(json.loads(text), schema)  # the case itself is right
+        assert accepts(grammar, text), text
+    for text in invalid:
+        assert not accepts(grammar, text), text
+    if raw_template is not None:  # where the schema allows a character, none may be raw
+        for char in CONTROL_CHARS:
+            assert not accepts(grammar, raw_template.format(char)), repr(char)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    ['^a"$', r"^a\n$", r"^C:\\.*$", "^[\\x00-\\x1f]$", "^a\x01$"],
+)
+def test_a_pattern_only_an_unescaped_string_matches_is_refused_before_and_at_compile(
+    backend, pattern
+):
+    schema = json.dumps(
+        {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
+    )
+    message = re.escape(f"pattern {pattern!r} cannot be matched in a JSON string")
+    with pytest.raises(GrammarError, match=f"^invalid json_schema: {message}"):
+        validate_grammar("json_schema", schema, 65536, 64)
+    with pytest.raises(GrammarError, match=message):
+        compiled(backend, json.loads(schema))
+
+
+def test_a_length_bounded_string_refuses_a_utf8_encoded_surrogate(backend):
+    """Byte tokens spell what no text can: U+D800 as UTF-8 is not UTF-8."""
+    grammar = compiled(backend, {"type": "string", "maxLength": 3})
+    byte_token = {
+        b[0]: i for i, b in enumerate(grammar.tokenizer_info.decoded_vocab) if len(b) == 1
+    }
+    matcher = xgr.GrammarMatcher(grammar)
+    assert matcher.accept_token(byte_token[ord('"')]) and matcher.accept_token(byte_token[0xED])
+    assert not matcher.accept_token(byte_token[0xA0])  # ED A0..BF lead to surrogates
+    assert matcher.accept_token(byte_token[0x9F])  # ED 80..9F do not (U+D000-U+D7FF)
+
+
+def test_a_pattern_on_a_schema_that_is_not_a_string_is_left_to_xgrammar(backend):
+    assert accepts(compiled(backend, {"type": "integer", "pattern": '^a"$'}), "12")
+
+
+WALK_SCHEMAS = [
+    {"type": "string", "minLength": 1, "maxLength": 6},
+    {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 2, "maxLength": 8},
+            "code": {"type": "string", "pattern": "^[a-zé]{1,3}$"},
+            "kind": {"enum": ["a\nb", 'q"', "c"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "code", "kind"],
+    },
+    NESTED,
+    REFS,
+]
+
+
+@pytest.fixture(scope="module")
+def walk_grammars(backend):
+    return [compiled(backend, schema) for schema in WALK_SCHEMAS]
+
+
+@pytest.fixture(scope="module")
+def token_bytes(walk_grammars):
+    return walk_grammars[0].tokenizer_info.decoded_vocab
+
+
+@pytest.fixture(scope="module")
+def escape_prone(token_bytes):
+    """Tokens that write a quote, a backslash or a control character, or one character:
+    drawn half the time, so that walks reach the escapes and the bounds."""
+    return torch.tensor(
+        [
+            i
+            for i, b in enumerate(token_bytes)
+            if len(b) == 1 or b'"' in b or b"\\" in b or any(c < 0x20 for c in b)
+        ]
+    )
+
+
+def allowed_tokens(matcher: GrammarMatcher) -> torch.Tensor:
+    mask = allocate_vocab_mask(1, VOCAB)
+    matcher.fill_vocab_mask(mask, 0)
+    bits = (mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:VOCAB].nonzero().flatten()
+
+
+@settings(max_examples=60)
+@given(schema_index=st.integers(0, len(WALK_SCHEMAS) - 1), seed=st.integers(0, 2**32 - 1))
+def test_random_token_walks_under_the_grammar_give_strict_valid_json(
+    backend, walk_grammars, token_bytes, escape_prone, schema_index, seed
+):
+    rng = random.Random(seed)
+    matcher = backend.new_matcher(walk_grammars[schema_index], reasoning=False)
+    tokens: list[int] = []
+    while not matcher.is_terminated():
+        assert len(tokens) < 200, b"".join(token_bytes[t] for t in tokens)
+        allowed = allowed_tokens(matcher)
+        if EOS in allowed:
+            token = EOS
+        else:
+            prone = allowed[torch.isin(allowed, escape_prone)]
+            pool = prone if len(prone) and rng.random() < 0.5 else allowed
+            token = int(pool[rng.randrange(len(pool))])
+        assert matcher.accept_token(token)
+        tokens.append(token)
+    text = b"".join(token_bytes[t] for t in tokens[:-1]).decode()
+    jsonschema.validate(json.loads(text), WALK_SCHEMAS[schema_index])
