@@ -201,6 +201,12 @@ def to_sampling_params(
         _check_int64(params)
     except ValueError as exc:
         raise _renamed(str(exc), names, prefix) from None
+    if params.logprob_start_len >= prompt_len:
+        param = names.get("logprob_start_len", prefix + "logprob_start_len")
+        raise RequestError(
+            f"{param} is {params.logprob_start_len}, but the prompt has {prompt_len} tokens",
+            param=param,
+        )
     if params.grammar is not None:
         kind, source = params.grammar
         try:
@@ -320,7 +326,7 @@ def _native_kwargs(request: GenerateRequest) -> tuple[dict[str, str], dict[str, 
             request.top_logprobs_num,
             "top_logprobs_num",
         )
-    if request.return_logprob and request.logprob_start_len >= 0:
+    if request.return_logprob and request.logprob_start_len != -1:
         kwargs["logprob_start_len"], names["logprob_start_len"] = (
             request.logprob_start_len,
             "logprob_start_len",

@@ -184,7 +184,23 @@ class NamedToolChoice(_Request):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+_TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _tool_choice(value: object) -> object:
+    """One of the three words or a named function, with one message for a wrong one."""
+    if isinstance(value, str) and value not in _TOOL_CHOICES:
+        raise ValueError(
+            'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
+    if isinstance(value, dict):
+        return NamedToolChoice.model_validate(value)
+    return value
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice, BeforeValidator(_tool_choice)
+]
 
 
 class StreamOptions(_Request):

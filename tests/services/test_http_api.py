@@ -349,3 +349,144 @@ def test_metrics_count_requests_by_endpoint_and_outcome_without_a_key(
     assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0}).status_code == 400
     assert count("/v1/completions", "success") == ok + 1
     assert count("/v1/completions", "client_error") == bad + 1
+
+
+# ----- tokenizer endpoints, echo, the Responses API ---------------------------------------------
+
+SURFACE_BAD_INPUT = [
+    # (id, path, body, status, param)
+    ("tokenize without a prompt", "/tokenize", {}, 400, "prompt"),
+    ("tokenize another model", "/v1/tokenize", {"model": "x", "prompt": "a"}, 404, "model"),
+    ("tokenize a bad message", "/tokenize", {"messages": [{"role": "x"}]}, 400, "messages[0].role"),
+    ("detokenize an id outside the vocabulary", "/detokenize", {"tokens": [10**9]}, 400, "tokens"),
+    ("detokenize text", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    (
+        "responses with previous_response_id",
+        "/v1/responses",
+        {"input": "hi", "previous_response_id": "resp_1"},
+        400,
+        "previous_response_id",
+    ),
+    (
+        "responses with a built-in tool",
+        "/v1/responses",
+        {"input": "hi", "tools": [{"type": "web_search"}]},
+        400,
+        "tools[0].type",
+    ),
+    (
+        "responses in the background",
+        "/v1/responses",
+        {"input": "hi", "background": True},
+        400,
+        "background",
+    ),
+    (
+        "responses max_output_tokens beyond the context",
+        "/v1/responses",
+        {"input": "hi", "max_output_tokens": 10**6},
+        400,
+        "max_output_tokens",
+    ),
+    (
+        "chat tool_choice naming no tool",
+        CHAT,
+        {"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        400,
+        "tool_choice",
+    ),
+    (
+        "completions echo n 2 with logprobs",
+        COMPLETIONS,
+        {"prompt": "hi", "echo": True, "logprobs": 0, "n": 2},
+        400,
+        "n",
+    ),
+    (
+        "chat field not served",
+        CHAT,
+        {"messages": USER, "prediction": {"type": "content"}},
+        400,
+        "prediction",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [c[1:] for c in SURFACE_BAD_INPUT],
+    ids=[c[0] for c in SURFACE_BAD_INPUT],
+)
+def test_bad_input_to_the_new_surface_names_the_field(
+    http: httpx2.Client, path: str, body: Any, status: int, param: str
+):
+    response = http.post(path, json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+    assert http.post("/tokenize", json={"prompt": "still serving"}).status_code == 200
+
+
+def test_tokenize_gives_the_ids_chat_and_completions_send(http: httpx2.Client):
+    chat = http.post("/tokenize", json={"messages": USER}).json()
+    answer = http.post(CHAT, json={"messages": USER, "max_tokens": 1}).json()
+    assert chat["count"] == len(chat["tokens"]) == answer["usage"]["prompt_tokens"]
+    assert chat["max_model_len"] > chat["count"]
+    text = http.post("/v1/tokenize", json={"prompt": "a cat", "return_token_strs": True}).json()
+    completion = http.post(COMPLETIONS, json={"prompt": text["tokens"], "max_tokens": 1}).json()
+    assert completion["usage"]["prompt_tokens"] == text["count"] == len(text["token_strs"])
+    assert http.post("/detokenize", json={"tokens": text["tokens"]}).json() == {"prompt": "a cat"}
+    info = http.get("/tokenizer_info").json()
+    assert info["chat_template"] and info["eos_token"] and info["model_max_length"] > 0
+
+
+def test_model_card_by_id(http: httpx2.Client):
+    assert http.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    missing = http.get("/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "model"
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_generate_does(http: httpx2.Client):
+    """lm-eval's loglikelihood request: the prompt's token logprobs (first null), then the
+    generated token's, equal to the native API's `input_token_logprobs`."""
+    ids = http.post("/tokenize", json={"prompt": "The cat sat on the mat"}).json()["tokens"]
+    body = {"prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    choice = http.post(COMPLETIONS, json=body).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    native = http.post(
+        "/generate",
+        json={
+            "input_ids": ids,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 1,
+            "sampling_params": {"max_new_tokens": 0},
+        },
+    ).json()["meta_info"]
+    assert len(logprobs["token_logprobs"]) == len(ids) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    prompt_values = [v for v, _, _ in native["input_token_logprobs"]]
+    assert logprobs["token_logprobs"][: len(ids)] == pytest.approx(prompt_values, abs=1e-5)
+    assert "".join(logprobs["tokens"][: len(ids)]) == "The cat sat on the mat"
+    assert choice["text"].startswith("The cat sat on the mat")
+    zero = http.post(COMPLETIONS, json={**body, "max_tokens": 0}).json()["choices"][0]
+    assert zero["text"] == "The cat sat on the mat" and zero["finish_reason"] == "length"
+    assert zero["logprobs"]["token_logprobs"] == logprobs["token_logprobs"][: len(ids)]
+    vllm = http.post(COMPLETIONS, json={"prompt": [ids], "prompt_logprobs": 0, "max_tokens": 1})
+    entries = vllm.json()["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None
+    assert [e[str(t)]["logprob"] for e, t in zip(entries[1:], ids[1:])] == pytest.approx(
+        prompt_values[1:], abs=1e-5
+    )
+
+
+def test_responses_api_answers_and_streams_the_same_text(client: openai.OpenAI):
+    whole = client.responses.create(
+        model=MODEL, input="Tell me a story.", max_output_tokens=8, temperature=0
+    )
+    assert whole.status == "incomplete" and whole.output_text
+    with client.responses.stream(
+        model=MODEL, input="Tell me a story.", max_output_tokens=8, temperature=0
+    ) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+    assert "".join(deltas) == whole.output_text

@@ -15,6 +15,7 @@ from engine.sampling.sampling_params import SamplingParams
 from services.tokenizer.adapters import (
     RequestError,
     check_chat_request,
+    check_completion_request,
     check_model,
     error_body,
     to_sampling_params,
@@ -52,10 +53,17 @@ def answer(
         if isinstance(request, ChatCompletionRequest):
             check_model(request, MODEL)
             check_chat_request(request)
-            prompts = [render_chat(tokenizer, request.messages, tools=request.tools).ids]
+            prompt = render_chat(
+                tokenizer,
+                request.messages,
+                tools=request.tools,
+                template_kwargs=request.chat_template_kwargs,
+            )
+            prompts = [prompt.ids]
         else:
             if isinstance(request, CompletionRequest):
                 check_model(request, MODEL)
+                check_completion_request(request)
             prompts = tokenize_prompts(request, tokenizer, VOCAB)
         for ids in prompts:
             to_sampling_params(request, len(ids), **LIMITS)
@@ -65,6 +73,17 @@ def answer(
 
 
 CHAT, COMPLETION, GENERATE = ChatCompletionRequest, CompletionRequest, GenerateRequest
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object"}},
+}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+
+
+def named(name: str) -> dict:
+    return {"type": "function", "function": {"name": name}}
+
+
 BAD_INPUT = [
     # (id, request model, body, status, param)
     ("malformed JSON", CHAT, '{"messages": [', 400, None),
@@ -291,6 +310,191 @@ BAD_INPUT = [
         {"text": "a", "sampling_params": {"regex": "a" * 5000}},
         400,
         "sampling_params.regex",
+    ),
+    # tools, prompt logprobs and fields known but not served
+    ("tools not a list", CHAT, {"messages": USER, "tools": {"a": 1}}, 400, "tools"),
+    (
+        "tool without a function",
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function"}]},
+        400,
+        "tools[0].function",
+    ),
+    (
+        "tool of another type",
+        CHAT,
+        {"messages": USER, "tools": [{"type": "web_search", "function": {"name": "f"}}]},
+        400,
+        "tools[0].type",
+    ),
+    (
+        "tool name with a space",
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+        400,
+        "tools[0].function.name",
+    ),
+    (
+        "tool parameters not an object",
+        CHAT,
+        {
+            "messages": USER,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}],
+        },
+        400,
+        "tools[0].function.parameters",
+    ),
+    ("two tools of one name", CHAT, {"messages": USER, "tools": [TOOL, TOOL]}, 400, "tools"),
+    (
+        "tool_choice naming an unknown function",
+        CHAT,
+        {"messages": USER, "tools": [TOOL], "tool_choice": named("nope")},
+        400,
+        "tool_choice",
+    ),
+    (
+        "tool_choice required without tools",
+        CHAT,
+        {"messages": USER, "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),
+    (
+        "tool_choice unknown string",
+        CHAT,
+        {"messages": USER, "tools": [TOOL], "tool_choice": "always"},
+        400,
+        "tool_choice",
+    ),
+    (
+        "forced tool with a response_format",
+        CHAT,
+        {
+            "messages": USER,
+            "tools": [TOOL],
+            "tool_choice": "required",
+            "response_format": {"type": "json_object"},
+        },
+        400,
+        "tool_choice",
+    ),
+    (
+        "tool message without tool_call_id",
+        CHAT,
+        {"messages": [*USER, {"role": "tool", "content": "42"}]},
+        400,
+        "messages[1]",
+    ),
+    (
+        "tool_calls on a user message",
+        CHAT,
+        {"messages": [{"role": "user", "content": "hi", "tool_calls": [CALL]}]},
+        400,
+        "messages[0]",
+    ),
+    (
+        "chat_template_kwargs overriding the tools",
+        CHAT,
+        {"messages": USER, "chat_template_kwargs": {"tools": []}},
+        400,
+        "chat_template_kwargs",
+    ),
+    (
+        "continue_final_message with a generation prompt",
+        CHAT,
+        {"messages": USER, "continue_final_message": True},
+        400,
+        "continue_final_message",
+    ),
+    (
+        "echo with n > 1 and logprobs",
+        COMPLETION,
+        {"prompt": "hi", "echo": True, "logprobs": 1, "n": 2},
+        400,
+        "n",
+    ),
+    ("max_tokens 0 without echo", COMPLETION, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    (
+        "prompt_logprobs streamed",
+        COMPLETION,
+        {"prompt": "hi", "prompt_logprobs": 1, "stream": True},
+        400,
+        "prompt_logprobs",
+    ),
+    (
+        "prompt_logprobs negative",
+        COMPLETION,
+        {"prompt": "hi", "prompt_logprobs": -1},
+        400,
+        "prompt_logprobs",
+    ),
+    (
+        "prompt_logprobs on chat",
+        CHAT,
+        {"messages": USER, "prompt_logprobs": 1},
+        400,
+        "prompt_logprobs",
+    ),
+    ("echo on chat", CHAT, {"messages": USER, "echo": True}, 400, "echo"),
+    ("audio output", CHAT, {"messages": USER, "audio": {"voice": "alloy"}}, 400, "audio"),
+    (
+        "modalities with audio",
+        CHAT,
+        {"messages": USER, "modalities": ["text", "audio"]},
+        400,
+        "modalities",
+    ),
+    (
+        "deprecated functions",
+        CHAT,
+        {"messages": USER, "functions": [{"name": "f"}]},
+        400,
+        "functions",
+    ),
+    (
+        "reasoning_effort",
+        CHAT,
+        {"messages": USER, "reasoning_effort": "high"},
+        400,
+        "reasoning_effort",
+    ),
+    ("best_of 2", COMPLETION, {"prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ("suffix", COMPLETION, {"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ("beam search", COMPLETION, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    (
+        "vLLM guided_json",
+        CHAT,
+        {"messages": USER, "guided_json": {"type": "object"}},
+        400,
+        "guided_json",
+    ),
+    (
+        "a custom chat_template",
+        CHAT,
+        {"messages": USER, "chat_template": "{{ 1 }}"},
+        400,
+        "chat_template",
+    ),
+    (
+        "structured_outputs with two constraints",
+        CHAT,
+        {"messages": USER, "structured_outputs": {"regex": "a", "choice": ["b"]}},
+        400,
+        "structured_outputs",
+    ),
+    (
+        "structured_outputs and regex",
+        COMPLETION,
+        {"prompt": "hi", "structured_outputs": {"regex": "a"}, "regex": "b"},
+        400,
+        "structured_outputs",
+    ),
+    (
+        "generate logprob_start_len past the prompt",
+        GENERATE,
+        {"text": "hi", "return_logprob": True, "logprob_start_len": -2},
+        400,
+        "logprob_start_len",
     ),
 ]
 
