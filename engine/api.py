@@ -8,6 +8,7 @@ from typing import Any, cast
 
 import torch
 
+from engine import constants
 from engine.args import EngineArgs
 from engine.detokenize import IncrementalDetokenizer
 from engine.grammar import GrammarBackend
@@ -57,6 +58,7 @@ class Engine:
                 compile_timeout_s=args.grammar_compile_timeout,
                 max_grammar_bytes=args.grammar_max_bytes,
                 max_nesting_depth=args.grammar_max_nesting_depth,
+                think_end_token=constants.REASONING_PARSERS.get(args.reasoning_parser or ""),
             )
         self.scheduler = Scheduler(
             args,

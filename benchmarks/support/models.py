@@ -11,6 +11,7 @@ weights.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,16 +101,22 @@ def tiny_hf_model(
 
 
 def save_tiny_model(
-    path: Path, arch: str = "llama", *, tokenizer: str | None = None, **model_args: Any
+    path: Path,
+    arch: str = "llama",
+    *,
+    tokenizer: str | None = None,
+    added_tokens: Sequence[str] = (),
+    **model_args: Any,
 ) -> Path:
     """`tiny_hf_model(arch, **model_args)` saved as a Hugging Face directory at `path`.
 
     With `tokenizer` (a model path `load_tokenizer` knows, e.g. "embedded"), that tokenizer
     is saved beside it and sets the vocabulary size and the BOS and EOS ids, so the model
-    reads and writes real text.
+    reads and writes real text; `added_tokens` join its vocabulary as single tokens.
     """
     if tokenizer is not None:
         loaded = load_tokenizer(tokenizer)
+        loaded.add_tokens(list(added_tokens))
         loaded.save_pretrained(path)
         model_args = {
             "vocab_size": len(loaded),
@@ -125,6 +132,17 @@ def save_tiny_llama(path: Path) -> Path:
     """The tiny Llama with the embedded SmolLM2's tokenizer and a TINY_LLAMA_CONTEXT-token
     context: what the service tests and the soak serve."""
     return save_tiny_model(path, tokenizer="embedded", max_position_embeddings=TINY_LLAMA_CONTEXT)
+
+
+def save_tiny_thinking_llama(path: Path) -> Path:
+    """The tiny Llama of `save_tiny_llama` whose vocabulary also has `<think>` and
+    `</think>` as single tokens, as reasoning models' do."""
+    return save_tiny_model(
+        path,
+        tokenizer="embedded",
+        added_tokens=("<think>", "</think>"),
+        max_position_embeddings=TINY_LLAMA_CONTEXT,
+    )
 
 
 def embedded_hf_model() -> PreTrainedModel:

@@ -48,6 +48,7 @@ class ReasoningGrammarMatcher:
         return True
 
     def allows_any_token(self) -> bool:
+        """True while reasoning; after it, whether the grammar can continue."""
         return not self._answering or self.inner.allows_any_token()
 
     def is_terminated(self) -> bool:

@@ -12,7 +12,7 @@ from engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.cache.radix_cache import TreeNode
-    from engine.grammar import GrammarMatcher, PendingGrammar
+    from engine.grammar import GrammarMatcher, PendingGrammar, ReasoningGrammarMatcher
 
 
 class ReqStatus(enum.Enum):
@@ -81,7 +81,7 @@ class Req:
     positions ([] at position 0); empty when that number is 0."""
     pending_grammar: PendingGrammar | None = None
     """The compile this request waits for in the grammar queue."""
-    grammar: GrammarMatcher | None = None
+    grammar: GrammarMatcher | ReasoningGrammarMatcher | None = None
     """Its grammar's state once compiled: masks each next token, accepts each sampled one."""
     output_rollback: int = 0
     """Output ids a jump-forward replaced since whoever streams the output last read it

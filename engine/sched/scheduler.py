@@ -23,7 +23,13 @@ from engine.args import EngineArgs
 from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.chunk_cache import ChunkCache
 from engine.cache.radix_cache import RadixCache
-from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, PendingGrammar
+from engine.grammar import (
+    GrammarBackend,
+    GrammarError,
+    GrammarMatcher,
+    PendingGrammar,
+    ReasoningGrammarMatcher,
+)
 from engine.grammar.jump_forward import JumpForward, decodes_concatenatively, plan_jump_forward
 from engine.sampling.sampler import Sampler
 from engine.sched.batch import ScheduleBatch
@@ -58,6 +64,9 @@ SendOutputs = Callable[[list[Req]], None]
 GRAMMAR_POLL_INTERVAL_S = 0.005
 """With only compiling requests to serve, a round waits this long for a compile to end
 rather than spin; short, so that the event loop still receives new requests promptly."""
+
+AnyGrammarMatcher = GrammarMatcher | ReasoningGrammarMatcher
+"""A request's grammar state: plain, or waiting for the end of a reasoning section."""
 
 
 class BatchResult(NamedTuple):
@@ -395,7 +404,9 @@ class Scheduler:
             if compiled is None:
                 still_compiling.append(req)
                 continue
-            req.grammar = GrammarMatcher(compiled)
+            req.grammar = self._grammar_backend().new_matcher(
+                compiled, req.sampling_params.reasoning
+            )
             req.pending_grammar = None
             self.waiting_queue.append(req)
         self.grammar_queue = still_compiling
@@ -534,7 +545,7 @@ class Scheduler:
                 self._jump_forward(req, grammar)
             self.outputs.append(req)
 
-    def _jump_forward(self, req: Req, matcher: GrammarMatcher) -> None:
+    def _jump_forward(self, req: Req, matcher: AnyGrammarMatcher) -> None:
         """Take the text the grammar forces now, if any. The request leaves the running batch
         with its KV handed to the radix tree and returns through the waiting queue as an
         extend of the forced tokens: one forward pass instead of one per token. Under the
@@ -605,7 +616,7 @@ class Scheduler:
         self.outputs.append(req)
 
 
-def _accept_grammar_token(matcher: GrammarMatcher, token: int) -> FinishReason | None:
+def _accept_grammar_token(matcher: AnyGrammarMatcher, token: int) -> FinishReason | None:
     """Advance the matcher; a terminated grammar ends the request, its stop token (the
     model's EOS) counting as the matched stop token."""
     if not matcher.accept_token(token):
@@ -623,7 +634,9 @@ def _accept_grammar_token(matcher: GrammarMatcher, token: int) -> FinishReason |
     return None
 
 
-def _retokenize_grammar(matcher: GrammarMatcher, output_ids: list[int], plan: JumpForward) -> bool:
+def _retokenize_grammar(
+    matcher: AnyGrammarMatcher, output_ids: list[int], plan: JumpForward
+) -> bool:
     """Move the matcher onto the re-encoded tokens; False (matcher unchanged) if it refuses
     one, which only a special token inside the forced text could cause."""
     replaced = output_ids[len(output_ids) - plan.rollback :]
