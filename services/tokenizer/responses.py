@@ -161,7 +161,9 @@ def completion_logprobs(
         token_logprobs=[lp.logprob for lp in logprobs],
         tokens=[lp.token for lp in logprobs],
         top_logprobs=[
-            None if lp.logprob is None else {t.token: t.logprob or 0.0 for t in lp.top_logprobs}
+            None
+            if lp.logprob is None
+            else {t.token: t.logprob for t in lp.top_logprobs if t.logprob is not None}
             for lp in logprobs
         ],
     )
@@ -378,9 +380,10 @@ def vllm_prompt_logprobs(
             continue
         by_id = {str(lp.token_id): VllmLogprob(logprob=lp.logprob, decoded_token=lp.token)}
         for t in lp.top_logprobs:
-            by_id.setdefault(
-                str(t.token_id), VllmLogprob(logprob=t.logprob or 0.0, decoded_token=t.token)
-            )
+            if t.logprob is not None:  # alternatives always have one; the type allows None
+                by_id.setdefault(
+                    str(t.token_id), VllmLogprob(logprob=t.logprob, decoded_token=t.token)
+                )
         result.append(by_id)
     return result
 

@@ -105,11 +105,12 @@ def test_a_prefill_only_request_brings_the_offline_prompt_logprobs_with_their_te
     assert out.finished_reason is not None and out.finished_reason.type == "length"
     assert expected.input_token_logprobs is not None and expected.input_top_logprobs is not None
     assert len(out.prompt_logprobs) == len(ids)
-    assert out.prompt_logprobs[0] is None, "nothing predicts the first prompt token"
+    first = out.prompt_logprobs[0]
+    assert (first.token_id, first.token, first.logprob) == (ids[0], tokenizer.decode(ids[:1]), None)
     for entry, (logprob, token_id), top in zip(
         out.prompt_logprobs[1:], expected.input_token_logprobs[1:], expected.input_top_logprobs[1:]
     ):
-        assert entry is not None and logprob is not None
+        assert entry.logprob is not None and logprob is not None
         assert (entry.token_id, entry.token) == (token_id, tokenizer.decode([token_id]))
         assert entry.logprob == pytest.approx(logprob, abs=1e-5)
         assert [(t.token_id, t.token) for t in entry.top_logprobs] == [
@@ -135,8 +136,8 @@ def test_a_streamed_request_gets_its_prompt_logprobs_once_in_its_first_output(
     assert [i for o in outputs for i in o.output_ids] == expected.output_ids
     assert len(outputs) > 1
     first, *rest = outputs
-    assert [e.token_id for e in first.prompt_logprobs if e is not None] == ids[5:]
-    assert [e.logprob for e in first.prompt_logprobs if e is not None] == pytest.approx(
+    assert [e.token_id for e in first.prompt_logprobs] == ids[5:]
+    assert [e.logprob for e in first.prompt_logprobs] == pytest.approx(
         [lp for lp, _ in expected.meta.input_token_logprobs or []], abs=1e-5
     )
     assert all(o.prompt_logprobs == () for o in rest)
