@@ -48,10 +48,21 @@ class ChatDelta:
         return bool(self.reasoning or self.content or self.tool_calls)
 
     def __add__(self, later: ChatDelta) -> ChatDelta:
-        return ChatDelta(
-            self.reasoning + later.reasoning,
-            self.content + later.content,
-            self.tool_calls + later.tool_calls,
+        joined = ChatDelta(self.reasoning + later.reasoning, self.content + later.content)
+        for call in [*self.tool_calls, *later.tool_calls]:
+            joined.add_tool_call(call)
+        return joined
+
+    def add_tool_call(self, call: ToolCallDelta) -> None:
+        """Appends `call`, merged into the previous piece of the same call: clients (the
+        openai SDK's stream helper) merge a call's pieces across chunks, not within one."""
+        last = self.tool_calls[-1] if self.tool_calls else None
+        if last is None or last.index != call.index:
+            self.tool_calls.append(call)
+            return
+        arguments = (last.function.arguments or "") + (call.function.arguments or "")
+        self.tool_calls[-1] = last.model_copy(
+            update={"function": last.function.model_copy(update={"arguments": arguments})}
         )
 
 
@@ -153,7 +164,7 @@ class ChoiceParser:
             if isinstance(item, str):
                 delta.content += item
             else:
-                delta.tool_calls.append(_openai_delta(item))
+                delta.add_tool_call(_openai_delta(item))
                 self.num_tool_calls = max(self.num_tool_calls, item.index + 1)
         return delta
 
@@ -183,7 +194,10 @@ class ChatMessageParts:
             if call is None:
                 assert d.id is not None and d.function.name is not None, "a call opens first"
                 self.calls[d.index] = ToolCall(
-                    id=d.id, function=ToolCallFunction(name=d.function.name, arguments="")
+                    id=d.id,
+                    function=ToolCallFunction(
+                        name=d.function.name, arguments=d.function.arguments or ""
+                    ),
                 )
             else:
                 call.function.arguments += d.function.arguments or ""

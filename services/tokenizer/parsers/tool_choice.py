@@ -32,25 +32,62 @@ def named_tool_schema(tool: ToolSpec) -> dict[str, Any]:
 
 def required_tools_schema(tools: Sequence[ToolSpec], parallel_tool_calls: bool) -> dict[str, Any]:
     """The schema of the output under `tool_choice: "required"`: a list of calls, each to
-    one of `tools` with arguments that satisfy that tool's parameters."""
+    one of `tools` with arguments that satisfy that tool's parameters. Each tool's `$defs`
+    move to the root, where `#/$defs/...` references are resolved, named after the tool."""
     if not tools:
         raise ValueError('tool_choice "required" needs at least one tool')
-    items = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "const": tool.name},
-                "parameters": tool.parameters_schema(),
-            },
-            "required": ["name", "parameters"],
-            "additionalProperties": False,
-        }
-        for tool in tools
-    ]
+    defs: dict[str, Any] = {}
+    items = []
+    for tool in tools:
+        parameters, tool_defs = _hoisted_defs(tool.parameters_schema(), tool.name)
+        defs.update(tool_defs)
+        items.append(
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "const": tool.name},
+                    "parameters": parameters,
+                },
+                "required": ["name", "parameters"],
+                "additionalProperties": False,
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "items": {"anyOf": items}, "minItems": 1}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+_DEFS_KEYS = ("$defs", "definitions")
+
+
+def _hoisted_defs(schema: dict[str, Any], tool: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """`schema` without its definitions, its references renamed to `#/$defs/<tool>.<name>`,
+    and those definitions under their new names."""
+    renames = {
+        f"#/{key}/{name}": f"#/$defs/{tool}.{name}"
+        for key in _DEFS_KEYS
+        for name in schema.get(key) or {}
+    }
+
+    def renamed(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {
+                k: renames.get(v, v) if k == "$ref" and isinstance(v, str) else renamed(v)
+                for k, v in value.items()
+            }
+        if isinstance(value, list):
+            return [renamed(v) for v in value]
+        return value
+
+    defs = {
+        f"{tool}.{name}": renamed(definition)
+        for key in _DEFS_KEYS
+        for name, definition in (schema.get(key) or {}).items()
+    }
+    return renamed({k: v for k, v in schema.items() if k not in _DEFS_KEYS}), defs
 
 
 class StreamingForcedToolCalls:

@@ -43,10 +43,13 @@ def output_format(reasoning_parser: str | None = None, **fields: object) -> Chat
 
 
 def streamed(fmt: ChatOutputFormat, pieces: list[str]) -> tuple[ChatMessageParts, str]:
+    """The message joined from a stream's deltas, each of which carries at most one piece
+    per call (the openai SDK merges a call's pieces across chunks only)."""
     parser, parts = ChoiceParser(fmt), ChatMessageParts()
-    for piece in pieces:
-        parts.add(parser.feed(piece))
-    parts.add(parser.finish())
+    for delta in [*(parser.feed(piece) for piece in pieces), parser.finish()]:
+        indexes = [call.index for call in delta.tool_calls]
+        assert len(indexes) == len(set(indexes))
+        parts.add(delta)
     return parts, parser.finish_reason("stop")
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import jsonschema
 import pytest
+import xgrammar
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -92,7 +93,6 @@ def test_required_schema_needs_tools() -> None:
 
 def test_schemas_compile_to_grammars() -> None:
     """The grammar backend takes them as they are."""
-    xgrammar = pytest.importorskip("xgrammar")
     for schema in (
         named_tool_schema(WEATHER),
         required_tools_schema(TOOLS, parallel_tool_calls=False),
@@ -210,3 +210,27 @@ def test_tool_spec_without_parameters_accepts_any_object() -> None:
     spec = ToolSpec("ping")
     assert pairs([named_output("{}", spec)]) == [("ping", "{}")]
     assert named_output('{"a": [1]}', spec).arguments == '{"a":[1]}'
+
+
+def test_required_schema_lifts_each_tools_defs_to_the_root() -> None:
+    """`#/$defs/...` is resolved from the root of the schema, so a tool's definitions (what
+    a nested pydantic model's schema has) move there, named after the tool."""
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    tools = [
+        ToolSpec(
+            name,
+            parameters={
+                "type": "object",
+                "properties": {"at": {"$ref": "#/$defs/Point"}},
+                "required": ["at"],
+                "$defs": {"Point": point},
+            },
+        )
+        for name in ("move", "look")
+    ]
+    schema = required_tools_schema(tools, parallel_tool_calls=True)
+    assert set(schema["$defs"]) == {"move.Point", "look.Point"}
+    xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    jsonschema.validate([{"name": "move", "parameters": {"at": {"x": 1}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "look", "parameters": {"at": {"x": "1"}}}], schema)
