@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -93,16 +93,12 @@ def _dotted(loc: Sequence[str | int]) -> str:
     return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
-class _NamesModel(Protocol):
-    model: str | None
-
-
-def check_model(request: _NamesModel, served_model: str) -> None:
+def check_model(requested: str | None, served_model: str) -> None:
     """A request for another model is an error rather than silently served by this one;
-    omitting `model` means this one."""
-    if request.model is not None and request.model != served_model:
+    omitting `model` (None) means this one."""
+    if requested is not None and requested != served_model:
         raise RequestError(
-            f"the model {request.model!r} does not exist; this server serves {served_model!r}",
+            f"the model {requested!r} does not exist; this server serves {served_model!r}",
             param="model",
             code="model_not_found",
             status=404,

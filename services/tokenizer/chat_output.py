@@ -25,6 +25,7 @@ from services.tokenizer.openai_api import (
     ToolCallFunction,
 )
 from services.tokenizer.parsers import (
+    DEFAULT_TOOL_PARSER,
     ReasoningParser,
     StreamingForcedToolCalls,
     StreamingToolParser,
@@ -67,6 +68,14 @@ class ChatDelta:
 
 
 @dataclass(frozen=True)
+class ChatParsers:
+    """The server's parsers of chat output (`--tool-call-parser`, `--reasoning-parser`)."""
+
+    tool_call_parser: str = DEFAULT_TOOL_PARSER
+    reasoning_parser: str | None = None
+
+
+@dataclass(frozen=True)
 class ChatOutputFormat:
     """How a request's choices are read: the same for each of its choices."""
 
@@ -83,9 +92,8 @@ class ChatOutputFormat:
     def for_request(
         cls,
         request: ChatCompletionRequest,
+        parsers: ChatParsers,
         *,
-        tool_parser: str,
-        reasoning_parser: str | None,
         starts_in_reasoning: bool,
         reasoning_closed: bool,
     ) -> ChatOutputFormat:
@@ -97,11 +105,13 @@ class ChatOutputFormat:
         elif choice == "required":
             forced = True
         return cls(
-            reasoning_parser=reasoning_parser,
+            reasoning_parser=parsers.reasoning_parser,
             starts_in_reasoning=starts_in_reasoning,
             enable_thinking=not reasoning_closed,
             tools=tools if choice != "none" else (),
-            tool_parser=get_tool_parser(tool_parser) if choice == "auto" and tools else None,
+            tool_parser=(
+                get_tool_parser(parsers.tool_call_parser) if choice == "auto" and tools else None
+            ),
             forced=forced,
         )
 

@@ -26,6 +26,7 @@ from services.tokenizer.openai_api import (
     DetokenizeRequest,
     DetokenizeResponse,
     GenerateRequest,
+    ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -33,6 +34,7 @@ from services.tokenizer.openai_api import (
 from services.tokenizer.responses import model_list
 from services.tokenizer.responses_api import ResponsesRequest, responses_error
 from services.tokenizer.serving import (
+    AppState,
     ChatEndpoint,
     CompletionsEndpoint,
     GenerateEndpoint,
@@ -60,13 +62,7 @@ class AbortRequestInput(BaseModel):
 async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     state = app_state(request)
-    endpoint = ChatEndpoint(
-        body,
-        state.model,
-        tool_call_parser=state.settings.tool_call_parser,
-        reasoning_parser=state.settings.reasoning_parser,
-    )
-    return await serve(request, endpoint)
+    return await serve(request, ChatEndpoint(body, state.model, state.chat_parsers))
 
 
 @router.post("/v1/completions")
@@ -80,38 +76,27 @@ async def responses(request: Request) -> Response:
     body = await parse_body(request, ResponsesRequest)
     state = app_state(request)
     try:
-        endpoint = ResponsesEndpoint(
-            body,
-            state.model,
-            tool_call_parser=state.settings.tool_call_parser,
-            reasoning_parser=state.settings.reasoning_parser,
-        )
-        return await serve(request, endpoint)
+        return await serve(request, ResponsesEndpoint(body, state.model, state.chat_parsers))
     except RequestError as err:
         raise responses_error(err) from None
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    state = app_state(request)
-    info = state.manager.worker_info
-    context_length = None if info is None else info.context_length
-    return model_list(state.model, context_length, state.started).model_dump()
+    return _model_list(app_state(request)).model_dump()
 
 
 @router.get("/v1/models/{model_id:path}")
 async def model_card(request: Request, model_id: str) -> dict[str, Any]:
     state = app_state(request)
-    if model_id != state.model:
-        raise RequestError(
-            f"the model {model_id!r} does not exist; this server serves {state.model!r}",
-            param="model",
-            code="model_not_found",
-            status=404,
-        )
+    check_model(model_id, state.model)
+    return _model_list(state).data[0].model_dump()
+
+
+def _model_list(state: AppState) -> ModelList:
     info = state.manager.worker_info
     context_length = None if info is None else info.context_length
-    return model_list(state.model, context_length, state.started).data[0].model_dump()
+    return model_list(state.model, context_length, state.started)
 
 
 @router.post("/tokenize")
@@ -130,7 +115,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
         if chat
         else TokenizeCompletionRequest.model_validate_json(raw)
     )
-    check_model(body, state.model)
+    check_model(body.model, state.model)
     tokenizer = state.require_tokenizer("messages" if chat else "prompt")
     if isinstance(body, TokenizeChatRequest):
         ids = render_chat(
@@ -157,7 +142,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 async def detokenize(request: Request) -> dict[str, Any]:
     state = app_state(request)
     body = await parse_body(request, DetokenizeRequest)
-    check_model(body, state.model)
+    check_model(body.model, state.model)
     tokenizer = state.require_tokenizer("tokens")
     info = state.manager.require_ready()
     bad = next((t for t in body.tokens if not 0 <= t < info.vocab_size), None)

@@ -45,11 +45,10 @@ from services.tokenizer.adapters import (
     to_sampling_params,
     tokenize_prompts,
 )
-from services.tokenizer.chat_output import ChatOutputFormat, ChoiceParser
+from services.tokenizer.chat_output import ChatOutputFormat, ChatParsers, ChoiceParser
 from services.tokenizer.chat_template import render_chat
 from services.tokenizer.manager import ReqOutput, TokenizerManager
 from services.tokenizer.openai_api import ChatCompletionRequest, CompletionRequest, GenerateRequest
-from services.tokenizer.parsers import DEFAULT_TOOL_PARSER
 from services.tokenizer.responses import (
     SSE_DONE,
     ChatCompletionStream,
@@ -106,6 +105,10 @@ class AppState:
     @property
     def model(self) -> str:
         return served_model(self.settings)
+
+    @property
+    def chat_parsers(self) -> ChatParsers:
+        return ChatParsers(self.settings.tool_call_parser, self.settings.reasoning_parser)
 
     def require_tokenizer(self, param: str | None) -> PreTrainedTokenizerBase:
         """The tokenizer, or a 400 naming `param` on a server started without one."""
@@ -231,7 +234,7 @@ class _OpenAIEndpoint(Endpoint):
         self.extra_key, self.priority = body.cache_salt, body.priority
 
     def check(self) -> None:
-        check_model(self.body, self.model)
+        check_model(self.body.model, self.model)
 
     def check_output(self, out: ReqOutput) -> None:
         raise_if_aborted(out)
@@ -258,22 +261,14 @@ class ChatEndpoint(_OpenAIEndpoint):
     prompt_param = "messages"
     body: ChatCompletionRequest
 
-    def __init__(
-        self,
-        body: ChatCompletionRequest,
-        model: str,
-        *,
-        tool_call_parser: str = DEFAULT_TOOL_PARSER,
-        reasoning_parser: str | None = None,
-    ):
+    def __init__(self, body: ChatCompletionRequest, model: str, parsers: ChatParsers):
         super().__init__(body, 1, model)
         self.stream = ChatCompletionStream(self.header, n=body.n, include_usage=body.include_usage)
-        self.tool_call_parser = tool_call_parser
-        self.reasoning_parser = reasoning_parser
+        self.parsers = parsers
         self.format: ChatOutputFormat | None = None
         """Set once the prompt is rendered: whether it left the model inside a reasoning
         section decides how the output is read."""
-        self.parsers: dict[int, ChoiceParser] = {}
+        self.choice_parsers: dict[int, ChoiceParser] = {}
 
     def check(self) -> None:
         super().check()
@@ -297,8 +292,7 @@ class ChatEndpoint(_OpenAIEndpoint):
         )
         self.format = ChatOutputFormat.for_request(
             body,
-            tool_parser=self.tool_call_parser,
-            reasoning_parser=self.reasoning_parser,
+            self.parsers,
             starts_in_reasoning=prompt.opens_reasoning,
             reasoning_closed=prompt.reasoning_closed,
         )
@@ -318,7 +312,7 @@ class ChatEndpoint(_OpenAIEndpoint):
         fmt = self.format
         if fmt is None or fmt.plain:
             return super().events(out, choice, acc)
-        parser = self.parsers.setdefault(out.index, ChoiceParser(fmt))
+        parser = self.choice_parsers.setdefault(out.index, ChoiceParser(fmt))
         delta = parser.feed(out.text)
         if choice is None:
             return self.stream.delta(out.index, delta.content, out.logprobs, delta)
@@ -338,18 +332,9 @@ class ResponsesEndpoint(ChatEndpoint):
 
     id_prefix = "resp"
 
-    def __init__(
-        self,
-        request: ResponsesRequest,
-        model: str,
-        *,
-        tool_call_parser: str = DEFAULT_TOOL_PARSER,
-        reasoning_parser: str | None = None,
-    ):
+    def __init__(self, request: ResponsesRequest, model: str, parsers: ChatParsers):
         body = ChatCompletionRequest.model_validate(to_chat_request(request))
-        super().__init__(
-            body, model, tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser
-        )
+        super().__init__(body, model, parsers)
         self.request = request
         self.responses = ResponsesStream(request, self.id, self.header.created, model)
         self.started = False

@@ -51,7 +51,7 @@ def answer(
         return 400, validation_error_body(exc)
     try:
         if isinstance(request, ChatCompletionRequest):
-            check_model(request, MODEL)
+            check_model(request.model, MODEL)
             check_chat_request(request)
             prompt = render_chat(
                 tokenizer,
@@ -62,7 +62,7 @@ def answer(
             prompts = [prompt.ids]
         else:
             if isinstance(request, CompletionRequest):
-                check_model(request, MODEL)
+                check_model(request.model, MODEL)
                 check_completion_request(request)
             prompts = tokenize_prompts(request, tokenizer, VOCAB)
         for ids in prompts:

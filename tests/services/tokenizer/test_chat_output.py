@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from services.tokenizer.chat_output import (
     ChatMessageParts,
     ChatOutputFormat,
+    ChatParsers,
     ChoiceParser,
     parse_whole,
 )
@@ -35,8 +36,7 @@ def output_format(reasoning_parser: str | None = None, **fields: object) -> Chat
     )
     return ChatOutputFormat.for_request(
         request,
-        tool_parser="hermes",
-        reasoning_parser=reasoning_parser,
+        ChatParsers("hermes", reasoning_parser),
         starts_in_reasoning=False,
         reasoning_closed=False,
     )
