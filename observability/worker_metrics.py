@@ -74,6 +74,8 @@ class WorkerSample:
     num_running: int
     num_waiting: int
     num_grammar_queue: int
+    kv_events_published: int = 0
+    kv_events_dropped: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -226,6 +228,16 @@ class WorkerMetrics(Collector):
                 "radixserve_radix_evicted_tokens",
                 "Tokens evicted from the radix tree",
                 s.evicted_tokens,
+            ),
+            (
+                "radixserve_kv_events_published_batches",
+                "KV-cache event batches sent to subscribers (--kv-events-config)",
+                s.kv_events_published,
+            ),
+            (
+                "radixserve_kv_events_dropped_batches",
+                "KV-cache event batches dropped because the publisher queue was full",
+                s.kv_events_dropped,
             ),
         )
         for name, doc, value in counters:

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgspec
 
+from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 
 
@@ -74,8 +75,8 @@ class TokenizedGenerateReqInput(_Msg):
     input_ids: list[int]
     sampling_params: SamplingParams = msgspec.field(default_factory=SamplingParams)
     stream: bool = False
-    extra_key: str | None = None
-    """Radix namespace (`cache_salt`, tenant): requests with different keys share no KV."""
+    extra_key: PrefixNamespace | None = None
+    """Radix namespace: requests in different namespaces share no KV."""
     priority: int = 0
     routing_key: str | None = None
     trace_context: dict[str, str] = msgspec.field(default_factory=dict)

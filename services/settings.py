@@ -17,7 +17,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from engine.args import EngineArgs
+from engine.cache.kv_events import DEFAULT_BLOCK_SIZE
 from services.tokenizer.parsers.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
+from services.worker.kv_event_publisher import KVEventsConfig
 
 ENV_PREFIX = "RADIXSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -84,6 +86,14 @@ class Settings(EngineArgs):
         "load shedding: answer 429 while this many requests wait for their first token "
         "(none: no limit)",
     )
+    kv_events_config: str | None = _opt(
+        None,
+        "publish the radix tree as KV-cache events for routers: JSON with SGLang's and vLLM's "
+        'keys, e.g. \'{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}\'',
+    )
+    kv_events_block_size: int = _opt(
+        DEFAULT_BLOCK_SIZE, "tokens per virtual block in the KV-cache events"
+    )
     request_timeout: float | None = _opt(
         None,
         "abort a request (504) still unfinished this many seconds after submission, freeing its KV "
@@ -124,6 +134,16 @@ class Settings(EngineArgs):
             )
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 (or none), got {self.request_timeout}")
+        if self.kv_events_block_size < 1:
+            raise ValueError(f"kv_events_block_size must be >= 1, got {self.kv_events_block_size}")
+        self.kv_events()  # a bad --kv-events-config fails here, before any process starts
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """The parsed `--kv-events-config`, or None when events are off."""
+        if self.kv_events_config is None:
+            return None
+        config = KVEventsConfig.from_json(self.kv_events_config)
+        return config if config.enabled else None
 
     def to_engine_args(self) -> EngineArgs:
         return EngineArgs(**{f.name: getattr(self, f.name) for f in fields(EngineArgs)})

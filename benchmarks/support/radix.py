@@ -7,6 +7,7 @@ import torch
 
 from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.chunk_cache import ChunkCache
+from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_cache import RadixCache
 from engine.cache.radix_key import RadixKey
 from engine.mem.allocator import TokenToKVPoolAllocator
@@ -33,7 +34,7 @@ def simulated_cache(
 
 
 def insert_fresh(
-    cache: CacheManager, tokens: list[int], extra_key: str | None = None
+    cache: CacheManager, tokens: list[int], extra_key: PrefixNamespace | None = None
 ) -> torch.Tensor:
     """Insert `tokens` with newly allocated slots, freeing as callers must the duplicates
     and what the cache did not keep; returns the slots allocated."""

@@ -26,6 +26,7 @@ from engine.cache.base_prefix_cache import (
     check_invariant,
 )
 from engine.cache.evict_policy import get_evict_key
+from engine.cache.kv_events import BlockEventRecorder
 from engine.cache.radix_key import RadixKey
 from engine.mem.allocator import TokenToKVPoolAllocator
 
@@ -82,6 +83,8 @@ class RadixCache(BasePrefixCache):
         self.evict_key = get_evict_key(eviction_policy)
         self.device = token_to_kv_pool_allocator.device
         self.evicted_tokens = 0
+        self.kv_events: BlockEventRecorder | None = None
+        """Records the tree as KV-cache events once `attach_kv_events` is called."""
         self.reset()
 
     def reset(self) -> None:
@@ -91,6 +94,15 @@ class RadixCache(BasePrefixCache):
         self.protected_size_ = 0
         self.evictable_leaves: set[TreeNode] = set()
         self.evict_heap: list[tuple[Any, int, TreeNode]] = []
+        if self.kv_events is not None:
+            self.kv_events.on_reset(self.root_node)
+
+    def attach_kv_events(self, recorder: BlockEventRecorder) -> None:
+        """Record the tree's blocks from now on; the tree must be empty (start-up)."""
+        if self.root_node.children:
+            raise RuntimeError("attach_kv_events on a tree that already holds prefixes")
+        self.kv_events = recorder
+        recorder.on_reset(self.root_node)
 
     # ----- match and insert -------------------------------------------------------------
 
@@ -136,7 +148,7 @@ class RadixCache(BasePrefixCache):
         """
         if len(value) != len(key):
             raise ValueError(f"insert: {len(key)} tokens but {len(value)} slots")
-        total = len(key)
+        total, path = len(key), key.token_ids
         now = time.monotonic()
         node = self.root_node
         node.last_access_time = now
@@ -144,7 +156,7 @@ class RadixCache(BasePrefixCache):
         while len(key):
             child = node.children.get(key.child_key())
             if child is None:
-                self._add_leaf(node, key, value, priority)
+                self._add_leaf(node, key, value, priority, path)
                 break
             prefix_len = child.key.match(key)
             if prefix_len < len(child.key):
@@ -229,10 +241,18 @@ class RadixCache(BasePrefixCache):
     # ----- tree surgery -----------------------------------------------------------------
 
     def _add_leaf(
-        self, parent: TreeNode, key: RadixKey, value: torch.Tensor, priority: int
+        self,
+        parent: TreeNode,
+        key: RadixKey,
+        value: torch.Tensor,
+        priority: int,
+        path: memoryview,
     ) -> None:
+        """Hang `key` under `parent`; `path` is every token from the root to the leaf's end."""
         leaf = TreeNode(key, value, parent, priority)
         parent.children[key.child_key()] = leaf
+        if self.kv_events is not None:
+            self.kv_events.on_add_leaf(leaf, path)
         self.evictable_leaves.discard(parent)
         self._add_evictable_leaf(leaf)
         self.evictable_size_ += len(key)
@@ -273,6 +293,8 @@ class RadixCache(BasePrefixCache):
         child.parent = upper
         upper.children[child.key.child_key()] = child
         parent.children[upper.key.child_key()] = upper
+        if self.kv_events is not None:
+            self.kv_events.on_split(upper, child)
         return upper
 
     def _delete_leaf(self, node: TreeNode) -> None:
@@ -282,6 +304,8 @@ class RadixCache(BasePrefixCache):
         self.evictable_size_ -= len(node.key)
         self.evictable_leaves.discard(node)
         node.value = self._empty_indices()  # stale heap entries must not pin the slots
+        if self.kv_events is not None:
+            self.kv_events.on_delete_leaf(node)
         if parent is not self.root_node and parent.lock_ref == 0 and not parent.children:
             self._add_evictable_leaf(parent)
 

@@ -8,6 +8,8 @@ from typing import NamedTuple, overload
 
 import torch
 
+from engine.cache.namespace import PrefixNamespace
+
 
 class PrefixMatch(NamedTuple):
     length: int
@@ -54,7 +56,7 @@ def _as_memoryview(token_ids: Sequence[int] | torch.Tensor | memoryview) -> memo
 
 
 class RadixKey:
-    """Token ids plus an `extra_key` namespace (LoRA id, cache salt, tenant).
+    """Token ids plus their `extra_key` namespace (`PrefixNamespace`; None is the default).
 
     Keys in different namespaces share nothing: they never match and never share nodes.
     Slicing is zero-copy (a memoryview over the same buffer).
@@ -63,7 +65,9 @@ class RadixKey:
     __slots__ = ("token_ids", "extra_key")
 
     def __init__(
-        self, token_ids: Sequence[int] | torch.Tensor | memoryview, extra_key: str | None = None
+        self,
+        token_ids: Sequence[int] | torch.Tensor | memoryview,
+        extra_key: PrefixNamespace | None = None,
     ):
         self.token_ids: memoryview = _as_memoryview(token_ids)
         self.extra_key = extra_key

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,8 +48,8 @@ class Req:
     origin_input_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     output_ids: list[int] = field(default_factory=list)
-    extra_key: str | None = None
-    """Radix namespace: requests with different keys share no KV (cache_salt, LoRA id)."""
+    extra_key: PrefixNamespace | None = None
+    """Radix namespace: requests in different namespaces share no KV."""
     priority: int = 0
     routing_key: str | None = None
     eos_token_ids: frozenset[int] = frozenset()

@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel
 
+from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import MAX_SEED, SamplingParams
 from observability.tracing import Tracing, maybe_span
 from services.protocol import TokenizedGenerateReqInput
@@ -176,7 +177,7 @@ class Endpoint(ABC):
         self.id = TokenizerManager.new_rid(self.id_prefix)
         """The id of the whole request; its requests' rids are `<id>-<choice>`, so
         `/abort_request` with the id aborts them all."""
-        self.extra_key: str | None = None
+        self.extra_key: PrefixNamespace | None = None
         self.priority = 0
 
     @abstractmethod
@@ -231,7 +232,8 @@ class _OpenAIEndpoint(Endpoint):
         super().__init__(body, num_prompts, body.n)
         self.model = model
         self.header = ResponseHeader(id=self.id, model=model, created=int(time.time()))
-        self.extra_key, self.priority = body.cache_salt, body.priority
+        self.extra_key = PrefixNamespace.of(cache_salt=body.cache_salt)
+        self.priority = body.priority
 
     def check(self) -> None:
         check_model(self.body.model, self.model)
@@ -512,7 +514,7 @@ def fan_out(
     params: Sequence[SamplingParams],
     n: int,
     stream: bool,
-    extra_key: str | None = None,
+    extra_key: PrefixNamespace | None = None,
     priority: int = 0,
 ) -> list[TokenizedGenerateReqInput]:
     """`n` requests per prompt, in OpenAI's choice order (sample j of prompt i is choice

@@ -21,6 +21,8 @@ from typing import Any, NamedTuple
 import zmq
 
 from engine.api import Engine
+from engine.cache.kv_events import AllBlocksCleared, BlockEventRecorder
+from engine.cache.radix_cache import RadixCache
 from engine.sched.req import FinishReason, Req
 from observability.worker_metrics import WorkerMetrics, WorkerSample
 from services import protocol
@@ -38,6 +40,7 @@ from services.protocol import (
     WorkerReady,
 )
 from services.settings import Settings
+from services.worker.kv_event_publisher import ZmqEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +113,7 @@ class Worker(Service):
         self.scheduler.stats.observer = self
         if self.scheduler.grammar_backend is not None:
             self.scheduler.grammar_backend.on_compile = self.metrics.observe_grammar_compile
+        self.kv_events, self.kv_publisher = self._start_kv_events(settings)
         self.metrics.publish(self.sample())
         self.next_sample = 0.0
         # Only now: a startupProbe on /healthz must not pass before the model is loaded.
@@ -168,6 +172,31 @@ class Worker(Service):
                     self.trace_finished(req, state, now)
         if entries:
             self.send_batch_output(entries)
+        self.publish_kv_events()
+
+    # ----- KV-cache events --------------------------------------------------------------
+
+    def _start_kv_events(
+        self, settings: Settings
+    ) -> tuple[BlockEventRecorder | None, ZmqEventPublisher | None]:
+        """With `--kv-events-config`, record the tree's blocks and publish them; the first
+        batch is the start-up `AllBlocksCleared`."""
+        config = settings.kv_events()
+        if config is None:
+            return None, None
+        publisher = ZmqEventPublisher(config)
+        tree = self.scheduler.cache_manager.tree_cache
+        if not isinstance(tree, RadixCache):  # --disable-radix-cache: nothing is ever stored
+            publisher.publish([AllBlocksCleared()])
+            return None, publisher
+        recorder = BlockEventRecorder(settings.kv_events_block_size)
+        tree.attach_kv_events(recorder)
+        publisher.publish(recorder.take())
+        return recorder, publisher
+
+    def publish_kv_events(self) -> None:
+        if self.kv_events is not None and self.kv_publisher is not None:
+            self.kv_publisher.publish(self.kv_events.take())
 
     # ----- what the scheduler tells its observer ----------------------------------------
 
@@ -351,6 +380,7 @@ class Worker(Service):
             logger.info("refused flush_cache: %s", message)
             return FlushCacheReqOutput(success=False, message=message, rid=rid)
         sched.cache_manager.reset()
+        self.publish_kv_events()
         logger.info("flushed the cache")
         return FlushCacheReqOutput(success=True, message="cache flushed", rid=rid)
 
@@ -412,6 +442,8 @@ class Worker(Service):
             num_running=self.num_running(),
             num_waiting=len(sched.waiting_queue),
             num_grammar_queue=len(sched.grammar_queue),
+            kv_events_published=self.kv_publisher.published if self.kv_publisher else 0,
+            kv_events_dropped=self.kv_publisher.dropped if self.kv_publisher else 0,
         )
 
     def num_running(self) -> int:
@@ -419,6 +451,8 @@ class Worker(Service):
         return len(self.scheduler.running) + int(self.scheduler.chunked_req is not None)
 
     def close(self) -> None:
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
         self.engine.shutdown()
         super().close()
 

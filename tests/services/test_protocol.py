@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 from services import protocol
 from services.protocol import (
@@ -65,7 +66,7 @@ EXAMPLES = [
             prompt_top_logprobs_num=3,
         ),
         stream=True,
-        extra_key="tenant-a",
+        extra_key=PrefixNamespace("tenant-a"),
         priority=3,
         routing_key="user-9",
         trace_context={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
@@ -118,7 +119,7 @@ def test_wire_form_is_plain_msgpack_tagged_with_the_type_name(msg):
     temperature=st.floats(0, 2, allow_nan=False),
     stop=st.lists(st.text(min_size=1, max_size=5), max_size=3),
     logit_bias=st.dictionaries(st.integers(0, 50_000), st.floats(-100, 100), max_size=3),
-    extra_key=st.none() | st.text(max_size=10),
+    extra_key=st.none() | st.builds(PrefixNamespace, st.text(max_size=10)),
     priority=st.integers(-(2**31), 2**31),
 )
 def test_generate_request_round_trips_for_any_field_values(

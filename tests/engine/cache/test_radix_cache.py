@@ -5,6 +5,7 @@ import torch
 
 from benchmarks.support.radix import insert_fresh, simulated_cache, total_size
 from engine.cache.evict_policy import EVICTION_POLICIES
+from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_cache import RadixCache
 from engine.cache.radix_key import RadixKey
 from engine.mem.allocator import TokenToKVPoolAllocator
@@ -175,14 +176,20 @@ def test_insert_and_match_count_hits_and_raise_priority():
 def test_namespaces_share_nothing():
     cache = simulated_cache()
     tree = cache.tree_cache
-    insert_fresh(cache, [1, 2, 3], "tenant-a")
+    insert_fresh(cache, [1, 2, 3], PrefixNamespace("tenant-a"))
 
     assert tree.match_prefix(RadixKey([1, 2, 3])).device_indices.numel() == 0
-    assert tree.match_prefix(RadixKey([1, 2, 3], "tenant-b")).device_indices.numel() == 0
-    assert tree.match_prefix(RadixKey([1, 2, 3], "tenant-a")).device_indices.numel() == 3
+    assert (
+        tree.match_prefix(RadixKey([1, 2, 3], PrefixNamespace("tenant-b"))).device_indices.numel()
+        == 0
+    )
+    assert (
+        tree.match_prefix(RadixKey([1, 2, 3], PrefixNamespace("tenant-a"))).device_indices.numel()
+        == 3
+    )
 
     slots = cache.allocator.alloc(3)
-    assert tree.insert(RadixKey([1, 2, 3], "tenant-b"), slots).prefix_len == 0
+    assert tree.insert(RadixKey([1, 2, 3], PrefixNamespace("tenant-b")), slots).prefix_len == 0
     assert total_size(tree) == 6
     assert len(tree.root_node.children) == 2
     cache.check_integrity()

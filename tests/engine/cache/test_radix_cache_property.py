@@ -9,19 +9,25 @@ from __future__ import annotations
 
 from collections import Counter
 
+import msgpack
+import msgspec
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from benchmarks.support.kv_events import apply_events
 from benchmarks.support.radix import simulated_cache, total_size
 from engine.cache.evict_policy import EVICTION_POLICIES
+from engine.cache.kv_events import BlockEventRecorder, block_hashes
+from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_cache import TreeNode
 from engine.cache.radix_key import RadixKey
 
 NUM_SLOTS = 40
+KV_BLOCK_SIZE = 2
 Position = tuple[str | None, tuple[int, ...]]  # (namespace, token prefix): one cached token
 
-namespaces = st.sampled_from([None, "a", "b"])
+namespaces = st.sampled_from([None, PrefixNamespace("a"), PrefixNamespace("b")])
 sequences = st.lists(st.integers(0, 2), min_size=1, max_size=8)
 
 
@@ -37,8 +43,11 @@ class RadixCacheVersusBruteForce(RuleBasedStateMachine):
         self.manager = simulated_cache(num_slots=NUM_SLOTS, eviction_policy=policy)
         self.cache = self.manager.tree_cache
         self.allocator = self.manager.allocator
+        self.events = BlockEventRecorder(KV_BLOCK_SIZE)
+        self.cache.attach_kv_events(self.events)
+        self.published: set[int] = set()
 
-    def cached_len(self, ns: str | None, seq: list[int]) -> int:
+    def cached_len(self, ns: PrefixNamespace | None, seq: list[int]) -> int:
         """The model is prefix-closed, so the longest cached prefix is the first gap."""
         n = 0
         while n < len(seq) and (ns, tuple(seq[: n + 1])) in self.slot_of:
@@ -46,7 +55,7 @@ class RadixCacheVersusBruteForce(RuleBasedStateMachine):
         return n
 
     @rule(ns=namespaces, seq=sequences)
-    def insert(self, ns: str | None, seq: list[int]) -> None:
+    def insert(self, ns: PrefixNamespace | None, seq: list[int]) -> None:
         if self.allocator.available_size() < len(seq):
             self.evict(len(seq) - self.allocator.available_size())
         slots = self.allocator.alloc(len(seq))
@@ -59,7 +68,7 @@ class RadixCacheVersusBruteForce(RuleBasedStateMachine):
             self.slot_of[(ns, tuple(seq[: i + 1]))] = int(slots[i])
 
     @rule(ns=namespaces, seq=sequences, lock=st.booleans())
-    def match(self, ns: str | None, seq: list[int], lock: bool) -> None:
+    def match(self, ns: PrefixNamespace | None, seq: list[int], lock: bool) -> None:
         indices, last_node = self.cache.match_prefix(RadixKey(seq, ns))
         n = self.cached_len(ns, seq)
         path = [(ns, tuple(seq[: i + 1])) for i in range(n)]
@@ -104,6 +113,21 @@ class RadixCacheVersusBruteForce(RuleBasedStateMachine):
         assert self.cache.protected_size() == protected
         assert self.cache.evictable_size() == len(self.slot_of) - protected
         assert total_size(self.cache) == len(self.slot_of)
+
+    @invariant()
+    def kv_events_replay_to_the_full_blocks_cached(self) -> None:
+        """Stored and removed blocks, applied in order, give exactly the blocks whose every
+        token the model holds (hashes recomputed from the tokens, as a router would)."""
+        if not hasattr(self, "cache"):
+            return
+        wire = msgpack.unpackb(msgspec.msgpack.encode(self.events.take()))
+        apply_events(wire, self.published)
+        expected = {
+            block_hashes(prefix, ns, KV_BLOCK_SIZE)[-1]
+            for ns, prefix in self.slot_of
+            if len(prefix) % KV_BLOCK_SIZE == 0
+        }
+        assert self.published == expected
 
 
 RadixCacheVersusBruteForce.TestCase.settings = settings(max_examples=500, stateful_step_count=40)

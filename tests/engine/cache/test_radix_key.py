@@ -2,7 +2,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey, common_prefix_len
+
+TENANT_A = PrefixNamespace("tenant-a")
 
 
 def naive_common_prefix(a: list[int], b: list[int]) -> int:
@@ -34,18 +37,20 @@ def test_ten_thousand_shared_tokens_cost_27_slice_comparisons():
 
 
 def test_keys_in_different_namespaces_never_match():
-    assert RadixKey([1, 2, 3], "tenant-a").match(RadixKey([1, 2, 3], "tenant-b")) == 0
-    assert RadixKey([1, 2, 3], "tenant-a").match(RadixKey([1, 2, 3])) == 0
-    assert RadixKey([1, 2, 3], "tenant-a").match(RadixKey([1, 2, 9], "tenant-a")) == 2
+    assert (
+        RadixKey([1, 2, 3], TENANT_A).match(RadixKey([1, 2, 3], PrefixNamespace("tenant-b"))) == 0
+    )
+    assert RadixKey([1, 2, 3], TENANT_A).match(RadixKey([1, 2, 3])) == 0
+    assert RadixKey([1, 2, 3], TENANT_A).match(RadixKey([1, 2, 9], TENANT_A)) == 2
 
 
 def test_slicing_is_zero_copy_and_keeps_the_namespace():
-    key = RadixKey([5, 6, 7, 8], "ns")
+    key = RadixKey([5, 6, 7, 8], TENANT_A)
     tail = key[1:]
-    assert tail.tolist() == [6, 7, 8] and tail.extra_key == "ns"
+    assert tail.tolist() == [6, 7, 8] and tail.extra_key == TENANT_A
     assert tail.token_ids.obj is key.token_ids.obj
     assert key[2] == 7
-    assert tail.child_key() == ("ns", 6)
+    assert tail.child_key() == (TENANT_A, 6)
 
 
 def test_keys_accept_tensors_and_reject_foreign_memoryviews():

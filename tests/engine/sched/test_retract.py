@@ -1,6 +1,7 @@
 import torch
 
 from benchmarks.support.radix import simulated_cache, total_size
+from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.cache_manager import CacheManager
 from engine.sched.req import Req, ReqStatus
@@ -13,7 +14,7 @@ def running(cache: CacheManager, rid: str, input_len: int, output_len: int) -> R
         list(range(input_len)),
         SamplingParams(max_new_tokens=256),
         output_ids=[1] * output_len,
-        extra_key=rid,
+        extra_key=PrefixNamespace(rid),
     )
     cache.match_req(req)
     cache.alloc_row(req)

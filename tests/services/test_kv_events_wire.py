@@ -1,0 +1,226 @@
+"""KV-cache events on the wire: the publisher's framing, replay and back-pressure, and a
+real server publishing what its tree holds to a subscriber on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx2
+import pytest
+import zmq
+
+from benchmarks.support.kv_events import Subscriber
+from benchmarks.support.launcher import ServiceLauncher, cpu_flags, server_ports
+from benchmarks.support.net import free_ports, wait_until
+from engine.cache.kv_events import AllBlocksCleared, BlockRemoved, block_hashes
+from engine.cache.namespace import PrefixNamespace
+from services.worker.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
+
+
+def loopback(port: int) -> str:
+    return f"tcp://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def publisher_and_subscriber() -> Iterator[tuple[ZmqEventPublisher, Subscriber]]:
+    pub_port, replay_port = free_ports(2)
+    config = KVEventsConfig(
+        publisher="zmq",
+        endpoint=loopback(pub_port),
+        replay_endpoint=loopback(replay_port),
+        topic="kv",
+        buffer_steps=4,
+    )
+    publisher = ZmqEventPublisher(config)
+    subscriber = Subscriber(loopback(pub_port), "kv", loopback(replay_port))
+    yield publisher, subscriber
+    subscriber.close()
+    publisher.close()
+
+
+def removed(i: int) -> BlockRemoved:
+    return BlockRemoved(block_hashes=[i], medium="GPU")
+
+
+def test_batches_go_out_as_topic_seq_payload_and_replay_returns_the_buffered_tail(
+    publisher_and_subscriber,
+):
+    publisher, subscriber = publisher_and_subscriber
+    wait_until(  # a SUB socket misses what is sent before it has joined
+        lambda: publisher.publish([AllBlocksCleared()]) or subscriber.drain(0.1),
+        10,
+        "the subscriber to join",
+    )
+    first = subscriber.batches[-1][0] + 1
+    subscriber.batches.clear()
+    for i in range(6):
+        publisher.publish([removed(i)])
+    wait_until(lambda: subscriber.drain(0.1) == 0 and len(subscriber.batches) == 6, 10, "six")
+    assert [seq for seq, _ in subscriber.batches] == list(range(first, first + 6))
+    assert [events for _, events in subscriber.batches] == [
+        [["BlockRemoved", [i], "GPU"]] for i in range(6)
+    ]
+    # The buffer keeps the last 4; asking from before them returns what is left, in order.
+    assert subscriber.replay(first) == subscriber.batches[2:]
+    assert subscriber.replay(first + 5) == subscriber.batches[5:]
+    assert subscriber.replay(first + 6) == []
+
+
+def test_a_full_queue_drops_and_counts_instead_of_blocking():
+    (port,) = free_ports(1)
+    config = KVEventsConfig(publisher="zmq", endpoint=loopback(port), max_queue_size=1)
+    publisher = ZmqEventPublisher(config)
+    try:
+        for i in range(2000):
+            publisher.publish([removed(i)])
+        assert publisher.dropped > 0
+        wait_until(lambda: publisher.published + publisher.dropped == 2000, 10, "all accounted")
+    finally:
+        publisher.close()
+
+
+def test_a_subscriber_that_never_reads_loses_batches_and_the_publisher_never_waits():
+    (port,) = free_ports(1)
+    config = KVEventsConfig(publisher="zmq", endpoint=loopback(port), hwm=1)
+    publisher = ZmqEventPublisher(config)
+    context = zmq.Context()
+    stuck = context.socket(zmq.SUB)
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.RCVBUF, 4096)
+    stuck.setsockopt_string(zmq.SUBSCRIBE, "")
+    stuck.connect(loopback(port))
+    try:
+        big = BlockRemoved(block_hashes=list(range(2**40, 2**40 + 100_000)), medium="GPU")
+        time.sleep(0.3)  # joined
+        for _ in range(200):  # ~180 MB if every batch were kept
+            publisher.publish([big])
+        wait_until(lambda: publisher.published == 200, 60, "all sent")
+        received = 0
+        while stuck.poll(500):
+            stuck.recv_multipart()
+            received += 1
+        assert received < 200  # the rest were dropped at its high-water mark
+    finally:
+        context.destroy(linger=0)
+        publisher.close()
+
+
+@pytest.mark.parametrize(
+    "config",
+    ['{"publisher": "zmq", "endpiont": "tcp://*:1"}', '{"publisher": "kafka"}', "{", "[1]"],
+)
+def test_a_bad_config_is_refused_naming_the_flag(config: str):
+    with pytest.raises(ValueError, match="--kv-events-config"):
+        KVEventsConfig.from_json(config)
+
+
+# ----- a real server --------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    client: httpx2.Client
+    model: str
+    subscriber: Subscriber
+    events_endpoint: str
+    worker_metrics: str
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    pub_port, replay_port = free_ports(2)
+    config = {
+        "publisher": "zmq",
+        "endpoint": loopback(pub_port),
+        "replay_endpoint": loopback(replay_port),
+        "topic": "kv@rs",
+    }
+    flags = [*cpu_flags(4096, tiny_llama_dir), "--kv-events-config", json.dumps(config)]
+    ports = server_ports()
+    launcher = ServiceLauncher(tmp_path_factory.mktemp("kv-events-logs"))
+    subscriber = Subscriber(loopback(pub_port), "kv@rs", loopback(replay_port))
+    with (
+        launcher.serve(flags, ports=ports) as url,
+        httpx2.Client(base_url=url, timeout=120) as client,
+    ):
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        worker_metrics = f"http://127.0.0.1:{ports['worker-metrics-port']}/metrics"
+        yield Server(client, model, subscriber, loopback(pub_port), worker_metrics)
+    subscriber.close()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(300, 40_000) for _ in range(n)]
+
+
+def settle(subscriber: Subscriber) -> None:
+    """Take in every batch sent so far (the worker publishes at the end of each turn)."""
+    subscriber.drain(0.5)
+
+
+def test_a_server_publishes_its_tree_blocks_salts_flushes_and_replays(server):
+    client, subscriber = server.client, server.subscriber
+    # The start-up AllBlocksCleared went out before anyone subscribed: replay has it.
+    assert subscriber.replay(0)[0] == (0, [["AllBlocksCleared"]])
+
+    plain = prompt(1, 50)
+    reply = client.post(
+        "/generate", json={"input_ids": plain, "sampling_params": {"max_new_tokens": 1}}
+    )
+    assert reply.status_code == 200, reply.text
+    wait_until(lambda: settle(subscriber) or subscriber.blocks, 10, "the first blocks")
+    assert subscriber.blocks == set(block_hashes(plain, None))  # 3 blocks; 2 tokens left over
+
+    salted = plain[:40] + prompt(2, 30)
+    reply = client.post(
+        "/v1/completions",
+        json={"model": server.model, "prompt": salted, "max_tokens": 1, "cache_salt": "tenant-a"},
+    )
+    assert reply.status_code == 200, reply.text
+    salt = PrefixNamespace(cache_salt="tenant-a")
+    expected = set(block_hashes(plain, None)) | set(block_hashes(salted, salt))
+    wait_until(lambda: settle(subscriber) or subscriber.blocks == expected, 10, "salted blocks")
+    stored = [e for _, events in subscriber.batches for e in events if e[0] == "BlockStored"]
+    assert stored[-1][8] == [[["cache_salt", "tenant-a"]]] * 4  # 70 tokens: 4 full blocks
+    assert stored[-1][2] is None  # a salted chain shares no parent with the plain one
+
+    reply = client.post("/flush_cache")
+    assert reply.status_code == 200, reply.text
+    wait_until(lambda: settle(subscriber) or not subscriber.blocks, 10, "the flush")
+    assert subscriber.batches[-1][1] == [["AllBlocksCleared"]]
+
+    # A subscriber that missed batches gets the same ones back, in order.
+    seen = subscriber.batches
+    assert subscriber.replay(seen[0][0]) == seen
+
+
+def test_a_subscriber_that_never_reads_does_not_stall_decoding(server):
+    client = server.client
+    context = zmq.Context()
+    stuck = context.socket(zmq.SUB)
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt_string(zmq.SUBSCRIBE, "")
+    stuck.connect(server.events_endpoint)
+    try:
+        body = {
+            "input_ids": [prompt(10 + i, 40) for i in range(12)],
+            "sampling_params": {"max_new_tokens": 24, "ignore_eos": True},
+        }
+        reply = client.post("/generate", json=body)
+        assert reply.status_code == 200, reply.text
+        assert all(len(r["output_ids"]) == 24 for r in reply.json())
+    finally:
+        context.destroy(linger=0)
+    metrics = httpx2.get(server.worker_metrics).text
+    published = next(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("radixserve_kv_events_published_batches_total")
+    )
+    assert published > 0
