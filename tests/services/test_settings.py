@@ -159,6 +159,17 @@ def test_reads_the_process_environment_by_default(monkeypatch, capsys):
         (["--port", "70000"], {}, "port must be in [1, 65535], got 70000"),
         (["--max-tokens-cap", "0"], {}, "max_tokens_cap must be >= 1, got 0"),
         (["--heartbeat-interval", "0"], {}, "heartbeat_interval must be > 0, got 0.0"),
+        (
+            ["--kv-events-config", '{"publisher": "zmq", "hwm": 0}'],
+            {},
+            "--kv-events-config: hwm must be >= 1",
+        ),
+        (
+            ["--kv-events-config", '{"publisher": "zmq", "endpont": "tcp://*:1"}'],
+            {},
+            "--kv-events-config: Object contains unknown field `endpont`",
+        ),
+        (["--kv-events-block-size", "0"], {}, "kv_events_block_size must be >= 1, got 0"),
     ],
 )
 def test_bad_values_exit_with_a_message_naming_the_setting(argv, env, message, capsys):
