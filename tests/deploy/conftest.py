@@ -20,6 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "radixserve"
 CPU_VALUES = CHART / "values-cpu.yaml"
 ALL_ON_VALUES = CHART / "ci" / "all-on-values.yaml"
+# KEDA in place of the HPA, layered on the all-on values (the two autoscalers exclude each other).
+KEDA_VALUES = CHART / "ci" / "keda-values.yaml"
 RELEASE = "rs"
 FULLNAME = "rs-radixserve"
 CONTAINERS = ("tokenizer", "worker", "detokenizer")
@@ -107,6 +109,11 @@ def cpu() -> Render:
 @pytest.fixture(scope="session")
 def all_on() -> Render:
     return helm_template(ALL_ON_VALUES)
+
+
+@pytest.fixture(scope="session")
+def all_on_keda() -> Render:
+    return helm_template(ALL_ON_VALUES, KEDA_VALUES)
 
 
 @pytest.fixture(scope="session", params=["default", "cpu", "all_on"])

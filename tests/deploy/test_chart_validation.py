@@ -16,16 +16,30 @@ from tests.deploy.conftest import (
     ALL_ON_VALUES,
     CHART,
     CPU_VALUES,
+    KEDA_VALUES,
     REPO,
     helm_template_error,
     run_tool,
 )
 
-VALUES_FILES = {"default": [], "cpu": [CPU_VALUES], "all_on": [ALL_ON_VALUES]}
+VALUES_FILES = {
+    "default": [],
+    "cpu": [CPU_VALUES],
+    "all_on": [ALL_ON_VALUES],
+    "all_on_keda": [ALL_ON_VALUES, KEDA_VALUES],
+}
 # The oldest and newest Kubernetes that kubernetes-validate has schemas for; Chart.yaml says
 # >= 1.25.
 KUBERNETES_VERSIONS = ["1.25.0", "1.37.0"]
-CUSTOM_RESOURCES = {"ServiceMonitor", "PrometheusRule"}
+# Kinds of CRDs (Prometheus Operator, Gateway API and its Inference Extension, KEDA): not in
+# kubernetes-validate's schemas; test_chart_objects checks their structure.
+CUSTOM_RESOURCES = {
+    "ServiceMonitor",
+    "PrometheusRule",
+    "InferencePool",
+    "HTTPRoute",
+    "ScaledObject",
+}
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 
 
@@ -36,8 +50,10 @@ def test_helm_lint_strict_passes(values):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("values", VALUES_FILES)
 @pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
-def test_renders_pass_kubernetes_validate_strict(render, version, tmp_path):
+def test_renders_pass_kubernetes_validate_strict(values, version, tmp_path, request):
+    render = request.getfixturevalue(values)
     # kubernetes-validate has no schemas for custom resources; test_chart_objects checks those.
     builtin = [doc for doc in render.docs if doc["kind"] not in CUSTOM_RESOURCES]
     manifest = tmp_path / "manifest.yaml"
@@ -66,6 +82,20 @@ def test_kubernetes_validate_strict_rejects_an_unknown_field(tmp_path):
         ({"model.source": "huggingface"}, "repoId"),
         ({"ports.http": 70000}, "http"),
         ({"engine.memFractionStatic": 1.5}, "memFractionStatic"),
+        ({"kvEvents.blockSize": 0}, "kvEvents.blockSize"),
+        ({"kvEvents.replayPort": 70000}, "kvEvents.replayPort"),
+        ({"kvEvents.enabeld": True}, "enabeld"),
+        # Server options are flags, identical in all three containers: no RADIXSERVE_* variable.
+        ({"extraEnv": [{"name": "RADIXSERVE_PORT", "value": "1"}]}, "extraEnv.0.name"),
+        ({"worker.env": [{"name": "RADIXSERVE_PORT", "value": "1"}]}, "worker.env.0.name"),
+        ({"extraVolumeMounts": [{"name": "x"}]}, "mountPath"),
+        ({"model.pvc.accessModes": ["ReadWrite"]}, "accessModes"),
+        ({"inferencePool.enabled": True}, "endpointPicker.name"),
+        ({"inferencePool.endpointPicker.failureMode": "FailSafe"}, "failureMode"),
+        ({"httpRoute.enabled": True}, "parentRefs"),
+        ({"httpRoute.timeouts.request": "1 hour"}, "timeouts.request"),
+        ({"keda.enabled": True}, "serverAddress"),
+        ({"keda.prometheus.serverAddress": "prometheus:9090"}, "serverAddress"),
     ],
 )
 def test_the_values_schema_rejects_mistakes_with_their_name(values, message):

@@ -98,8 +98,49 @@ and the tokenizer and detokenizer load the same tokenizer as the worker's model.
 - --heartbeat-interval={{ $e.heartbeatInterval }}
 - --graceful-shutdown-timeout={{ .Values.gracefulShutdown.streamDrainSeconds }}
 - --log-level={{ $e.logLevel }}
+{{- if .Values.kvEvents.enabled }}
+- {{ printf "--kv-events-config=%s" (include "radixserve.kvEventsConfig" .) | toJson }}
+- --kv-events-block-size={{ int64 .Values.kvEvents.blockSize }}
+{{- end }}
 {{- range $e.extraArgs }}
 - {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+--kv-events-config: SGLang's and vLLM's JSON keys. The topic names the pod as the router
+addresses it (pod IP and API port, $(POD_IP) expanded by the kubelet) and the model as
+clients name it, which is how the llm-d router attributes the events.
+*/}}
+{{- define "radixserve.kvEventsConfig" -}}
+{{- $k := .Values.kvEvents }}
+{{- $topic := $k.topic | default (printf "kv@$(POD_IP):%d@%s" (int64 .Values.ports.http) (include "radixserve.servedModelName" .)) }}
+{{- $config := dict "publisher" "zmq" "endpoint" (printf "tcp://*:%d" (int64 $k.port)) "topic" $topic "buffer_steps" (int64 $k.bufferSteps) "hwm" (int64 $k.hwm) }}
+{{- if $k.replayPort }}
+{{- $_ := set $config "replay_endpoint" (printf "tcp://*:%d" (int64 $k.replayPort)) }}
+{{- end }}
+{{- toJson $config }}
+{{- end }}
+
+{{/*
+The environment of one server container: what the chart sets, then extraEnv, then the
+container's own `env`. Called with (dict "root" $ "env" <the container's env>).
+*/}}
+{{- define "radixserve.env" -}}
+{{- $v := .root.Values }}
+{{- $env := list }}
+{{- if $v.kvEvents.enabled }}
+{{- $env = append $env (dict "name" "POD_IP" "valueFrom" (dict "fieldRef" (dict "fieldPath" "status.podIP"))) }}
+{{- end }}
+{{- with concat $env ($v.extraEnv | default list) (.env | default list) }}{{ toYaml . }}{{ end }}
+{{- end }}
+
+{{/* The model's claim, existing or created; "" when the model is on no claim. */}}
+{{- define "radixserve.modelClaimName" -}}
+{{- $m := .Values.model }}
+{{- $created := ternary ($m.pvc.claimName | default (printf "%s-model" (include "radixserve.fullname" .))) "" $m.pvc.create }}
+{{- if eq $m.source "pvc" }}{{ $m.pvc.claimName | default $created }}
+{{- else if eq $m.source "huggingface" }}{{ $m.huggingface.claimName | default $created }}
 {{- end }}
 {{- end }}
 
@@ -123,5 +164,8 @@ and the tokenizer and detokenizer load the same tokenizer as the worker's model.
 - name: model
   mountPath: /models
   readOnly: true
+{{- end }}
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
 {{- end }}
 {{- end }}
