@@ -11,6 +11,7 @@ weights.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -145,9 +146,13 @@ def save_tiny_thinking_llama(path: Path) -> Path:
     )
 
 
+@functools.cache
 def embedded_hf_model() -> PreTrainedModel:
     """transformers' float32 model from the embedded GGUF, through transformers' own GGUF
-    reader and dequantizer (what `from_pretrained(gguf_file=...)` does, minus `accelerate`)."""
+    reader and dequantizer (what `from_pretrained(gguf_file=...)` does, minus `accelerate`).
+
+    Read once per process (about 20 s of mostly single-threaded parsing) and shared: callers
+    only run it in eval mode."""
     path = embedded_model_path()
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
