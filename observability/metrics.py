@@ -79,8 +79,9 @@ def status_outcome(status: int) -> str:
 
 
 class TokenizerMetrics:
-    """What the tokenizer process exports on its `/metrics`: HTTP requests, and per
-    generation request its latencies and lengths as the client saw them."""
+    """What the tokenizer process exports on its `/metrics`: HTTP requests, per generation
+    request its latencies and lengths as the client saw them, and the scrapes that could not
+    add the worker's series (`services.tokenizer.worker_metrics_proxy`)."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str):
         self.registry = registry
@@ -124,6 +125,13 @@ class TokenizerMetrics:
         self.aborted = Counter(
             "radixserve_aborted_requests",
             "Generation requests that ended in an abort (client gone, refused, failed)",
+            labels,
+            registry=registry,
+        ).labels(model_name)
+        self.worker_scrape_failures = Counter(
+            "radixserve_worker_metrics_scrape_failures",
+            "Scrapes of this /metrics that came without the worker's series: the worker's "
+            "/metrics did not answer 200 within the timeout",
             labels,
             registry=registry,
         ).labels(model_name)

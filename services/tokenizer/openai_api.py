@@ -659,6 +659,59 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class RenderedSamplingParams(BaseModel):
+    """vLLM's `SamplingParams` as its render endpoints answer them, for the fields this
+    server has: the request's values with the server's defaults and limits applied."""
+
+    n: int
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    temperature: float
+    top_p: float
+    top_k: int
+    """-1: no top-k (vLLM reads 0 and -1 alike)."""
+    min_p: float
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    max_tokens: int
+    """The room the request is given: its own, clamped to `--max-tokens-cap`, or by
+    default what the context leaves after the prompt."""
+    min_tokens: int
+    logprobs: int | None
+    """Alternatives per output token; None: no logprobs."""
+    prompt_logprobs: int | None
+    """Alternatives per prompt token; None: no prompt logprobs."""
+    skip_special_tokens: bool
+    structured_outputs: dict[str, Any] | None
+    """One of `{"json": schema}`, `{"regex": ...}`, `{"grammar": ebnf}`, from whichever
+    field asked for it (`response_format`, a forced `tool_choice`, `structured_outputs`,
+    `regex`, `ebnf`)."""
+    logit_bias: dict[int, float] | None
+
+
+class RenderedRequest(BaseModel):
+    """vLLM's `GenerateRequest`, the answer of its `/v1/chat/completions/render` (one) and
+    `/v1/completions/render` (one per prompt): the token ids the worker would see and the
+    sampling parameters it would run them with."""
+
+    request_id: str
+    token_ids: list[int]
+    features: None = None
+    """Multimodal features: none on a text-only server."""
+    sampling_params: RenderedSamplingParams
+    model: str | None
+    """As the request named it (None when it named none)."""
+    stream: bool
+    stream_options: StreamOptions | None
+    cache_salt: str | None
+    priority: int
+    kv_transfer_params: None = None
+    """No disaggregated prefill here."""
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

@@ -1,6 +1,7 @@
 """The HTTP endpoints (docs/api.md). Each handler finds the manager and the settings in
-the app's state (`serving.AppState`); the three generation endpoints are one flow,
-`serving.serve`, with an adapter each."""
+the app's state (`serving.AppState`); the generation endpoints are one flow,
+`serving.serve`, with an adapter each, and the render endpoints stop that flow before
+submission (`serving.render`)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from services.tokenizer.serving import (
     app_state,
     json_body,
     parse_body,
+    render,
     serve,
 )
 
@@ -69,6 +71,24 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     return await serve(request, CompletionsEndpoint(body, app_state(request).model))
+
+
+@router.post("/v1/chat/completions/render")
+async def chat_completions_render(request: Request) -> dict[str, Any]:
+    """vLLM's chat render: the ids chat would send the worker (template, tools and reasoning
+    as chat applies them) and their sampling parameters; nothing reaches the worker."""
+    body = await parse_body(request, ChatCompletionRequest)
+    state = app_state(request)
+    (rendered,) = render(state, ChatEndpoint(body, state.model, state.chat_parsers))
+    return rendered.model_dump()
+
+
+@router.post("/v1/completions/render")
+async def completions_render(request: Request) -> list[dict[str, Any]]:
+    """vLLM's completions render: one rendered request per prompt of the batch."""
+    body = await parse_body(request, CompletionRequest)
+    state = app_state(request)
+    return [r.model_dump() for r in render(state, CompletionsEndpoint(body, state.model))]
 
 
 @router.post("/v1/responses")
@@ -191,7 +211,13 @@ async def health(request: Request) -> Response:
 
 @router.get("/metrics")
 async def prometheus_metrics(request: Request) -> Response:
-    return Response(generate_latest(app_state(request).registry), media_type=CONTENT_TYPE_LATEST)
+    """The tokenizer's series and the worker's (`worker_metrics_proxy`), so that a scraper
+    of the API port alone sees the queue and KV gauges. The worker is asked first, so a
+    failed try is already counted in the tokenizer's series that answer it."""
+    state = app_state(request)
+    worker = await state.worker_metrics.scrape()
+    own = generate_latest(state.registry)
+    return Response(state.worker_metrics.merged(own, worker), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/healthz")

@@ -29,6 +29,7 @@ from services.tokenizer.manager import running_manager
 from services.tokenizer.middleware import ApiKeyAuth, BodySizeLimit, RequestMetrics, TraceRequests
 from services.tokenizer.routes import router
 from services.tokenizer.serving import AppState, served_model
+from services.tokenizer.worker_metrics_proxy import WorkerMetricsProxy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -58,6 +59,9 @@ def create_app(
                     tokenizer=tokenizer,
                     manager=manager,
                     registry=registry,
+                    worker_metrics=WorkerMetricsProxy(
+                        settings.host, settings.worker_metrics_port, metrics
+                    ),
                     tracing=tracing,
                     started=int(time.time()),
                 )

@@ -9,6 +9,9 @@ small `Endpoint` adapters that say how each differs (endpoints and fields: docs/
    and submit them to the `TokenizerManager` as one group;
 4. stream the outputs as server-sent events, or collect them into one JSON answer.
 
+Steps 1 and 2 are `prepare`; vLLM's render endpoints (`render`) stop after them and answer
+the prompts' ids and parameters, so a render is what generation would submit.
+
 A failure before the response starts is raised as a `RequestError`, which the app answers
 with OpenAI's error body (`server.create_app`); once a stream has started it can only be an
 event, then `[DONE]`.
@@ -49,7 +52,13 @@ from services.tokenizer.adapters import (
 from services.tokenizer.chat_output import ChatOutputFormat, ChatParsers, ChoiceParser
 from services.tokenizer.chat_template import render_chat
 from services.tokenizer.manager import ReqOutput, TokenizerManager
-from services.tokenizer.openai_api import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.tokenizer.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    RenderedRequest,
+    RenderedSamplingParams,
+)
 from services.tokenizer.responses import (
     SSE_DONE,
     ChatCompletionStream,
@@ -71,6 +80,7 @@ from services.tokenizer.responses_api import (
     to_chat_request,
     to_response,
 )
+from services.tokenizer.worker_metrics_proxy import WorkerMetricsProxy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -99,6 +109,8 @@ class AppState:
     tokenizer: PreTrainedTokenizerBase | None
     manager: TokenizerManager
     registry: CollectorRegistry
+    worker_metrics: WorkerMetricsProxy
+    """The worker's series for `/metrics`."""
     tracing: Tracing | None
     started: int
     """When the server started (unix seconds): `/v1/models`' `created`."""
@@ -470,10 +482,20 @@ class GenerateEndpoint(Endpoint):
 # ----- the flow -----------------------------------------------------------------------------
 
 
-async def serve(request: Request, endpoint: Endpoint) -> Response:
-    """Check, tokenize and submit `endpoint`'s request; its answer streamed or whole (a
-    499 with no body when the client left first)."""
-    state = app_state(request)
+@dataclass(frozen=True)
+class PreparedPrompts:
+    """A request checked and tokenized: what the worker would be sent, before the fan-out."""
+
+    ids: list[list[int]]
+    """Each prompt's token ids."""
+    params: list[SamplingParams]
+    """Each prompt's `SamplingParams`."""
+
+
+def prepare(state: AppState, endpoint: Endpoint) -> PreparedPrompts:
+    """Steps 1 and 2 of `serve`: everything refused before submission is refused here, and
+    the prompts are tokenized (chat's through its template) as they will be submitted. The
+    render endpoints stop here, so their ids are the generation endpoints' by construction."""
     endpoint.check()
     info = state.manager.require_ready()
     check_fan_out(endpoint.num_prompts, endpoint.prompt_param)
@@ -482,8 +504,17 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
     with maybe_span(state.tracing, "tokenize"):
         prompts = endpoint.tokenize(state.tokenizer, info.vocab_size)
     params = [endpoint.sampling_params(state, len(ids)) for ids in prompts]
+    check_fan_out(len(prompts) * params[0].n, endpoint.n_param)
+    return PreparedPrompts(prompts, params)
+
+
+async def serve(request: Request, endpoint: Endpoint) -> Response:
+    """Check, tokenize and submit `endpoint`'s request; its answer streamed or whole (a
+    499 with no body when the client left first)."""
+    state = app_state(request)
+    prepared = prepare(state, endpoint)
+    prompts, params = prepared.ids, prepared.params
     n = params[0].n
-    check_fan_out(len(prompts) * n, endpoint.n_param)
     reqs = fan_out(
         endpoint.id, prompts, params, n, endpoint.body.stream, endpoint.extra_key, endpoint.priority
     )
@@ -497,6 +528,61 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
         request, lambda: _collect(state.manager, reqs, endpoint, acc)
     )
     return Response(status_code=499) if answer is None else JSONResponse(answer)
+
+
+def render(state: AppState, endpoint: ChatEndpoint | CompletionsEndpoint) -> list[RenderedRequest]:
+    """vLLM's render endpoints: per prompt, the token ids and sampling parameters the worker
+    would be sent (`prepare`), in vLLM's `GenerateRequest` shape. Nothing is submitted."""
+    body = endpoint.body
+    prepared = prepare(state, endpoint)
+    return [
+        RenderedRequest(
+            request_id=TokenizerManager.new_rid(endpoint.id_prefix),
+            token_ids=ids,
+            sampling_params=vllm_sampling_params(params),
+            model=body.model,
+            stream=body.stream,
+            stream_options=body.stream_options if body.stream else None,
+            cache_salt=body.cache_salt,
+            priority=body.priority,
+        )
+        for ids, params in zip(prepared.ids, prepared.params)
+    ]
+
+
+_VLLM_GRAMMAR_KEYS = {"json_schema": "json", "regex": "regex", "ebnf": "grammar"}
+"""vLLM's `structured_outputs` key for each grammar kind (a `choice` is already an EBNF)."""
+
+
+def vllm_sampling_params(params: SamplingParams) -> RenderedSamplingParams:
+    """`params` under vLLM's names: logprobs as a count (None: not asked), the prompt's
+    logprobs likewise, a grammar as `structured_outputs`."""
+    structured: dict[str, Any] | None = None
+    if params.grammar is not None:
+        kind, source = params.grammar
+        key = _VLLM_GRAMMAR_KEYS[kind]
+        structured = {key: json.loads(source) if kind == "json_schema" else source}
+    return RenderedSamplingParams(
+        n=params.n,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=params.seed,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        max_tokens=params.max_new_tokens,
+        min_tokens=params.min_new_tokens,
+        logprobs=params.top_logprobs_num if params.logprobs else None,
+        prompt_logprobs=params.prompt_top_logprobs_num if params.logprob_start_len >= 0 else None,
+        skip_special_tokens=params.skip_special_tokens,
+        structured_outputs=structured,
+        logit_bias=params.logit_bias or None,
+    )
 
 
 def check_fan_out(num_sequences: int, param: str) -> None:

@@ -409,6 +409,44 @@ SURFACE_BAD_INPUT = [
         400,
         "prediction",
     ),
+    # The render endpoints refuse what generation refuses, under the same names.
+    ("completions render without a prompt", COMPLETIONS + "/render", {}, 400, "prompt"),
+    (
+        "completions render an id outside the vocabulary",
+        COMPLETIONS + "/render",
+        {"prompt": [10**9]},
+        400,
+        "prompt",
+    ),
+    (
+        "completions render max_tokens beyond the context",
+        COMPLETIONS + "/render",
+        {"prompt": "hi", "max_tokens": 10**6},
+        400,
+        "max_tokens",
+    ),
+    (
+        "chat render a bad role",
+        CHAT + "/render",
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        400,
+        "messages[0].role",
+    ),
+    (
+        "chat render tool_choice naming no tool",
+        CHAT + "/render",
+        {"messages": USER, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+        400,
+        "tool_choice",
+    ),
+    (
+        "chat render temperature out of range",
+        CHAT + "/render",
+        {"messages": USER, "temperature": -1},
+        400,
+        "temperature",
+    ),
+    ("chat render another model", CHAT + "/render", {"model": "x", "messages": USER}, 404, "model"),
 ]
 
 
