@@ -7,8 +7,9 @@ import torch
 
 from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.chunk_cache import ChunkCache
+from engine.cache.kv_events import block_hashes
 from engine.cache.namespace import PrefixNamespace
-from engine.cache.radix_cache import RadixCache
+from engine.cache.radix_cache import RadixCache, TreeNode, _parent
 from engine.cache.radix_key import RadixKey
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.req_to_token_pool import ReqToTokenPool
@@ -50,3 +51,15 @@ def insert_fresh(
 def total_size(tree: BasePrefixCache) -> int:
     """Tokens the cache holds, counted from its slots rather than its ledgers."""
     return len(tree.cached_slots())
+
+
+def tree_blocks(tree: RadixCache, block_size: int) -> set[int]:
+    """Every full block on every root→node path of the tree, hashed from its tokens: what
+    the KV-cache events must add up to."""
+    blocks: set[int] = set()
+    paths: dict[TreeNode, list[int]] = {tree.root_node: []}
+    for node in tree._nodes():  # parents before children
+        path = paths[_parent(node)] + node.key.tolist()
+        paths[node] = path
+        blocks.update(block_hashes(path, node.key.extra_key, block_size))
+    return blocks

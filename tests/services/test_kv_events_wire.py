@@ -17,9 +17,20 @@ import zmq
 from benchmarks.support.kv_events import Subscriber
 from benchmarks.support.launcher import ServiceLauncher, cpu_flags, server_ports
 from benchmarks.support.net import free_ports, wait_until
-from engine.cache.kv_events import AllBlocksCleared, BlockRemoved, block_hashes
+from benchmarks.support.radix import tree_blocks
+from engine.api import Engine
+from engine.cache.kv_events import (
+    AllBlocksCleared,
+    BlockEventRecorder,
+    BlockRemoved,
+    block_hashes,
+)
 from engine.cache.namespace import PrefixNamespace
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.req import Req
 from services.worker.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
+
+BLOCK = 16
 
 
 def loopback(port: int) -> str:
@@ -117,6 +128,77 @@ def test_a_subscriber_that_never_reads_loses_batches_and_the_publisher_never_wai
 def test_a_bad_config_is_refused_naming_the_flag(config: str):
     with pytest.raises(ValueError, match="--kv-events-config"):
         KVEventsConfig.from_json(config)
+
+
+# ----- the scheduler through the publisher ------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_subscribed_blocks_equal_the_tree_after_every_turn_through_retraction_and_flush(
+    tiny_model_dir: Path, publisher_and_subscriber, overlap: bool
+):
+    """The engine's scheduler on a pool small enough to evict and retract, its events sent
+    through the real publisher each turn, as the worker does: what the subscriber on
+    127.0.0.1 has decoded equals the RadixCache's full 16-token blocks after every turn."""
+    publisher, subscriber = publisher_and_subscriber
+    engine = Engine(
+        str(tiny_model_dir),
+        dtype="float64",
+        device="cpu",
+        skip_tokenizer_init=True,
+        max_total_tokens=600,
+        chunked_prefill_size=48,
+        max_running_requests=12,
+        disable_overlap_schedule=not overlap,
+    )
+    scheduler = engine.scheduler
+    tree = scheduler.cache_manager.tree_cache
+    recorder = BlockEventRecorder(BLOCK)
+    tree.attach_kv_events(recorder)
+    startup = recorder.take()
+    wait_until(  # the start-up AllBlocksCleared, resent until the subscriber has joined
+        lambda: publisher.publish(startup) or subscriber.drain(0.1), 10, "the subscriber"
+    )
+    rng = random.Random(3)
+
+    def tokens(n: int) -> list[int]:  # the tiny model's vocabulary is 256
+        return [rng.randrange(3, 256) for _ in range(n)]
+
+    prefixes = [tokens(40) for _ in range(3)]
+    for i in range(18):
+        scheduler.add_request(
+            Req(
+                f"r{i}",
+                prefixes[i % 3] + tokens(rng.randint(5, 30)),
+                SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True),
+                extra_key=PrefixNamespace(cache_salt="tenant-a") if i % 2 else None,
+            )
+        )
+    turns = 0
+
+    def after_turn(_outputs: list[Req]) -> None:
+        nonlocal turns
+        events = recorder.take()
+        if events:
+            publisher.publish(events)
+            wait_until(lambda: subscriber.drain(0.01), 10, "the turn's batch")
+        assert subscriber.blocks == tree_blocks(tree, BLOCK), f"turn {turns}"
+        turns += 1
+
+    try:
+        scheduler.run_event_loop(lambda: not scheduler.has_work(), send_outputs=after_turn)
+        scheduler.run_event_loop(lambda: scheduler.in_flight is None, send_outputs=after_turn)
+        assert scheduler.stats.num_retractions > 0 and tree.evicted_tokens > 0
+        assert subscriber.blocks and turns > 10
+        stored = [e for _, events in subscriber.batches for e in events if e[0] == "BlockStored"]
+        salted = [e for e in stored if e[8] is not None]
+        assert salted and all(e[8][0] == [["cache_salt", "tenant-a"]] for e in salted)
+
+        scheduler.cache_manager.reset()  # what /flush_cache does
+        after_turn([])
+        assert subscriber.batches[-1][1] == [["AllBlocksCleared"]] and not subscriber.blocks
+    finally:
+        engine.shutdown()
 
 
 # ----- a real server --------------------------------------------------------------------

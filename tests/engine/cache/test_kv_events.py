@@ -1,24 +1,20 @@
-"""The radix tree published as KV-cache events: decoded with a plain msgpack decoder, in
-vLLM's array layout, and replayed in order they give exactly the tree's full 16-token
-blocks — after inserts, splits, evictions, retraction and a flush."""
+"""The radix tree recorded as KV-cache events, decoded with a plain msgpack decoder: vLLM's
+array layout, the hash definition, the salt, and what splits and evictions publish. The
+whole scheduler through the real publisher is in tests/services/test_kv_events_wire.py;
+the stateful property test checks the replay against a brute-force model."""
 
 from __future__ import annotations
 
 import hashlib
-import random
 
 import msgpack
 import msgspec
-import pytest
 
 from benchmarks.support.kv_events import apply_events
-from benchmarks.support.radix import insert_fresh, simulated_cache
+from benchmarks.support.radix import insert_fresh, simulated_cache, tree_blocks
 from engine.cache.kv_events import BlockEventRecorder, EventBatch, block_hash, block_hashes
 from engine.cache.namespace import PrefixNamespace
-from engine.cache.radix_cache import RadixCache
 from engine.cache.radix_key import RadixKey
-from engine.sampling.sampling_params import SamplingParams
-from engine.sched.req import Req
 
 BLOCK = 16
 SALT = PrefixNamespace(cache_salt="tenant-a")
@@ -27,17 +23,6 @@ SALT = PrefixNamespace(cache_salt="tenant-a")
 def wire(events: list) -> list[list]:
     """Events as a router decodes them: msgpack with no schema."""
     return msgpack.unpackb(msgspec.msgpack.encode(events))
-
-
-def tree_blocks(tree: RadixCache, block_size: int = BLOCK) -> set[int]:
-    """Every full block on every root→node path of the tree, hashed from its tokens."""
-    blocks: set[int] = set()
-    paths = {tree.root_node: []}
-    for node in tree._nodes():  # parents before children
-        path = paths[node.parent] + node.key.tolist()
-        paths[node] = path
-        blocks.update(block_hashes(path, node.key.extra_key, block_size))
-    return blocks
 
 
 def recorded_cache(num_slots: int = 400) -> tuple:
@@ -103,55 +88,8 @@ def test_evicting_a_leaf_removes_the_block_it_cut_into_and_keeps_the_one_above()
     insert_fresh(cache, shared + [2] * 20)
     blocks: set[int] = set()
     apply_events(wire(recorder.take()), blocks)
-    assert blocks == tree_blocks(cache.tree_cache) and len(blocks) == 3  # block 0 shared
+    assert blocks == tree_blocks(cache.tree_cache, BLOCK) and len(blocks) == 3  # block 0 shared
 
     cache.tree_cache.evict(20)  # one 20-token leaf: tokens 20..39 of its path
     apply_events(wire(recorder.take()), blocks)
-    assert blocks == tree_blocks(cache.tree_cache) and len(blocks) == 2
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_replayed_events_equal_the_tree_after_every_turn_under_retraction_and_flush(
-    make_engine, overlap
-):
-    engine = make_engine(
-        max_total_tokens=600,
-        chunked_prefill_size=48,
-        max_running_requests=12,
-        disable_overlap_schedule=not overlap,
-    )
-    scheduler = engine.scheduler
-    tree = scheduler.cache_manager.tree_cache
-    recorder = BlockEventRecorder(BLOCK)
-    tree.attach_kv_events(recorder)
-    rng = random.Random(3)
-    prefixes = [[rng.randrange(3, 256) for _ in range(40)] for _ in range(3)]
-    for i in range(18):
-        prompt = prefixes[i % 3] + [rng.randrange(3, 256) for _ in range(rng.randint(5, 30))]
-        scheduler.add_request(
-            Req(
-                f"r{i}",
-                prompt,
-                SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True),
-                extra_key=SALT if i % 2 else None,
-            )
-        )
-    published: set[int] = set()
-    turns = 0
-
-    def after_turn(_outputs: list[Req]) -> None:
-        nonlocal turns
-        apply_events(wire(recorder.take()), published)
-        assert published == tree_blocks(tree), f"turn {turns}"
-        turns += 1
-
-    scheduler.run_event_loop(lambda: not scheduler.has_work(), send_outputs=after_turn)
-    scheduler.run_event_loop(lambda: scheduler.in_flight is None, send_outputs=after_turn)
-    assert scheduler.stats.num_retractions > 0 and tree.evicted_tokens > 0
-    assert published and turns > 10
-
-    scheduler.cache_manager.reset()  # what /flush_cache does
-    events = wire(recorder.take())
-    assert events == [["AllBlocksCleared"]]
-    apply_events(events, published)
-    assert published == tree_blocks(tree) == set()
+    assert blocks == tree_blocks(cache.tree_cache, BLOCK) and len(blocks) == 2
