@@ -5,14 +5,18 @@ plays (`make_stub`). The processes serve the tiny Llama with the SmolLM2 vocabul
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import httpx2
 import pytest
 import zmq
 
-from benchmarks.support.launcher import HEARTBEAT_INTERVAL, ServiceLauncher
+from benchmarks.support.launcher import HEARTBEAT_INTERVAL, ServiceLauncher, cpu_flags, server_ports
+from benchmarks.support.net import free_ports
 from services.ipc import Receiver, Sender, bind_pull, bound_port, connect_push
 from services.protocol import BatchStrOutput, Heartbeat, Hello, Message, new_epoch
 
@@ -22,6 +26,49 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceLaunch
     launcher = ServiceLauncher(tmp_path_factory.mktemp("service-logs"))
     yield launcher
     launcher.stop_all()
+
+
+ROUTER_FACING_MAX_RUNNING = 2
+"""The router-facing server's running batch: a few requests make a queue."""
+
+
+@dataclass
+class RouterFacingServer:
+    """One real server as a router sees it, shared by the tests of what routers read (the
+    API port's metrics, the render endpoints, the KV-cache events): it publishes KV events
+    on 127.0.0.1 with a replay socket, and runs at most two requests at once."""
+
+    url: str
+    model: str
+    ports: dict[str, int]
+    events_endpoint: str
+    replay_endpoint: str
+
+    def metrics(self, flag: str = "port") -> str:
+        """The `/metrics` text of the port set by `--<flag>`."""
+        response = httpx2.get(f"http://127.0.0.1:{self.ports[flag]}/metrics", timeout=10)
+        assert response.status_code == 200, response.text
+        return response.text
+
+
+@pytest.fixture(scope="session")
+def router_facing_server(
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RouterFacingServer]:
+    events, replay = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))
+    config = {"publisher": "zmq", "endpoint": events, "replay_endpoint": replay, "topic": "kv@rs"}
+    flags = [
+        *cpu_flags(4096, tiny_llama_dir),
+        "--max-running-requests",
+        str(ROUTER_FACING_MAX_RUNNING),
+        "--kv-events-config",
+        json.dumps(config),
+    ]
+    ports = server_ports()
+    launcher = ServiceLauncher(tmp_path_factory.mktemp("router-facing-logs"))
+    with launcher.serve(flags, ports=ports) as url:
+        model = httpx2.get(f"{url}/v1/models").json()["data"][0]["id"]
+        yield RouterFacingServer(url, model, ports, events, replay)
 
 
 @dataclass

@@ -6,19 +6,16 @@ only, so dashboards and alerts never count a series twice."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags, server_ports
 from benchmarks.support.net import all_kv_free, wait_until
 from tests.deploy.conftest import helm_template
+from tests.services.conftest import ROUTER_FACING_MAX_RUNNING, RouterFacingServer
 
-MAX_RUNNING = 2
+MAX_RUNNING = ROUTER_FACING_MAX_RUNNING
 STREAMS = 4
 """Two run, two wait."""
 SCRAPED_PORT_FLAGS = {
@@ -29,24 +26,9 @@ SCRAPED_PORT_FLAGS = {
 """The chart's port names, as the server's port flags."""
 
 
-@dataclass
-class Server:
-    url: str
-    ports: dict[str, int]
-
-    def metrics(self, flag: str = "port") -> str:
-        response = httpx2.get(f"http://127.0.0.1:{self.ports[flag]}/metrics", timeout=10)
-        assert response.status_code == 200, response.text
-        return response.text
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    ports = server_ports()
-    launcher = ServiceLauncher(tmp_path_factory.mktemp("api-port-metrics-logs"))
-    flags = [*cpu_flags(4096, tiny_llama_dir), "--max-running-requests", str(MAX_RUNNING)]
-    with launcher.serve(flags, ports=ports) as url:
-        yield Server(url, ports)
+@pytest.fixture
+def server(router_facing_server: RouterFacingServer) -> RouterFacingServer:
+    return router_facing_server
 
 
 def family_names(exposition: str) -> list[str]:
@@ -79,7 +61,9 @@ def stream_until(url: str, stop: threading.Event) -> None:
                 return
 
 
-def test_the_api_port_serves_live_queue_and_kv_gauges_while_requests_run(server: Server):
+def test_the_api_port_serves_live_queue_and_kv_gauges_while_requests_run(
+    server: RouterFacingServer,
+):
     stop = threading.Event()
     streams = [
         threading.Thread(target=stream_until, args=(server.url, stop)) for _ in range(STREAMS)
@@ -116,7 +100,7 @@ def test_the_api_port_serves_live_queue_and_kv_gauges_while_requests_run(server:
         wait_until(lambda: all_kv_free(http), 60, "the aborted streams to give back their KV")
 
 
-def test_each_family_is_scraped_from_one_port_of_the_service_monitor(server: Server):
+def test_each_family_is_scraped_from_one_port_of_the_service_monitor(server: RouterFacingServer):
     monitor = helm_template(sets={"metrics.serviceMonitor.enabled": True}).one("ServiceMonitor")
     scraped = [endpoint["port"] for endpoint in monitor["spec"]["endpoints"]]
     assert set(scraped) <= set(SCRAPED_PORT_FLAGS), f"a port this test cannot map: {scraped}"

@@ -3,7 +3,6 @@ real server publishing what its tree holds to a subscriber on 127.0.0.1."""
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections.abc import Iterator
@@ -15,7 +14,6 @@ import pytest
 import zmq
 
 from benchmarks.support.kv_events import Subscriber
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags, server_ports
 from benchmarks.support.net import free_ports, wait_until
 from benchmarks.support.radix import tree_blocks
 from engine.api import Engine
@@ -29,6 +27,7 @@ from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import Req
 from services.worker.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
+from tests.services.conftest import RouterFacingServer
 
 BLOCK = 16
 
@@ -214,25 +213,19 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    pub_port, replay_port = free_ports(2)
-    config = {
-        "publisher": "zmq",
-        "endpoint": loopback(pub_port),
-        "replay_endpoint": loopback(replay_port),
-        "topic": "kv@rs",
-    }
-    flags = [*cpu_flags(4096, tiny_llama_dir), "--kv-events-config", json.dumps(config)]
-    ports = server_ports()
-    launcher = ServiceLauncher(tmp_path_factory.mktemp("kv-events-logs"))
-    subscriber = Subscriber(loopback(pub_port), "kv@rs", loopback(replay_port))
-    with (
-        launcher.serve(flags, ports=ports) as url,
-        httpx2.Client(base_url=url, timeout=120) as client,
-    ):
-        model = client.get("/v1/models").json()["data"][0]["id"]
-        worker_metrics = f"http://127.0.0.1:{ports['worker-metrics-port']}/metrics"
-        yield Server(client, model, subscriber, loopback(pub_port), worker_metrics)
+def server(router_facing_server: RouterFacingServer) -> Iterator[Server]:
+    """The shared server with a subscriber joined and the tree empty: a flush publishes
+    `AllBlocksCleared`, repeated until the subscriber has seen one."""
+    shared = router_facing_server
+    subscriber = Subscriber(shared.events_endpoint, "kv@rs", shared.replay_endpoint)
+    with httpx2.Client(base_url=shared.url, timeout=120) as client:
+        wait_until(
+            lambda: client.post("/flush_cache").status_code == 200 and subscriber.drain(0.2),
+            30,
+            "the subscriber to join",
+        )
+        worker_metrics = f"http://127.0.0.1:{shared.ports['worker-metrics-port']}/metrics"
+        yield Server(client, shared.model, subscriber, shared.events_endpoint, worker_metrics)
     subscriber.close()
 
 
@@ -250,6 +243,7 @@ def test_a_server_publishes_its_tree_blocks_salts_flushes_and_replays(server):
     client, subscriber = server.client, server.subscriber
     # The start-up AllBlocksCleared went out before anyone subscribed: replay has it.
     assert subscriber.replay(0)[0] == (0, [["AllBlocksCleared"]])
+    assert not subscriber.blocks  # the fixture's flush
 
     plain = prompt(1, 50)
     reply = client.post(

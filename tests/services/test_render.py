@@ -12,14 +12,13 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags
 from benchmarks.support.models import TINY_LLAMA_CONTEXT
+from tests.services.conftest import RouterFacingServer
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 MAX_TOKENS_CAP = 4096
@@ -53,11 +52,9 @@ VLLM_GENERATE_REQUEST_FIELDS = {
 
 
 @pytest.fixture(scope="module")
-def http(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx2.Client]:
-    launcher = ServiceLauncher(tmp_path_factory.mktemp("render-logs"))
-    with launcher.serve(cpu_flags(4096, tiny_llama_dir)) as url:
-        with httpx2.Client(base_url=url, timeout=60) as client:
-            yield client
+def http(router_facing_server: RouterFacingServer) -> Iterator[httpx2.Client]:
+    with httpx2.Client(base_url=router_facing_server.url, timeout=60) as client:
+        yield client
 
 
 def render(http: httpx2.Client, path: str, body: dict[str, Any]) -> Any:
