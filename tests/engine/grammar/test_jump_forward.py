@@ -92,7 +92,7 @@ def test_jump_forward_gives_valid_outputs_with_fewer_forward_passes(engines):
     is a decode pass saved, and the two runs differ by exactly that many passes less the
     extends that brought jumped requests back (one per jump)."""
     plain, jf = engines
-    names = list(SCHEMAS)
+    names = list(SCHEMAS)[::2]  # ten of the twenty: every kind of construct, half the time
     passes = {}
     results = {}
     for engine in (plain, jf):
@@ -112,10 +112,12 @@ def test_jump_forward_gives_valid_outputs_with_fewer_forward_passes(engines):
     # Where jump-forward's canonical tokens lead the model to the same choices, outputs are
     # identical; a forced token can also remove a merged token that carried a choice (`",`
     # = close the string and continue the list), so a few outputs may differ.
-    same = sum(
-        json.loads(a.text) == json.loads(b.text) for a, b in zip(results[plain], results[jf])
-    )
-    assert same >= 15, same
+    same = [
+        name
+        for name, a, b in zip(names, results[plain], results[jf])
+        if json.loads(a.text) == json.loads(b.text)
+    ]
+    assert len(same) >= 0.75 * len(names), same
 
 
 @pytest.mark.parametrize(
