@@ -89,7 +89,8 @@ class Settings(EngineArgs):
     kv_events_config: str | None = _opt(
         None,
         "publish the radix tree as KV-cache events for routers: JSON with SGLang's and vLLM's "
-        'keys, e.g. \'{"publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}\'',
+        'keys, e.g. \'{"publisher": "zmq", "topic": "kv"}\' (binds 127.0.0.1:5557 unless '
+        '"endpoint" names another address)',
     )
     kv_events_block_size: int = _opt(
         DEFAULT_BLOCK_SIZE, "tokens per virtual block in the KV-cache events"

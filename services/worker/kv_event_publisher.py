@@ -38,9 +38,9 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
     """`--kv-events-config`: SGLang's and vLLM's JSON keys and defaults."""
 
     publisher: Literal["zmq", "null"] = "null"
-    endpoint: str = "tcp://*:5557"
-    """Where the PUB socket binds. `*` binds every interface: the one socket of the worker
-    that may leave loopback, and only because this flag says so."""
+    endpoint: str = "tcp://127.0.0.1:5557"
+    """Where the PUB socket binds: loopback unless the flag names another address (the
+    chart's `tcp://*:<port>`), the one worker socket that may leave loopback."""
     topic: str = ""
     buffer_steps: int = 10_000
     """Batches kept for replay."""

@@ -300,3 +300,8 @@ def test_a_subscriber_that_never_reads_does_not_stall_decoding(server):
         if line.startswith("radixserve_kv_events_published_batches_total")
     )
     assert published > 0
+
+
+def test_without_an_endpoint_the_publisher_binds_loopback_only():
+    config = KVEventsConfig.from_json('{"publisher": "zmq"}')
+    assert config.enabled and config.endpoint == "tcp://127.0.0.1:5557"
