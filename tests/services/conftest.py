@@ -71,6 +71,28 @@ def router_facing_server(
         yield RouterFacingServer(url, model, ports, events, replay)
 
 
+EMBEDDED_WORKER_MAX_DEPTH = 64
+EMBEDDED_TOKENIZER_MAX_DEPTH = 150
+"""The embedded server's tokenizer has a looser nesting limit than its worker, so that a
+schema between the two passes the tokenizer's checks and fails in the worker, after the SSE
+headers went out (as a compile timeout would)."""
+
+
+@pytest.fixture(scope="session")
+def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The three processes on the embedded SmolLM2-135M-Instruct, with jump-forward and the
+    nesting limits above, shared by the client-library and grammar tests (it loads in about
+    30 s on two cores). Yields the base URL."""
+    launcher = ServiceLauncher(tmp_path_factory.mktemp("embedded-server-logs"), 1.0)
+    role_flags = {
+        "worker": ["--grammar-max-nesting-depth", str(EMBEDDED_WORKER_MAX_DEPTH)],
+        "tokenizer": ["--grammar-max-nesting-depth", str(EMBEDDED_TOKENIZER_MAX_DEPTH)],
+    }
+    flags = [*cpu_flags(16384), "--enable-jump-forward"]
+    with launcher.serve(flags, timeout=180, role_flags=role_flags) as url:
+        yield url
+
+
 @dataclass
 class Stream:
     """One rid's outputs, accumulated over BatchStrOutputs as the tokenizer would."""

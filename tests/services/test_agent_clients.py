@@ -34,13 +34,10 @@ from agents import (
 from pydantic import BaseModel, Field
 
 from benchmarks.support.grammar_schemas import SCHEMAS
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags
 from benchmarks.support.models import embedded_hf_model
 from benchmarks.support.net import all_kv_free, wait_until
 from engine.api import Engine
 
-HEARTBEAT_INTERVAL = 1.0
-"""The embedded model's prefill runs between heartbeats; a busy machine must not fake a death."""
 MODEL = "embedded"
 CITY = {"type": "string", "maxLength": 20}
 WEATHER_TOOL: dict[str, Any] = {
@@ -128,11 +125,9 @@ def checked_calls(message: Any, tools: list[dict[str, Any]]) -> list[tuple[str, 
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    launcher = ServiceLauncher(tmp_path_factory.mktemp("agent-clients-logs"), HEARTBEAT_INTERVAL)
-    # No model: the embedded SmolLM2-135M-Instruct; the default `hermes` tool-call parser.
-    with launcher.serve(cpu_flags(16384), timeout=180) as url:
-        yield url
+def base_url(embedded_server: str) -> str:
+    # The embedded SmolLM2-135M-Instruct; the default `hermes` tool-call parser.
+    return embedded_server
 
 
 @pytest.fixture(scope="module")

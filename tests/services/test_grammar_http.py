@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2
@@ -15,15 +14,8 @@ import openai
 import pytest
 
 from benchmarks.support.grammar_schemas import SCHEMAS
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags
+from tests.services.conftest import EMBEDDED_WORKER_MAX_DEPTH
 
-HEARTBEAT_INTERVAL = 1.0
-"""The embedded model's prefill runs between heartbeats; a busy machine must not fake a death."""
-WORKER_MAX_DEPTH = 64
-TOKENIZER_MAX_DEPTH = 150
-"""The tokenizer is started with a looser nesting limit than the worker, so that a schema
-between the two passes the tokenizer's checks and fails in the worker, after the SSE
-headers went out (as a compile timeout would)."""
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 YES_NO = 'root ::= answer "." \nanswer ::= "yes" | "no"'
 
@@ -41,16 +33,8 @@ def nested_schema(levels: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    launcher = ServiceLauncher(tmp_path_factory.mktemp("grammar-http-logs"), HEARTBEAT_INTERVAL)
-    # No model: the embedded SmolLM2-135M-Instruct.
-    flags = [*cpu_flags(16384), "--enable-jump-forward"]
-    role_flags = {
-        "worker": ["--grammar-max-nesting-depth", str(WORKER_MAX_DEPTH)],
-        "tokenizer": ["--grammar-max-nesting-depth", str(TOKENIZER_MAX_DEPTH)],
-    }
-    with launcher.serve(flags, timeout=180, role_flags=role_flags) as url:
-        yield url
+def base_url(embedded_server: str) -> str:
+    return embedded_server
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +168,8 @@ def test_bad_grammars_get_400_while_a_stream_keeps_flowing(
 def test_a_grammar_the_worker_refuses_after_the_headers_ends_the_stream_with_an_error_event(
     base_url: str,
 ):
-    schema = nested_schema(WORKER_MAX_DEPTH)  # 2 × 64 + 1 levels: within the tokenizer's limit only
+    # 2 × 64 + 1 levels: within the tokenizer's limit only
+    schema = nested_schema(EMBEDDED_WORKER_MAX_DEPTH)
     body = {
         "model": "embedded",
         "messages": [{"role": "user", "content": "hi"}],
