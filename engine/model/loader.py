@@ -28,6 +28,7 @@ from engine.model.config import ModelConfig
 from engine.model.embedded import EMBEDDED_MODEL, embedded_model_path
 from engine.model.models import get_model_class
 from engine.model.models.llama import LlamaForCausalLM
+from engine.model.tokenizer_cache import load_gguf_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -230,12 +231,12 @@ def load_model(
 
 def load_tokenizer(model: str | os.PathLike | ModelSource) -> PreTrainedTokenizerBase:
     """The model's tokenizer; from a GGUF file, transformers builds it from the metadata
-    (vocabulary, merges, special ids and chat template)."""
+    (vocabulary, merges, special ids and chat template), once per file (`tokenizer_cache`)."""
     from transformers import AutoTokenizer
 
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     if source.is_gguf:
-        return AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+        return load_gguf_tokenizer(source.path)
     return AutoTokenizer.from_pretrained(source.path)
 
 
