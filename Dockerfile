@@ -41,6 +41,15 @@ LABEL org.opencontainers.image.title="radixserve" \
 # A fixed uid/gid that base images and hosts do not hand out; the chart runs as the same ids.
 # The writable directories are created here so that a plain `docker run` works; the chart
 # mounts emptyDirs over them so that the root filesystem can be read-only.
+# Triton compiles a small C launcher per kernel on first use, so the CUDA image carries a C
+# compiler (the CPU image runs no Triton kernel).
+# DL3008: the compiler follows the base image's release, as its Python does.
+# hadolint ignore=DL3008
+RUN if [ "$VARIANT" = cuda ]; then \
+      apt-get update \
+      && apt-get install -y --no-install-recommends gcc libc6-dev \
+      && rm -rf /var/lib/apt/lists/*; \
+    fi
 RUN groupadd --gid 10001 radixserve \
  && useradd --uid 10001 --gid 10001 --home-dir /home/radixserve --no-create-home \
       --shell /usr/sbin/nologin radixserve \
