@@ -1,16 +1,20 @@
-"""Attention backend micro-benchmark on CUDA: Triton kernels against the torch (SDPA) backend.
+"""Attention backend micro-benchmark: on CUDA, Triton kernels against the torch backend; on
+CPU, the torch backend's decode (values read in place) against the gather it replaced.
 
-Times one layer's attention for a decode step at several batch sizes and for a prefill,
-at the embedded model's attention shape (SmolLM2-135M: 9 query heads, 3 KV heads, head_dim 64),
-with each request's KV slots scattered over the pool as a long-running server leaves them.
-Also prints the largest difference between the two backends' outputs.
+Times one layer's attention for a decode step at several batch sizes (and, on CUDA, for a
+prefill), at the embedded model's attention shape (SmolLM2-135M: 9 query heads, 3 KV heads,
+head_dim 64), with each request's KV slots scattered over the pool as a long-running server
+leaves them. Also prints the largest difference between the two outputs.
 
-Run (GPU only): .venv/bin/python benchmarks/attention_bench.py [--context 1024] [--dtype bfloat16]
+Run: .venv/bin/python -m benchmarks.attention_bench [--context 1024] [--dtype bfloat16]
+     .venv/bin/python -m benchmarks.attention_bench --device cpu --context 512
 """
 
 from __future__ import annotations
 
 import argparse
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -28,26 +32,26 @@ QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def make_batch(
-    batch_size: int, prefix_len: int, extend_len: int, dtype: torch.dtype
+    batch_size: int, prefix_len: int, extend_len: int, dtype: torch.dtype, device: str = "cuda"
 ) -> tuple[ForwardBatch, QKV]:
     """`batch_size` requests of `prefix_len` cached + `extend_len` new tokens on random slots."""
     seq_len = prefix_len + extend_len
     pool_size = batch_size * seq_len
-    kv_pool = MHATokenToKVPool(pool_size, dtype, NUM_KV_HEADS, HEAD_DIM, 1, "cuda")
+    kv_pool = MHATokenToKVPool(pool_size, dtype, NUM_KV_HEADS, HEAD_DIM, 1, device)
     kv_pool.k_buffer[0].normal_()
     kv_pool.v_buffer[0].normal_()
-    req_pool = ReqToTokenPool(batch_size, seq_len, "cuda")
-    slots = (torch.randperm(pool_size, device="cuda") + 1).view(batch_size, seq_len)
+    req_pool = ReqToTokenPool(batch_size, seq_len, device)
+    slots = (torch.randperm(pool_size, device=device) + 1).view(batch_size, seq_len)
     req_pool.req_to_token[1:] = slots.to(torch.int32)
     num_tokens = batch_size * extend_len
     fb = ForwardBatch(
         forward_mode=ForwardMode.DECODE if extend_len == 1 else ForwardMode.EXTEND,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device="cuda"),
-        positions=torch.arange(prefix_len, seq_len, device="cuda").repeat(batch_size),
-        req_pool_indices=torch.arange(1, batch_size + 1, device="cuda"),
-        seq_lens=torch.full((batch_size,), seq_len, device="cuda"),
-        prefix_lens=torch.full((batch_size,), prefix_len, device="cuda"),
-        extend_lens=torch.full((batch_size,), extend_len, device="cuda"),
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=torch.arange(prefix_len, seq_len, device=device).repeat(batch_size),
+        req_pool_indices=torch.arange(1, batch_size + 1, device=device),
+        seq_lens=torch.full((batch_size,), seq_len, device=device),
+        prefix_lens=torch.full((batch_size,), prefix_len, device=device),
+        extend_lens=torch.full((batch_size,), extend_len, device=device),
         out_cache_loc=slots[:, prefix_len:].reshape(-1),
         seq_lens_cpu=[seq_len] * batch_size,
         prefix_lens_cpu=[prefix_len] * batch_size,
@@ -56,7 +60,7 @@ def make_batch(
         token_to_kv_pool=kv_pool,
     )
     q, k, v = (
-        torch.randn(num_tokens, heads, HEAD_DIM, device="cuda", dtype=dtype)
+        torch.randn(num_tokens, heads, HEAD_DIM, device=device, dtype=dtype)
         for heads in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)
     )
     return fb, (q, k, v)
@@ -78,17 +82,92 @@ def time_layer(
     return start.elapsed_time(end) / iters, out
 
 
+def gathered_decode(
+    backend: TorchAttnBackend, q: torch.Tensor, layer: AttentionLayer, fb: ForwardBatch
+) -> torch.Tensor:
+    """The decode the torch backend ran before: values gathered like the keys, then bmm."""
+    group = backend.forward_metadata.decode if backend.forward_metadata else None
+    assert group is not None
+    k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+    n, d = q.shape[0], HEAD_DIM
+    blocks = (n * NUM_KV_HEADS, group.max_seq_len, d)
+    k = k_buffer.view(-1, d).index_select(0, group.kv_rows).view(blocks)
+    v = v_buffer.view(-1, d).index_select(0, group.kv_rows).view(blocks)
+    scores = torch.bmm(q.reshape(blocks[0], -1, d), k.transpose(1, 2)).view(n, NUM_HEADS, -1)
+    scores = scores.to(torch.promote_types(q.dtype, torch.float32)).mul_(layer.scaling)
+    probs = torch.softmax(scores.add_(group.bias), dim=-1).to(q.dtype)
+    return torch.bmm(probs.view(blocks[0], -1, group.max_seq_len), v).view(n, NUM_HEADS, d)
+
+
+def best_ms(fn: Callable[[], torch.Tensor], iters: int, rounds: int = 5) -> float:
+    """The best of `rounds` means over `iters` calls: the machine may be shared."""
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - start) / iters * 1e3)
+    return best
+
+
+def time_cpu_decode(dtype: torch.dtype, batch_size: int, context: int) -> tuple[float, ...]:
+    """(in place ms, gather ms, max |diff|) of one layer's decode attention on CPU."""
+    layer = AttentionLayer(0, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    fb, (q, _, _) = make_batch(batch_size, context, 1, dtype, "cpu")
+    backend = TorchAttnBackend(
+        num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, device="cpu"
+    )
+    backend.init_forward_metadata(fb)
+
+    def in_place() -> torch.Tensor:
+        return backend.forward_decode(q, layer, fb)
+
+    def gather() -> torch.Tensor:
+        return gathered_decode(backend, q, layer, fb)
+
+    iters = max(3, 200 // batch_size)
+    diff = (in_place().float() - gather().float()).abs().max().item()
+    return best_ms(in_place, iters), best_ms(gather, iters), diff
+
+
+def main_cpu(args: argparse.Namespace) -> None:
+    print(
+        f"cpu  {torch.get_num_threads()} threads  heads {NUM_HEADS}/{NUM_KV_HEADS}  "
+        f"head_dim {HEAD_DIM}; one layer's decode attention, best of 5 rounds"
+    )
+    print(f"{'case':<32}{'in place ms':>12}{'gather ms':>11}{'max |diff|':>12}")
+    for dtype_name in args.dtype:
+        for batch_size in args.batch_sizes:
+            in_place, gather, diff = time_cpu_decode(
+                getattr(torch, dtype_name), batch_size, args.context
+            )
+            name = f"{dtype_name} decode b={batch_size} ctx={args.context}"
+            print(f"{name:<32}{in_place:>12.3f}{gather:>11.3f}{diff:>12.2e}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument(
         "--context", type=int, default=1024, help="cached tokens per decode request"
     )
     parser.add_argument("--prompt", type=int, default=512, help="prefill tokens per request")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument(
+        "--dtype",
+        nargs="+",
+        default=["bfloat16"],
+        choices=["bfloat16", "float16", "float32"],
+        help="CUDA: the first; CPU: each in turn",
+    )
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
+    if args.device == "cpu":
+        main_cpu(args)
+        return
+    dtype = getattr(torch, args.dtype[0])
     print(
-        f"{torch.cuda.get_device_name()}  {args.dtype}  heads {NUM_HEADS}/{NUM_KV_HEADS}  "
+        f"{torch.cuda.get_device_name()}  {args.dtype[0]}  heads {NUM_HEADS}/{NUM_KV_HEADS}  "
         f"head_dim {HEAD_DIM}"
     )
     print(f"{'case':<28}{'triton ms':>11}{'torch ms':>11}{'max |diff|':>12}")

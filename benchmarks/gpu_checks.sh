@@ -4,9 +4,14 @@
 #                                          interpreted), then the engine suite with the GPU as
 #                                          every "auto" device (overlap loop on CUDA streams)
 #   benchmarks/gpu_checks.sh serving OUT   the serving comparison with the triton backend
-# Results go under OUT (junit XML and logs; OUT/serving/results.json, plots and OUT/serving.md).
+#   benchmarks/gpu_checks.sh graph   OUT   CUDA graphs, within 6 minutes: the CUDA tests, launch
+#                                          cost, eager vs graph decode step (batch 1/8/32/128 x
+#                                          512), greedy graph == eager, then shared-prefix and
+#                                          random at concurrency 32, overlap loop on and off
+# Results go under OUT (junit XML and logs; OUT/serving/results.json, plots and OUT/serving.md;
+# OUT/graph_bench.json and OUT/graph-serving/results.json for the graph stage).
 set -uo pipefail
-stage=${1:?tests or serving}
+stage=${1:?tests, serving or graph}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -26,8 +31,20 @@ serving)
         --peers hf-bf16 hf-fp32 rs-radix-off rs-overlap-off rs-all-on --bandwidth-gbs 4300 \
         2>&1 | tee "$out/serving.log" | tail -40
     ;;
+graph)
+    timeout "${GRAPH_TESTS_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider --timeout 60 \
+        --junitxml "$out/graph-tests.xml" tests/engine/model/test_graph_runner.py \
+        tests/engine/model/attention/test_triton_backend.py tests/engine/model/test_runner.py \
+        2>&1 | tee "$out/graph-tests.log" | tail -15
+    timeout "${GRAPH_BENCH_TIMEOUT:-90}" python3 -m benchmarks.graph_bench --device cuda \
+        --out "$out/graph_bench.json" 2>&1 | tee "$out/graph_bench.log" | tail -40
+    timeout "${GRAPH_SERVING_TIMEOUT:-170}" python3 -m benchmarks.serving.compare \
+        --out "$out/graph-serving" --peers rs-all-on rs-overlap-off \
+        --workloads shared-prefix random --concurrency 32 --bandwidth-gbs 4300 \
+        2>&1 | tee "$out/graph-serving.log" | tail -40
+    ;;
 *)
-    echo "unknown stage $stage: tests or serving" >&2
+    echo "unknown stage $stage: tests, serving or graph" >&2
     exit 2
     ;;
 esac

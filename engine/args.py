@@ -64,6 +64,12 @@ class EngineArgs:
     attention_backend: str | None = _opt(
         None, "torch | triton (default: triton on CUDA, torch on CPU)"
     )
+    cuda_graph_max_bs: int = _opt(
+        160,
+        "largest decode batch replayed from a CUDA graph (clipped to --max-running-requests); "
+        "larger ones run eagerly",
+    )
+    disable_cuda_graph: bool = _opt(False, "run every decode batch eagerly (no CUDA graphs)")
     random_seed: int = _opt(0, "seed for the random schedule policy and unseeded sampling")
     grammar_backend: str = _opt(
         "xgrammar",

@@ -15,6 +15,13 @@ from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.attention import create_attention_backend, default_attention_backend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
+from engine.model.graph_runner import (
+    CudaGraphBackend,
+    GraphBackend,
+    GraphRunner,
+    ResolveInputIds,
+    capture_batch_sizes,
+)
 from engine.model.layers.linear import Linear
 from engine.model.layers.logits_processor import LogitsProcessorOutput
 from engine.model.loader import load_model, open_checkpoint
@@ -50,6 +57,10 @@ class ModelRunner:
     owns: the request table, the KV slot allocator and the KV buffers. The KV pool holds
     `max_total_tokens` tokens; on CUDA, by default, what `mem_fraction_static` of the GPU
     leaves once the weights are loaded; on CPU, by default, `DEFAULT_CPU_KV_CACHE_BYTES`.
+
+    Decode batches of up to `min(cuda_graph_max_bs, max_running_requests)` requests replay
+    captured graphs (`GraphRunner`): CUDA graphs on a GPU unless `disable_cuda_graph`, and
+    on any device when a `graph_backend` is given (the CPU tests inject a fake).
     """
 
     def __init__(
@@ -63,6 +74,9 @@ class ModelRunner:
         mem_fraction_static: float = 0.85,
         max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
         context_len: int | None = None,
+        cuda_graph_max_bs: int = 160,
+        disable_cuda_graph: bool = False,
+        graph_backend: GraphBackend | None = None,
     ):
         self.device = torch.device(device)
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
@@ -85,23 +99,44 @@ class ModelRunner:
             if isinstance(module, Linear):
                 module.pack_weight()
         self.model.logits_processor.pack_lm_head(self.model.lm_head)
-        self.init_memory_pool(max_total_tokens, mem_fraction_static, max_running_requests)
+        self.cuda_graph_bs = min(cuda_graph_max_bs, max_running_requests)
+        if disable_cuda_graph or self.cuda_graph_bs < 1:
+            graph_backend = None
+        elif graph_backend is None and self.device.type == "cuda":
+            graph_backend = CudaGraphBackend(self.device)
+        self.graph_runner: GraphRunner | None = None
+        self.init_memory_pool(
+            max_total_tokens, mem_fraction_static, max_running_requests, graph_backend
+        )
+        if graph_backend is not None:
+            self.graph_runner = self._graph_runner(self.token_to_kv_pool, graph_backend)
+            self.graph_runner.capture()
 
     def init_memory_pool(
-        self, max_total_tokens: int | None, mem_fraction_static: float, max_running_requests: int
+        self,
+        max_total_tokens: int | None,
+        mem_fraction_static: float,
+        max_running_requests: int,
+        graph_backend: GraphBackend | None = None,
     ) -> None:
+        """Graphs bake in the KV pool's addresses, so their memory is reserved first: the
+        request table, then the graph memory a trial capture measures, then the pool out of
+        what is left; the graphs are captured over the pool afterwards."""
         config = self.model_config
         kv_shape = (config.num_key_value_heads, config.head_dim, config.num_hidden_layers)
+        self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.context_len, self.device)
         if max_total_tokens is None:
+            graph_bytes = 0
+            if graph_backend is not None and self.device.type == "cuda":
+                graph_bytes = self._measure_graph_memory(kv_shape)
             max_total_tokens = MHATokenToKVPool.max_tokens_for_budget(
-                self._kv_cache_budget(mem_fraction_static), *kv_shape, self.dtype
+                self._kv_cache_budget(mem_fraction_static) - graph_bytes, *kv_shape, self.dtype
             )
         if max_total_tokens < 1:
             raise RuntimeError(
                 "no memory left for the KV cache; raise mem_fraction_static or set max_total_tokens"
             )
         self.max_total_num_tokens = max_total_tokens
-        self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.context_len, self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_tokens, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
             max_total_tokens, self.dtype, *kv_shape, self.device
@@ -112,6 +147,35 @@ class ModelRunner:
             max_total_tokens * MHATokenToKVPool.cell_size(*kv_shape, self.dtype) / (1 << 30),
         )
 
+    def _graph_runner(
+        self, token_to_kv_pool: MHATokenToKVPool, backend: GraphBackend, largest_only: bool = False
+    ) -> GraphRunner:
+        batch_sizes = capture_batch_sizes(self.cuda_graph_bs)
+        return GraphRunner(
+            self.model,
+            self.attn_backend,
+            self.req_to_token_pool,
+            token_to_kv_pool,
+            self.cuda_graph_bs,
+            backend,
+            batch_sizes[-1:] if largest_only else batch_sizes,
+        )
+
+    def _measure_graph_memory(self, kv_shape: tuple[int, int, int]) -> int:
+        """Bytes a capture of the largest bucket takes (its pool, the warm-up's
+        activations), over a one-slot stand-in KV pool, freed again after."""
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        stand_in = MHATokenToKVPool(1, self.dtype, *kv_shape, self.device)
+        trial = self._graph_runner(stand_in, CudaGraphBackend(self.device), largest_only=True)
+        trial.capture()
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        del trial, stand_in
+        torch.cuda.empty_cache()
+        logger.info("CUDA graphs: %.2f GiB reserved (trial capture)", used / (1 << 30))
+        return used
+
     def _kv_cache_budget(self, mem_fraction_static: float) -> int:
         """Bytes for K/V: on CUDA, what is free beyond the `1 - mem_fraction_static` of the
         GPU kept for activations and other processes."""
@@ -121,12 +185,26 @@ class ModelRunner:
         return int(free - total * (1 - mem_fraction_static))
 
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Logits `[batch_size, vocab_size]` (float32, or float64 for a float64 model)."""
-        return self.forward_output(forward_batch).next_token_logits
+        """Logits `[batch_size, vocab_size]` (float32, or float64 for a float64 model), in
+        a tensor of the caller's own: with graphs, `forward_output`'s live in graph memory
+        that the next replay overwrites."""
+        logits = self.forward_output(forward_batch).next_token_logits
+        return logits if self.graph_runner is None else logits.clone()
 
     @torch.inference_mode()
-    def forward_output(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        """The logits and the prompt logprobs `forward_batch.prompt_logprobs` asks for."""
+    def forward_output(
+        self, forward_batch: ForwardBatch, resolve_input_ids: ResolveInputIds | None = None
+    ) -> LogitsProcessorOutput:
+        """The logits and the prompt logprobs `forward_batch.prompt_logprobs` asks for.
+
+        `resolve_input_ids` (the scheduler's `FutureMap.resolve`) turns futures among the
+        input ids into tokens as part of the forward: inside the graph for a decode batch
+        of up to `cuda_graph_bs` requests, eagerly for every other batch. A graph's logits
+        are valid until the next forward (the sampler reads them at once, on the stream)."""
+        if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
+            return self.graph_runner.replay(forward_batch, resolve_input_ids)
+        if resolve_input_ids is not None:
+            forward_batch.input_ids = resolve_input_ids(forward_batch.input_ids)
         self.attn_backend.init_forward_metadata(forward_batch)
         output: LogitsProcessorOutput = self.model(
             forward_batch.input_ids, forward_batch.positions, forward_batch

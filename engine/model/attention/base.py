@@ -48,6 +48,18 @@ class AttentionBackend(ABC):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Build per-batch index tensors once, before the first layer runs."""
 
+    @abstractmethod
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        """Allocate what captured decode batches of up to `max_bs` requests share, before
+        any capture (SGLang's name; the GraphRunner calls it on every device)."""
+
+    @abstractmethod
+    def init_forward_metadata_graph(self, forward_batch: ForwardBatch) -> None:
+        """`init_forward_metadata` for a decode batch inside a captured graph, replayed at
+        every step: device ops with static shapes only (no host values, no `*_cpu` lists, no
+        data-dependent sizes), writing into the buffers of `init_cuda_graph_state`.
+        Computing the metadata inside the graph leaves replay no host-side pass to make."""
+
     def forward(
         self,
         q: torch.Tensor,

@@ -25,12 +25,14 @@ class ExtendSeq:
 
 @dataclass
 class DecodeGroup:
-    """All requests with one new token, attended together over their K/V rows gathered
-    head-major: row (r, h, j) of the gather is KV head h of request r's j-th key."""
+    """All requests with one new token, attended together: keys gathered head-major (row
+    (r, h, j) of the gather is KV head h of request r's j-th key), values read in place."""
 
     token_indices: torch.Tensor | None  # [n] rows of q; None: every row, in order
     # [n * kv_heads * max_seq_len] int64: rows of the pool seen as [slots * kv_heads, head_dim]
     kv_rows: torch.Tensor
+    # [n * num_heads, max_seq_len] int64: for each query head, the pool rows of its KV head
+    v_rows: torch.Tensor
     bias: torch.Tensor  # [n, 1, max_seq_len] float: 0 for a key, -inf for padding
     max_seq_len: int
 
@@ -54,6 +56,11 @@ class TorchAttnBackend(AttentionBackend):
     per-request loop runs once per layer, never per token. Gathers use `index_select`: on
     CPU, advanced indexing with an index tensor goes through a parallel kernel that costs
     milliseconds when the cores are busy.
+
+    Under a graph (`init_forward_metadata_graph`) a decode batch attends over whole
+    `req_to_token` rows, `max_context_len` keys each with those past its length masked:
+    the one key count that fits every batch a graph replays. It is for graph backends
+    that replay Python (the CPU tests); eager decode pads only to the batch's longest.
     """
 
     def __init__(
@@ -61,19 +68,20 @@ class TorchAttnBackend(AttentionBackend):
     ):
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         self.forward_metadata: ForwardMetadata | None = None
+        self.graph_max_seq_len = 0
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
-        max_prefix_len = max(fb.prefix_lens_cpu, default=0)
-        req_to_token = fb.req_to_token_pool.req_to_token[:, :max_prefix_len]
-        prefix_slots = req_to_token.index_select(0, fb.req_pool_indices).long()
         extend_seqs, single, single_starts, start = [], [], [], 0
+        prefix_slots: torch.Tensor | None = None
         for i, (prefix_len, extend_len) in enumerate(zip(fb.prefix_lens_cpu, fb.extend_lens_cpu)):
             end = start + extend_len
             if extend_len == 1:
                 single.append(i)
                 single_starts.append(start)
             else:
+                if prefix_slots is None:
+                    prefix_slots = self._prefix_slots(fb)
                 kv_indices = torch.cat((prefix_slots[i, :prefix_len], fb.out_cache_loc[start:end]))
                 extend_seqs.append(
                     ExtendSeq(
@@ -82,12 +90,32 @@ class TorchAttnBackend(AttentionBackend):
                 )
             start = end
         decode = None
-        if single:
-            every_row = len(single) == fb.batch_size
+        if len(single) == fb.batch_size:
             decode = self._decode_group(
-                fb, prefix_slots, None if every_row else single, single_starts
+                fb, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc, max(fb.seq_lens_cpu)
+            )
+        elif single:
+            req_indices = torch.tensor(single, device=self.device)
+            token_indices = torch.tensor(single_starts, device=self.device)
+            decode = self._decode_group(
+                fb,
+                fb.req_pool_indices[req_indices],
+                fb.seq_lens[req_indices],
+                fb.out_cache_loc[token_indices],
+                max(fb.seq_lens_cpu[i] for i in single),
+                token_indices,
             )
         self.forward_metadata = ForwardMetadata(extend_seqs, decode)
+
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        self.graph_max_seq_len = max_context_len
+
+    def init_forward_metadata_graph(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        decode = self._decode_group(
+            fb, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc, self.graph_max_seq_len
+        )
+        self.forward_metadata = ForwardMetadata([], decode)
 
     def forward_extend(
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
@@ -130,16 +158,18 @@ class TorchAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         group: DecodeGroup,
     ) -> torch.Tensor:
-        """Two batched matmuls over K/V gathered head-major, so that each (request, KV head)
-        is one contiguous `[max_seq_len, head_dim]` block: bmm then reads the gather in place.
-        The query heads sharing a KV head are that block's queries (no GQA expansion). SDPA
-        is slower here on CPU (its flash kernel tiles for long queries, not 1-3 of them) and
-        slower still over the strided `[seq, kv_heads, dim]` gather the pool's layout gives."""
+        """Scores by one batched matmul over keys gathered head-major, so that each
+        (request, KV head) is one contiguous `[max_seq_len, head_dim]` block that bmm reads
+        in place; the query heads sharing a KV head are that block's queries (no GQA
+        expansion). The weighted sum of values reads them in place in the pool, through
+        `v_rows`: `embedding_bag` with the probabilities as per-sample weights is exactly
+        `probs @ V[rows]` without the copy (benchmarks/attention_bench.py --device cpu).
+        SDPA is slower here on CPU (its flash kernel tiles for long queries, not 1-3 of
+        them) and slower still over the strided `[seq, kv_heads, dim]` pool layout."""
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         num_reqs, d = q.shape[0], layer.head_dim
         blocks = (num_reqs * layer.num_kv_heads, group.max_seq_len, d)
         k = k_buffer.view(-1, d).index_select(0, group.kv_rows).view(blocks)
-        v = v_buffer.view(-1, d).index_select(0, group.kv_rows).view(blocks)
         queries = q.reshape(blocks[0], layer.num_heads // layer.num_kv_heads, d)
         scores = torch.bmm(queries, k.transpose(1, 2)).view(
             num_reqs, layer.num_heads, group.max_seq_len
@@ -149,8 +179,14 @@ class TorchAttnBackend(AttentionBackend):
             .mul_(layer.scaling)
             .add_(group.bias)
         )
-        probs = torch.softmax(scores, dim=-1).to(q.dtype).view(blocks[0], -1, group.max_seq_len)
-        return torch.bmm(probs, v).view(num_reqs, layer.num_heads, d)
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        out = F.embedding_bag(
+            group.v_rows,
+            v_buffer.view(-1, d),
+            mode="sum",
+            per_sample_weights=probs.view(group.v_rows.shape),
+        )
+        return out.view(num_reqs, layer.num_heads, d)
 
     def _prefix_causal_mask(self, prefix_len: int, extend_len: int) -> torch.Tensor | None:
         """New token i sees the whole prefix and new tokens 0..i; None when there is no
@@ -161,35 +197,32 @@ class TorchAttnBackend(AttentionBackend):
         queries = torch.arange(prefix_len, prefix_len + extend_len, device=self.device)
         return keys[None, :] <= queries[:, None]
 
+    def _prefix_slots(self, fb: ForwardBatch) -> torch.Tensor:
+        """`[batch, longest prefix]` int64: each request's prefix slots from its table row."""
+        max_prefix_len = max(fb.prefix_lens_cpu)
+        req_to_token = fb.req_to_token_pool.req_to_token[:, :max_prefix_len]
+        return req_to_token.index_select(0, fb.req_pool_indices).long()
+
     def _decode_group(
         self,
         fb: ForwardBatch,
-        prefix_slots: torch.Tensor,
-        requests: list[int] | None,
-        token_starts: list[int],
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        max_seq_len: int,
+        token_indices: torch.Tensor | None = None,
     ) -> DecodeGroup:
-        """Row r holds request r's prefix slots, its new token's slot at column prefix_len,
-        and stale entries after it that the bias hides (any table entry is a valid slot);
-        then each slot becomes its `num_kv_heads` rows of the pool."""
-        token_indices = None
-        prefix_lens, seq_lens, out_cache_loc = fb.prefix_lens, fb.seq_lens, fb.out_cache_loc
-        max_seq_len = max(fb.seq_lens_cpu)
-        if requests is not None:
-            req_indices = torch.tensor(requests, device=self.device)
-            token_indices = torch.tensor(token_starts, device=self.device)
-            prefix_slots, prefix_lens, seq_lens = (
-                prefix_slots[req_indices],
-                prefix_lens[req_indices],
-                seq_lens[req_indices],
-            )
-            out_cache_loc = out_cache_loc[token_indices]
-            max_seq_len = max(fb.seq_lens_cpu[i] for i in requests)
-        slots = torch.zeros((len(prefix_lens), max_seq_len), dtype=torch.int64, device=self.device)
-        width = min(prefix_slots.shape[1], max_seq_len)
-        slots[:, :width] = prefix_slots[:, :width]
-        slots.scatter_(1, prefix_lens[:, None], out_cache_loc[:, None])
+        """Row r holds request r's first `max_seq_len` table entries with its new token's
+        slot put at column `seq_len - 1`; entries past it are stale and the bias hides them
+        (any table entry is a valid slot). Each slot then becomes its `num_kv_heads` rows
+        of the pool. Static shapes only, so a graph can replay it."""
+        req_to_token = fb.req_to_token_pool.req_to_token[:, :max_seq_len]
+        slots = req_to_token.index_select(0, req_pool_indices).long()
+        slots.scatter_(1, (seq_lens - 1)[:, None], out_cache_loc[:, None])
         heads = torch.arange(self.num_kv_heads, device=self.device)
         kv_rows = slots[:, None, :] * self.num_kv_heads + heads[None, :, None]
+        group_size = self.num_heads // self.num_kv_heads
+        v_rows = kv_rows[:, :, None, :].expand(-1, -1, group_size, -1).reshape(-1, max_seq_len)
         padding = torch.arange(max_seq_len, device=self.device)[None, :] >= seq_lens[:, None]
         bias = torch.zeros(padding.shape, device=self.device).masked_fill_(padding, float("-inf"))
-        return DecodeGroup(token_indices, kv_rows.view(-1), bias[:, None, :], max_seq_len)
+        return DecodeGroup(token_indices, kv_rows.view(-1), v_rows, bias[:, None, :], max_seq_len)

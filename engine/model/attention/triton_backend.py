@@ -12,8 +12,9 @@ from engine.model.forward_batch import ForwardBatch
 
 
 @dataclass
-class DecodeSplits:
-    """A decode batch's split counts and the buffers for the splits' partial results."""
+class DecodeMetadata:
+    """A decode batch's split counts and the buffers for the splits' partial results; the
+    kernel reads keys through `req_to_token` and the batch's own tensors."""
 
     num_kv_splits: torch.Tensor  # [batch] int32
     attn_logits: torch.Tensor  # [batch, heads, max_kv_splits, head_dim] fp32
@@ -21,8 +22,9 @@ class DecodeSplits:
 
 
 @dataclass
-class ForwardMetadata:
-    """Per-batch index tensors, built once and shared by every layer of the forward pass."""
+class ExtendMetadata:
+    """Per-batch index tensors of an extend or mixed batch, built once and shared by every
+    layer of the forward pass."""
 
     # [batch + 1] int32: request i's queries are rows qo_indptr[i]:qo_indptr[i+1]
     qo_indptr: torch.Tensor
@@ -31,7 +33,6 @@ class ForwardMetadata:
     # [sum(seq_lens)] int32 KV slots: prefix from req_to_token, then out_cache_loc
     kv_indices: torch.Tensor
     max_extend_len: int
-    decode: DecodeSplits | None  # decode batches only
 
 
 def get_num_kv_splits(
@@ -65,39 +66,46 @@ class TritonAttnBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         self.max_kv_splits = max_kv_splits
         self.min_kv_split_len = min_kv_split_len
-        self.forward_metadata: ForwardMetadata | None = None
+        self.forward_metadata: ExtendMetadata | DecodeMetadata | None = None
+        self.graph_metadata: DecodeMetadata
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
-        batch_size = fb.batch_size
+        if fb.forward_mode.is_decode():
+            self.forward_metadata = self._decode_metadata(fb.seq_lens)
+            return
         qo_indptr = self._indptr(fb.extend_lens)
         kv_indptr = self._indptr(fb.seq_lens)
-        kv_indices = self._kv_indices(fb, qo_indptr, kv_indptr, sum(fb.seq_lens_cpu))
-        decode = None
-        if fb.forward_mode.is_decode():
-            shape = (batch_size, self.num_heads, self.max_kv_splits)
-            decode = DecodeSplits(
-                num_kv_splits=get_num_kv_splits(
-                    fb.seq_lens, self.max_kv_splits, self.min_kv_split_len
-                ),
-                attn_logits=torch.empty(
-                    (*shape, self.head_dim), dtype=torch.float32, device=self.device
-                ),
-                attn_lse=torch.empty(shape, dtype=torch.float32, device=self.device),
-            )
-        self.forward_metadata = ForwardMetadata(
+        self.forward_metadata = ExtendMetadata(
             qo_indptr=qo_indptr,
             kv_indptr=kv_indptr,
-            kv_indices=kv_indices,
+            kv_indices=self._kv_indices(fb, qo_indptr, kv_indptr, sum(fb.seq_lens_cpu)),
             max_extend_len=max(fb.extend_lens_cpu, default=0),
-            decode=decode,
+        )
+
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        """Split counts and partial-result buffers for `max_bs` requests; each captured
+        batch size uses their first rows."""
+        self.graph_metadata = self._decode_metadata(
+            torch.ones(max_bs, dtype=torch.int64, device=self.device)
+        )
+
+    def init_forward_metadata_graph(self, forward_batch: ForwardBatch) -> None:
+        bs = forward_batch.seq_lens.shape[0]
+        static = self.graph_metadata
+        num_kv_splits = static.num_kv_splits[:bs]
+        num_kv_splits.copy_(
+            get_num_kv_splits(forward_batch.seq_lens, self.max_kv_splits, self.min_kv_split_len)
+        )
+        self.forward_metadata = DecodeMetadata(
+            num_kv_splits, static.attn_logits[:bs], static.attn_lse[:bs]
         )
 
     def forward_extend(
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         md = self.forward_metadata
-        assert md is not None, "init_forward_metadata runs before the first layer"
+        assert isinstance(md, ExtendMetadata), "init_forward_metadata runs before the first layer"
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         o = torch.empty_like(q)
         extend_attention_fwd(
@@ -117,7 +125,7 @@ class TritonAttnBackend(AttentionBackend):
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         md = self.forward_metadata
-        assert md is not None and md.decode is not None, "a decode batch has its splits"
+        assert isinstance(md, DecodeMetadata), "a decode batch has its splits"
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         o = torch.empty_like(q)
         decode_attention_fwd(
@@ -125,14 +133,26 @@ class TritonAttnBackend(AttentionBackend):
             o,
             k_buffer,
             v_buffer,
-            md.kv_indptr,
-            md.kv_indices,
-            md.decode.num_kv_splits,
-            md.decode.attn_logits,
-            md.decode.attn_lse,
+            forward_batch.req_to_token_pool.req_to_token,
+            forward_batch.req_pool_indices,
+            forward_batch.seq_lens,
+            forward_batch.out_cache_loc,
+            md.num_kv_splits,
+            md.attn_logits,
+            md.attn_lse,
             layer.scaling,
         )
         return o
+
+    def _decode_metadata(self, seq_lens: torch.Tensor) -> DecodeMetadata:
+        shape = (len(seq_lens), self.num_heads, self.max_kv_splits)
+        return DecodeMetadata(
+            num_kv_splits=get_num_kv_splits(seq_lens, self.max_kv_splits, self.min_kv_split_len),
+            attn_logits=torch.empty(
+                (*shape, self.head_dim), dtype=torch.float32, device=self.device
+            ),
+            attn_lse=torch.empty(shape, dtype=torch.float32, device=self.device),
+        )
 
     def _indptr(self, lens: torch.Tensor) -> torch.Tensor:
         indptr = torch.zeros(len(lens) + 1, dtype=torch.int32, device=self.device)

@@ -1,7 +1,10 @@
 """Split-KV (flash-decoding) attention for one new token per request.
 
 A decode batch has too few queries to fill a GPU if each request is one program, so each
-request's keys are cut into `num_kv_splits[i]` contiguous splits. Stage 1 runs one program
+request's keys are cut into `num_kv_splits[i]` contiguous splits. Keys are read through the
+request's row of `req_to_token` itself, and the new token's from `out_cache_loc`: no
+per-step index list whose length depends on the batch, so the launch has static
+arguments and can be captured in a CUDA graph. Stage 1 runs one program
 per (request, KV head, split): it loads every query head of the GQA group that shares the
 KV head, so each K/V tile is read once per group, and writes the split's normalised
 partial output with its log-sum-exp. Stage 2 merges the splits of each (request, head).
@@ -19,12 +22,15 @@ def _fwd_grouped_kernel_stage1(
     Q: tl.tensor,
     K_Buffer: tl.tensor,
     V_Buffer: tl.tensor,
-    kv_indptr: tl.tensor,
-    kv_indices: tl.tensor,
+    req_to_token: tl.tensor,
+    req_pool_indices: tl.tensor,
+    seq_lens: tl.tensor,
+    out_cache_loc: tl.tensor,
     num_kv_splits: tl.tensor,
     sm_scale: tl.tensor,
     Att_Out: tl.tensor,
     Att_Lse: tl.tensor,
+    stride_req_to_token: tl.tensor,
     stride_qbs: tl.tensor,
     stride_qh: tl.tensor,
     stride_buf_kbs: tl.tensor,
@@ -49,8 +55,9 @@ def _fwd_grouped_kernel_stage1(
     kv_splits = tl.load(num_kv_splits + cur_batch)
     if split_kv_id >= kv_splits:
         return
-    seq_start = tl.load(kv_indptr + cur_batch)
-    seq_len = tl.load(kv_indptr + cur_batch + 1) - seq_start
+    table_row = req_to_token + tl.load(req_pool_indices + cur_batch) * stride_req_to_token
+    seq_len = tl.load(seq_lens + cur_batch).to(tl.int32)
+    new_slot = tl.load(out_cache_loc + cur_batch)
     # The host picks split counts that leave no split empty.
     split_len = tl.cdiv(seq_len, kv_splits)
     split_start = split_len * split_kv_id
@@ -75,7 +82,9 @@ def _fwd_grouped_kernel_stage1(
     for start_n in range(split_start, split_end, BLOCK_N):
         kv_pos = start_n + offs_n
         mask_n = kv_pos < split_end
-        slots = tl.load(kv_indices + seq_start + kv_pos, mask=mask_n, other=0).to(tl.int64)
+        # The new token's table entry may not be written yet: its slot is out_cache_loc's.
+        slots = tl.load(table_row + kv_pos, mask=mask_n & (kv_pos < seq_len - 1), other=0)
+        slots = tl.where(kv_pos == seq_len - 1, new_slot, slots.to(tl.int64))
 
         k_ptrs = (
             K_Buffer
@@ -160,8 +169,10 @@ def decode_attention_fwd(
     o: torch.Tensor,
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
     num_kv_splits: torch.Tensor,
     attn_logits: torch.Tensor,
     attn_lse: torch.Tensor,
@@ -169,12 +180,14 @@ def decode_attention_fwd(
 ) -> None:
     """Write into `o` ([B, H, D]) the attention of the one query per request in `q` ([B, H, D]).
 
-    Request i's keys are `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`, cut into
-    `num_kv_splits[i]` splits. `attn_logits` ([B, H, max_kv_splits, D], fp32) and `attn_lse`
-    ([B, H, max_kv_splits], fp32) hold the per-split partial results; the grid spans
+    Request i's `seq_lens[i]` keys are at the slots `req_to_token[req_pool_indices[i]]`
+    maps, the last at `out_cache_loc[i]`, cut into `num_kv_splits[i]` splits.
+    `attn_logits` ([B, H, max_kv_splits, D], fp32) and `attn_lse` ([B, H, max_kv_splits],
+    fp32) hold the per-split partial results; the grid spans
     `max_kv_splits`, and programs past a request's own split count exit at once.
     """
     assert q.stride(-1) == 1 and o.stride(-1) == 1, "head_dim must be the contiguous axis"
+    assert req_to_token.stride(-1) == 1, "a table row must be contiguous"
     assert attn_logits.stride(-1) == 1 and attn_lse.stride(-1) == 1, (
         "partial buffers must be contiguous per row"
     )
@@ -187,12 +200,15 @@ def decode_attention_fwd(
         q,
         k_buffer,
         v_buffer,
-        kv_indptr,
-        kv_indices,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        out_cache_loc,
         num_kv_splits,
         sm_scale,
         attn_logits,
         attn_lse,
+        req_to_token.stride(0),
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),

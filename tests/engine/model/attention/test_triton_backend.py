@@ -7,19 +7,26 @@ than torch and its bf16 `tl.dot` is wrong, so CPU cases use small shapes in fp32
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.attention.base import AttentionBackend, AttentionLayer
 from engine.model.attention.torch_backend import TorchAttnBackend
-from engine.model.attention.triton_backend import TritonAttnBackend, get_num_kv_splits
+from engine.model.attention.triton_backend import (
+    DecodeMetadata,
+    TritonAttnBackend,
+    get_num_kv_splits,
+)
 from engine.model.attention.triton_ops import extend_attention
 from engine.model.forward_batch import ForwardBatch, ForwardMode
+from tests.engine.model.test_graph_runner import GraphSafetyMode
 
 INTERPRETED = isinstance(extend_attention._fwd_kernel, InterpretedFunction)
 
@@ -255,3 +262,33 @@ def test_matches_torch_backend(device, mode, prefix_lens, extend_lens):
         num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=32, device=device
     )
     assert_close(run(triton_backend(32, device), batch), run(torch_backend, batch), torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_decode_reads_static_buffers_and_padding_rows_leave_real_rows_unchanged(device):
+    """The captured path: metadata from device ops only, into the buffers preallocated for
+    the largest batch, over a batch padded as the GraphRunner pads (row 0, slot 0)."""
+    prefix_lens = DECODE_CASES["splits"][1]
+    batch = make_batch(
+        ForwardMode.DECODE, prefix_lens, [1] * len(prefix_lens), 32, torch.float32, device
+    )
+    eager = run(triton_backend(32, device), batch)
+    fb, pad = batch.forward_batch, 3
+    padded = dataclasses.replace(
+        fb,
+        req_pool_indices=F.pad(fb.req_pool_indices, (0, pad), value=0),
+        seq_lens=F.pad(fb.seq_lens, (0, pad), value=1),
+        out_cache_loc=F.pad(fb.out_cache_loc, (0, pad), value=0),
+    )
+    q = F.pad(batch.q, (0, 0, 0, 0, 0, pad))
+    k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (batch.k, batch.v))
+    backend = triton_backend(32, device)
+    backend.init_cuda_graph_state(16, fb.req_to_token_pool.max_context_len)
+    with GraphSafetyMode():
+        backend.init_forward_metadata_graph(padded)
+    md, static = backend.forward_metadata, backend.graph_metadata
+    assert isinstance(md, DecodeMetadata)
+    for name in ("num_kv_splits", "attn_logits", "attn_lse"):
+        assert getattr(md, name).data_ptr() == getattr(static, name).data_ptr(), name
+    out = backend.forward(q, k, v, batch.layer, padded)
+    assert torch.equal(out[: len(prefix_lens)], eager)
