@@ -5,7 +5,8 @@ Decoding token by token breaks multi-byte characters and merges; instead each st
 decodes a short window (`prefix_offset:`) and emits only what extends the text decoded so
 far, holding back an incomplete UTF-8 sequence ("\\ufffd") until the next token completes it.
 Text that could still become a stop string is held back too, so a stream never shows a
-stop string that the final text trims.
+stop string that the final text trims. Neither the decoding nor the stop-string search
+goes back over the output already sent.
 """
 
 from __future__ import annotations
@@ -66,7 +67,9 @@ class IncrementalDetokenizer:
     def _emit(self, finished: bool) -> str:
         end = len(self.text)
         for stop in self.stop:
-            hit = self.text.find(stop)
+            # Only the text from the end of what was sent can hold a stop string for the
+            # first time: a stop reaching into sent text would have been held back whole.
+            hit = self.text.find(stop, max(0, self.sent - len(stop) + 1))
             if hit != -1:
                 end = min(end, hit)
                 finished = True

@@ -9,7 +9,8 @@ Who sends what to whom (ports are Settings fields):
 
     tokenizer   → worker       (worker_port):            TokenizedGenerateReqInput, AbortReq,
                                                           FlushCacheReq, GetServerInfoReq
-    worker      → detokenizer  (detokenizer_port):       BatchTokenIDOutput
+    worker      → detokenizer  (detokenizer_port):       BatchTokenIDOutput (with a
+                                                          DetokenizerReqState per new rid)
     detokenizer → tokenizer    (tokenizer_port):         BatchStrOutput
     worker      → tokenizer    (tokenizer_control_port): WorkerReady, FlushCacheReqOutput,
                                                           GetServerInfoReqOutput
@@ -153,6 +154,10 @@ class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
     the request at submission, e.g. it can never fit the KV pool; 500 otherwise)."""
 
 
+_NOT_PER_RID = ("sender", "epoch", "rids", "new_reqs")
+"""Fields of an output batch that are not one entry per rid."""
+
+
 class _BatchOutput(_Msg, kw_only=True):
     """Per-request columns of one scheduler step, one entry per rid (SGLang's layout).
     Lengths are checked on construction and on decode, so a column can never be misread
@@ -225,17 +230,29 @@ class _BatchOutput(_Msg, kw_only=True):
                 )
 
     def _per_rid_fields(self) -> tuple[str, ...]:
-        return tuple(f for f in self.__struct_fields__ if f not in ("sender", "epoch", "rids"))
+        return tuple(f for f in self.__struct_fields__ if f not in _NOT_PER_RID)
+
+
+class DetokenizerReqState(msgspec.Struct, frozen=True, omit_defaults=True, array_like=True):
+    """What the detokenizer needs of one request to turn its ids into text, constant for
+    its whole life: sent once, in the output batch that first carries the rid, and kept
+    by the detokenizer until that rid finishes (aborts included)."""
+
+    rid: str
+    stop: list[str] = []
+    """Stop strings to trim from the text (the scheduler already stopped on them)."""
+    skip_special_tokens: bool = True
 
 
 class BatchTokenIDOutput(_BatchOutput, kw_only=True):
     """Worker → detokenizer: new token ids of every request that advanced or finished.
 
-    Carries per rid what the detokenizer needs to turn ids into text on its own."""
+    A step's batch carries only what changes per step; the per-request constants ride
+    once, in `new_reqs`."""
 
-    skip_special_tokens: list[bool]
-    stop: list[list[str]]
-    """Stop strings to trim from the text (the scheduler already stopped on them)."""
+    new_reqs: list[DetokenizerReqState] = []
+    """The state of each rid this batch carries for the first time (in any order; not a
+    per-rid column)."""
     trace_contexts: list[dict[str, str]] | None = None
     """Per rid, its W3C trace context in the batch where it finishes ({} before, and for an
     untraced request), so the detokenizer can add its span to the request's trace. None

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import shlex
 import signal
 import sys
@@ -34,7 +35,9 @@ from benchmarks.serving import client, report
 from benchmarks.serving.client import RunResult
 from benchmarks.serving.decode_ceiling import DEFAULT_BANDWIDTH_GBS, ceiling
 from benchmarks.serving.hf_peer import HFGeneratePeer
-from benchmarks.serving.metrics import summarize
+from benchmarks.serving.llama_peer import DEFAULT_FLAGS as LLAMA_FLAGS
+from benchmarks.serving.llama_peer import LlamaServer, default_binary, thread_flags
+from benchmarks.serving.metrics import forward_summary, scrape_forward, summarize
 from benchmarks.serving.server_peer import RadixServer, ServerPeer
 from benchmarks.serving.workloads import (
     WORKLOADS,
@@ -63,7 +66,9 @@ SERVER_PEERS = {
     ),
 }
 HF_PEERS = {"hf-bf16": "bfloat16", "hf-fp32": "float32"}
-PEERS = [*HF_PEERS, *SERVER_PEERS]
+LLAMA_PEER = "llama-server"
+"""llama.cpp's server on the same GGUF (`llama_peer.py`); needs `--llama-server PATH`."""
+PEERS = [*HF_PEERS, *SERVER_PEERS, LLAMA_PEER]
 SMOKE = WorkloadConfig(
     requests=4,
     output_len=4,
@@ -78,17 +83,32 @@ SMOKE = WorkloadConfig(
 )
 
 
+DEFAULT_LLAMA_SERVER = default_binary()
+
+
 class Runner(Protocol):
     def run(self, requests: list[BenchRequest], concurrency: int) -> RunResult: ...
 
 
 class ServerRunner:
+    """Also reads the worker's decode forward time over each cell (`forward`), so the report
+    can say what the per-token path adds: client ITL p50 minus the forward p50."""
+
     def __init__(self, server: RadixServer, warmup: list[int]):
         self.server = server
         self.warmup = warmup
+        self.forward: dict[str, float | None] | None = None
 
     def run(self, requests: list[BenchRequest], concurrency: int) -> RunResult:
         self.server.flush_cache()
+        worker_metrics = self.server.metrics_urls[1]
+        before = scrape_forward(worker_metrics)
+        result = self._run(requests, concurrency)
+        delta = scrape_forward(worker_metrics) - before
+        self.forward = forward_summary(delta)
+        return result
+
+    def _run(self, requests: list[BenchRequest], concurrency: int) -> RunResult:
         return asyncio.run(
             client.run(
                 self.server.base_url,
@@ -111,12 +131,40 @@ class HFRunner:
         return RunResult(results, duration, None)
 
 
+class LlamaRunner:
+    """A fresh llama-server per cell: it has no cache flush."""
+
+    def __init__(self, binary: Path, warmup: list[int]):
+        self.binary = binary
+        self.warmup = warmup
+
+    def run(self, requests: list[BenchRequest], concurrency: int) -> RunResult:
+        with LlamaServer(self.binary) as server:
+            return asyncio.run(
+                client.run(
+                    server.base_url,
+                    requests,
+                    [r.prompt for r in requests],
+                    concurrency=concurrency,
+                    metrics_urls=[],
+                    warmup=[self.warmup],
+                )
+            )
+
+
 @contextmanager
 def open_peer(
-    name: str, server_args: list[str], warmup: list[int], hf_device: str
+    name: str,
+    server_args: list[str],
+    warmup: list[int],
+    hf_device: str,
+    llama_server: Path = DEFAULT_LLAMA_SERVER,
 ) -> Iterator[Runner]:
     if name in HF_PEERS:
         yield HFRunner(HF_PEERS[name], hf_device, warmup)
+        return
+    if name == LLAMA_PEER:
+        yield LlamaRunner(llama_server, warmup)
         return
     with RadixServer([*COMMON_SERVER_FLAGS, *server_args, *SERVER_PEERS[name].flags]) as server:
         print(f"  server log: {server.log_path}", flush=True)
@@ -128,6 +176,11 @@ def peer_descriptions(server_args: list[str], hf_device: str) -> dict[str, str]:
         name: f"transformers `generate`, static batches, {dtype} on {hf_device}"
         for name, dtype in HF_PEERS.items()
     }
+    described[LLAMA_PEER] = (
+        "llama.cpp `llama-server`, the same GGUF (Q4_1) on CPU "
+        f"(`llama-server -m <gguf> {shlex.join([*LLAMA_FLAGS, *thread_flags()])}`), "
+        "a fresh server per cell"
+    )
     for name, peer in SERVER_PEERS.items():
         flags = shlex.join([*COMMON_SERVER_FLAGS, *server_args, *peer.flags])
         described[name] = f"radixserve: {peer.name} (`radixserve serve {flags}`)"
@@ -135,10 +188,17 @@ def peer_descriptions(server_args: list[str], hf_device: str) -> dict[str, str]:
 
 
 def cell_record(
-    peer: str, repeat: int, workload: str, concurrency: int, result: RunResult
+    peer: str,
+    repeat: int,
+    workload: str,
+    concurrency: int,
+    result: RunResult,
+    forward: dict[str, float | None] | None = None,
 ) -> dict[str, Any]:
     summary = summarize(result.results, result.duration_s, result.radix_hit_rate)
+    extra = {} if forward is None else {"decode_forward_ms": forward}
     return {
+        **extra,
         "peer": peer,
         "repeat": repeat,
         "workload": workload,
@@ -169,11 +229,13 @@ def run_matrix(
                 f"[{time.perf_counter() - start:6.0f} s] {peer} (round {repeat + 1}/{args.repeat})",
                 flush=True,
             )
-            with open_peer(peer, server_args, warmup_prompt(cfg), args.hf_device) as runner:
+            with open_peer(
+                peer, server_args, warmup_prompt(cfg), args.hf_device, args.llama_server
+            ) as runner:
                 for workload, concurrency, requests in cells:
-                    entry = cell_record(
-                        peer, repeat, workload, concurrency, runner.run(requests, concurrency)
-                    )
+                    result = runner.run(requests, concurrency)
+                    forward = runner.forward if isinstance(runner, ServerRunner) else None
+                    entry = cell_record(peer, repeat, workload, concurrency, result, forward)
                     record["results"].append(entry)
                     json_path.write_text(json.dumps(record, indent=1))
                     s = entry["summary"]
@@ -192,7 +254,13 @@ def main() -> None:
         description=__doc__.split("\n\n")[0],
         allow_abbrev=False,
     )
-    parser.add_argument("--peers", nargs="+", choices=PEERS, default=PEERS)
+    parser.add_argument(
+        "--peers",
+        nargs="+",
+        choices=PEERS,
+        default=None,
+        help="default: all of them (llama-server only when its binary is there)",
+    )
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--concurrency", nargs="+", type=int, default=[8, 32])
     parser.add_argument(
@@ -213,6 +281,13 @@ def main() -> None:
         "--hf-device",
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="device of the transformers peers; radixserve picks its own (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--llama-server",
+        type=Path,
+        default=DEFAULT_LLAMA_SERVER,
+        metavar="PATH",
+        help="llama.cpp's llama-server binary for the llama-server peer (default: %(default)s)",
     )
     parser.add_argument(
         "--server-args",
@@ -245,6 +320,10 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         report.write(json.loads(args.report_only.read_text()), args.out)
         return
+    if args.peers is None:
+        args.peers = [p for p in PEERS if p != LLAMA_PEER or os.access(args.llama_server, os.X_OK)]
+        if LLAMA_PEER not in args.peers:
+            print(f"no llama-server at {args.llama_server}: that peer is left out", flush=True)
     cfg = WorkloadConfig().from_flags(args)
     if args.smoke:
         cfg = dataclasses.replace(SMOKE, seed=cfg.seed)

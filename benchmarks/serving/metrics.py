@@ -141,3 +141,85 @@ def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | No
         return None
     queried = after[1] - before[1]
     return (after[0] - before[0]) / queried if queried > 0 else None
+
+
+FORWARD_TIME = "radixserve_forward_time_seconds"
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """One scrape of a Prometheus histogram (one label set): cumulative bucket counts by
+    upper bound, the sum and the count. Two scrapes' difference is what happened between."""
+
+    buckets: tuple[tuple[float, float], ...]
+    """(upper bound, cumulative count), ascending, +Inf last."""
+    sum: float
+    count: float
+
+    def __sub__(self, other: HistogramSnapshot) -> HistogramSnapshot:
+        before = dict(other.buckets)
+        return HistogramSnapshot(
+            tuple((le, n - before.get(le, 0.0)) for le, n in self.buckets),
+            self.sum - other.sum,
+            self.count - other.count,
+        )
+
+    @property
+    def mean(self) -> float | None:
+        return self.sum / self.count if self.count > 0 else None
+
+    def quantile(self, q: float) -> float | None:
+        """Prometheus' `histogram_quantile`: linear within the bucket the rank falls in."""
+        if self.count <= 0:
+            return None
+        rank, lower, below = q * self.count, 0.0, 0.0
+        for upper, cumulative in self.buckets:
+            if cumulative >= rank:
+                if math.isinf(upper):
+                    return lower
+                inside = cumulative - below
+                return lower + (upper - lower) * ((rank - below) / inside if inside else 0.0)
+            lower, below = upper, cumulative
+        return lower
+
+
+def forward_time(metrics_text: str, mode: str = "decode") -> HistogramSnapshot | None:
+    """The worker's `radixserve_forward_time_seconds{mode=...}` histogram in a /metrics
+    text, or None when it does not export it."""
+    buckets: dict[float, float] = {}
+    total = count = None
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != FORWARD_TIME:
+            continue
+        for sample in family.samples:
+            if sample.labels.get("mode") != mode:
+                continue
+            if sample.name == FORWARD_TIME + "_bucket":
+                le = float(sample.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + sample.value
+            elif sample.name == FORWARD_TIME + "_sum":
+                total = (total or 0.0) + sample.value
+            elif sample.name == FORWARD_TIME + "_count":
+                count = (count or 0.0) + sample.value
+    if total is None or count is None:
+        return None
+    return HistogramSnapshot(tuple(sorted(buckets.items())), total, count)
+
+
+def scrape_forward(url: str) -> HistogramSnapshot:
+    """The worker's decode forward-time histogram at `url` now; empty before its first
+    decode step."""
+    import httpx2
+
+    snapshot = forward_time(httpx2.get(url, timeout=10.0, trust_env=False).text)
+    return snapshot or HistogramSnapshot((), 0.0, 0.0)
+
+
+def forward_summary(delta: HistogramSnapshot) -> dict[str, float | None]:
+    """Milliseconds: p50 interpolated within the buckets, and the exact mean; step count."""
+    p50, mean = delta.quantile(0.5), delta.mean
+    return {
+        "p50": None if p50 is None else p50 * 1000,
+        "mean": None if mean is None else mean * 1000,
+        "steps": delta.count,
+    }

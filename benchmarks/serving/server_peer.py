@@ -35,7 +35,11 @@ class RadixServer:
     """`with RadixServer(flags) as server:` serves until the block ends; `server.base_url`,
     `server.metrics_urls` (the tokenizer's and the worker's /metrics), `server.flush_cache()`."""
 
-    def __init__(self, flags: list[str], log_dir: Path | None = None):
+    def __init__(self, flags: list[str], log_dir: Path | None = None, cwd: Path | None = None):
+        """`cwd`: the checkout whose code serves (another `git worktree`, to compare two
+        commits with the same interpreter: `python -m` imports from the working directory
+        first)."""
+        self.cwd = cwd
         ports = server_ports()
         self.base_url = f"http://127.0.0.1:{ports['port']}"
         self.metrics_urls = [
@@ -57,7 +61,9 @@ class RadixServer:
 
     def __enter__(self) -> RadixServer:
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd
+            )
         deadline = time.monotonic() + START_TIMEOUT_S
         while http_status(f"{self.base_url}/health", timeout=2.0) != 200:
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -2,8 +2,11 @@
 
 It runs apart from the worker so that decoding text never delays a scheduler round. One
 `IncrementalDetokenizer` per live rid holds back broken UTF-8 and anything that could
-still turn into a stop string, so every delta it sends is final. It serves `/metrics` and
-`/healthz` on its metrics port, and adds a detokenize span to each traced request.
+still turn into a stop string, so every delta it sends is final. A rid's stop strings and
+decode options come once, with its first output (`DetokenizerReqState`), and its state is
+dropped with its last (a finish or an abort), so a step's batch carries ids only. It
+serves `/metrics` and `/healthz` on its metrics port, and adds a detokenize span to each
+traced request.
 """
 
 from __future__ import annotations
@@ -11,12 +14,18 @@ from __future__ import annotations
 import logging
 import time
 
-from engine.detokenize import IncrementalDetokenizer
+from engine.detokenize import IncrementalDetokenizer, Tokenizer
 from engine.model.loader import load_tokenizer
 from observability.detokenizer_metrics import DetokenizerMetrics
 from services.ipc import PeerEvent
 from services.process import Service
-from services.protocol import BatchStrOutput, BatchTokenIDOutput, FinishReason, Message
+from services.protocol import (
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    DetokenizerReqState,
+    FinishReason,
+    Message,
+)
 from services.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -27,33 +36,84 @@ _PASSED_THROUGH = tuple(
 """Columns a BatchStrOutput copies from its BatchTokenIDOutput unchanged."""
 
 
+class BatchDetokenizer:
+    """The detokenizer's state and logic, apart from its sockets: one
+    `IncrementalDetokenizer` per live rid, made from the `DetokenizerReqState` that comes
+    with the rid's first output and dropped with its last (a finish or an abort)."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        """None with skip_tokenizer_init: the API returns token ids only, the text stays ""."""
+        self.decode_status: dict[str, IncrementalDetokenizer] = {}
+        """rid → its incremental state, from its first output until it finishes."""
+
+    def detokenize(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
+        for req_state in batch.new_reqs:
+            self.add_request(req_state)
+        rollbacks = batch.rollbacks or [0] * len(batch.rids)
+        texts = [
+            self.text_delta(rid, ids, reason, rollback)
+            for rid, ids, reason, rollback in zip(
+                batch.rids, batch.output_ids, batch.finished_reasons, rollbacks
+            )
+        ]
+        return BatchStrOutput(
+            **{name: getattr(batch, name) for name in _PASSED_THROUGH}, output_strs=texts
+        )
+
+    def add_request(self, req_state: DetokenizerReqState) -> None:
+        if self.tokenizer is not None:
+            self.decode_status[req_state.rid] = IncrementalDetokenizer(
+                self.tokenizer, req_state.stop, req_state.skip_special_tokens
+            )
+
+    def text_delta(
+        self, rid: str, new_ids: list[int], reason: FinishReason | None, rollback: int = 0
+    ) -> str:
+        """The text `new_ids` add to `rid`'s output that is safe to show; all of what is
+        left once it finishes, when its state is dropped. `new_ids` first replace the last
+        `rollback` ids (jump-forward)."""
+        if self.tokenizer is None:
+            return ""
+        state = self.decode_status.get(rid)
+        if state is None:
+            # Its state went to this process's previous life (a restart mid-request, whose
+            # requests the tokenizer fails anyway): decode with the defaults meanwhile.
+            state = self.decode_status[rid] = IncrementalDetokenizer(self.tokenizer)
+        if rollback:
+            state.rollback(rollback)
+        if reason is None:
+            return state.add_tokens(new_ids)
+        del self.decode_status[rid]
+        if isinstance(reason.matched, int) and new_ids:
+            new_ids = new_ids[:-1]  # the stop token ended the output; it is not part of its text
+        return state.add_tokens(new_ids, finished=True)
+
+
 class Detokenizer(Service):
     role = "detokenizer"
 
     def __init__(self, settings: Settings):
-        # With skip_tokenizer_init the API returns token ids only, and the text stays empty.
-        self.tokenizer = (
+        self.state = BatchDetokenizer(
             None
             if settings.skip_tokenizer_init
             else load_tokenizer(settings.tokenizer or settings.model)
         )
         super().__init__(settings, settings.detokenizer_port)
         self.to_tokenizer = self.outbox(settings.tokenizer_port)
-        self.decode_status: dict[str, IncrementalDetokenizer] = {}
-        """rid → its incremental state, from its first output until it finishes."""
         self.first_seen: dict[str, float] = {}
         """rid → when its first output arrived (time.monotonic()); kept only while tracing."""
         self.metrics = DetokenizerMetrics(
             self.registry,
             settings.served_model_name or settings.model,
-            lambda: len(self.decode_status),
+            lambda: len(self.state.decode_status),
         )
         self.serve_metrics(settings.detokenizer_metrics_port)
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, BatchTokenIDOutput):
             start = time.monotonic()
-            self.to_tokenizer.put(self.detokenize(msg))
+            self.to_tokenizer.put(self.state.detokenize(msg))
             end = time.monotonic()
             self.metrics.observe_batch(end - start)
             self.trace(msg, start, end)
@@ -65,57 +125,12 @@ class Detokenizer(Service):
             )
 
     def on_peer_event(self, event: PeerEvent) -> None:
-        if event.peer == "worker" and event.kind == "restart" and self.decode_status:
+        decode_status = self.state.decode_status
+        if event.peer == "worker" and event.kind == "restart" and decode_status:
             # The worker's previous life will never finish these rids.
-            logger.info(
-                "worker restarted; dropped the state of %d request(s)", len(self.decode_status)
-            )
-            self.decode_status.clear()
+            logger.info("worker restarted; dropped the state of %d request(s)", len(decode_status))
+            decode_status.clear()
             self.first_seen.clear()
-
-    def detokenize(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
-        rollbacks = batch.rollbacks or [0] * len(batch.rids)
-        texts = [
-            self.text_delta(rid, ids, reason, stop, skip, rollback)
-            for rid, ids, reason, stop, skip, rollback in zip(
-                batch.rids,
-                batch.output_ids,
-                batch.finished_reasons,
-                batch.stop,
-                batch.skip_special_tokens,
-                rollbacks,
-            )
-        ]
-        return BatchStrOutput(
-            **{name: getattr(batch, name) for name in _PASSED_THROUGH}, output_strs=texts
-        )
-
-    def text_delta(
-        self,
-        rid: str,
-        new_ids: list[int],
-        reason: FinishReason | None,
-        stop: list[str],
-        skip_special_tokens: bool,
-        rollback: int = 0,
-    ) -> str:
-        """The text `new_ids` add to `rid`'s output that is safe to show; all of what is
-        left once it finishes. `new_ids` first replace the last `rollback` ids (jump-forward)."""
-        if self.tokenizer is None:
-            return ""
-        state = self.decode_status.get(rid)
-        if state is None:
-            state = self.decode_status[rid] = IncrementalDetokenizer(
-                self.tokenizer, stop, skip_special_tokens
-            )
-        if rollback:
-            state.rollback(rollback)
-        if reason is None:
-            return state.add_tokens(new_ids)
-        del self.decode_status[rid]
-        if isinstance(reason.matched, int) and new_ids:
-            new_ids = new_ids[:-1]  # the stop token ended the output; it is not part of its text
-        return state.add_tokens(new_ids, finished=True)
 
     def trace(self, batch: BatchTokenIDOutput, start: float, end: float) -> None:
         """Remember when each rid first came; a finished one gets its detokenize span, from

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -98,7 +97,11 @@ class ReqOutput:
 
 @dataclass
 class _Group:
-    queue: asyncio.Queue[ReqOutput | RequestError] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[list[ReqOutput] | RequestError] = field(default_factory=asyncio.Queue)
+    """One entry per output batch that brought the group anything: the group's waiter wakes
+    once per batch, however many of its requests advanced."""
+    index: dict[str, int] = field(default_factory=dict)
+    """Rid → the request's position in the group (OpenAI's choice index)."""
     unfinished: set[str] = field(default_factory=set)
     queued: set[str] = field(default_factory=set)
     """Rids with no output yet: waiting in the worker, compiling a grammar or prefilling."""
@@ -220,7 +223,9 @@ class TokenizerManager:
         Load shedding is the caller's (`check_capacity`), before a stream's response starts."""
         self.require_ready()
         rids = {r.rid for r in reqs}
+        index = {r.rid: i for i, r in enumerate(reqs)}
         group = _Group(
+            index=index,
             unfinished=set(rids),
             queued=set(rids),
             prompt_ids={
@@ -231,7 +236,6 @@ class TokenizerManager:
         )
         timeout = self.settings.request_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        index = {r.rid: i for i, r in enumerate(reqs)}
         metrics = self.metrics if observed else None
         if observed and self.tracing is not None:
             context = self.tracing.carrier()
@@ -253,14 +257,15 @@ class TokenizerManager:
                         "the worker is not accepting requests (not connected, or its queue is full)"
                     )
             while group.unfinished:
-                item = await self._next_output(group, deadline)
-                if isinstance(item, RequestError):
-                    raise item
-                if item.finished_reason is not None:
-                    group.unfinished.discard(item.rid)
-                if metrics is not None:
-                    self._observe(metrics, timers[item.rid], item)
-                yield dataclasses.replace(item, index=index[item.rid])
+                items = await self._next_outputs(group, deadline)
+                if isinstance(items, RequestError):
+                    raise items
+                for item in items:
+                    if item.finished_reason is not None:
+                        group.unfinished.discard(item.rid)
+                    if metrics is not None:
+                        self._observe(metrics, timers[item.rid], item)
+                    yield item
         finally:
             self.num_queued -= len(group.queued)
             group.queued.clear()
@@ -271,7 +276,9 @@ class TokenizerManager:
             if metrics is not None and group.unfinished:
                 metrics.aborted.inc(len(group.unfinished))  # the client left, or a peer failed
 
-    async def _next_output(self, group: _Group, deadline: float | None) -> ReqOutput | RequestError:
+    async def _next_outputs(
+        self, group: _Group, deadline: float | None
+    ) -> list[ReqOutput] | RequestError:
         if deadline is None:
             return await group.queue.get()
         try:
@@ -379,6 +386,8 @@ class TokenizerManager:
             )
 
     def _route(self, batch: BatchStrOutput) -> None:
+        """Each group gets one queue entry with all of its rows of the batch (one wake-up)."""
+        delivered: dict[int, tuple[_Group, list[ReqOutput]]] = {}
         for i, rid in enumerate(batch.rids):
             group = self.groups.get(rid)
             if group is None:
@@ -386,9 +395,12 @@ class TokenizerManager:
             if rid in group.queued:
                 group.queued.discard(rid)
                 self.num_queued -= 1
-            group.queue.put_nowait(
+            entry = delivered.get(id(group))
+            if entry is None:
+                entry = delivered[id(group)] = (group, [])
+            entry[1].append(
                 ReqOutput(
-                    index=0,
+                    index=group.index[rid],
                     rid=rid,
                     text=batch.output_strs[i],
                     output_ids=batch.output_ids[i],
@@ -401,6 +413,8 @@ class TokenizerManager:
                     prompt_logprobs=self._prompt_logprobs(batch, i, group),
                 )
             )
+        for group, outputs in delivered.values():
+            group.queue.put_nowait(outputs)
 
     def _logprobs(self, batch: BatchStrOutput, i: int) -> tuple[TokenLogprob, ...]:
         values = batch.output_token_logprobs_val[i] if batch.output_token_logprobs_val else []

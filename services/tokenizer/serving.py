@@ -80,6 +80,7 @@ from services.tokenizer.responses_api import (
     to_chat_request,
     to_response,
 )
+from services.tokenizer.sse import DeltaEvents
 from services.tokenizer.worker_metrics_proxy import WorkerMetricsProxy
 
 if TYPE_CHECKING:
@@ -237,6 +238,8 @@ class _OpenAIEndpoint(Endpoint):
     n_param = "n"
     body: ChatCompletionRequest | CompletionRequest
     stream: ChatCompletionStream | CompletionStream
+    deltas: DeltaEvents
+    """Plain text deltas of `stream`, framed from pre-encoded chunks."""
 
     def __init__(
         self, body: ChatCompletionRequest | CompletionRequest, num_prompts: int, model: str
@@ -257,6 +260,8 @@ class _OpenAIEndpoint(Endpoint):
         self, out: ReqOutput, choice: ChoiceOutput | None, acc: ChoiceAccumulator
     ) -> list[str]:
         if choice is None:
+            if not out.logprobs and out.index in self.stream.text_offsets:
+                return self.deltas.delta(out.index, out.text)  # the per-token hot path
             return self.stream.delta(out.index, out.text, out.logprobs)
         return self.stream.finish(out.index, choice, out.text, out.logprobs)
 
@@ -278,6 +283,7 @@ class ChatEndpoint(_OpenAIEndpoint):
     def __init__(self, body: ChatCompletionRequest, model: str, parsers: ChatParsers):
         super().__init__(body, 1, model)
         self.stream = ChatCompletionStream(self.header, n=body.n, include_usage=body.include_usage)
+        self.deltas = DeltaEvents(self.stream)
         self.parsers = parsers
         self.format: ChatOutputFormat | None = None
         """Set once the prompt is rendered: whether it left the model inside a reasoning
@@ -388,6 +394,7 @@ class CompletionsEndpoint(_OpenAIEndpoint):
     def __init__(self, body: CompletionRequest, model: str):
         super().__init__(body, len(body.prompt), model)
         self.stream = CompletionStream(self.header, n=body.n, include_usage=body.include_usage)
+        self.deltas = DeltaEvents(self.stream)
         self.prompt_texts: list[str] = []
         """With `echo`: each prompt as text."""
 
@@ -629,18 +636,17 @@ async def _events(
     endpoint: Endpoint,
     acc: ChoiceAccumulator,
 ) -> AsyncIterator[str]:
-    """SSE events of one request; a failure after the 200 is the endpoint's error events."""
+    """SSE events of one request, those of one output written together (one send, not
+    one per event); a failure after the 200 is the endpoint's error events."""
     try:
         async with aclosing(manager.generate(reqs)) as outputs:
             async for out in outputs:
                 endpoint.check_output(out)
-                for event in endpoint.events(out, acc.add(out), acc):
-                    yield event
-        for event in endpoint.end():
-            yield event
+                if events := endpoint.events(out, acc.add(out), acc):
+                    yield "".join(events)
+        yield "".join(endpoint.end())
     except RequestError as err:
-        for event in endpoint.error(err):
-            yield event
+        yield "".join(endpoint.error(err))
 
 
 async def _collect(

@@ -3,7 +3,8 @@
 The worker's loop is the scheduler's event loop (normal or overlap): it polls the sockets
 at the start of each turn and sends the turn's outputs at its end. Requests arrive from
 the tokenizer already tokenized; each turn's new tokens go to the detokenizer as one
-`BatchTokenIDOutput`, and control replies (ready, flush,
+`BatchTokenIDOutput` (a request's constants, its stop strings and decode options,
+ride once, in the first batch that carries it), and control replies (ready, flush,
 server info) go straight back to the tokenizer on the control socket. Once the model is
 loaded the worker serves `/metrics` and `/healthz` on its metrics port, and a traced
 request gets its queue-wait, prefill and decode spans when it finishes.
@@ -31,6 +32,7 @@ from services.process import Service
 from services.protocol import (
     AbortReq,
     BatchTokenIDOutput,
+    DetokenizerReqState,
     FlushCacheReq,
     FlushCacheReqOutput,
     GetServerInfoReq,
@@ -59,6 +61,8 @@ class _Entry(NamedTuple):
     trace_context: dict[str, str]
     prompt_logprobs: bool = False
     """The entry carries the request's prompt logprobs (once, when its prefill completes)."""
+    first: bool = True
+    """The request's first output: the batch carries its `DetokenizerReqState`."""
 
 
 @dataclass
@@ -76,6 +80,8 @@ class _ReqState:
     first_token: float | None = None
     prompt_logprobs_sent: bool = False
     """Its prompt logprobs went out (they go once, in the first output after the prefill)."""
+    announced: bool = False
+    """Its `DetokenizerReqState` went out (once, with its first output)."""
 
 
 class Worker(Service):
@@ -163,8 +169,10 @@ class Worker(Service):
                     rollback,
                     state.trace_context if req.finished else {},
                     prompt_logprobs,
+                    first=not state.announced,
                 )
             )
+            state.announced = True
             state.sent = len(req.output_ids)
             if req.finished:
                 del self.live[req.rid]
@@ -295,8 +303,7 @@ class Worker(Service):
             prompt_tokens=[len(e.req.origin_input_ids) for e in entries],
             completion_tokens=[len(e.req.output_ids) for e in entries],
             cached_tokens=[e.req.cached_tokens or 0 for e in entries],
-            skip_special_tokens=[e.req.sampling_params.skip_special_tokens for e in entries],
-            stop=[e.req.sampling_params.stop for e in entries],
+            new_reqs=[_detokenizer_state(e.req) for e in entries if e.first],
             output_token_logprobs_val=logprobs if want_logprobs else None,
             output_top_logprobs_val=top_val if want_top else None,
             output_top_logprobs_idx=top_idx if want_top else None,
@@ -480,6 +487,11 @@ def _prompt_logprob_columns(entries: list[_Entry]) -> _PromptLogprobColumns:
         [[[lp for lp, _ in t] for t in top] for top in tops],
         [[[tid for _, tid in t] for t in top] for top in tops],
     )
+
+
+def _detokenizer_state(req: Req) -> DetokenizerReqState:
+    params = req.sampling_params
+    return DetokenizerReqState(req.rid, params.stop, params.skip_special_tokens)
 
 
 def _wire_reason(reason: FinishReason | None) -> protocol.FinishReason | None:

@@ -8,7 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from services.protocol import BatchStrOutput, BatchTokenIDOutput, FinishReason
+from services.protocol import (
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    DetokenizerReqState,
+    FinishReason,
+)
 
 LENGTH = FinishReason("length")
 
@@ -42,10 +47,15 @@ def stub(tiny_llama_dir: Path, launcher, make_stub):
 
 
 def token_batch(
-    *rows: tuple, stop: list[str] | None = None, skip_special_tokens: bool = True
+    *rows: tuple,
+    stop: list[str] | None = None,
+    skip_special_tokens: bool = True,
+    new: bool = True,
 ) -> BatchTokenIDOutput:
-    """rows: (rid, new ids) or (rid, new ids, finish reason); the other columns are filler."""
+    """rows: (rid, new ids) or (rid, new ids, finish reason); the other columns are filler.
+    `new`: the batch is the rows' first, so it carries their `DetokenizerReqState`."""
     rids = [row[0] for row in rows]
+    states = [DetokenizerReqState(rid, list(stop or []), skip_special_tokens) for rid in rids]
     return BatchTokenIDOutput(
         rids=rids,
         output_ids=[row[1] for row in rows],
@@ -53,8 +63,7 @@ def token_batch(
         prompt_tokens=[5] * len(rows),
         completion_tokens=[len(row[1]) for row in rows],
         cached_tokens=[2] * len(rows),
-        skip_special_tokens=[skip_special_tokens] * len(rows),
-        stop=[list(stop or [])] * len(rows),
+        new_reqs=states if new else [],
     )
 
 
@@ -64,7 +73,7 @@ def stream_one_by_one(
     """Send `ids` one per batch (the last one finishing `rid`); return the text deltas."""
     for i, token in enumerate(ids):
         row = (rid, [token], reason) if i == len(ids) - 1 else (rid, [token])
-        stub.send(token_batch(row, **options))
+        stub.send(token_batch(row, new=i == 0, **options))
     return stub.result(rid).deltas
 
 
@@ -111,7 +120,7 @@ def test_rids_in_one_batch_keep_separate_state_and_other_columns_pass_through(st
     batch = token_batch(("a", hello), ("b", world, LENGTH))
     batch.output_token_logprobs_val = [[-0.5], [-1.5]]
     stub.send(batch)
-    stub.send(token_batch(("a", world, LENGTH)))
+    stub.send(token_batch(("a", world, LENGTH), new=False))
     stub.result("a")
     first, second = stub.batches[-2:]
     assert first.output_strs == ["Hello", " world"] and second.output_strs == [" world"]

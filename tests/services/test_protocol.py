@@ -13,6 +13,7 @@ from services.protocol import (
     AbortReq,
     BatchStrOutput,
     BatchTokenIDOutput,
+    DetokenizerReqState,
     FinishReason,
     FlushCacheReq,
     FlushCacheReqOutput,
@@ -90,7 +91,8 @@ EXAMPLES = [
         {"kv_total_tokens": 8192, "stats": {"hit_rate": 0.5}, "queues": [1, 2]}, rid="c2"
     ),
     BatchTokenIDOutput(
-        **_batch_columns(3), skip_special_tokens=[True, False, True], stop=[["###"], [], []]
+        **_batch_columns(3),
+        new_reqs=[DetokenizerReqState("r0", ["###"]), DetokenizerReqState("r1", [], False)],
     ),
     BatchStrOutput(**_batch_columns(3), output_strs=["a", "é", ""], **STAMP),
 ]
@@ -181,7 +183,7 @@ def test_engine_finish_reason_encodes_as_the_wire_finish_reason():
         FinishReason.__struct_fields__
     )
     columns = _batch_columns(1) | {"finished_reasons": [EngineFinishReason("stop", matched=2)]}
-    msg = decode(encode(BatchTokenIDOutput(**columns, skip_special_tokens=[True], stop=[[]])))
+    msg = decode(encode(BatchTokenIDOutput(**columns)))
     assert msg.finished_reasons == [FinishReason("stop", matched=2)]
 
 

@@ -433,8 +433,6 @@ def garbage(rng: random.Random) -> list[list[bytes]]:
             prompt_tokens=[1],
             completion_tokens=[1],
             cached_tokens=[0],
-            skip_special_tokens=[True],
-            stop=[[]],
         ),
         BatchStrOutput(
             rids=["x"],

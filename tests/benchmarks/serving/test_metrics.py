@@ -106,3 +106,30 @@ def test_hit_rate_is_the_delta_between_scrapes():
     assert hit_rate(None, (70.0, 200.0)) is None
     assert hit_rate((40.0, 100.0), None) is None
     assert hit_rate((40.0, 100.0), (40.0, 100.0)) is None
+
+
+def test_forward_time_is_read_per_mode_and_its_quantile_interpolated_within_buckets():
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from benchmarks.serving.metrics import forward_time
+
+    registry = CollectorRegistry()
+    hist = Histogram(
+        "radixserve_forward_time_seconds",
+        "forward",
+        ["mode"],
+        registry=registry,
+        buckets=(0.01, 0.025, 0.05),
+    )
+    for seconds in (0.02, 0.02, 0.03, 0.04):
+        hist.labels("decode").observe(seconds)
+    hist.labels("extend").observe(1.0)
+    before = forward_time(generate_latest(registry).decode())
+    assert before is not None and before.count == 4
+    hist.labels("decode").observe(0.005)
+    hist.labels("decode").observe(0.005)
+    delta = forward_time(generate_latest(registry).decode()) - before
+    assert (delta.count, delta.mean) == (2, pytest.approx(0.005))
+    assert delta.quantile(0.5) == pytest.approx(0.005)  # half-way into the (0, 10 ms] bucket
+    assert before.quantile(0.5) == pytest.approx(0.01 + 0.015 * 2 / 2)  # 2 of the 2 in (10, 25]
+    assert forward_time("") is None

@@ -146,3 +146,24 @@ def test_rewriting_keeps_the_notes_below_the_marker(tmp_path: Path):
     assert text.endswith(
         f"{report.NOTES_MARKER}\nProfile: the decode step spends 60% in attention.\n"
     )
+
+
+def test_multi_turn_targets_name_transformers_and_llama_server():
+    results = [
+        cell("hf-bf16", "multi-turn", 8, 100, 1.0),
+        cell("llama-server", "multi-turn", 8, 200, 1.0),
+        cell("rs-overlap-off", "multi-turn", 8, 300, 1.0),
+    ]
+    rows = list(report.target_rows(record(results, ["multi-turn"])))
+    assert "| multi-turn out tok/s | rs-overlap-off vs hf-bf16 | 8 | 3.00x | >= 2x | yes |" in rows
+    assert (
+        "| multi-turn out tok/s | rs-overlap-off vs llama-server | 8 | 1.50x | >= 1.5x | yes |"
+        in rows
+    )
+
+
+def test_the_path_table_sets_client_itl_against_the_workers_decode_forward():
+    ours = cell("rs-overlap-off", "multi-turn", 8, 300, 1.0, itl_s=0.030)
+    ours["decode_forward_ms"] = {"p50": 24.0, "mean": 25.0, "steps": 120}
+    rows = report.path_table(record([ours, cell("hf-bf16", "multi-turn", 8, 100, 1.0)], []))
+    assert rows[2:] == ["| multi-turn | 8 | rs-overlap-off | 30.0 | 24.0 (25.0) | 6.0 |"]

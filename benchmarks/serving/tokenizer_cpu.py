@@ -1,0 +1,77 @@
+"""CPU time the tokenizer process spends per decode step on its side of the per-token path,
+without HTTP: decode one `BatchStrOutput` of `--batch` streamed completions, route it to
+the requests' groups and frame every SSE event. Process CPU time, not wall time, so that
+other jobs on a shared machine move it less.
+
+    python -m benchmarks.serving.tokenizer_cpu --batch 8
+
+`benchmarks.serving.token_path --tokenizer-cpu` runs this file's source inside each tree
+it compares (it reads only the internals that both the old and the new layout have).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+
+async def measure(batch: int, steps: int) -> float:
+    """Microseconds of process CPU per step."""
+    from services.protocol import BatchStrOutput, decode, encode
+    from services.tokenizer import manager as manager_module
+    from services.tokenizer.openai_api import CompletionRequest
+    from services.tokenizer.serving import ChoiceAccumulator, CompletionsEndpoint
+
+    manager: Any = manager_module.TokenizerManager.__new__(manager_module.TokenizerManager)
+    manager.tokenizer, manager.num_queued, manager.groups = None, 0, {}
+    streams = []
+    for _ in range(batch):
+        body = CompletionRequest.model_validate(
+            {"model": "m", "prompt": [1, 2, 3], "stream": True, "max_tokens": steps}
+        )
+        endpoint = CompletionsEndpoint(body, "m")
+        rid = f"{endpoint.id}-0"
+        fields: dict[str, Any] = {"unfinished": {rid}}
+        if "index" in manager_module._Group.__dataclass_fields__:
+            fields["index"] = {rid: 0}
+        group = manager_module._Group(**fields)
+        manager.groups[rid] = group
+        streams.append((endpoint, group, ChoiceAccumulator(want_logprobs=False)))
+    rids = list(manager.groups)
+    wire = [
+        encode(
+            BatchStrOutput(
+                rids=rids,
+                output_ids=[[100 + i]] * batch,
+                finished_reasons=[None] * batch,
+                prompt_tokens=[3] * batch,
+                completion_tokens=[i + 1] * batch,
+                cached_tokens=[0] * batch,
+                output_strs=[" token"] * batch,
+            )
+        )
+        for i in range(steps)
+    ]
+    start = time.process_time()
+    for data in wire:
+        manager._route(decode(data))
+        for endpoint, group, acc in streams:
+            item = group.queue.get_nowait()
+            for out in item if isinstance(item, list) else [dataclasses.replace(item, index=0)]:
+                "".join(endpoint.events(out, acc.add(out), acc))
+    return (time.process_time() - start) / steps * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=1500)
+    args = parser.parse_args()
+    print(f"{asyncio.run(measure(args.batch, args.steps)):.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""The per-token service path without processes: the worker's output batches as encoded on
+the wire to the detokenizer (a request's constants go once), the detokenizer's state freed
+with each request's last output, one wake-up per group per batch on the tokenizer side, and
+pre-encoded SSE deltas equal to the stream's own events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.req import FinishReason as EngineFinishReason
+from engine.sched.req import Req
+from services.detokenizer.detokenizer import BatchDetokenizer
+from services.protocol import BatchStrOutput, BatchTokenIDOutput, FinishReason, decode, encode
+from services.tokenizer.manager import TokenizerManager, _Group
+from services.tokenizer.responses import ChatCompletionStream, CompletionStream, ResponseHeader
+from services.tokenizer.sse import DeltaEvents
+from services.worker.worker import Worker, _ReqState
+
+STOP = "a stop string long enough to spot on the wire"
+
+
+class _Wire:
+    """Stands for the worker's outbox to the detokenizer: keeps each message as encoded."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    def put(self, msg: BatchTokenIDOutput) -> None:
+        self.sent.append(encode(msg))
+
+
+def bare_worker() -> tuple[Worker, _Wire]:
+    """A Worker with only what `send_outputs` reads: no engine, no sockets."""
+    worker = Worker.__new__(Worker)
+    wire = _Wire()
+    worker.to_detokenizer = wire  # type: ignore[assignment]
+    worker.live, worker.rejected = {}, []
+    worker.tracing = None
+    worker.kv_events = worker.kv_publisher = None
+    return worker, wire
+
+
+def submit(worker: Worker, rid: str, params: SamplingParams) -> Req:
+    req = Req(rid, [1, 2, 3], params)
+    worker.live[rid] = _ReqState("tokenizer-epoch")
+    return req
+
+
+def run_steps(tokenizer, texts: dict[str, str], aborted: str | None = None) -> list[bytes]:
+    """Each rid of `texts` generates its text's ids one per step (all in one batch), then
+    finishes by length (`aborted`: by an abort, one step early); the encoded batches."""
+    worker, wire = bare_worker()
+    ids = {rid: tokenizer.encode(text) for rid, text in texts.items()}
+    reqs = {rid: submit(worker, rid, SamplingParams(stop=[STOP])) for rid in texts}
+    for step in range(max(len(i) for i in ids.values())):
+        advanced = []
+        for rid, req in reqs.items():
+            if req.finished or step >= len(ids[rid]):
+                continue
+            req.output_ids.append(ids[rid][step])
+            if rid == aborted and step == len(ids[rid]) - 2:
+                req.finish(EngineFinishReason("abort", message="client left"))
+            elif step == len(ids[rid]) - 1:
+                req.finish(EngineFinishReason("length"))
+            advanced.append(req)
+        worker.send_outputs(advanced)
+    assert not worker.live
+    return wire.sent
+
+
+def detokenized(tokenizer, wire: list[bytes]) -> tuple[BatchDetokenizer, dict[str, str]]:
+    detokenizer = BatchDetokenizer(tokenizer)
+    texts: dict[str, str] = {}
+    for data in wire:
+        batch = decode(data)
+        assert isinstance(batch, BatchTokenIDOutput)
+        out = detokenizer.detokenize(batch)
+        for rid, text in zip(out.rids, out.output_strs):
+            texts[rid] = texts.get(rid, "") + text
+    return detokenizer, texts
+
+
+def test_a_requests_constants_cross_the_wire_once_with_its_first_output(tokenizer):
+    wire = run_steps(tokenizer, {"a": "Hello world, how are you?", "b": "Bonjour à tous"})
+    assert len(wire) > 3
+    assert sum(data.count(STOP.encode()) for data in wire) == 2, "once per request"
+    first, *later = [decode(data) for data in wire]
+    assert [s.rid for s in first.new_reqs] == ["a", "b"]
+    assert first.new_reqs[0].stop == [STOP]
+    assert all(batch.new_reqs == [] for batch in later)
+    # A step's batch of the same two rids costs the same bytes, whatever their stop strings.
+    steady = [
+        len(d) for d, b in zip(wire[1:], later) if len(b.rids) == 2 and not any(b.finished_reasons)
+    ]
+    assert steady and max(steady) < len(wire[0]) - 2 * len(STOP)
+
+
+def test_the_detokenizer_frees_a_requests_state_when_it_finishes(tokenizer):
+    texts = {"a": "Hello world, how are you?", "b": "Café 日本語 🙂!"}
+    detokenizer, out = detokenized(tokenizer, run_steps(tokenizer, texts))
+    assert out == texts
+    assert detokenizer.decode_status == {}
+
+
+def test_the_detokenizer_frees_a_requests_state_when_it_is_aborted(tokenizer):
+    texts = {"a": "Hello world, how are you?", "gone": "one two three four five"}
+    detokenizer, out = detokenized(tokenizer, run_steps(tokenizer, texts, aborted="gone"))
+    assert out["a"] == texts["a"]
+    assert texts["gone"].startswith(out["gone"]) and out["gone"] != texts["gone"]
+    assert detokenizer.decode_status == {}
+
+
+def test_a_rejected_request_carries_its_state_and_leaves_none(tokenizer):
+    worker, wire = bare_worker()
+    req = Req("refused", [1], SamplingParams(stop=[STOP]))
+    req.finish(EngineFinishReason("abort", message="too long", status_code=400))
+    worker.rejected.append(req)
+    worker.send_outputs([])
+    (batch,) = [decode(d) for d in wire.sent]
+    assert [s.rid for s in batch.new_reqs] == ["refused"]
+    detokenizer = BatchDetokenizer(tokenizer)
+    assert detokenizer.detokenize(batch).output_strs == [""]
+    assert detokenizer.decode_status == {}
+
+
+def _str_batch(rows: list[tuple[str, str]], finished: set[str] = frozenset()) -> BatchStrOutput:
+    n = len(rows)
+    return BatchStrOutput(
+        rids=[rid for rid, _ in rows],
+        output_ids=[[7]] * n,
+        finished_reasons=[FinishReason("length") if rid in finished else None for rid, _ in rows],
+        prompt_tokens=[3] * n,
+        completion_tokens=[1] * n,
+        cached_tokens=[0] * n,
+        output_strs=[text for _, text in rows],
+    )
+
+
+def test_the_tokenizer_wakes_a_group_once_per_batch_with_every_row_it_brought():
+    async def scenario() -> None:
+        manager = TokenizerManager.__new__(TokenizerManager)  # routing only: no sockets
+        manager.tokenizer, manager.num_queued = None, 3
+        pair = _Group(index={"p-0": 0, "p-1": 1}, unfinished={"p-0", "p-1"})
+        alone = _Group(index={"q-0": 0}, unfinished={"q-0"}, queued={"q-0"})
+        manager.groups = {"p-0": pair, "p-1": pair, "q-0": alone}
+        manager._route(_str_batch([("p-0", "a"), ("q-0", "b"), ("p-1", "c"), ("gone", "d")]))
+        assert pair.queue.qsize() == 1 and alone.queue.qsize() == 1
+        outputs = pair.queue.get_nowait()
+        assert isinstance(outputs, list)
+        assert [(o.rid, o.index, o.text) for o in outputs] == [("p-0", 0, "a"), ("p-1", 1, "c")]
+        assert manager.num_queued == 2 and not alone.queued
+
+    asyncio.run(scenario())
+
+
+TEXTS = [
+    "Hello",
+    " world",
+    ' "quoted" \\ back',
+    "tab\there\nnew",
+    "\x00\x1f\x7f",
+    "é 日本 🙂",
+    "\u2028",
+]
+
+
+@pytest.mark.parametrize("stream_type", [ChatCompletionStream, CompletionStream])
+def test_pre_encoded_deltas_equal_the_streams_own_events(stream_type):
+    header = ResponseHeader(id="chatcmpl-1234", model="the-model", created=1700000000)
+    slow, fast_stream = stream_type(header, n=2), stream_type(header, n=2)
+    fast = DeltaEvents(fast_stream)
+    for index in (0, 1):
+        assert slow.delta(index, "") == fast_stream.delta(index, "")  # opens the choice
+    for i, text in enumerate(TEXTS * 2):
+        index = i % 2
+        assert fast.delta(index, text) == slow.delta(index, text), text
+    assert fast.delta(0, "") == slow.delta(0, "") == []
+    assert fast_stream.text_offsets == slow.text_offsets
