@@ -1,26 +1,39 @@
 """Model-runtime speed on the embedded SmolLM2-135M: radixserve's ModelRunner beside
-transformers' forward on the same weights, same dtype, same shapes, in one run.
+transformers' forward on the same weights, same dtype, same shapes, in one run; or, with
+`--baseline PATH`, beside another checkout of radixserve (a `git worktree`), interleaved.
 
 Prefill: one 512-token prompt, tokens/s. Decode: one step for a batch of requests that
-each hold `--decode-context` tokens of KV, ms/step (median of `--steps`). Random token ids:
-speed does not depend on them. Results: docs/benchmarks/model.md.
+each hold `--decode-context` tokens of KV, ms/step (median). Random token ids: speed does
+not depend on them. Every run measures the memory bandwidth (a 256 MiB copy) and reports
+each decode step against its floor: the bytes the step must read (every weight once, plus
+the batch's K/V) at that bandwidth. Results: docs/benchmarks/model.md.
 
     .venv/bin/python benchmarks/model_bench.py
+    git worktree add /tmp/rs-main 9130455
+    .venv/bin/python benchmarks/model_bench.py --baseline /tmp/rs-main
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, PreTrainedModel
 
-from engine.model.loader import open_checkpoint
+import engine  # noqa: F401  (sets OMP_WAIT_POLICY before torch starts OpenMP)
 from engine.model.runner import DTYPES, ExtendInput, ModelRunner
+
+REPO = Path(__file__).resolve().parents[1]
+COPY_BYTES = 256 << 20
 
 
 def median_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -33,8 +46,195 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def hf_model(dtype: torch.dtype) -> PreTrainedModel:
+def copy_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s of a 256 MiB tensor copy, read and write both counted (median of `repeats`)."""
+    src = torch.ones(COPY_BYTES, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * COPY_BYTES / median_seconds(partial(dst.copy_, src), repeats)
+
+
+class DecodeBench:
+    """One ModelRunner holding a batch of requests with `context` tokens of KV for each
+    decode shape, stepped on demand. The contexts are mapped to pool slots without a
+    prefill (a step's cost does not depend on the K/V values; prefilling 32 x 512 tokens
+    takes minutes on a small CPU). Uses only the ModelRunner calls that every checkout
+    since the first wave has, so that `--baseline` can run it against an older tree."""
+
+    def __init__(
+        self, dtype: str, shapes: list[tuple[int, int]], max_steps: int, spare_tokens: int = 0
+    ):
+        self.runner = runner = ModelRunner(
+            "embedded",
+            dtype=dtype,
+            max_total_tokens=sum(b * (ctx + max_steps + 2) for b, ctx in shapes) + spare_tokens,
+            max_running_requests=sum(b for b, _ in shapes) + 1,
+        )
+        self.batches: list[list[ExtendInput]] = []
+        for batch_size, context in shapes:
+            rows = runner.req_to_token_pool.alloc(batch_size)
+            assert rows is not None, "max_running_requests covers every shape"
+            for row in rows:
+                slots = runner.token_to_kv_pool_allocator.alloc(context)
+                assert slots is not None, "max_total_tokens covers every shape"
+                runner.req_to_token_pool.write(row, 0, slots)
+            self.batches.append([ExtendInput(r, context, [7]) for r in rows])
+
+    def step_seconds(self, shape: int) -> float:
+        """One decode step of batch `shape`, the forward alone (its batch is built first)."""
+        batch = self.batches[shape]
+        forward_batch = self.runner.build_forward_batch(batch)
+        start = time.perf_counter()
+        self.runner.forward(forward_batch)
+        elapsed = time.perf_counter() - start
+        self.batches[shape] = [ExtendInput(r.req_pool_idx, r.prefix_len + 1, [7]) for r in batch]
+        return elapsed
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes a decode step reads: every weight once (the packed copies are not counted:
+        a matmul reads one of the two), and per token of context its K and V in all layers."""
+        config, model = self.runner.model_config, self.runner.model
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        element = torch.empty((), dtype=self.runner.dtype).element_size()
+        kv_token_bytes = (
+            2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+        )
+        return {"weight_bytes": weight_bytes, "kv_token_bytes": kv_token_bytes}
+
+
+def decode_worker(args: argparse.Namespace) -> None:
+    """`--decode-worker`: serve DecodeBench steps over stdin/stdout, one JSON line each way.
+    Request `[shape, steps]`; reply the step times in seconds."""
+    bench = DecodeBench(args.dtypes[0], parse_shapes(args.shapes), args.max_steps)
+    print(json.dumps(bench.sizes()), flush=True)
+    for line in sys.stdin:
+        shape, steps = json.loads(line)
+        bench.step_seconds(shape)  # warm-up
+        print(json.dumps([bench.step_seconds(shape) for _ in range(steps)]), flush=True)
+
+
+class Worker:
+    """A `--decode-worker` subprocess importing `engine` from `tree`; started at once, ready
+    (model loaded, contexts prefilled) after `wait_ready`, so that workers load side by side."""
+
+    def __init__(self, tree: Path, dtype: str, shapes: str, max_steps: int):
+        env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--decode-worker", "--dtypes", dtype, "--shapes", shapes]
+            + ["--max-steps", str(max_steps)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.sizes: dict[str, int] = {}
+
+    def wait_ready(self) -> None:
+        self.sizes = self._read()
+
+    def _read(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"decode worker exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def steps(self, shape: int, steps: int) -> list[float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps([shape, steps]) + "\n")
+        self.proc.stdin.flush()
+        times: list[float] = self._read()
+        return times
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """`"1x512 8x512"` -> [(1, 512), (8, 512)]: batch size x context tokens per request."""
+    return [(int(b), int(c)) for b, c in (s.split("x") for s in text.split())]
+
+
+def floor_seconds(sizes: dict[str, int], batch: int, context: int, bandwidth: float) -> float:
+    return (sizes["weight_bytes"] + batch * context * sizes["kv_token_bytes"]) / bandwidth
+
+
+def compare_with_baseline(args: argparse.Namespace) -> None:
+    """This tree and `--baseline` in two worker processes, stepped in turns (the order
+    alternating every round) with a bandwidth copy between rounds, so that both see the
+    same background load."""
+    shapes = parse_shapes(args.shapes)
+    max_steps = args.rounds * (args.steps + 1)
+    trees = {"this tree": REPO, "baseline": Path(args.baseline).resolve()}
+    workers = {
+        name: Worker(tree, args.dtypes[0], args.shapes, max_steps) for name, tree in trees.items()
+    }
+    for worker in workers.values():
+        worker.wait_ready()
+    times: dict[tuple[str, int], list[float]] = {
+        (n, s): [] for n in workers for s in range(len(shapes))
+    }
+    bandwidths = []
+    for round_ in range(args.rounds):
+        bandwidths.append(copy_bandwidth(3))
+        order = list(workers) if round_ % 2 == 0 else list(reversed(workers))
+        for shape in range(len(shapes)):
+            for name in order:
+                times[name, shape] += workers[name].steps(shape, args.steps)
+    for worker in workers.values():
+        worker.close()
+    bandwidth = statistics.median(bandwidths)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtypes[0]}; "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (median of {len(bandwidths)}, "
+        f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); baseline {trees['baseline']}; "
+        f"{args.rounds} rounds x {args.steps} steps\n"
+    )
+    print(
+        "| decode batch x context | floor (ms) | this tree (ms) | x floor "
+        "| baseline (ms) | x floor | this / baseline |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for shape, (batch, context) in enumerate(shapes):
+        floor = floor_seconds(workers["this tree"].sizes, batch, context, bandwidth) * 1000
+        ours = statistics.median(times["this tree", shape]) * 1000
+        base = statistics.median(times["baseline", shape]) * 1000
+        print(
+            f"| {batch} x {context} | {floor:.1f} | {ours:.1f} | {ours / floor:.2f} | "
+            f"{base:.1f} | {base / floor:.2f} | {ours / base:.2f} |"
+        )
+
+
+def bench_ours(dtype: str, args: argparse.Namespace) -> dict[str, float]:
+    shapes = [(b, args.decode_context) for b in args.batch_sizes]
+    bench = DecodeBench(dtype, shapes, args.steps + 1, spare_tokens=args.prompt_len)
+    runner = bench.runner
+    rows = runner.req_to_token_pool.alloc(1)
+    assert rows is not None, "DecodeBench leaves a spare row"
+    row = rows[0]
+    prompt = torch.randint(runner.model_config.vocab_size, (args.prompt_len,)).tolist()
+
+    def prefill() -> None:
+        fb = runner.build_forward_batch([ExtendInput(row, 0, prompt)])
+        runner.forward(fb)
+        runner.token_to_kv_pool_allocator.free(fb.out_cache_loc)
+
+    results = {"prefill": args.prompt_len / median_seconds(prefill, args.steps)}
+    results |= {k: float(v) for k, v in bench.sizes().items()}
+    for shape, batch_size in enumerate(args.batch_sizes):
+        bench.step_seconds(shape)  # warm-up
+        step = statistics.median(bench.step_seconds(shape) for _ in range(args.steps))
+        results[f"decode_{batch_size}"] = step * 1000
+    return results
+
+
+def hf_model(dtype: torch.dtype) -> Any:
     """transformers' Llama with the weights our loader reads from the embedded GGUF."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.model.loader import open_checkpoint
+
     checkpoint = open_checkpoint("embedded")
     c = checkpoint.config
     config = LlamaConfig(
@@ -56,56 +256,9 @@ def hf_model(dtype: torch.dtype) -> PreTrainedModel:
     return model
 
 
-def bench_ours(dtype: str, args: argparse.Namespace) -> dict[str, float]:
-    runner = ModelRunner(
-        "embedded",
-        dtype=dtype,
-        max_total_tokens=max(args.batch_sizes) * (args.decode_context + args.steps + 2)
-        + args.prompt_len * 2,
-        max_running_requests=max(args.batch_sizes) + 1,
-    )
-    vocab = runner.model_config.vocab_size
-    results = {}
-    row = runner.req_to_token_pool.alloc(1)[0]
-    prompt = torch.randint(vocab, (args.prompt_len,)).tolist()
-
-    def prefill() -> None:
-        fb = runner.build_forward_batch([ExtendInput(row, 0, prompt)])
-        runner.forward(fb)
-        runner.token_to_kv_pool_allocator.free(fb.out_cache_loc)
-
-    results["prefill"] = args.prompt_len / median_seconds(prefill, args.steps)
-    runner.req_to_token_pool.free(row)
-
-    for batch_size in args.batch_sizes:
-        rows = runner.req_to_token_pool.alloc(batch_size)
-        contexts = torch.randint(vocab, (batch_size, args.decode_context)).tolist()
-        for start in range(0, batch_size, 8):
-            runner.forward(
-                runner.build_forward_batch(
-                    [
-                        ExtendInput(r, 0, ctx)
-                        for r, ctx in zip(rows[start : start + 8], contexts[start : start + 8])
-                    ]
-                )
-            )
-        seq_len = args.decode_context
-
-        def decode(rows: list[int] = rows) -> None:  # bound now: the loop rebinds `rows`
-            nonlocal seq_len
-            runner.forward(runner.build_forward_batch([ExtendInput(r, seq_len, [7]) for r in rows]))
-            seq_len += 1
-
-        results[f"decode_{batch_size}"] = median_seconds(decode, args.steps) * 1000
-        for r in rows:
-            runner.token_to_kv_pool_allocator.free(
-                runner.req_to_token_pool.req_to_token[r, :seq_len].long()
-            )
-        runner.req_to_token_pool.free(rows)
-    return results
-
-
 def bench_hf(dtype: str, args: argparse.Namespace) -> dict[str, float]:
+    from transformers import DynamicCache
+
     model = hf_model(DTYPES[dtype])
     vocab = model.config.vocab_size
     results = {}
@@ -127,6 +280,32 @@ def bench_hf(dtype: str, args: argparse.Namespace) -> dict[str, float]:
     return results
 
 
+def compare_with_transformers(args: argparse.Namespace) -> None:
+    bandwidth = copy_bandwidth()
+    decode_cols = [f"decode b={b} (ms/step)" for b in args.batch_sizes]
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"decode context {args.decode_context} tokens/request; "
+        f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n"
+    )
+    print(
+        f"| engine | dtype | prefill {args.prompt_len} (tok/s) | " + " | ".join(decode_cols) + " |"
+    )
+    print("|---|---|---:|" + "---:|" * len(decode_cols))
+    for dtype in args.dtypes:
+        sizes: dict[str, int] = {}
+        for name, bench in (("radixserve", bench_ours), ("transformers", bench_hf)):
+            r = bench(dtype, args)
+            sizes = sizes or {k: int(r[k]) for k in ("weight_bytes", "kv_token_bytes")}
+            decode = " | ".join(f"{r[f'decode_{b}']:.1f}" for b in args.batch_sizes)
+            print(f"| {name} | {dtype} | {r['prefill']:.0f} | {decode} |", flush=True)
+        floors = " | ".join(
+            f"{floor_seconds(sizes, b, args.decode_context, bandwidth) * 1000:.1f}"
+            for b in args.batch_sizes
+        )
+        print(f"| floor | {dtype} | | {floors} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-len", type=int, default=512)
@@ -134,22 +313,24 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--baseline", help="another radixserve checkout: compare decode with it, interleaved"
+    )
+    parser.add_argument(
+        "--shapes",
+        default="1x512 8x512 32x512",
+        help="with --baseline: decode shapes, batch x context tokens",
+    )
+    parser.add_argument("--rounds", type=int, default=6, help="with --baseline: turns each")
+    parser.add_argument("--decode-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-
-    decode_cols = [f"decode b={b} (ms/step)" for b in args.batch_sizes]
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"decode context {args.decode_context} tokens/request\n"
-    )
-    print(
-        f"| engine | dtype | prefill {args.prompt_len} (tok/s) | " + " | ".join(decode_cols) + " |"
-    )
-    print("|---|---|---:|" + "---:|" * len(decode_cols))
-    for dtype in args.dtypes:
-        for name, bench in (("radixserve", bench_ours), ("transformers", bench_hf)):
-            r = bench(dtype, args)
-            decode = " | ".join(f"{r[f'decode_{b}']:.1f}" for b in args.batch_sizes)
-            print(f"| {name} | {dtype} | {r['prefill']:.0f} | {decode} |", flush=True)
+    if args.decode_worker:
+        decode_worker(args)
+    elif args.baseline:
+        compare_with_baseline(args)
+    else:
+        compare_with_transformers(args)
 
 
 if __name__ == "__main__":

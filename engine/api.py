@@ -43,6 +43,8 @@ class Engine:
             mem_fraction_static=args.mem_fraction_static,
             max_running_requests=args.max_running_requests,
             context_len=args.context_length,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            disable_cuda_graph=args.disable_cuda_graph,
         )
         self.tokenizer = (
             None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)

@@ -76,27 +76,65 @@ class ForwardBatch:
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool: MHATokenToKVPool,
     ) -> ForwardBatch:
-        """Lay out per-request lists as tensors on the pool's device (copies are
-        non-blocking: the lists stay on the host as the `*_cpu` mirrors)."""
+        """`from_host` for per-request lists."""
+
+        def host(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64)
+
+        return cls.from_host(
+            forward_mode,
+            input_ids,
+            host(req_pool_indices),
+            host(prefix_lens),
+            host(extend_lens),
+            out_cache_loc,
+            req_to_token_pool,
+            token_to_kv_pool,
+        )
+
+    @classmethod
+    def from_host(
+        cls,
+        forward_mode: ForwardMode,
+        input_ids: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        extend_lens: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool: MHATokenToKVPool,
+    ) -> ForwardBatch:
+        """Lay out per-request host vectors (int64) on the pool's device, positions
+        included, in a fixed number of tensor ops whatever the batch size (copies are
+        non-blocking: the vectors stay on the host as the `*_cpu` mirrors)."""
         device = token_to_kv_pool.device
-        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        seq_lens = prefix_lens + extend_lens
+        if forward_mode.is_decode():
+            positions = prefix_lens
+        else:
+            # Token t of request i sits at prefix_lens[i] + (t - first token of i).
+            starts = torch.cumsum(extend_lens, 0) - extend_lens
+            num_tokens = len(input_ids)
+            offsets = torch.repeat_interleave(
+                prefix_lens - starts, extend_lens, output_size=num_tokens
+            )
+            positions = torch.arange(num_tokens, dtype=torch.int64) + offsets
 
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+        def to_device(values: torch.Tensor) -> torch.Tensor:
+            return values.to(device, non_blocking=True)
 
-        positions = torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq_lens)])
         return cls(
             forward_mode=forward_mode,
-            input_ids=input_ids.to(device, non_blocking=True),
-            positions=positions.to(device, non_blocking=True),
-            req_pool_indices=tensor(req_pool_indices),
-            seq_lens=tensor(seq_lens),
-            prefix_lens=tensor(prefix_lens),
-            extend_lens=tensor(extend_lens),
+            input_ids=to_device(input_ids),
+            positions=to_device(positions),
+            req_pool_indices=to_device(req_pool_indices),
+            seq_lens=to_device(seq_lens),
+            prefix_lens=to_device(prefix_lens),
+            extend_lens=to_device(extend_lens),
             out_cache_loc=out_cache_loc,
-            seq_lens_cpu=seq_lens,
-            prefix_lens_cpu=prefix_lens,
-            extend_lens_cpu=extend_lens,
+            seq_lens_cpu=seq_lens.tolist(),
+            prefix_lens_cpu=prefix_lens.tolist(),
+            extend_lens_cpu=extend_lens.tolist(),
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
         )

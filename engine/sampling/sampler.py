@@ -40,14 +40,18 @@ class Sampler(nn.Module):
     """
 
     def forward(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
-        """`logits` `[B, V]` (any float dtype) is not modified."""
-        logits = logits.to(torch.float32, copy=True)
-        info.apply_logits_bias(logits)
+        """`logits` `[B, V]` (any float dtype) is not modified: it is copied only when
+        something edits it in place (a bias or mask), never for a plain batch."""
+        if info.has_logits_bias:
+            logits = logits.to(torch.float32, copy=True)
+            info.apply_logits_bias(logits)
+        else:
+            logits = logits.to(torch.float32)
         if info.is_all_greedy:
             next_token_ids = logits.argmax(dim=-1)
         else:
             # Greedy rows have temperature 1, so their scaled logits are their logits.
-            logits.div_(info.temperatures)
+            logits = logits / info.temperatures
             probs = torch.softmax(logits, dim=-1)
             _apply_top_k_top_p_min_p(probs, info)
             sampled = _sample_from_probs(probs, info)

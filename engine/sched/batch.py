@@ -10,10 +10,10 @@ import torch
 from engine.grammar import allocate_vocab_mask
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.model.forward_batch import ForwardBatch, ForwardMode, PromptLogprobsInput
-from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRows
 from engine.sched.cache_manager import CacheManager, req_row
-from engine.sched.future_map import FutureMap
 from engine.sched.req import Req
+from engine.sched.running_batch import RunningBatch
 
 
 @dataclass
@@ -38,22 +38,26 @@ class ScheduleBatch:
     def prepare(
         cls,
         extend_reqs: list[Req],
-        decode_reqs: list[Req],
+        decodes: RunningBatch | None,
         cache_manager: CacheManager,
         token_to_kv_pool: MHATokenToKVPool,
         vocab_size: int,
         eos_token_ids: Collection[int],
-        device: torch.device,
     ) -> ScheduleBatch:
-        """Allocate rows and KV slots and lay the batch out.
+        """Allocate rows and KV slots and lay the batch out: `extend_reqs`, then a decode
+        step of every request of `decodes` (the running batch, whose lengths advance).
 
         A prefill continues from what the request's row already maps: its radix hit for a
         new request, its earlier chunks for a chunked one. A decode's input is a future —
         the token the previous batch is sampling for that row — resolved on the forward side.
         """
+        if not extend_reqs:
+            assert decodes, "a batch needs requests"
+            return cls._decode(decodes, cache_manager, token_to_kv_pool, eos_token_ids)
         input_ids: list[int] = []
         prefix_lens: list[int] = []
         extend_lens: list[int] = []
+        rows: list[int] = []
         for req in extend_reqs:
             if req.req_pool_idx is None:
                 cache_manager.alloc_row(req)
@@ -61,36 +65,87 @@ class ScheduleBatch:
             input_ids += req.all_token_ids()[start : start + req.extend_input_len]
             prefix_lens.append(start)
             extend_lens.append(req.extend_input_len)
-        for req in decode_reqs:
-            prefix_lens.append(req.kv_allocated_len)
-            extend_lens.append(1)
-
-        out_cache_loc = cache_manager.alloc_slots(sum(extend_lens))
-        reqs = extend_reqs + decode_reqs
-        rows = [req_row(r) for r in reqs]
-        futures = FutureMap.futures(torch.tensor(rows[len(extend_reqs) :], dtype=torch.int64))
-        if not extend_reqs:
-            mode = ForwardMode.DECODE
-        else:
-            mode = ForwardMode.MIXED if decode_reqs else ForwardMode.EXTEND
-        forward_batch = ForwardBatch.build(
+            rows.append(req_row(req))
+        sampling_rows = SamplingRows.from_params(
+            [r.sampling_params for r in extend_reqs], vocab_size
+        )
+        host_ids = _ints(input_ids)
+        host_rows, host_prefix, host_extend = _ints(rows), _ints(prefix_lens), _ints(extend_lens)
+        reqs, batch_extend_lens = extend_reqs, extend_lens
+        mode = ForwardMode.EXTEND
+        if decodes:
+            mode = ForwardMode.MIXED
+            reqs = extend_reqs + decodes.reqs
+            batch_extend_lens = extend_lens + decodes.ones_list
+            host_ids = torch.cat([host_ids, decodes.futures])
+            host_rows = torch.cat([host_rows, decodes.req_pool_indices])
+            host_prefix = torch.cat([host_prefix, decodes.seq_lens])
+            host_extend = torch.cat([host_extend, decodes.ones])
+            sampling_rows = sampling_rows.cat(decodes.sampling_rows)
+        out_cache_loc = cache_manager.alloc_slots(sum(batch_extend_lens))
+        forward_batch = ForwardBatch.from_host(
             mode,
-            torch.cat([torch.tensor(input_ids, dtype=torch.int64), futures]),
-            rows,
-            prefix_lens,
-            extend_lens,
+            host_ids,
+            host_rows,
+            host_prefix,
+            host_extend,
             out_cache_loc,
             cache_manager.req_to_token_pool,
             token_to_kv_pool,
         )
         cache_manager.assign_slots(reqs, forward_batch)
+        if decodes:
+            decodes.advance()
+        device = token_to_kv_pool.device
         forward_batch.prompt_logprobs = prompt_logprobs_input(
             extend_reqs, prefix_lens, extend_lens, len(reqs), device
         )
-        sampling_info = SamplingBatchInfo.from_reqs(reqs, vocab_size, eos_token_ids, device)
+        sampling_info = SamplingBatchInfo.from_rows(sampling_rows, vocab_size, device)
+        if bool(sampling_rows.needs_req_state.any()):
+            sampling_info.add_req_state(reqs, sampling_rows, eos_token_ids)
         chunked = frozenset(id(r) for r in extend_reqs if r.is_chunked)
         sampling_info.vocab_mask = build_vocab_mask(reqs, chunked, vocab_size, device)
-        return cls(reqs, extend_lens, len(extend_reqs), chunked, forward_batch, sampling_info)
+        return cls(reqs, batch_extend_lens, len(extend_reqs), chunked, forward_batch, sampling_info)
+
+    @classmethod
+    def _decode(
+        cls,
+        decodes: RunningBatch,
+        cache_manager: CacheManager,
+        token_to_kv_pool: MHATokenToKVPool,
+        eos_token_ids: Collection[int],
+    ) -> ScheduleBatch:
+        """A decode step from the running batch's arrays: no pass over the requests but the
+        one that counts their new KV slot, and the sampling state of the last step reused
+        unless some request's sampling reads its tokens."""
+        reqs = decodes.reqs
+        forward_batch = ForwardBatch.from_host(
+            ForwardMode.DECODE,
+            decodes.futures,
+            decodes.req_pool_indices,
+            decodes.seq_lens,
+            decodes.ones,
+            cache_manager.alloc_slots(len(reqs)),
+            cache_manager.req_to_token_pool,
+            token_to_kv_pool,
+        )
+        cache_manager.assign_slots(reqs, forward_batch)
+        decodes.advance()
+        if decodes.num_req_state:
+            device = token_to_kv_pool.device
+            rows = decodes.sampling_rows
+            sampling_info = SamplingBatchInfo.from_rows(rows, decodes.vocab_size, device)
+            sampling_info.add_req_state(reqs, rows, eos_token_ids)
+            sampling_info.vocab_mask = build_vocab_mask(
+                reqs, frozenset(), decodes.vocab_size, device
+            )
+        else:
+            sampling_info = decodes.sampling_info()
+        return cls(reqs, decodes.ones_list, 0, frozenset(), forward_batch, sampling_info)
+
+
+def _ints(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def prompt_logprobs_input(

@@ -96,16 +96,23 @@ class CacheManager:
         """Point each new token's entry of its request's row at its slot of
         `forward_batch.out_cache_loc`, in one indexed write (no per-request op)."""
         out_cache_loc = forward_batch.out_cache_loc
-        token_rows = torch.repeat_interleave(
-            forward_batch.req_pool_indices,
-            forward_batch.extend_lens,
-            output_size=len(out_cache_loc),
-        )
+        if forward_batch.forward_mode.is_decode():
+            token_rows = forward_batch.req_pool_indices
+        else:
+            token_rows = torch.repeat_interleave(
+                forward_batch.req_pool_indices,
+                forward_batch.extend_lens,
+                output_size=len(out_cache_loc),
+            )
         self.req_to_token_pool.req_to_token[token_rows, forward_batch.positions] = out_cache_loc.to(
             torch.int32
         )
-        for req, extend_len in zip(reqs, forward_batch.extend_lens_cpu):
-            req.kv_allocated_len += extend_len
+        if forward_batch.forward_mode.is_decode():
+            for req in reqs:
+                req.kv_allocated_len += 1
+        else:
+            for req, extend_len in zip(reqs, forward_batch.extend_lens_cpu):
+                req.kv_allocated_len += extend_len
 
     def commit(self, req: Req, num_tokens: int) -> None:
         """The forward pass wrote K/V for the request's next `num_tokens` allocated slots."""

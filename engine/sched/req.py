@@ -53,6 +53,9 @@ class Req:
     priority: int = 0
     routing_key: str | None = None
     eos_token_ids: frozenset[int] = frozenset()
+    stop_ids: frozenset[int] = frozenset()
+    """The token ids that end it: its `stop_token_ids`, and the model's EOS unless
+    `ignore_eos` (set on submission, so the per-token check is one set lookup)."""
     status: ReqStatus = ReqStatus.WAITING
     finished_reason: FinishReason | None = None
 

@@ -4,9 +4,12 @@ retraction, and two event loops.
 Each round `get_next_batch_to_run` prefers a prefill batch (new requests in, their
 prefixes into the tree sooner) and otherwise decodes the running requests. The normal
 loop runs a batch and processes its result before building the next one. The overlap
-loop launches batch N on a forward thread, then processes N−1's result and builds N+1
-while N runs; N+1's decode inputs are futures in the FutureMap. Whoever runs a loop (the
-worker, the offline Engine) hands it its message poll, its output sink and when to stop.
+loop launches batch N, then processes N−1's result and builds N+1 while N runs; N+1's
+decode inputs are futures in the FutureMap. On CUDA the launch is asynchronous: the
+forward runs on its own stream and the sampled tokens come back through pinned memory and
+an event (`batch_result`), all from this one thread. On CPU, where every op runs as it is
+called, the forward runs on a thread of its own. Whoever runs a loop (the worker, the
+offline Engine) hands it its message poll, its output sink and when to stop.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
 
 from engine.args import EngineArgs
 from engine.cache.base_prefix_cache import BasePrefixCache
@@ -33,6 +38,7 @@ from engine.grammar import (
 from engine.grammar.jump_forward import JumpForward, decodes_concatenatively, plan_jump_forward
 from engine.sampling.sampler import Sampler
 from engine.sched.batch import ScheduleBatch
+from engine.sched.batch_result import BatchResult, PendingResult
 from engine.sched.cache_manager import CacheManager
 from engine.sched.future_map import FutureMap
 from engine.sched.new_token_ratio import NewTokenRatioTracker
@@ -40,17 +46,12 @@ from engine.sched.policy import SchedulePolicy
 from engine.sched.prefill_adder import AddReqResult, PrefillAdder
 from engine.sched.req import FinishReason, Req, ReqStatus
 from engine.sched.retract import release_req, retract_decode
+from engine.sched.running_batch import RunningBatch
 
 if TYPE_CHECKING:
-    import torch
-
-    from engine.model.forward_batch import PromptLogprobsInput
-    from engine.model.layers.logits_processor import LogitsProcessorOutput
     from engine.model.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 StopStringChecker = Callable[[Req], str | None]
 """Returns the stop string the request's decoded tail now contains, if any."""
@@ -69,17 +70,6 @@ AnyGrammarMatcher = GrammarMatcher | ReasoningGrammarMatcher
 """A request's grammar state: plain, or waiting for the end of a reasoning section."""
 
 
-class BatchResult(NamedTuple):
-    next_token_ids: list[int]
-    next_token_logprobs: list[float] | None
-    top_logprobs: list[list[tuple[float, int]]] | None
-    input_token_logprobs: list[list[float]] | None = None
-    """Per request of the batch, the prompt logprobs its rows of this batch gave (see
-    `PromptLogprobsInput`); None when no request has any."""
-    input_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
-    """Per request, per one of those rows, the likeliest (logprob, token id)."""
-
-
 class SchedulerObserver(Protocol):
     """Hears the per-request and per-batch events that counters cannot carry (the worker
     turns them into histograms and trace spans)."""
@@ -88,7 +78,7 @@ class SchedulerObserver(Protocol):
         """`req` joins a batch for the first time (not after a retraction or a chunk)."""
 
     def on_forward(self, mode: str, batch_size: int, seconds: float) -> None:
-        """A forward pass and its sampling took `seconds`; on the forward thread under overlap."""
+        """A forward pass and its sampling took `seconds`; heard when its result is read."""
 
 
 @dataclass
@@ -150,10 +140,15 @@ class Scheduler:
         self.future_map = FutureMap(
             self.max_running_requests, self.device, debug=args.debug_future_map
         )
+        graph_runner = model_runner.graph_runner
+        if graph_runner is not None and not args.debug_future_map:
+            # Bake this scheduler's future lookup into the decode graphs now, not at the
+            # first decode batch.
+            graph_runner.capture(self.future_map.resolve)
         self.waiting_queue: list[Req] = []
         self.grammar_queue: list[Req] = []
         """Requests whose grammar is compiling; they join the waiting queue when it is done."""
-        self.running: list[Req] = []
+        self.running = RunningBatch(self.model_config.vocab_size, self.device)
         self.chunked_req: Req | None = None
         self.outputs: list[Req] = []
         self.stats = SchedulerStats()
@@ -173,10 +168,17 @@ class Scheduler:
             self.overlap = self.device.type == "cuda"
         else:
             self.overlap = not args.disable_overlap_schedule
-        self.forward_thread = (
-            ThreadPoolExecutor(1, thread_name_prefix="forward") if self.overlap else None
+        # Under overlap on CUDA the forward is queued on its own stream from this thread;
+        # on CPU, where ops run as they are called, only a thread of its own overlaps it.
+        self.forward_stream = (
+            torch.cuda.Stream(self.device) if self.overlap and self.device.type == "cuda" else None
         )
-        self.in_flight: tuple[ScheduleBatch, Future[BatchResult]] | None = None
+        self.forward_thread = (
+            ThreadPoolExecutor(1, thread_name_prefix="forward")
+            if self.overlap and self.forward_stream is None
+            else None
+        )
+        self.in_flight: tuple[ScheduleBatch, Future[PendingResult]] | None = None
 
     # ----- requests in ------------------------------------------------------------------
 
@@ -220,6 +222,9 @@ class Scheduler:
                 "engine runs with skip_tokenizer_init or --grammar-backend none"
             )
         req.eos_token_ids = frozenset(self.model_config.eos_token_ids)
+        req.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else req.eos_token_ids
+        )
         req.status = ReqStatus.WAITING
         if grammar is not None:
             req.pending_grammar = self._grammar_backend().submit(*grammar)
@@ -235,13 +240,16 @@ class Scheduler:
                     queue.remove(req)
                     self._finish(req, FinishReason("abort", message="aborted by the client"))
                     return
-        holding_kv = self.running if self.chunked_req is None else [*self.running, self.chunked_req]
+        holding_kv = self.running.reqs
+        if self.chunked_req is not None:
+            holding_kv = [*holding_kv, self.chunked_req]
         for live in holding_kv:
             if live.rid == rid and not live.finished:
                 if live is self.chunked_req:
                     self.chunked_req = None
                 release_req(live, self.cache_manager)
                 self._finish(live, FinishReason("abort", message="aborted by the client"))
+                self.running.remove([live])
                 return
 
     # ----- event loops ------------------------------------------------------------------
@@ -258,24 +266,22 @@ class Scheduler:
                 if batch is None:
                     self.ratio.on_idle()
                 else:
-                    self.process_batch_result(batch, self.run_batch(batch))
+                    self.process_batch_result(
+                        batch, self._take_result(batch, self.run_batch(batch))
+                    )
             send_outputs(self._take_outputs())
 
     def event_loop_overlap(
         self, should_stop: ShouldStop, recv_requests: RecvRequests, send_outputs: SendOutputs
     ) -> None:
-        """As `event_loop_normal`, but each turn launches its batch on the forward thread and
-        processes the previous turn's batch while it runs; the last batch may still be in
-        flight when the loop stops."""
+        """As `event_loop_normal`, but each turn launches its batch and processes the
+        previous turn's batch while it runs; the last batch may still be in flight when the
+        loop stops."""
         while not should_stop():
             recv_requests()
             if self.has_work():
                 batch = self.get_next_batch_to_run()
-                launched = (
-                    (batch, self._forward_thread().submit(self.run_batch, batch))
-                    if batch is not None
-                    else None
-                )
+                launched = (batch, self.launch_batch(batch)) if batch is not None else None
                 self.resolve_in_flight()
                 self.in_flight = launched
                 if launched is None:
@@ -297,17 +303,37 @@ class Scheduler:
         outputs, self.outputs = self.outputs, []
         return outputs
 
-    def _forward_thread(self) -> ThreadPoolExecutor:
-        if self.forward_thread is None:
-            raise RuntimeError("the overlap loop needs the forward thread: overlap is off")
-        return self.forward_thread
+    def launch_batch(self, batch: ScheduleBatch) -> Future[PendingResult]:
+        """Start `batch` on the forward side without waiting for it: queued on the forward
+        stream (CUDA), or run on the forward thread (CPU)."""
+        if self.forward_thread is not None:
+            return self.forward_thread.submit(self.run_batch, batch)
+        if self.forward_stream is None:
+            raise RuntimeError("launch_batch is the overlap loop's: overlap is off")
+        stream = self.forward_stream
+        # The batch's inputs were written on the scheduler's stream: order the forward
+        # after them, and keep their memory from reuse until the forward stream is done.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        _record_stream(batch, stream)
+        with torch.cuda.stream(stream):
+            launched: Future[PendingResult] = Future()
+            launched.set_result(self.run_batch(batch))
+        return launched
 
     def resolve_in_flight(self) -> None:
         """Wait for the batch on the forward side and process its result."""
         if self.in_flight is not None:
             batch, future = self.in_flight
             self.in_flight = None
-            self.process_batch_result(batch, future.result())
+            self.process_batch_result(batch, self._take_result(batch, future.result()))
+
+    def _take_result(self, batch: ScheduleBatch, pending: PendingResult) -> BatchResult:
+        result = pending.result()
+        if self.stats.observer is not None:
+            self.stats.observer.on_forward(
+                batch.forward_mode.name.lower(), len(batch.reqs), pending.forward_seconds()
+            )
+        return result
 
     def has_work(self) -> bool:
         return bool(
@@ -383,9 +409,8 @@ class Scheduler:
             req.status = ReqStatus.RUNNING
             self.stats.prefill_tokens += req.extend_input_len
         self.chunked_req = adder.new_chunked_req
-        decode_reqs = list(self.running) if mixed else []
-        batch = self._prepare(adder.can_run_list, decode_reqs)
-        self.running += [r for r in adder.can_run_list if not r.is_chunked]
+        batch = self._prepare(adder.can_run_list, with_decodes=mixed)
+        self.running.add([r for r in adder.can_run_list if not r.is_chunked])
         return batch
 
     def move_ready_grammar_requests(self) -> None:
@@ -424,11 +449,12 @@ class Scheduler:
                     return None
         else:
             self.ratio.on_decode_step()
-        return self._prepare([], list(self.running))
+        return self._prepare([], with_decodes=True)
 
     def _retract(self) -> None:
-        result = retract_decode(self.running, self.cache_manager)
-        self.running = result.kept
+        result = retract_decode(self.running.reqs, self.cache_manager)
+        kept = {id(r) for r in result.kept}
+        self.running.keep([i for i, r in enumerate(self.running.reqs) if id(r) in kept])
         self.waiting_queue[:0] = result.retracted
         for req in result.retracted:
             self.stats.num_retractions += 1
@@ -447,28 +473,29 @@ class Scheduler:
     def _decode_fits_without_eviction(self) -> bool:
         return self.cache_manager.allocator.available_size() >= len(self.running)
 
-    def _prepare(self, extend_reqs: list[Req], decode_reqs: list[Req]) -> ScheduleBatch | None:
-        if self.in_flight is not None and any(
-            _needs_output_history(r) for r in extend_reqs + decode_reqs
+    def _prepare(self, extend_reqs: list[Req], with_decodes: bool) -> ScheduleBatch | None:
+        """The batch of `extend_reqs` and, `with_decodes`, a decode step of the running batch."""
+        if self.in_flight is not None and (
+            any(_needs_output_history(r) for r in extend_reqs)
+            or (
+                with_decodes
+                and self.running.num_req_state
+                and any(_needs_output_history(r) for r in self.running)
+            )
         ):
             # Penalties, min_new_tokens, seeded sampling and grammars read the output so far
-            # on the CPU side; wait for the in-flight batch rather than use a stale history.
+            # on the CPU side; wait for the in-flight batch rather than use a stale history
+            # (which finishes, or jumps forward, some running requests).
             self.resolve_in_flight()
-            running = {
-                id(r) for r in self.running
-            }  # finished or jumped forward: no longer decoding
-            decode_reqs = [r for r in decode_reqs if id(r) in running]
-            if not extend_reqs and not decode_reqs:
-                return None
-        runner = self.model_runner
+        if not extend_reqs and not (with_decodes and self.running):
+            return None
         batch = ScheduleBatch.prepare(
             extend_reqs,
-            decode_reqs,
+            self.running if with_decodes else None,
             self.cache_manager,
-            runner.token_to_kv_pool,
+            self.model_runner.token_to_kv_pool,
             self.model_config.vocab_size,
             self.model_config.eos_token_ids,
-            self.device,
         )
         mode = batch.forward_mode.name.lower()
         self.stats.forward_modes[mode] = self.stats.forward_modes.get(mode, 0) + 1
@@ -476,107 +503,111 @@ class Scheduler:
 
     # ----- the forward side -------------------------------------------------------------
 
-    def run_batch(self, batch: ScheduleBatch) -> BatchResult:
-        """Forward and sample. Runs on the forward thread under the overlap loop: it touches
-        only the batch's own tensors, the KV pool and the FutureMap."""
-        start = time.perf_counter()
+    def run_batch(self, batch: ScheduleBatch) -> PendingResult:
+        """Forward and sample, and start copying the tokens to the host; wait for nothing.
+        Under the overlap loop it touches only the batch's own tensors, the KV pool and the
+        FutureMap (on the forward thread on CPU, the forward stream on CUDA)."""
+        started = time.perf_counter()
+        start_event = None
+        if self.device.type == "cuda":
+            start_event = torch.cuda.Event(enable_timing=True)
+            start_event.record()
         forward_batch = batch.forward_batch
-        forward_batch.input_ids = self.future_map.resolve(forward_batch.input_ids)
-        logits_output = self.model_runner.forward_output(forward_batch)
+        if self.future_map.debug:  # its poison check syncs: not for a graph
+            forward_batch.input_ids = self.future_map.resolve(forward_batch.input_ids)
+            logits_output = self.model_runner.forward_output(forward_batch)
+        else:  # resolved inside the forward, so inside a decode graph
+            logits_output = self.model_runner.forward_output(
+                forward_batch, resolve_input_ids=self.future_map.resolve
+            )
         out = self.sampler(logits_output.next_token_logits, batch.sampling_info)
         self.future_map.store(forward_batch.req_pool_indices, out.next_token_ids)
-        logprobs = top = None
-        if out.next_token_logprobs is not None:
-            logprobs = out.next_token_logprobs.tolist()
-        if out.next_token_top_logprobs_val is not None:
-            top = _pairs(out.next_token_top_logprobs_val, out.next_token_top_logprobs_idx)
-        result = BatchResult(
-            out.next_token_ids.tolist(),  # .tolist() waits for the device
-            logprobs,
-            top,
-            *_per_req_prompt_logprobs(logits_output, forward_batch.prompt_logprobs),
+        return PendingResult(
+            out, logits_output, forward_batch.prompt_logprobs, started, start_event
         )
-        if self.stats.observer is not None:
-            elapsed = time.perf_counter() - start
-            self.stats.observer.on_forward(
-                batch.forward_mode.name.lower(), len(batch.reqs), elapsed
-            )
-        return result
 
     # ----- results ----------------------------------------------------------------------
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
         logprobs, top_logprobs = result.next_token_logprobs, result.top_logprobs
+        num_extend = batch.num_extend_reqs
+        done: list[Req] = []  # leaving the running batch: finished or jumped forward
+        generated = 0
         for i, (req, extend_len, token) in enumerate(
             zip(batch.reqs, batch.extend_lens, result.next_token_ids)
         ):
             if req.finished:
                 continue  # finished or aborted while this batch ran; its KV is already freed
             self.cache_manager.commit(req, extend_len)
-            if i < batch.num_extend_reqs and req.prompt_logprobs_pending:
-                _add_prompt_logprobs(req, result, i)
-            if id(req) in batch.chunked:
-                self.cache_manager.cache_unfinished_req(req)
-                continue
-            if req.sampling_params.max_new_tokens == 0:  # a prefill alone: nothing to sample
-                self.cache_manager.cache_finished_req(req)
-                self._finish(req, FinishReason("length"))
-                continue
+            params = req.sampling_params
+            if i < num_extend:
+                if req.prompt_logprobs_pending:
+                    _add_prompt_logprobs(req, result, i)
+                if id(req) in batch.chunked:
+                    self.cache_manager.cache_unfinished_req(req)
+                    continue
+                if params.max_new_tokens == 0:  # a prefill alone: nothing to sample
+                    self.cache_manager.cache_finished_req(req)
+                    self._finish(req, FinishReason("length"))
+                    done.append(req)
+                    continue
             req.output_ids.append(token)
-            self.stats.generation_tokens += 1
-            if req.sampling_params.logprobs:
+            generated += 1
+            if params.logprobs:
                 assert logprobs is not None, "the sampler returns logprobs when a request asks"
                 req.output_token_logprobs.append((logprobs[i], token))
-                if req.sampling_params.top_logprobs_num:
+                if params.top_logprobs_num:
                     assert top_logprobs is not None, "as for logprobs"
-                    req.output_top_logprobs.append(
-                        top_logprobs[i][: req.sampling_params.top_logprobs_num]
-                    )
+                    req.output_top_logprobs.append(top_logprobs[i][: params.top_logprobs_num])
             grammar = req.grammar
             reason = _accept_grammar_token(grammar, token) if grammar is not None else None
             reason = reason or self._check_finished(req)
             if reason is not None:
                 self.cache_manager.cache_finished_req(req)
                 self._finish(req, reason)
+                done.append(req)
                 continue
-            if i < batch.num_extend_reqs:  # share the fresh prefill with later requests now
+            if i < num_extend:  # share the fresh prefill with later requests now
                 self.cache_manager.cache_unfinished_req(req)
-            if self.jump_forward and grammar is not None:
-                self._jump_forward(req, grammar)
+            if self.jump_forward and grammar is not None and self._jump_forward(req, grammar):
+                done.append(req)
             self.outputs.append(req)
+        self.stats.generation_tokens += generated
+        self.running.remove(done)
 
-    def _jump_forward(self, req: Req, matcher: AnyGrammarMatcher) -> None:
-        """Take the text the grammar forces now, if any. The request leaves the running batch
-        with its KV handed to the radix tree and returns through the waiting queue as an
-        extend of the forced tokens: one forward pass instead of one per token. Under the
-        overlap loop nothing of it is in flight here: `_prepare` resolved its last batch
-        before building the next, as for every grammar request."""
+    def _jump_forward(self, req: Req, matcher: AnyGrammarMatcher) -> bool:
+        """Take the text the grammar forces now, if any; True if it did. The request then
+        leaves the running batch (the caller removes it) with its KV handed to the radix tree
+        and returns through the waiting queue as an extend of the forced tokens: one forward
+        pass instead of one per token. Under the overlap loop nothing of it is in flight
+        here: `_prepare` resolved its last batch before building the next, as for every
+        grammar request."""
         params = req.sampling_params
         forced = matcher.find_jump_forward_string()
         if not forced or params.logprobs:  # forced tokens have no sampled logprobs to report
-            return
+            return False
         plan = plan_jump_forward(self._grammar_backend().tokenizer, req.output_ids, forced)
         if plan is None:
-            return
+            return False
         new_len = len(req.output_ids) - plan.rollback + len(plan.token_ids)
         if (
             new_len >= params.max_new_tokens
             or len(req.origin_input_ids) + new_len >= self.context_len
         ):
-            return  # the forced text would end the request: decode up to the limit instead
+            return False  # the forced text would end the request: decode up to the limit
         if params.stop and self._forced_text_hits_stop(req, forced):
-            return  # decode it token by token, so that the stop check ends the request
+            return False  # decode it token by token, so that the stop check ends the request
         if not _retokenize_grammar(matcher, req.output_ids, plan):
-            return
+            return False
         self.cache_manager.cache_finished_req(req)
         del req.output_ids[len(req.output_ids) - plan.rollback :]
         req.output_ids += plan.token_ids
         req.output_rollback = plan.rollback
         req.status = ReqStatus.WAITING
-        self.running.remove(req)
         self.waiting_queue.insert(0, req)
         self.stats.jump_forwards += 1
         self.stats.jump_forward_tokens += len(plan.token_ids) - plan.rollback
+        return True
 
     def _forced_text_hits_stop(self, req: Req, forced: str) -> bool:
         stop = req.sampling_params.stop
@@ -593,26 +624,25 @@ class Scheduler:
 
     def _check_finished(self, req: Req) -> FinishReason | None:
         params = req.sampling_params
-        token = req.output_ids[-1]
-        if len(req.output_ids) >= params.max_new_tokens:
+        num_output = len(req.output_ids)
+        if num_output >= params.max_new_tokens:
             return FinishReason("length")
-        if len(req.output_ids) >= params.min_new_tokens:
-            if token in params.stop_token_ids or (
-                not params.ignore_eos and token in req.eos_token_ids
-            ):
+        if num_output >= params.min_new_tokens:
+            token = req.output_ids[-1]
+            if token in req.stop_ids:
                 return FinishReason("stop", matched=token)
             if params.stop and self.stop_string_checker is not None:
                 matched = self.stop_string_checker(req)
                 if matched is not None:
                     return FinishReason("stop", matched=matched)
-        if req.seqlen >= self.context_len:
+        if len(req.origin_input_ids) + num_output >= self.context_len:
             return FinishReason("length")
         return None
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
+        """Mark `req` finished and send it; a running request's caller also removes it from
+        the running batch (once per batch, for all that finish in it)."""
         req.finish(reason)
-        if req in self.running:
-            self.running.remove(req)
         self.outputs.append(req)
 
 
@@ -657,32 +687,6 @@ def _pending_grammar(req: Req) -> PendingGrammar:
     return req.pending_grammar
 
 
-def _pairs(values: torch.Tensor, ids: torch.Tensor | None) -> list[list[tuple[float, int]]]:
-    """[N, K] logprobs and their token ids as N lists of (logprob, token id)."""
-    assert ids is not None, "top-k values come with their ids"
-    return [list(zip(v, i)) for v, i in zip(values.tolist(), ids.tolist())]
-
-
-def _per_req_prompt_logprobs(
-    output: LogitsProcessorOutput, spec: PromptLogprobsInput | None
-) -> tuple[list[list[float]] | None, list[list[list[tuple[float, int]]]] | None]:
-    """The batch's prompt logprobs and their top-k as lists per request (BatchResult's
-    `input_*` fields)."""
-    if spec is None or output.input_token_logprobs is None:
-        return None, None
-    values = _split(output.input_token_logprobs.tolist(), spec.rows_per_req)
-    if output.input_top_logprobs_val is None:
-        return values, None
-    top = _pairs(output.input_top_logprobs_val, output.input_top_logprobs_idx)
-    return values, _split(top, spec.rows_per_req)
-
-
-def _split(items: list[T], counts: list[int]) -> list[list[T]]:
-    """`items` cut into consecutive runs of `counts` items."""
-    ends = list(itertools.accumulate(counts))
-    return [items[end - n : end] for n, end in zip(counts, ends)]
-
-
 def _add_prompt_logprobs(req: Req, result: BatchResult, i: int) -> None:
     """Append what batch row `i` computed of `req`'s prompt logprobs; position 0, which
     nothing predicts, is None and comes first."""
@@ -715,3 +719,12 @@ def _needs_output_history(req: Req) -> bool:
         or (params.seed is not None and not params.is_greedy)
         or req.grammar is not None
     )
+
+
+def _record_stream(batch: ScheduleBatch, stream: torch.cuda.Stream) -> None:
+    """Mark the batch's device tensors as used on `stream`, so that the caching allocator
+    does not hand their memory out again before the forward stream has read them."""
+    for holder in (batch.forward_batch, batch.sampling_info, batch.forward_batch.prompt_logprobs):
+        for value in vars(holder).values() if holder is not None else ():
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                value.record_stream(stream)

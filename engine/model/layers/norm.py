@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from engine.model import layers
 
 
 class RMSNorm(nn.Module):
-    """`weight * x / rms(x)`, computed in float32 and cast back before the weight, exactly
-    as Hugging Face does, so that logits match the reference bit for bit where they can.
+    """`weight * x / rms(x)`, rounded where Hugging Face rounds (normalised in float32 and
+    cast back before the weight, even for a float64 model), so that logits match the
+    reference bit for bit where they can.
 
-    With `residual`, adds it first and also returns the sum: the next residual.
+    With `residual`, adds `x` to it first, in place, and also returns it: the next residual
+    (SGLang's fused add + RMSNorm). On CUDA one Triton kernel does both; on CPU, where each
+    op costs its dispatch at decode sizes, `F.rms_norm` does the float32 part in one op.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -21,10 +27,25 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is not None:
-            x = x + residual
-            residual = x
-        hidden = x.to(torch.float32)
-        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        out = self.weight * hidden.to(x.dtype)
+        if layers.uses_triton(x):
+            out = self._forward_triton(x, residual)
+        else:
+            if residual is not None:
+                x = residual.add_(x)
+            out = self._forward_native(x)
         return out if residual is None else (out, residual)
+
+    def _forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        shape, eps = self.weight.shape, self.variance_epsilon
+        if x.dtype == torch.float32:  # no rounding between the norm and the weight
+            return F.rms_norm(x, shape, self.weight, eps)
+        if x.dtype == torch.float64:
+            return F.rms_norm(x.float(), shape, eps=eps).to(x.dtype).mul_(self.weight)
+        # Half dtypes: F.rms_norm computes in float32 and rounds once, as transformers does.
+        return F.rms_norm(x, shape, eps=eps).mul_(self.weight)
+
+    def _forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        from engine.model.layers import triton_ops  # imports Triton: CUDA only
+
+        rows = x.reshape(-1, x.shape[-1])
+        return triton_ops.rmsnorm(rows, self.weight, self.variance_epsilon, residual).view(x.shape)

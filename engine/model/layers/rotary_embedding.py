@@ -9,6 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.model import layers
+
 
 def compute_inv_freq(
     head_dim: int,
@@ -60,11 +62,11 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: Mapping[str, Any]) ->
 
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their token's position. cos/sin are tabulated once in float32 for
-    every position up to `max_position` (one table shared by all layers) and cast to the
-    activations' dtype when applied, as transformers does."""
+    every position up to `max_position` (one table shared by all layers), gathered once per
+    forward for the batch's positions and cast to the activations' dtype, as transformers
+    does; each layer then rotates its q and k heads together, in place."""
 
-    cos_cache: torch.Tensor  # [max_position, head_dim / 2] float32
-    sin_cache: torch.Tensor
+    cos_sin_cache: torch.Tensor  # [max_position, 2, head_dim / 2] float32: cos, sin
 
     def __init__(
         self,
@@ -78,18 +80,27 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         inv_freq = compute_inv_freq(head_dim, base, rope_scaling, freq_factors)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        self.register_buffer(
+            "cos_sin_cache", torch.stack((freqs.cos(), freqs.sin()), dim=1), persistent=False
+        )
 
-    def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`positions` `[T]`; `query` `[T, H, D]`, `key` `[T, H_kv, D]`."""
-        cos = self.cos_cache.index_select(0, positions).unsqueeze(1).to(query.dtype)
-        sin = self.sin_cache.index_select(0, positions).unsqueeze(1).to(query.dtype)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`[T, 2, 1, head_dim]` in `dtype` for `positions` `[T]`: cos, then sin with its
+        first half negated, so that `x * cos + roll(x, head_dim / 2) * sin` is transformers'
+        `x * cos + rotate_half(x) * sin` with the same roundings."""
+        half = self.cos_sin_cache.index_select(0, positions)
+        table = torch.cat((half, half), dim=-1)
+        table[:, 1, : self.head_dim // 2].neg_()
+        return table.to(dtype).unsqueeze(2)
 
+    def forward(self, qk: torch.Tensor, cos_sin: torch.Tensor) -> None:
+        """Rotate `qk` `[T, heads, head_dim]` (q's heads, then k's: a view into the fused qkv
+        projection's output) in place; `cos_sin` from `cos_sin`."""
+        if layers.uses_triton(qk):
+            from engine.model.layers import triton_ops  # imports Triton: CUDA only
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            triton_ops.rotary_(qk, cos_sin)
+            return
+        cos, sin = cos_sin.unbind(1)
+        rotated = torch.roll(qk, self.head_dim // 2, dims=-1).mul_(sin)
+        torch.add(qk * cos, rotated, out=qk)

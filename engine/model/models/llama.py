@@ -59,21 +59,21 @@ class LlamaAttention(nn.Module):
         self.attn = RadixAttention(layer, attn_backend)
 
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
+        self, cos_sin: torch.Tensor, hidden_states: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
+        """q and k are rotated together, in place in the qkv projection's output: q, k and v
+        reach the backend as views of it (last dim contiguous, rows strided)."""
         num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)
-        q, k, v = qkv.split(
-            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1
-        )
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden_states).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        qk, v = qkv.split([heads + kv_heads, kv_heads], dim=1)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k = qk.split([heads, kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        self.rotary_emb(qk, cos_sin)
+        q, k = qk.split([heads, kv_heads], dim=1)
         out = self.attn(q, k, v, forward_batch)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(num_tokens, heads * self.head_dim))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -92,19 +92,19 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
         forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next
-        layer's norm adds the two."""
+        layer's norm adds the two (in place into the residual)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states = self.self_attn(cos_sin, hidden_states, forward_batch)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -113,7 +113,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = RotaryEmbedding(
+        self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.context_len,
             config.rope_theta,
@@ -121,7 +121,7 @@ class LlamaModel(nn.Module):
             config.rope_freq_factors,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_id, rotary_emb, attn_backend)
+            LlamaDecoderLayer(config, layer_id, self.rotary_emb, attn_backend)
             for layer_id in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -130,8 +130,10 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
+        # Every layer rotates by the same positions: gathered once, as transformers does.
+        cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
         for layer in self.layers:
-            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+            hidden_states, residual = layer(cos_sin, hidden_states, residual, forward_batch)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -40,6 +40,23 @@ def test_scaled_frequencies_equal_transformers_bit_for_bit(rope):
     assert torch.equal(compute_inv_freq(128, ROPES[rope]["rope_theta"], params), expected)
 
 
+def rotate_like_transformers(
+    config: LlamaConfig, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
+    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    return q_hf[0].transpose(0, 1), k_hf[0].transpose(0, 1)
+
+
+def rotate_in_place(
+    ours: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as the model holds them: adjacent heads of one tensor, rotated together."""
+    qk = torch.cat((q, k), dim=1)
+    ours(qk, ours.cos_sin(positions, q.dtype))
+    return qk[:, : q.shape[1]], qk[:, q.shape[1] :]
+
+
 @pytest.mark.parametrize("rope", list(ROPES))
 def test_rotation_equals_transformers(rope):
     config = hf_config(ROPES[rope])
@@ -50,12 +67,21 @@ def test_rotation_equals_transformers(rope):
     positions = torch.tensor([0, 1, 7, 8191, 8192, 100000, 131071])
     q = torch.randn(len(positions), 8, 128, dtype=torch.float64)
     k = torch.randn(len(positions), 2, 128, dtype=torch.float64)
-    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
-    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    q_ours, k_ours = ours(positions, q, k)
-    assert torch.equal(q_ours, q_hf[0].transpose(0, 1)) and torch.equal(
-        k_ours, k_hf[0].transpose(0, 1)
-    )
+    q_hf, k_hf = rotate_like_transformers(config, positions, q, k)
+    q_ours, k_ours = rotate_in_place(ours, positions, q, k)
+    assert torch.equal(q_ours, q_hf) and torch.equal(k_ours, k_hf)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rotation_rounds_as_transformers_does(dtype: torch.dtype):
+    config = hf_config(ROPES["default"])
+    ours = RotaryEmbedding(128, 4096, 10000.0)
+    positions = torch.tensor([0, 3, 511, 4095])
+    q = torch.randn(len(positions), 8, 128).to(dtype)
+    k = torch.randn(len(positions), 2, 128).to(dtype)
+    q_hf, k_hf = rotate_like_transformers(config, positions, q, k)
+    q_ours, k_ours = rotate_in_place(ours, positions, q, k)
+    assert torch.equal(q_ours, q_hf) and torch.equal(k_ours, k_hf)
 
 
 def test_llama_cpp_freq_factors_reproduce_llama3_scaling_to_float32_rounding():

@@ -1,0 +1,222 @@
+"""The engine's own work per decode step, against another tree, and the overlap loop hiding it.
+
+Part 1: the whole decode step at batch 32, 128 and 256 with a test model whose forward is
+nearly free (vocabulary 512, 2 layers of width 16, float32, one torch thread): what is left
+is the scheduler, the batch layout, the sampler and the result processing. The same code
+runs on this tree and on another (a `git worktree` of an older commit, created if missing)
+in fresh subprocesses whose PYTHONPATH points at the tree, interleaved, in one run.
+
+Part 2: with a real test model whose forward is one to two times the host work (wider,
+still one torch thread), the forward alone (`run_batch` on one batch, repeated), the normal
+loop's step and the overlap loop's step. The overlap loop should cost about the forward
+alone; the normal loop about the forward plus the host work.
+
+Each figure is the median over `--repeats` subprocesses of the median over timing windows
+of `--steps` decode steps, wall clock (and the process's CPU time, which other load on a
+shared machine disturbs less).
+
+Run: flock /tmp/radixserve-bench.lock .venv/bin/python -m benchmarks.host_bench
+Results are recorded in docs/benchmarks/host.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+NEARLY_FREE: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=1,
+    num_key_value_heads=1,
+)
+"""Two layers of one 16-wide head: the forward is a few dozen tiny ops."""
+REAL: dict[str, Any] = dict(
+    vocab_size=512,
+    hidden_size=160,
+    intermediate_size=640,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+"""Wide enough that the forward's time is mostly in matmuls, which release the GIL."""
+PROMPT_LEN = 4
+
+
+def child(options: argparse.Namespace) -> None:
+    """In a subprocess: decode `batch` requests and print the per-step times as JSON.
+    Uses only the engine API that both trees have."""
+    import torch
+
+    torch.set_num_threads(1)
+    import engine
+    from engine.api import Engine
+    from engine.sampling.sampling_params import SamplingParams
+    from engine.sched.req import Req
+    from engine.sched.scheduler import after_turns
+
+    batch, steps, windows, warmup = options.batch, options.steps, options.windows, 5
+    max_new = warmup + steps * windows + 8
+    eng = Engine(
+        options.model,
+        dtype="float32",
+        device="cpu",
+        skip_tokenizer_init=True,
+        max_running_requests=batch,
+        max_total_tokens=batch * (PROMPT_LEN + max_new + 8),
+        disable_overlap_schedule=options.child != "overlap",
+    )
+    scheduler = eng.scheduler
+    for i in range(batch):
+        prompt = [3 + (i * 7 + j) % 500 for j in range(PROMPT_LEN)]
+        params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
+        scheduler.add_request(Req(str(i), prompt, params))
+    while scheduler.waiting_queue or len(scheduler.running) < batch:
+        scheduler.run_event_loop(after_turns(1))
+    scheduler.run_event_loop(after_turns(warmup))
+    wall: list[float] = []
+    cpu: list[float] = []
+    if options.child == "forward":
+        step = scheduler.get_next_batch_to_run()
+        assert step is not None
+        for _ in range(windows):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            for _ in range(steps):
+                pending = scheduler.run_batch(step)
+                if hasattr(pending, "result"):  # this tree's: the tokens' copy to the host
+                    pending.result()
+            wall.append((time.perf_counter() - start) / steps * 1e3)
+            cpu.append((time.process_time() - start_cpu) / steps * 1e3)
+    else:
+        for _ in range(windows):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            scheduler.run_event_loop(after_turns(steps))
+            wall.append((time.perf_counter() - start) / steps * 1e3)
+            cpu.append((time.process_time() - start_cpu) / steps * 1e3)
+    print(json.dumps({"wall_ms": wall, "cpu_ms": cpu, "engine": engine.__file__}))
+    os._exit(0)  # skip shutdown: the forward thread may hold the last batch
+
+
+def measure(tree: Path, model: Path, batch: int, loop: str, options: argparse.Namespace) -> dict:
+    """One subprocess on `tree`: medians of its timing windows."""
+    cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--child", loop]
+    cmd += ["--model", str(model), "--batch", str(batch)]
+    cmd += ["--steps", str(options.steps), "--windows", str(options.windows)]
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, env=env, cwd=tree, check=True, capture_output=True, text=True)
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    assert Path(data["engine"]).is_relative_to(tree), f"{data['engine']} is not under {tree}"
+    return {k: statistics.median(data[k]) for k in ("wall_ms", "cpu_ms")}
+
+
+def ensure_worktree(path: Path, commit: str) -> None:
+    if not path.exists():
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", str(path), commit], cwd=REPO, check=True
+        )
+
+
+def save_models(root: Path) -> tuple[Path, Path]:
+    from benchmarks.support.models import save_tiny_model
+
+    free, real = root / "nearly-free", root / "real"
+    save_tiny_model(free, **NEARLY_FREE)
+    save_tiny_model(real, **REAL)
+    return free, real
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--child", choices=["normal", "overlap", "forward"])
+    parser.add_argument("--model")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 128, 256])
+    parser.add_argument("--overlap-batch", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--windows", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--baseline-tree", type=Path, default=Path("/tmp/rs-main-h4"))
+    parser.add_argument("--baseline-commit", default="9130455")
+    parser.add_argument("--also", type=Path, nargs="*", default=[], help="more trees to time")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--skip-overlap", action="store_true")
+    parser.add_argument("--only-overlap", action="store_true")
+    options = parser.parse_args()
+    if options.child:
+        child(options)
+        return
+
+    trees = {"this tree": REPO, **{str(path): path for path in options.also}}
+    if not options.skip_baseline:
+        ensure_worktree(options.baseline_tree, options.baseline_commit)
+        trees[f"main {options.baseline_commit}"] = options.baseline_tree
+    with tempfile.TemporaryDirectory() as tmp:
+        free, real = save_models(Path(tmp))
+        print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; one torch thread")
+        if not options.only_overlap:
+            print(f"\nPart 1: whole decode step, nearly-free model {NEARLY_FREE}, normal loop")
+            runs: dict[tuple[str, int], list[dict]] = {}
+            for _ in range(options.repeats):
+                for batch in options.batch_sizes:
+                    for name, tree in trees.items():
+                        runs.setdefault((name, batch), []).append(
+                            measure(tree, free, batch, "normal", options)
+                        )
+            print(
+                "\n| batch | " + " | ".join(f"{n} ms (cpu ms)" for n in trees) + " | this / last |"
+            )
+            print("|---:|" + "---:|" * (len(trees) + 1))
+            for batch in options.batch_sizes:
+                cells = [
+                    f"{median_of(r, 'wall_ms'):.2f} ({median_of(r, 'cpu_ms'):.2f})"
+                    for r in (runs[n, batch] for n in trees)
+                ]
+                walls = [median_of(runs[n, batch], "wall_ms") for n in trees]
+                ratio = f"{walls[0] / walls[-1]:.2f}" if len(walls) > 1 else "-"
+                print(f"| {batch} | " + " | ".join(cells) + f" | {ratio} |")
+
+        if options.skip_overlap:
+            return
+        batch = options.overlap_batch
+        print(f"\nPart 2: overlap, real model {REAL}, batch {batch}, this tree")
+        overlap_runs: dict[str, list[dict]] = {}
+        for _ in range(options.repeats):
+            overlap_runs.setdefault("host", []).append(
+                measure(REPO, free, batch, "normal", options)
+            )
+            for loop in ("forward", "normal", "overlap"):
+                overlap_runs.setdefault(loop, []).append(measure(REPO, real, batch, loop, options))
+        host = median_of(overlap_runs["host"], "wall_ms")
+        forward = median_of(overlap_runs["forward"], "wall_ms")
+        print("\n| measured | ms per step | / forward alone |")
+        print("|---|---:|---:|")
+        rows = [
+            ("host work (nearly-free model, normal loop)", host),
+            ("forward alone (real model, run_batch)", forward),
+            ("normal loop step (real model)", median_of(overlap_runs["normal"], "wall_ms")),
+            ("overlap loop step (real model)", median_of(overlap_runs["overlap"], "wall_ms")),
+        ]
+        for label, ms in rows:
+            print(f"| {label} | {ms:.2f} | {ms / forward:.2f} |")
+        print(
+            f"\nforward / host work = {forward / host:.2f}; forward + host = {forward + host:.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
