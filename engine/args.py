@@ -58,8 +58,8 @@ class EngineArgs:
     disable_overlap_schedule: bool | None = _opt(
         None,
         "run the normal event loop instead of the overlap loop (default: overlap on CUDA; "
-        "on CPU the normal loop: with two cores the overlap loop gains nothing, equal "
-        "within +-5% over repeated serving runs)",
+        "on CPU the normal loop: there the forward thread and the scheduler contend for "
+        "the GIL, and the overlap loop measured slower, docs/benchmarks/host.md)",
     )
     attention_backend: str | None = _opt(
         None, "torch | triton (default: triton on CUDA, torch on CPU)"
