@@ -345,6 +345,9 @@ class Scheduler:
         )
 
     def shutdown(self) -> None:
+        """Finish the batch a stopped overlap loop left in flight (its forward counts in the
+        stats and the observer like any other), then stop the threads."""
+        self.resolve_in_flight()
         if self.forward_thread is not None:
             self.forward_thread.shutdown(wait=True)
         if self.grammar_backend is not None:

@@ -130,5 +130,5 @@ class RadixCacheVersusBruteForce(RuleBasedStateMachine):
         assert self.published == expected
 
 
-RadixCacheVersusBruteForce.TestCase.settings = settings(max_examples=500, stateful_step_count=40)
+RadixCacheVersusBruteForce.TestCase.settings = settings(max_examples=300, stateful_step_count=40)
 test_radix_cache_matches_brute_force_model = RadixCacheVersusBruteForce.TestCase

@@ -56,9 +56,9 @@ def hf_greedy(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) ->
 
 
 def test_greedy_chat_answers_match_transformers(runner, chat_prompts, hf_model, greedy):
-    ours = greedy(runner, chat_prompts, max_new_tokens=32)
+    ours = greedy(runner, chat_prompts, max_new_tokens=24)
     for prompt, tokens in zip(chat_prompts, ours.tokens):
-        assert tokens == hf_greedy(hf_model, prompt, 32)
+        assert tokens == hf_greedy(hf_model, prompt, 24)
 
 
 def test_greedy_tokens_alone_equal_those_in_a_batch_of_eight_up_to_near_ties(
@@ -70,9 +70,9 @@ def test_greedy_tokens_alone_equal_those_in_a_batch_of_eight_up_to_near_ties(
         chat_prompts[2][:-7],
         chat_prompts[3][:1],
     ]
-    batched = greedy(runner, prompts, max_new_tokens=24)
+    batched = greedy(runner, prompts, max_new_tokens=16)
     for i, prompt in enumerate(prompts):
-        alone = greedy(runner, [prompt], max_new_tokens=24)
+        alone = greedy(runner, [prompt], max_new_tokens=16)
         for step, (token, batched_token) in enumerate(zip(alone.tokens[0], batched.tokens[i])):
             if token != batched_token:
                 logits = alone.logits[0][step]
