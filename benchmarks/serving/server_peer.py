@@ -5,22 +5,17 @@ as the tests' `ServiceLauncher` starts each service on its own."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
 import httpx2
 
 from benchmarks.support.launcher import port_flags, server_ports
-from benchmarks.support.net import http_status
+from benchmarks.support.server_process import ServerProcess
 
-START_TIMEOUT_S = 300.0
-STOP_TIMEOUT_S = 30.0
 FLUSH_TIMEOUT_S = 120.0
 
 
@@ -31,22 +26,24 @@ class ServerPeer:
     """Besides --model and --dtype, which every radixserve peer shares."""
 
 
-class RadixServer:
+class RadixServer(ServerProcess):
     """`with RadixServer(flags) as server:` serves until the block ends; `server.base_url`,
-    `server.metrics_urls` (the tokenizer's and the worker's /metrics), `server.flush_cache()`."""
+    `server.metrics_urls` (the tokenizer's and the worker's /metrics), `server.flush_cache()`.
+    Stopping it sends SIGTERM to the launcher, which stops its three children."""
+
+    name = "radixserve"
 
     def __init__(self, flags: list[str], log_dir: Path | None = None, cwd: Path | None = None):
         """`cwd`: the checkout whose code serves (another `git worktree`, to compare two
         commits with the same interpreter: `python -m` imports from the working directory
         first)."""
-        self.cwd = cwd
         ports = server_ports()
-        self.base_url = f"http://127.0.0.1:{ports['port']}"
+        base_url = f"http://127.0.0.1:{ports['port']}"
         self.metrics_urls = [
-            f"{self.base_url}/metrics",
+            f"{base_url}/metrics",
             f"http://127.0.0.1:{ports['worker-metrics-port']}/metrics",
         ]
-        self.argv = [
+        argv = [
             sys.executable,
             "-m",
             "services.launch",
@@ -56,31 +53,8 @@ class RadixServer:
             *flags,
             *port_flags(ports),
         ]
-        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="radixserve-bench-")) / "server.log"
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> RadixServer:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd
-            )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while http_status(f"{self.base_url}/health", timeout=2.0) != 200:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(
-                    f"radixserve did not become healthy; log {self.log_path}:\n{self.log_tail()}"
-                )
-            time.sleep(0.5)
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
+        log_path = Path(log_dir or tempfile.mkdtemp(prefix="radixserve-bench-")) / "server.log"
+        super().__init__(argv, base_url, log_path, cwd)
 
     def flush_cache(self) -> None:
         """Empties the radix tree, so no cell of the matrix inherits the previous one's
@@ -93,17 +67,3 @@ class RadixServer:
                 break
             time.sleep(1.0)
         response.raise_for_status()
-
-    def log_tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-    def stop(self) -> None:
-        """SIGTERM to the launcher, which stops its three children."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
