@@ -61,13 +61,19 @@ class DecodeBench:
     since the first wave has, so that `--baseline` can run it against an older tree."""
 
     def __init__(
-        self, dtype: str, shapes: list[tuple[int, int]], max_steps: int, spare_tokens: int = 0
+        self,
+        dtype: str,
+        shapes: list[tuple[int, int]],
+        max_steps: int,
+        spare_tokens: int = 0,
+        **runner_options: Any,
     ):
         self.runner = runner = ModelRunner(
             "embedded",
             dtype=dtype,
             max_total_tokens=sum(b * (ctx + max_steps + 2) for b, ctx in shapes) + spare_tokens,
             max_running_requests=sum(b for b, _ in shapes) + 1,
+            **runner_options,
         )
         self.batches: list[list[ExtendInput]] = []
         for batch_size, context in shapes:

@@ -45,6 +45,8 @@ class Engine:
             context_len=args.context_length,
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             disable_cuda_graph=args.disable_cuda_graph,
+            enable_torch_compile=args.enable_torch_compile,
+            torch_compile_max_bs=args.torch_compile_max_bs,
         )
         self.tokenizer = (
             None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)

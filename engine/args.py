@@ -70,6 +70,15 @@ class EngineArgs:
         "larger ones run eagerly",
     )
     disable_cuda_graph: bool = _opt(False, "run every decode batch eagerly (no CUDA graphs)")
+    enable_torch_compile: bool = _opt(
+        False,
+        "CPU only: compile the decode step with torch.compile, one graph per batch-size bucket "
+        "up to --torch-compile-max-bs; compiling takes minutes at start "
+        "(docs/benchmarks/model.md)",
+    )
+    torch_compile_max_bs: int = _opt(
+        8, "largest decode batch run compiled under --enable-torch-compile; larger run eagerly"
+    )
     random_seed: int = _opt(0, "seed for the random schedule policy and unseeded sampling")
     grammar_backend: str = _opt(
         "xgrammar",

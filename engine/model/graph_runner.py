@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 from collections.abc import Callable
 from typing import Protocol
 
@@ -24,6 +25,7 @@ from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.attention.base import AttentionBackend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.model.layers.logits_processor import LogitsProcessorOutput
+from engine.model.tokenizer_cache import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,10 @@ PADDING = {"input_ids": 0, "req_pool_indices": 0, "seq_lens": 1, "out_cache_loc"
 class GraphBackend(Protocol):
     """Records a callable once and replays it."""
 
+    static_shapes: bool
+    """Whether what is captured must keep static shapes and never read a host value (a
+    recorded graph), or may inside opaque ops (a compiled one)."""
+
     def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """Capture `fn`; the returned callable replays it and returns its output, which
         lives in the graph's memory until the next replay of any graph."""
@@ -53,6 +59,7 @@ class CudaGraphBackend:
     WARMUP_RUNS = 2
     """Eager runs before capture: Triton compiles and cuBLAS picks its workspace then, not
     while the stream is being captured."""
+    static_shapes = True
 
     def __init__(self, device: torch.device):
         self.pool = torch.cuda.graph_pool_handle()
@@ -73,6 +80,25 @@ class CudaGraphBackend:
             return output
 
         return replay
+
+
+class TorchCompileBackend:
+    """Each bucket's decode step compiled by `torch.compile` (inductor), for CPU: the ops of
+    a layer fused into a few C++ kernels, weights and shapes fixed per bucket. Attention
+    stays one opaque op (`radixserve::decode_attention`) sized by the batch's longest
+    context at run time. Compiling takes minutes on a small CPU; inductor keeps its
+    kernels under `$TORCHINDUCTOR_CACHE_DIR` (defaulted into radixserve's cache directory),
+    so a restart mostly reads them back."""
+
+    static_shapes = False
+
+    def __init__(self) -> None:
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        compiled = torch.compile(fn, dynamic=False)
+        compiled()  # compiles now, not on the first request
+        return compiled
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -143,7 +169,9 @@ class GraphRunner:
         device = token_to_kv_pool.device
         self.inputs = DecodeInputs(self.max_bs, device)
         self.staging = HostStaging(self.max_bs) if device.type == "cuda" else None
-        attn_backend.init_cuda_graph_state(self.max_bs, req_to_token_pool.max_context_len)
+        attn_backend.init_cuda_graph_state(
+            self.max_bs, req_to_token_pool.max_context_len, backend.static_shapes
+        )
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
         self.resolve_input_ids: ResolveInputIds | None = None
 

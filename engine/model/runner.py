@@ -20,6 +20,7 @@ from engine.model.graph_runner import (
     GraphBackend,
     GraphRunner,
     ResolveInputIds,
+    TorchCompileBackend,
     capture_batch_sizes,
 )
 from engine.model.layers.linear import Linear
@@ -60,7 +61,9 @@ class ModelRunner:
 
     Decode batches of up to `min(cuda_graph_max_bs, max_running_requests)` requests replay
     captured graphs (`GraphRunner`): CUDA graphs on a GPU unless `disable_cuda_graph`, and
-    on any device when a `graph_backend` is given (the CPU tests inject a fake).
+    on any device when a `graph_backend` is given (the CPU tests inject a fake). On CPU,
+    `enable_torch_compile` compiles the decode step of batches up to `torch_compile_max_bs`
+    instead (off by default: minutes of compiling at start, docs/benchmarks/model.md).
     """
 
     def __init__(
@@ -76,9 +79,16 @@ class ModelRunner:
         context_len: int | None = None,
         cuda_graph_max_bs: int = 160,
         disable_cuda_graph: bool = False,
+        enable_torch_compile: bool = False,
+        torch_compile_max_bs: int = 8,
         graph_backend: GraphBackend | None = None,
     ):
         self.device = torch.device(device)
+        if enable_torch_compile and self.device.type != "cpu":
+            raise ValueError(
+                "enable_torch_compile compiles the CPU decode step; on CUDA, decode batches "
+                "replay CUDA graphs (see cuda_graph_max_bs)"
+            )
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         if self.dtype not in SUPPORTED_DTYPES.get(self.device.type, ()):
             raise ValueError(f"dtype {self.dtype} is not supported on {self.device.type}")
@@ -100,7 +110,12 @@ class ModelRunner:
                 module.pack_weight()
         self.model.logits_processor.pack_lm_head(self.model.lm_head)
         self.cuda_graph_bs = min(cuda_graph_max_bs, max_running_requests)
-        if disable_cuda_graph or self.cuda_graph_bs < 1:
+        if enable_torch_compile:
+            self.cuda_graph_bs = min(torch_compile_max_bs, max_running_requests)
+            graph_backend = graph_backend or TorchCompileBackend()
+        elif disable_cuda_graph:
+            graph_backend = None
+        if self.cuda_graph_bs < 1:
             graph_backend = None
         elif graph_backend is None and self.device.type == "cuda":
             graph_backend = CudaGraphBackend(self.device)

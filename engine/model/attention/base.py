@@ -49,9 +49,13 @@ class AttentionBackend(ABC):
         """Build per-batch index tensors once, before the first layer runs."""
 
     @abstractmethod
-    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+    def init_cuda_graph_state(
+        self, max_bs: int, max_context_len: int, static_shapes: bool = True
+    ) -> None:
         """Allocate what captured decode batches of up to `max_bs` requests share, before
-        any capture (SGLang's name; the GraphRunner calls it on every device)."""
+        any capture (SGLang's name; the GraphRunner calls it on every device).
+        `static_shapes` False: the graph is compiled by `torch.compile`, whose opaque ops
+        may read host values and size their work by them, rather than recorded."""
 
     @abstractmethod
     def init_forward_metadata_graph(self, forward_batch: ForwardBatch) -> None:

@@ -41,6 +41,10 @@ class DecodeGroup:
 class ForwardMetadata:
     extend_seqs: list[ExtendSeq]
     decode: DecodeGroup | None
+    opaque_decode: bool = False
+    """Decode through the `radixserve::decode_attention` op, which builds its own group:
+    under `torch.compile`, where the group's size (the batch's longest context) must not
+    reach the compiled graph."""
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -72,6 +76,12 @@ class TorchAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
+        if fb.forward_mode.is_decode():  # one decode group, without a pass over the requests
+            group = self._decode_group(
+                fb, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc, max(fb.seq_lens_cpu)
+            )
+            self.forward_metadata = ForwardMetadata([], group)
+            return
         extend_seqs, single, single_starts, start = [], [], [], 0
         prefix_slots: torch.Tensor | None = None
         for i, (prefix_len, extend_len) in enumerate(zip(fb.prefix_lens_cpu, fb.extend_lens_cpu)):
@@ -90,11 +100,7 @@ class TorchAttnBackend(AttentionBackend):
                 )
             start = end
         decode = None
-        if len(single) == fb.batch_size:
-            decode = self._decode_group(
-                fb, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc, max(fb.seq_lens_cpu)
-            )
-        elif single:
+        if single:
             req_indices = torch.tensor(single, device=self.device)
             token_indices = torch.tensor(single_starts, device=self.device)
             decode = self._decode_group(
@@ -107,15 +113,49 @@ class TorchAttnBackend(AttentionBackend):
             )
         self.forward_metadata = ForwardMetadata(extend_seqs, decode)
 
-    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+    def init_cuda_graph_state(
+        self, max_bs: int, max_context_len: int, static_shapes: bool = True
+    ) -> None:
         self.graph_max_seq_len = max_context_len
+        self.graph_static_shapes = static_shapes
 
     def init_forward_metadata_graph(self, forward_batch: ForwardBatch) -> None:
+        if not self.graph_static_shapes:
+            self.forward_metadata = ForwardMetadata([], None, opaque_decode=True)
+            return
         fb = forward_batch
         decode = self._decode_group(
             fb, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc, self.graph_max_seq_len
         )
         self.forward_metadata = ForwardMetadata([], decode)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: AttentionLayer,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        md = self.forward_metadata
+        if md is None or not md.opaque_decode:
+            return super().forward(q, k, v, layer, forward_batch)
+        fb = forward_batch
+        k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        out: torch.Tensor = torch.ops.radixserve.decode_attention(
+            q,
+            k,
+            v,
+            k_buffer,
+            v_buffer,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            fb.out_cache_loc,
+            layer.num_kv_heads,
+            layer.scaling,
+        )
+        return out
 
     def forward_extend(
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
@@ -167,26 +207,7 @@ class TorchAttnBackend(AttentionBackend):
         SDPA is slower here on CPU (its flash kernel tiles for long queries, not 1-3 of
         them) and slower still over the strided `[seq, kv_heads, dim]` pool layout."""
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        num_reqs, d = q.shape[0], layer.head_dim
-        blocks = (num_reqs * layer.num_kv_heads, group.max_seq_len, d)
-        k = k_buffer.view(-1, d).index_select(0, group.kv_rows).view(blocks)
-        queries = q.reshape(blocks[0], layer.num_heads // layer.num_kv_heads, d)
-        scores = torch.bmm(queries, k.transpose(1, 2)).view(
-            num_reqs, layer.num_heads, group.max_seq_len
-        )
-        scores = (
-            scores.to(torch.promote_types(q.dtype, torch.float32))
-            .mul_(layer.scaling)
-            .add_(group.bias)
-        )
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        out = F.embedding_bag(
-            group.v_rows,
-            v_buffer.view(-1, d),
-            mode="sum",
-            per_sample_weights=probs.view(group.v_rows.shape),
-        )
-        return out.view(num_reqs, layer.num_heads, d)
+        return attend_decode(q, k_buffer, v_buffer, group, layer.num_kv_heads, layer.scaling)
 
     def _prefix_causal_mask(self, prefix_len: int, extend_len: int) -> torch.Tensor | None:
         """New token i sees the whole prefix and new tokens 0..i; None when there is no
@@ -212,17 +233,101 @@ class TorchAttnBackend(AttentionBackend):
         max_seq_len: int,
         token_indices: torch.Tensor | None = None,
     ) -> DecodeGroup:
-        """Row r holds request r's first `max_seq_len` table entries with its new token's
-        slot put at column `seq_len - 1`; entries past it are stale and the bias hides them
-        (any table entry is a valid slot). Each slot then becomes its `num_kv_heads` rows
-        of the pool. Static shapes only, so a graph can replay it."""
-        req_to_token = fb.req_to_token_pool.req_to_token[:, :max_seq_len]
-        slots = req_to_token.index_select(0, req_pool_indices).long()
-        slots.scatter_(1, (seq_lens - 1)[:, None], out_cache_loc[:, None])
-        heads = torch.arange(self.num_kv_heads, device=self.device)
-        kv_rows = slots[:, None, :] * self.num_kv_heads + heads[None, :, None]
-        group_size = self.num_heads // self.num_kv_heads
-        v_rows = kv_rows[:, :, None, :].expand(-1, -1, group_size, -1).reshape(-1, max_seq_len)
-        padding = torch.arange(max_seq_len, device=self.device)[None, :] >= seq_lens[:, None]
-        bias = torch.zeros(padding.shape, device=self.device).masked_fill_(padding, float("-inf"))
-        return DecodeGroup(token_indices, kv_rows.view(-1), v_rows, bias[:, None, :], max_seq_len)
+        return decode_group(
+            fb.req_to_token_pool.req_to_token,
+            req_pool_indices,
+            seq_lens,
+            out_cache_loc,
+            max_seq_len,
+            self.num_heads,
+            self.num_kv_heads,
+            token_indices,
+        )
+
+
+def decode_group(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    max_seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    token_indices: torch.Tensor | None = None,
+) -> DecodeGroup:
+    """Row r holds request r's first `max_seq_len` table entries with its new token's slot
+    put at column `seq_len - 1`; entries past it are stale and the bias hides them (any
+    table entry is a valid slot). Each slot then becomes its `num_kv_heads` rows of the
+    pool. Static shapes only, so a graph can replay it."""
+    device = req_to_token.device
+    slots = req_to_token[:, :max_seq_len].index_select(0, req_pool_indices).long()
+    slots.scatter_(1, (seq_lens - 1)[:, None], out_cache_loc[:, None])
+    heads = torch.arange(num_kv_heads, device=device)
+    kv_rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]
+    group_size = num_heads // num_kv_heads
+    v_rows = kv_rows[:, :, None, :].expand(-1, -1, group_size, -1).reshape(-1, max_seq_len)
+    padding = torch.arange(max_seq_len, device=device)[None, :] >= seq_lens[:, None]
+    bias = torch.zeros(padding.shape, device=device).masked_fill_(padding, float("-inf"))
+    return DecodeGroup(token_indices, kv_rows.view(-1), v_rows, bias[:, None, :], max_seq_len)
+
+
+def attend_decode(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    group: DecodeGroup,
+    num_kv_heads: int,
+    scaling: float,
+) -> torch.Tensor:
+    """`[n, num_heads, head_dim]` attention of one-token queries `q` over `group`."""
+    num_reqs, num_heads, d = q.shape
+    blocks = (num_reqs * num_kv_heads, group.max_seq_len, d)
+    k = k_buffer.view(-1, d).index_select(0, group.kv_rows).view(blocks)
+    queries = q.reshape(blocks[0], num_heads // num_kv_heads, d)
+    scores = torch.bmm(queries, k.transpose(1, 2)).view(num_reqs, num_heads, group.max_seq_len)
+    scores = scores.to(torch.promote_types(q.dtype, torch.float32)).mul_(scaling).add_(group.bias)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = F.embedding_bag(
+        group.v_rows,
+        v_buffer.view(-1, d),
+        mode="sum",
+        per_sample_weights=probs.view(group.v_rows.shape),
+    )
+    return out.view(num_reqs, num_heads, d)
+
+
+@torch.library.custom_op("radixserve::decode_attention", mutates_args=("k_buffer", "v_buffer"))
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    num_kv_heads: int,
+    scaling: float,
+) -> torch.Tensor:
+    """One layer's decode step as a single op that `torch.compile` does not look into: it
+    writes the new tokens' K/V, then attends over the batch's longest context, a size read
+    from `seq_lens` at run time (inside a compiled graph it would be baked in)."""
+    k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, out_cache_loc, v.to(v_buffer.dtype))
+    max_seq_len = int(seq_lens.max())
+    group = decode_group(
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        out_cache_loc,
+        max_seq_len,
+        q.shape[1],
+        num_kv_heads,
+    )
+    return attend_decode(q, k_buffer, v_buffer, group, num_kv_heads, scaling)
+
+
+@decode_attention.register_fake
+def _(q: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(q)

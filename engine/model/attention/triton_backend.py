@@ -83,9 +83,11 @@ class TritonAttnBackend(AttentionBackend):
             max_extend_len=max(fb.extend_lens_cpu, default=0),
         )
 
-    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+    def init_cuda_graph_state(
+        self, max_bs: int, max_context_len: int, static_shapes: bool = True
+    ) -> None:
         """Split counts and partial-result buffers for `max_bs` requests; each captured
-        batch size uses their first rows."""
+        batch size uses their first rows (static shapes, whatever the graph backend)."""
         self.graph_metadata = self._decode_metadata(
             torch.ones(max_bs, dtype=torch.int64, device=self.device)
         )

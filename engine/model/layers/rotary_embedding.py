@@ -103,4 +103,4 @@ class RotaryEmbedding(nn.Module):
             return
         cos, sin = cos_sin.unbind(1)
         rotated = torch.roll(qk, self.head_dim // 2, dims=-1).mul_(sin)
-        torch.add(qk * cos, rotated, out=qk)
+        qk.mul_(cos).add_(rotated)

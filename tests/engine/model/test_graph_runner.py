@@ -112,6 +112,8 @@ class FakeGraphBackend:
     exactly those storages, at the same addresses, and returns the output in the tensor
     capture returned, as a CUDA graph does."""
 
+    static_shapes = True
+
     def __init__(self) -> None:
         self.captured: list[int] = []
         self.replayed: list[int] = []
