@@ -73,6 +73,7 @@ class TorchAttnBackend(AttentionBackend):
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         self.forward_metadata: ForwardMetadata | None = None
         self.graph_max_seq_len = 0
+        self.graph_static_shapes = True
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         fb = forward_batch
