@@ -27,9 +27,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+# isort: off
+import engine  # first: it sets the OpenMP defaults of its checkout before torch loads OpenMP
 import torch
 
-import engine  # noqa: F401  (sets OMP_WAIT_POLICY before torch starts OpenMP)
+# isort: on
 from engine.model.runner import DTYPES, ExtendInput, ModelRunner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,7 +125,8 @@ class Worker:
     (model loaded, contexts prefilled) after `wait_ready`, so that workers load side by side."""
 
     def __init__(self, tree: Path, dtype: str, shapes: str, max_steps: int):
-        env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        env = {k: v for k, v in os.environ.items() if k not in engine.OPENMP_SET_HERE}
+        env["PYTHONPATH"] = f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--decode-worker", "--dtypes", dtype, "--shapes", shapes]
             + ["--max-steps", str(max_steps)],

@@ -19,8 +19,22 @@ import subprocess
 import sys
 
 SETTINGS = {
-    "libgomp default (spins, then sleeps)": {"OMP_WAIT_POLICY": ""},
-    "OMP_WAIT_POLICY=PASSIVE (the engine's default)": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "libgomp default (spins 300000 turns, then sleeps)": {
+        "OMP_WAIT_POLICY": "",
+        "GOMP_SPINCOUNT": "",
+    },
+    "OMP_WAIT_POLICY=PASSIVE (sleeps at once)": {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "GOMP_SPINCOUNT": "",
+    },
+    "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=10000 (the engine's default)": {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "GOMP_SPINCOUNT": "10000",
+    },
+    "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=100000": {
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "GOMP_SPINCOUNT": "100000",
+    },
     "OMP_NUM_THREADS=1": {"OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"},
 }
 DECODE = """

@@ -56,6 +56,9 @@ class Req:
     stop_ids: frozenset[int] = frozenset()
     """The token ids that end it: its `stop_token_ids`, and the model's EOS unless
     `ignore_eos` (set on submission, so the per-token check is one set lookup)."""
+    plain_decode: bool = False
+    """No logprobs, grammar or stop strings: only a stop token or the length can end a
+    decode step of it (set on submission; the scheduler's short path)."""
     status: ReqStatus = ReqStatus.WAITING
     finished_reason: FinishReason | None = None
 

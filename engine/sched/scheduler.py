@@ -225,6 +225,7 @@ class Scheduler:
         req.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else req.eos_token_ids
         )
+        req.plain_decode = not (params.logprobs or params.stop or grammar is not None)
         req.status = ReqStatus.WAITING
         if grammar is not None:
             req.pending_grammar = self._grammar_backend().submit(*grammar)
@@ -532,51 +533,87 @@ class Scheduler:
     # ----- results ----------------------------------------------------------------------
 
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> None:
-        logprobs, top_logprobs = result.next_token_logprobs, result.top_logprobs
+        """Commit each request's new KV, append its sampled token and end, cache or send it.
+
+        A batch's prefill rows come first and take `_process_extend`; its decode rows are
+        most of the work at large batches, so a plain decode (no logprobs, grammar or stop
+        strings) that neither hits a stop token nor reaches its length takes a short path
+        of a few attribute reads and one set lookup."""
         num_extend = batch.num_extend_reqs
+        reqs, tokens = batch.reqs, result.next_token_ids
         done: list[Req] = []  # leaving the running batch: finished or jumped forward
         generated = 0
-        for i, (req, extend_len, token) in enumerate(
-            zip(batch.reqs, batch.extend_lens, result.next_token_ids)
-        ):
+        for i in range(num_extend):
+            generated += self._process_extend(batch, result, i, done)
+        commit, outputs = self.cache_manager.commit, self.outputs
+        for i in range(num_extend, len(reqs)):
+            req = reqs[i]
             if req.finished:
                 continue  # finished or aborted while this batch ran; its KV is already freed
-            self.cache_manager.commit(req, extend_len)
-            params = req.sampling_params
-            if i < num_extend:
-                if req.prompt_logprobs_pending:
-                    _add_prompt_logprobs(req, result, i)
-                if id(req) in batch.chunked:
-                    self.cache_manager.cache_unfinished_req(req)
-                    continue
-                if params.max_new_tokens == 0:  # a prefill alone: nothing to sample
-                    self.cache_manager.cache_finished_req(req)
-                    self._finish(req, FinishReason("length"))
-                    done.append(req)
-                    continue
-            req.output_ids.append(token)
+            commit(req, 1)
+            token = tokens[i]
+            output_ids = req.output_ids
+            output_ids.append(token)
             generated += 1
-            if params.logprobs:
-                assert logprobs is not None, "the sampler returns logprobs when a request asks"
-                req.output_token_logprobs.append((logprobs[i], token))
-                if params.top_logprobs_num:
-                    assert top_logprobs is not None, "as for logprobs"
-                    req.output_top_logprobs.append(top_logprobs[i][: params.top_logprobs_num])
-            grammar = req.grammar
-            reason = _accept_grammar_token(grammar, token) if grammar is not None else None
-            reason = reason or self._check_finished(req)
-            if reason is not None:
-                self.cache_manager.cache_finished_req(req)
-                self._finish(req, reason)
+            if (
+                req.plain_decode
+                and token not in req.stop_ids
+                and len(output_ids) < req.sampling_params.max_new_tokens
+            ):
+                outputs.append(req)
+            elif self._after_token(req, result, i, token):
                 done.append(req)
-                continue
-            if i < num_extend:  # share the fresh prefill with later requests now
-                self.cache_manager.cache_unfinished_req(req)
-            if self.jump_forward and grammar is not None and self._jump_forward(req, grammar):
-                done.append(req)
-            self.outputs.append(req)
         self.stats.generation_tokens += generated
         self.running.remove(done)
+
+    def _process_extend(
+        self, batch: ScheduleBatch, result: BatchResult, i: int, done: list[Req]
+    ) -> int:
+        """Row `i`, a prefill (or its last chunk); the number of tokens it generated."""
+        req = batch.reqs[i]
+        if req.finished:
+            return 0
+        self.cache_manager.commit(req, batch.extend_lens[i])
+        if req.prompt_logprobs_pending:
+            _add_prompt_logprobs(req, result, i)
+        if id(req) in batch.chunked:
+            self.cache_manager.cache_unfinished_req(req)
+            return 0
+        if req.sampling_params.max_new_tokens == 0:  # a prefill alone: nothing to sample
+            self.cache_manager.cache_finished_req(req)
+            self._finish(req, FinishReason("length"))
+            done.append(req)
+            return 0
+        token = result.next_token_ids[i]
+        req.output_ids.append(token)
+        if self._after_token(req, result, i, token, fresh_prefill=True):
+            done.append(req)
+        return 1
+
+    def _after_token(
+        self, req: Req, result: BatchResult, i: int, token: int, fresh_prefill: bool = False
+    ) -> bool:
+        """Record the logprobs of the token just appended at row `i`, advance the grammar,
+        and end the request or send it on; True if it leaves the running batch."""
+        params = req.sampling_params
+        if params.logprobs:
+            logprobs, top_logprobs = result.next_token_logprobs, result.top_logprobs
+            assert logprobs is not None, "the sampler returns logprobs when a request asks"
+            req.output_token_logprobs.append((logprobs[i], token))
+            if params.top_logprobs_num:
+                assert top_logprobs is not None, "as for logprobs"
+                req.output_top_logprobs.append(top_logprobs[i][: params.top_logprobs_num])
+        grammar = req.grammar
+        reason = _accept_grammar_token(grammar, token) if grammar is not None else None
+        reason = reason or self._check_finished(req)
+        if reason is not None:
+            self.cache_manager.cache_finished_req(req)
+            self._finish(req, reason)
+            return True
+        if fresh_prefill:  # share the fresh prefill with later requests now
+            self.cache_manager.cache_unfinished_req(req)
+        self.outputs.append(req)
+        return self.jump_forward and grammar is not None and self._jump_forward(req, grammar)
 
     def _jump_forward(self, req: Req, matcher: AnyGrammarMatcher) -> bool:
         """Take the text the grammar forces now, if any; True if it did. The request then

@@ -192,6 +192,8 @@ def test_draw_at_either_end_of_the_unit_interval_skips_removed_tokens(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_temperature_zero_is_argmax_bit_for_bit(make_info: MakeInfo, dtype: torch.dtype) -> None:
     logits = torch.randn(64, 5000).to(dtype)
+    logits[::3, [17, 4000, 4999]] = 10.0  # ties: the first largest index wins, as in argmax
+    logits[1::3, [3000, 9]] = 10.0
     all_greedy = sample(make_info, logits, [SamplingParams(temperature=0.0)] * 64).next_token_ids
     assert torch.equal(all_greedy, logits.argmax(dim=-1))
     mixed = [
