@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.model.attention import cpu_kernels
 from engine.model.attention.base import AttentionBackend, AttentionLayer
 from engine.model.forward_batch import ForwardBatch
 
@@ -24,16 +25,26 @@ class ExtendSeq:
 
 
 @dataclass
-class DecodeGroup:
-    """All requests with one new token, attended together: keys gathered head-major (row
-    (r, h, j) of the gather is KV head h of request r's j-th key), values read in place."""
+class TorchDecodeRows:
+    """What the torch-ops decode reads: keys gathered head-major (row (r, h, j) of the
+    gather is KV head h of request r's j-th key), values read in place."""
 
-    token_indices: torch.Tensor | None  # [n] rows of q; None: every row, in order
     # [n * kv_heads * max_seq_len] int64: rows of the pool seen as [slots * kv_heads, head_dim]
     kv_rows: torch.Tensor
     # [n * num_heads, max_seq_len] int64: for each query head, the pool rows of its KV head
     v_rows: torch.Tensor
     bias: torch.Tensor  # [n, 1, max_seq_len] float: 0 for a key, -inf for padding
+
+
+@dataclass
+class DecodeGroup:
+    """All requests with one new token, attended together. The C++ kernel reads `slots`
+    and `seq_lens` alone; the torch ops read `rows`, built only for them."""
+
+    token_indices: torch.Tensor | None  # [n] rows of q; None: every row, in order
+    slots: torch.Tensor  # [n, max_seq_len] int64: each request's slots, stale past its length
+    seq_lens: torch.Tensor  # [n] int64
+    rows: TorchDecodeRows | None  # None when the C++ kernel attends
     max_seq_len: int
 
 
@@ -65,12 +76,25 @@ class TorchAttnBackend(AttentionBackend):
     `req_to_token` rows, `max_context_len` keys each with those past its length masked:
     the one key count that fits every batch a graph replays. It is for graph backends
     that replay Python (the CPU tests); eager decode pads only to the batch's longest.
+
+    On CPU, decode attention runs in a C++ kernel that reads keys and values in place
+    (`cpu_kernels`) where it can be built; `cpu_kernel=False` keeps the torch ops.
     """
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, device: str | torch.device
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: str | torch.device,
+        cpu_kernel: bool = True,
     ):
         super().__init__(num_heads, num_kv_heads, head_dim, device)
+        self.cpu_kernel = (
+            cpu_kernel
+            and torch.device(device).type == "cpu"
+            and cpu_kernels.decode_attention_available()
+        )
         self.forward_metadata: ForwardMetadata | None = None
         self.graph_max_seq_len = 0
         self.graph_static_shapes = True
@@ -155,6 +179,7 @@ class TorchAttnBackend(AttentionBackend):
             fb.out_cache_loc,
             layer.num_kv_heads,
             layer.scaling,
+            self.cpu_kernel,
         )
         return out
 
@@ -199,7 +224,8 @@ class TorchAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         group: DecodeGroup,
     ) -> torch.Tensor:
-        """Scores by one batched matmul over keys gathered head-major, so that each
+        """The C++ kernel where it was built (`cpu_kernels`). Otherwise torch ops: scores
+        by one batched matmul over keys gathered head-major, so that each
         (request, KV head) is one contiguous `[max_seq_len, head_dim]` block that bmm reads
         in place; the query heads sharing a KV head are that block's queries (no GQA
         expansion). The weighted sum of values reads them in place in the pool, through
@@ -242,6 +268,7 @@ class TorchAttnBackend(AttentionBackend):
             max_seq_len,
             self.num_heads,
             self.num_kv_heads,
+            self.cpu_kernel,
             token_indices,
         )
 
@@ -254,22 +281,27 @@ def decode_group(
     max_seq_len: int,
     num_heads: int,
     num_kv_heads: int,
+    cpu_kernel: bool,
     token_indices: torch.Tensor | None = None,
 ) -> DecodeGroup:
     """Row r holds request r's first `max_seq_len` table entries with its new token's slot
-    put at column `seq_len - 1`; entries past it are stale and the bias hides them (any
-    table entry is a valid slot). Each slot then becomes its `num_kv_heads` rows of the
-    pool. Static shapes only, so a graph can replay it."""
+    put at column `seq_len - 1`; entries past it are stale (any table entry is a valid
+    slot): the kernel stops at the length, the torch ops' bias hides them. For the torch
+    ops each slot then becomes its `num_kv_heads` rows of the pool. Static shapes only, so
+    a graph can replay it."""
     device = req_to_token.device
     slots = req_to_token[:, :max_seq_len].index_select(0, req_pool_indices).long()
     slots.scatter_(1, (seq_lens - 1)[:, None], out_cache_loc[:, None])
+    if cpu_kernel:
+        return DecodeGroup(token_indices, slots, seq_lens, None, max_seq_len)
     heads = torch.arange(num_kv_heads, device=device)
     kv_rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]
     group_size = num_heads // num_kv_heads
     v_rows = kv_rows[:, :, None, :].expand(-1, -1, group_size, -1).reshape(-1, max_seq_len)
     padding = torch.arange(max_seq_len, device=device)[None, :] >= seq_lens[:, None]
     bias = torch.zeros(padding.shape, device=device).masked_fill_(padding, float("-inf"))
-    return DecodeGroup(token_indices, kv_rows.view(-1), v_rows, bias[:, None, :], max_seq_len)
+    rows = TorchDecodeRows(kv_rows.view(-1), v_rows, bias[:, None, :])
+    return DecodeGroup(token_indices, slots, seq_lens, rows, max_seq_len)
 
 
 def attend_decode(
@@ -281,18 +313,23 @@ def attend_decode(
     scaling: float,
 ) -> torch.Tensor:
     """`[n, num_heads, head_dim]` attention of one-token queries `q` over `group`."""
+    rows = group.rows
+    if rows is None:
+        return cpu_kernels.decode_attention(
+            q, k_buffer, v_buffer, group.slots, group.seq_lens, scaling
+        )
     num_reqs, num_heads, d = q.shape
     blocks = (num_reqs * num_kv_heads, group.max_seq_len, d)
-    k = k_buffer.view(-1, d).index_select(0, group.kv_rows).view(blocks)
+    k = k_buffer.view(-1, d).index_select(0, rows.kv_rows).view(blocks)
     queries = q.reshape(blocks[0], num_heads // num_kv_heads, d)
     scores = torch.bmm(queries, k.transpose(1, 2)).view(num_reqs, num_heads, group.max_seq_len)
-    scores = scores.to(torch.promote_types(q.dtype, torch.float32)).mul_(scaling).add_(group.bias)
+    scores = scores.to(torch.promote_types(q.dtype, torch.float32)).mul_(scaling).add_(rows.bias)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = F.embedding_bag(
-        group.v_rows,
+        rows.v_rows,
         v_buffer.view(-1, d),
         mode="sum",
-        per_sample_weights=probs.view(group.v_rows.shape),
+        per_sample_weights=probs.view(rows.v_rows.shape),
     )
     return out.view(num_reqs, num_heads, d)
 
@@ -310,6 +347,7 @@ def decode_attention(
     out_cache_loc: torch.Tensor,
     num_kv_heads: int,
     scaling: float,
+    cpu_kernel: bool,
 ) -> torch.Tensor:
     """One layer's decode step as a single op that `torch.compile` does not look into: it
     writes the new tokens' K/V, then attends over the batch's longest context, a size read
@@ -325,6 +363,7 @@ def decode_attention(
         max_seq_len,
         q.shape[1],
         num_kv_heads,
+        cpu_kernel,
     )
     return attend_decode(q, k_buffer, v_buffer, group, num_kv_heads, scaling)
 

@@ -1,4 +1,5 @@
-"""The torch backend against softmax(QK^T)V written out per request, in float64."""
+"""The torch backend against softmax(QK^T)V written out per request, in float64; its
+decode both through the C++ kernel and through torch ops."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
-from engine.model.attention import create_attention_backend
+from engine.model.attention import cpu_kernels, create_attention_backend
 from engine.model.attention.base import AttentionLayer
 from engine.model.attention.torch_backend import TorchAttnBackend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
@@ -18,14 +19,20 @@ LAYER = AttentionLayer(
 )
 
 
-def make_batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], seed: int = 0):
+def make_batch(
+    mode: ForwardMode,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+):
     """Requests on scattered slots of a pool full of random K/V. Prefix slots are in
     `req_to_token`; the new tokens' entries hold stale slots, as before the scheduler writes
     them."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     pool_size = sum(seq_lens) + 11
-    kv_pool = MHATokenToKVPool(pool_size, torch.float64, NUM_KV_HEADS, HEAD_DIM, 2, "cpu")
+    kv_pool = MHATokenToKVPool(pool_size, dtype, NUM_KV_HEADS, HEAD_DIM, 2, "cpu")
     for buffer in kv_pool.get_kv_buffer(LAYER.layer_id):
         buffer.copy_(torch.randn(buffer.shape, generator=gen, dtype=torch.float64))
     req_pool = ReqToTokenPool(len(seq_lens) + 2, max(seq_lens) + 3, "cpu")
@@ -56,7 +63,7 @@ def make_batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int]
         token_to_kv_pool=kv_pool,
     )
     q, k, v = (
-        torch.randn(num_tokens, h, HEAD_DIM, generator=gen, dtype=torch.float64)
+        torch.randn(num_tokens, h, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
         for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)
     )
     return fb, q, k, v
@@ -65,7 +72,8 @@ def make_batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int]
 def reference_attention(
     fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
-    k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(LAYER.layer_id)
+    k_buffer, v_buffer = (b.double() for b in fb.token_to_kv_pool.get_kv_buffer(LAYER.layer_id))
+    q, k, v = q.double(), k.double(), v.double()
     group = NUM_HEADS // NUM_KV_HEADS
     outputs, start = [], 0
     for row, prefix_len, extend_len in zip(
@@ -89,10 +97,21 @@ def reference_attention(
     return torch.cat(outputs)
 
 
-def run(fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def run(
+    fb: ForwardBatch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cpu_kernel: bool = True,
+) -> torch.Tensor:
     backend = TorchAttnBackend(
-        num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, device="cpu"
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        device="cpu",
+        cpu_kernel=cpu_kernel,
     )
+    assert backend.cpu_kernel == cpu_kernel
     backend.init_forward_metadata(fb)
     return backend.forward(q, k, v, LAYER, fb)
 
@@ -110,12 +129,32 @@ CASES = {
 }
 
 
+def test_the_cpu_kernel_builds_here():
+    """The suite's machines have a compiler: the kernel tests below must not fall back."""
+    assert cpu_kernels.decode_attention_available()
+
+
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "torch-ops"])
 @pytest.mark.parametrize("case", CASES)
-def test_attention_matches_the_reference(case):
+def test_attention_matches_the_reference(case, cpu_kernel):
     fb, q, k, v = make_batch(*CASES[case])
     torch.testing.assert_close(
-        run(fb, q, k, v), reference_attention(fb, q, k, v), atol=1e-12, rtol=1e-12
+        run(fb, q, k, v, cpu_kernel), reference_attention(fb, q, k, v), atol=1e-12, rtol=1e-12
     )
+
+
+@pytest.mark.parametrize(
+    "dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
+)
+def test_decode_kernel_in_half_and_single_precision_is_close_to_float64(dtype, tolerance):
+    """It accumulates in float32, so it is at least as close as the torch ops' rounding."""
+    fb, q, k, v = make_batch(ForwardMode.DECODE, [0, 5, 33, 100, 129], [1] * 5, dtype=dtype)
+    expected = reference_attention(fb, q, k, v)
+    kernel = run(fb, q, k, v, cpu_kernel=True).double()
+    torch_ops = run(fb, q, k, v, cpu_kernel=False).double()
+    kernel_error = (kernel - expected).abs().max().item()
+    assert kernel_error <= tolerance
+    assert kernel_error <= (torch_ops - expected).abs().max().item() * 1.01 + 1e-7
 
 
 def test_new_kv_lands_in_the_pool_at_out_cache_loc():
@@ -151,6 +190,28 @@ def test_decode_output_of_a_request_does_not_depend_on_its_batch_mates():
             atol=1e-14,
             rtol=0,
         )
+
+
+def test_decode_kernel_reads_only_up_to_each_length_and_is_deterministic():
+    """Stale slots past a request's length (NaN here) never reach its output."""
+    fb, q, k, v = make_batch(ForwardMode.DECODE, [4, 60], [1, 1])
+    group = TorchAttnBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, "cpu")
+    group.init_forward_metadata(fb)
+    expected = group.forward(q, k, v, LAYER, fb)
+    k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(LAYER.layer_id)
+    used = torch.cat(
+        [
+            fb.req_to_token_pool.req_to_token[r, :n].long()
+            for r, n in zip(fb.req_pool_indices.tolist(), fb.prefix_lens_cpu)
+        ]
+        + [fb.out_cache_loc]
+    )
+    unused = torch.ones(k_buffer.shape[0], dtype=torch.bool)
+    unused[used] = False
+    unused[0] = False
+    k_buffer[unused] = float("nan")
+    v_buffer[unused] = float("nan")
+    assert torch.equal(group.forward(q, k, v, LAYER, fb), expected)
 
 
 def test_factory_builds_the_torch_backend_and_rejects_unknown_names():

@@ -1,0 +1,204 @@
+// Decode attention on CPU that reads each key and value in place in the KV pool.
+//
+// A task takes one request (or one KV head of it): its query heads score every key of the
+// request's context (one pass over the keys, each read once for all the query heads that
+// share it), take a softmax in the accumulation type (float for bf16/half/float, double for
+// double), and sum the values weighted by it. Nothing is gathered: `slots[r, j]` names the pool slot of
+// request r's j-th token, and only the first `seq_lens[r]` of them are read.
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// How far ahead a task prefetches its keys and values: slots are scattered over the pool,
+// so the hardware prefetcher cannot guess the next row.
+constexpr int64_t kPrefetchDistance = 4;
+
+// exp(x) for x <= 0 in float, in a form the compiler vectorizes (std::exp is a libm call per
+// element, the largest cost of the softmax): x = n ln2 + f ln2 with n an integer and
+// |f| <= 1/2, 2^f by its Taylor series to degree 7 (relative error below 1e-8, under float's
+// rounding), 2^n by building the exponent bits. Below -87 (where exp underflows float's
+// normal range) it returns exp(-87), about 1.6e-38: a weight no softmax sum can notice.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
+  const float magic = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
+  const float n = (t + magic) - magic;
+  const float f = (t - n) * 0.69314718055994531f;
+  float p = 1.98412698e-4f;  // 1/7!, then Horner down to 1/0!
+  p = p * f + 1.38888889e-3f;
+  p = p * f + 8.33333333e-3f;
+  p = p * f + 4.16666667e-2f;
+  p = p * f + 1.66666667e-1f;
+  p = p * f + 0.5f;
+  p = p * f + 1.0f;
+  p = p * f + 1.0f;
+  const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;
+  return p * std::bit_cast<float>(exponent);
+}
+
+template <typename acc_t>
+acc_t exp_of_nonpositive(acc_t x) {
+  if constexpr (std::is_same_v<acc_t, float>) {
+    return exp_nonpositive(x);
+  } else {
+    return std::exp(x);
+  }
+}
+
+template <typename scalar_t>
+void prefetch_row(const scalar_t* row, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
+}
+
+template <typename scalar_t>
+void decode_attention_kernel(
+    const at::Tensor& q,
+    const at::Tensor& k_buffer,
+    const at::Tensor& v_buffer,
+    const at::Tensor& slots,
+    const at::Tensor& seq_lens,
+    double scaling,
+    at::Tensor& out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_buffer.size(1);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_len = slots.size(1);
+  // A task is one request's KV heads, all of them when there are enough requests to keep
+  // every thread busy (each token's row of the pool is then read once, contiguously),
+  // else one KV head each.
+  const int64_t heads_per_task =
+      num_reqs >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_req = num_kv_heads / heads_per_task;
+  const int64_t task_heads = heads_per_task * group;  // query heads of one task
+  const int64_t task_dim = heads_per_task * head_dim;  // K/V elements of one task per token
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_buffer.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_buffer.data_ptr<scalar_t>();
+  const int64_t* slot_ptr = slots.data_ptr<int64_t>();
+  const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t row_bytes = task_dim * static_cast<int64_t>(sizeof(scalar_t));
+
+  at::parallel_for(0, num_reqs * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> queries(task_heads * head_dim), sums(task_heads * head_dim);
+    std::vector<acc_t> converted(task_dim), scores(task_heads * max_len);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / tasks_per_req;
+      const int64_t first_head = (task % tasks_per_req) * heads_per_task;
+      const int64_t len = std::clamp<int64_t>(len_ptr[r], 0, max_len);
+      const int64_t* row = slot_ptr + r * max_len;
+      const int64_t offset = first_head * head_dim;  // of this task's heads in a token row
+      const scalar_t* q_row = q_ptr + (r * num_heads + first_head * group) * head_dim;
+      for (int64_t i = 0; i < task_heads * head_dim; ++i) {
+        queries[i] = static_cast<acc_t>(q_row[i]) * static_cast<acc_t>(scaling);
+      }
+      for (int64_t j = 0; j < len; ++j) {
+        if (j + kPrefetchDistance < len) {
+          prefetch_row(k_ptr + row[j + kPrefetchDistance] * token_stride + offset, row_bytes);
+        }
+        const scalar_t* key = k_ptr + row[j] * token_stride + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < task_dim; ++d) converted[d] = static_cast<acc_t>(key[d]);
+        for (int64_t qh = 0; qh < task_heads; ++qh) {
+          const acc_t* query = queries.data() + qh * head_dim;
+          const acc_t* k = converted.data() + (qh / group) * head_dim;
+          acc_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += query[d] * k[d];
+          scores[qh * max_len + j] = dot;
+        }
+      }
+      for (int64_t qh = 0; qh < task_heads; ++qh) {
+        acc_t* score = scores.data() + qh * max_len;
+        acc_t top = -std::numeric_limits<acc_t>::infinity();
+#pragma omp simd reduction(max : top)
+        for (int64_t j = 0; j < len; ++j) top = std::max(top, score[j]);
+        acc_t total = 0;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < len; ++j) {
+          score[j] = exp_of_nonpositive(score[j] - top);
+          total += score[j];
+        }
+        const acc_t inverse = len > 0 ? acc_t(1) / total : acc_t(0);
+#pragma omp simd
+        for (int64_t j = 0; j < len; ++j) score[j] *= inverse;
+      }
+      std::fill(sums.begin(), sums.end(), acc_t(0));
+      for (int64_t j = 0; j < len; ++j) {
+        if (j + kPrefetchDistance < len) {
+          prefetch_row(v_ptr + row[j + kPrefetchDistance] * token_stride + offset, row_bytes);
+        }
+        const scalar_t* value = v_ptr + row[j] * token_stride + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < task_dim; ++d) converted[d] = static_cast<acc_t>(value[d]);
+        for (int64_t qh = 0; qh < task_heads; ++qh) {
+          const acc_t p = scores[qh * max_len + j];
+          const acc_t* v = converted.data() + (qh / group) * head_dim;
+          acc_t* sum = sums.data() + qh * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) sum[d] += p * v[d];
+        }
+      }
+      scalar_t* out_row = out_ptr + (r * num_heads + first_head * group) * head_dim;
+      for (int64_t i = 0; i < task_heads * head_dim; ++i) {
+        out_row[i] = static_cast<scalar_t>(sums[i]);
+      }
+    }
+  });
+}
+
+at::Tensor decode_attention(
+    const at::Tensor& q,
+    const at::Tensor& k_buffer,
+    const at::Tensor& v_buffer,
+    const at::Tensor& slots,
+    const at::Tensor& seq_lens,
+    double scaling) {
+  TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
+              "q is [n, heads, dim] and the buffers [slots, kv_heads, dim]");
+  TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "contiguous KV buffers");
+  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
+                  q.scalar_type() == v_buffer.scalar_type(),
+              "q and the KV buffers share a dtype");
+  TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "query heads are a multiple of KV heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "int64 slots and seq_lens");
+  TORCH_CHECK(slots.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
+              "one row of slots and one length per query");
+  const at::Tensor queries = q.contiguous();
+  const at::Tensor slot_rows = slots.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  at::Tensor out = at::empty_like(queries);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, q.scalar_type(), "radixserve_decode_attention", [&] {
+        decode_attention_kernel<scalar_t>(
+            queries, k_buffer, v_buffer, slot_rows, lens, scaling, out);
+      });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(radixserve_cpu, m) {
+  m.def(
+      "decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor slots, "
+      "Tensor seq_lens, float scaling) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+}
