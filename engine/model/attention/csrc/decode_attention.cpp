@@ -56,10 +56,27 @@ acc_t exp_of_nonpositive(acc_t x) {
   }
 }
 
-template <typename scalar_t>
-void prefetch_row(const scalar_t* row, int64_t bytes) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset);
+// One task's slice of token j's row of a KV buffer, converted to the accumulation type into
+// `converted`; the slice of token j + kPrefetchDistance is prefetched on the way.
+template <typename scalar_t, typename acc_t>
+void load_token(
+    const scalar_t* buffer,
+    const int64_t* slots,
+    int64_t j,
+    int64_t len,
+    int64_t token_stride,
+    int64_t width,
+    acc_t* converted) {
+  if (j + kPrefetchDistance < len) {
+    const char* ahead =
+        reinterpret_cast<const char*>(buffer + slots[j + kPrefetchDistance] * token_stride);
+    for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) {
+      __builtin_prefetch(ahead + byte);
+    }
+  }
+  const scalar_t* token = buffer + slots[j] * token_stride;
+#pragma omp simd
+  for (int64_t d = 0; d < width; ++d) converted[d] = static_cast<acc_t>(token[d]);
 }
 
 template <typename scalar_t>
@@ -91,7 +108,6 @@ void decode_attention_kernel(
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int64_t token_stride = num_kv_heads * head_dim;
-  const int64_t row_bytes = task_dim * static_cast<int64_t>(sizeof(scalar_t));
 
   at::parallel_for(0, num_reqs * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> queries(task_heads * head_dim), sums(task_heads * head_dim);
@@ -107,12 +123,7 @@ void decode_attention_kernel(
         queries[i] = static_cast<acc_t>(q_row[i]) * static_cast<acc_t>(scaling);
       }
       for (int64_t j = 0; j < len; ++j) {
-        if (j + kPrefetchDistance < len) {
-          prefetch_row(k_ptr + row[j + kPrefetchDistance] * token_stride + offset, row_bytes);
-        }
-        const scalar_t* key = k_ptr + row[j] * token_stride + offset;
-#pragma omp simd
-        for (int64_t d = 0; d < task_dim; ++d) converted[d] = static_cast<acc_t>(key[d]);
+        load_token(k_ptr + offset, row, j, len, token_stride, task_dim, converted.data());
         for (int64_t qh = 0; qh < task_heads; ++qh) {
           const acc_t* query = queries.data() + qh * head_dim;
           const acc_t* k = converted.data() + (qh / group) * head_dim;
@@ -139,12 +150,7 @@ void decode_attention_kernel(
       }
       std::fill(sums.begin(), sums.end(), acc_t(0));
       for (int64_t j = 0; j < len; ++j) {
-        if (j + kPrefetchDistance < len) {
-          prefetch_row(v_ptr + row[j + kPrefetchDistance] * token_stride + offset, row_bytes);
-        }
-        const scalar_t* value = v_ptr + row[j] * token_stride + offset;
-#pragma omp simd
-        for (int64_t d = 0; d < task_dim; ++d) converted[d] = static_cast<acc_t>(value[d]);
+        load_token(v_ptr + offset, row, j, len, token_stride, task_dim, converted.data());
         for (int64_t qh = 0; qh < task_heads; ++qh) {
           const acc_t p = scores[qh * max_len + j];
           const acc_t* v = converted.data() + (qh / group) * head_dim;
