@@ -3,6 +3,10 @@ decode both through the C++ kernel and through torch ops."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -223,3 +227,19 @@ def test_factory_builds_the_torch_backend_and_rejects_unknown_names():
         create_attention_backend(
             "flash", num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM, device="cpu"
         )
+
+
+def test_without_a_compiler_decode_stays_on_torch_ops(tmp_path):
+    """A machine that cannot build the kernel (the CPU image has no compiler) logs why and
+    serves decode through torch ops; the cache keeps nothing half-built."""
+    probe = (
+        "from engine.model.attention.torch_backend import TorchAttnBackend\n"
+        "print(TorchAttnBackend(6, 2, 16, 'cpu').cpu_kernel)\n"
+    )
+    env = {**os.environ, "RADIXSERVE_CACHE_DIR": str(tmp_path), "CXX": "/nonexistent/c++"}
+    done = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert done.stdout.split() == ["False"]
+    assert "CPU decode-attention kernel unavailable, using torch ops" in done.stderr
+    assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.o"))
