@@ -56,10 +56,11 @@ acc_t exp_of_nonpositive(acc_t x) {
   }
 }
 
-// One task's slice of token j's row of a KV buffer, converted to the accumulation type into
-// `converted`; the slice of token j + kPrefetchDistance is prefetched on the way.
+// One task's slice of token j's row of a KV buffer in the accumulation type: in place when
+// the buffer already holds it, else converted into `converted`. The slice of token
+// j + kPrefetchDistance is prefetched on the way.
 template <typename scalar_t, typename acc_t>
-void load_token(
+const acc_t* load_token(
     const scalar_t* buffer,
     const int64_t* slots,
     int64_t j,
@@ -75,8 +76,13 @@ void load_token(
     }
   }
   const scalar_t* token = buffer + slots[j] * token_stride;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    return token;
+  } else {
 #pragma omp simd
-  for (int64_t d = 0; d < width; ++d) converted[d] = static_cast<acc_t>(token[d]);
+    for (int64_t d = 0; d < width; ++d) converted[d] = static_cast<acc_t>(token[d]);
+    return converted;
+  }
 }
 
 template <typename scalar_t>
@@ -123,10 +129,11 @@ void decode_attention_kernel(
         queries[i] = static_cast<acc_t>(q_row[i]) * static_cast<acc_t>(scaling);
       }
       for (int64_t j = 0; j < len; ++j) {
-        load_token(k_ptr + offset, row, j, len, token_stride, task_dim, converted.data());
+        const acc_t* keys =
+            load_token(k_ptr + offset, row, j, len, token_stride, task_dim, converted.data());
         for (int64_t qh = 0; qh < task_heads; ++qh) {
           const acc_t* query = queries.data() + qh * head_dim;
-          const acc_t* k = converted.data() + (qh / group) * head_dim;
+          const acc_t* k = keys + (qh / group) * head_dim;
           acc_t dot = 0;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < head_dim; ++d) dot += query[d] * k[d];
@@ -150,10 +157,11 @@ void decode_attention_kernel(
       }
       std::fill(sums.begin(), sums.end(), acc_t(0));
       for (int64_t j = 0; j < len; ++j) {
-        load_token(v_ptr + offset, row, j, len, token_stride, task_dim, converted.data());
+        const acc_t* values =
+            load_token(v_ptr + offset, row, j, len, token_stride, task_dim, converted.data());
         for (int64_t qh = 0; qh < task_heads; ++qh) {
           const acc_t p = scores[qh * max_len + j];
-          const acc_t* v = converted.data() + (qh / group) * head_dim;
+          const acc_t* v = values + (qh / group) * head_dim;
           acc_t* sum = sums.data() + qh * head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) sum[d] += p * v[d];
