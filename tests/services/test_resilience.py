@@ -60,8 +60,10 @@ DEATH_NOTICED_S = 10.0
 MAX_TOTAL_TOKENS = 32768
 MAX_RUNNING = 4
 STREAMS = 16
-LONG = {"max_tokens": 6000, "ignore_eos": True}
-"""Far longer than any test waits: a stream that ends did not end by finishing."""
+CONTEXT_LENGTH = 65536
+LONG = {"max_tokens": 60000, "ignore_eos": True}
+"""Far longer than any test waits, on any machine (the cluster's context and max_tokens cap
+admit it): a stream that ends did not end by finishing."""
 REQUEST_TIMEOUT = 15
 SHEDDING = ["--max-queued-requests", "2", "--request-timeout", str(REQUEST_TIMEOUT)]
 """The tokenizer's flags for the load-shedding tests (the last ones of the module)."""
@@ -75,6 +77,10 @@ class Cluster:
         self.ports = server_ports()
         self.flags = [
             *cpu_flags(MAX_TOTAL_TOKENS, model_dir),
+            "--context-length",
+            str(CONTEXT_LENGTH),
+            "--max-tokens-cap",
+            str(LONG["max_tokens"]),
             "--host",
             "127.0.0.1",
             "--max-running-requests",
