@@ -3,8 +3,8 @@
 // A task takes one request (or one KV head of it): its query heads score every key of the
 // request's context (one pass over the keys, each read once for all the query heads that
 // share it), take a softmax in the accumulation type (float for bf16/half/float, double for
-// double), and sum the values weighted by it. Nothing is gathered: `slots[r, j]` names the pool slot of
-// request r's j-th token, and only the first `seq_lens[r]` of them are read.
+// double), and sum the values weighted by it. Nothing is gathered: `slots[r, j]` names the
+// pool slot of request r's j-th token, and only the first `seq_lens[r]` of them are read.
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
