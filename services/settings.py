@@ -57,8 +57,9 @@ class Settings(EngineArgs):
         "for this long (s)",
     )
     graceful_shutdown_timeout: float = _opt(
-        5.0,
-        "on SIGTERM the tokenizer stops accepting and gives open streams this long to finish (s)",
+        30.0,
+        "on SIGTERM the server stops accepting, lets requests in flight finish for this long, "
+        "then stops the worker and detokenizer (s)",
     )
     watchdog_timeout: float = _opt(
         300.0,
@@ -73,6 +74,56 @@ class Settings(EngineArgs):
             "help": "bearer key required on the API (not on /metrics, /health*); "
             "prefer the env variable"
         },
+    )
+    admin_api_key: str | None = field(
+        default=None,
+        repr=False,
+        metadata={
+            "help": "bearer key required on operator endpoints (/flush_cache, abort_all, "
+            "check_integrity, adapter loading); none: the API key guards them"
+        },
+    )
+    api_key_file: str | None = _opt(
+        None,
+        "file of API keys, one 'key [tenant]' per line ('#' comments); beside --api-key; a key "
+        "without a tenant is its own tenant",
+    )
+    cache_isolation: str = _opt(
+        "none",
+        "radix-cache sharing: none (every client shares prefixes) or tenant (one namespace per "
+        "tenant of --api-key-file, so cached_tokens reveals nothing across tenants)",
+        choices=("none", "tenant"),
+    )
+    ipc_keys_dir: str | None = _opt(
+        None,
+        "directory of the CURVE keys that authenticate the ZMQ wire between the three processes "
+        "(radixserve serve generates one when unset)",
+    )
+    allow_special_tokens_in_content: bool = _opt(
+        False,
+        "tokenize user and tool content with its special tokens parsed (trusted callers only: "
+        "such text can forge turns)",
+    )
+    http_header_timeout: float = _opt(
+        10.0, "close an HTTP connection whose request headers take longer than this (s)"
+    )
+    http_body_timeout: float = _opt(
+        30.0, "answer 408 when a request body stalls for this long between chunks (s)"
+    )
+    max_connections: int = _opt(
+        1024, "open HTTP connections at most; beyond it new ones are answered 503"
+    )
+    max_stop_strings: int = _opt(32, "stop strings per request at most")
+    max_stop_string_length: int = _opt(1024, "characters per stop string at most")
+    max_stop_token_ids: int = _opt(256, "stop_token_ids per request at most")
+    max_logit_bias: int = _opt(1024, "logit_bias entries per request at most")
+    max_top_logprobs: int = _opt(
+        20, "top_logprobs (and prompt top logprobs) per position at most (OpenAI's limit)"
+    )
+    max_prompt_chars: int = _opt(
+        1 << 20,
+        "characters of prompt text (all messages, or all prompts of a batch) at most, checked "
+        "before tokenizing",
     )
     log_level: str = _opt("info", "logging level", choices=LOG_LEVELS)
     max_tokens_cap: int = _opt(
@@ -96,7 +147,7 @@ class Settings(EngineArgs):
         DEFAULT_BLOCK_SIZE, "tokens per virtual block in the KV-cache events"
     )
     request_timeout: float | None = _opt(
-        None,
+        1800.0,
         "abort a request (504) still unfinished this many seconds after submission, freeing its KV "
         "(none: no limit)",
     )
@@ -135,6 +186,14 @@ class Settings(EngineArgs):
             )
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 (or none), got {self.request_timeout}")
+        for name in SIZE_LIMIT_FIELDS:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("http_header_timeout", "http_body_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.cache_isolation == "tenant" and not self.api_key_file:
+            raise ValueError("cache_isolation tenant needs --api-key-file (the tenants)")
         if self.kv_events_block_size < 1:
             raise ValueError(f"kv_events_block_size must be >= 1, got {self.kv_events_block_size}")
         self.kv_events()  # a bad --kv-events-config fails here, before any process starts
@@ -165,6 +224,16 @@ class Settings(EngineArgs):
         except ValueError as e:
             parser.error(str(e))
 
+
+SIZE_LIMIT_FIELDS = (
+    "max_connections",
+    "max_stop_strings",
+    "max_stop_string_length",
+    "max_stop_token_ids",
+    "max_logit_bias",
+    "max_top_logprobs",
+    "max_prompt_chars",
+)
 
 PORT_FIELDS = (
     "port",
