@@ -1,6 +1,8 @@
 # One image for the tokenizer, worker and detokenizer; the command picks the service:
 #   docker run IMAGE                                 all three in one container (radixserve serve)
 #   IMAGE python -m services.tokenizer|worker|detokenizer   one of them, as the Helm chart runs it
+#                                                    (all three with --ipc-keys-dir, the wire
+#                                                    keys that `IMAGE radixserve keys DIR` makes)
 #
 # VARIANT=cuda (default): torch from PyPI, which brings CUDA and its libraries as wheels, so no
 #   CUDA base image is pulled; the node's driver comes in through the NVIDIA container runtime.

@@ -2,6 +2,12 @@
 
 A small threaded HTTP server beside the ZMQ loop: a scrape or a probe never waits for
 the loop, and a stuck loop is exactly what `/healthz` must be able to report.
+
+It binds `--host`, as the API does: the kubelet's probes and Prometheus reach these ports
+on the pod's IP (in a pod, 0.0.0.0 is that IP and loopback, nothing wider), and the
+tokenizer reads the worker's `/metrics` on loopback. A client gets `READ_TIMEOUT_S` to send
+its request, and every answer closes the connection (HTTP/1.0), so a stalled client holds
+one thread for seconds at most.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 logger = logging.getLogger(__name__)
 
+READ_TIMEOUT_S = 5.0
+"""Seconds a client has for each read of its request (the probes' own timeout is 5 s)."""
+
 HealthCheck = Callable[[], str | None]
 """Returns None when healthy, else why not (sent with the 503)."""
 
@@ -23,8 +32,15 @@ HealthCheck = Callable[[], str | None]
 class MetricsServer:
     """Serves `registry` on GET /metrics and `health()` on GET /healthz, from a daemon thread."""
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry, health: HealthCheck):
-        handler = _handler(registry, health)
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        health: HealthCheck,
+        read_timeout: float = READ_TIMEOUT_S,
+    ):
+        handler = _handler(registry, health, read_timeout)
         server_cls = _IPv6Server if ":" in host else ThreadingHTTPServer
         self.server = server_cls((host, port), handler)
         self.server.daemon_threads = True
@@ -57,8 +73,12 @@ class _IPv6Server(ThreadingHTTPServer):
     address_family = socket.AF_INET6
 
 
-def _handler(registry: CollectorRegistry, health: HealthCheck) -> type[BaseHTTPRequestHandler]:
+def _handler(
+    registry: CollectorRegistry, health: HealthCheck, read_timeout: float
+) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
+        timeout = read_timeout
+
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":

@@ -1,8 +1,14 @@
 """ZMQ sockets between the three processes (see `services.protocol`), and peer liveness.
 
 Each PULL socket binds 127.0.0.1 and its PUSH peer connects, so startup order is free
-(ZMQ reconnects). Sends never block a loop: a PUSH socket only queues for a connected
-peer (`zmq.IMMEDIATE`) and up to its high-water mark; past that `Sender.send` returns
+(ZMQ reconnects). With `WireKeys` the wire is authenticated both ways: each PULL socket is
+a CURVE server and each PUSH socket a CURVE client with its role's keypair, and a
+`WireAuthenticator` (ZAP) in each binding process admits only the pod's own client keys,
+so a local process without them cannot connect, let alone inject, abort or retire
+anything (CURVE alone would authenticate only the server).
+
+Sends never block a loop: a PUSH socket only queues for a connected peer
+(`zmq.IMMEDIATE`) and up to its high-water mark; past that `Sender.send` returns
 False and the caller decides (fail the request with a clear error); an `Outbox` holds a
 stream of outputs across a peer's short absence instead. Receivers drop bytes
 that are not a valid message instead of raising. `PeerMonitor` turns the `Hello` /
@@ -12,15 +18,23 @@ epoch), and rejects messages from a restarted peer's previous life.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import stat
+import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, NamedTuple
 
 import msgspec
 import zmq
 import zmq.asyncio
+import zmq.auth
+from zmq.utils import z85
 
 from services.protocol import Heartbeat, Hello, Message, ProtocolError, decode, encode
 
@@ -37,16 +51,150 @@ WARN_INTERVAL_S = 5.0
 """At most one warning per socket per this many seconds, with a count of what was dropped."""
 MAX_HELD_MESSAGES = 10_000
 """Messages an `Outbox` holds for an unreachable peer before it drops the oldest."""
+WIRE_ROLES = ("tokenizer", "worker", "detokenizer")
+"""The roles with a keypair in a keys directory: `<role>.key` (public key) and
+`<role>.key_secret` (both keys), in zmq.auth's certificate format."""
+ZAP_DOMAIN = "radixserve"
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+"""Where libzmq asks a context's ZAP handler about each CURVE handshake (RFC 27)."""
 
 
-def bind_pull(ctx: zmq.Context, port: int, hwm: int = DEFAULT_HWM) -> zmq.Socket:
+class WireKeysError(ValueError):
+    """A keys directory that is missing, incomplete or readable by other users."""
+
+
+@dataclass(frozen=True)
+class WireKeys:
+    """One process's CURVE keypair and the public keys of every role of its pod, read from
+    a keys directory (`create_wire_keys`)."""
+
+    role: str
+    public: bytes
+    """Z85-encoded, as are all the keys here (libzmq takes them so)."""
+    secret: bytes
+    publics: Mapping[str, bytes]
+    """Role → public key: the servers this process connects to, and the clients it admits."""
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str], role: str) -> WireKeys:
+        path = Path(directory)
+        secret_file = path / f"{role}.key_secret"
+        try:
+            mode = secret_file.stat().st_mode
+            if mode & stat.S_IRWXO:
+                raise WireKeysError(
+                    f"{secret_file} is accessible to other users (mode {stat.filemode(mode)}); "
+                    "the wire keys must be readable by their owner (and group) only"
+                )
+            public, secret = zmq.auth.load_certificate(secret_file)
+            publics = {r: zmq.auth.load_certificate(path / f"{r}.key")[0] for r in WIRE_ROLES}
+        except (OSError, ValueError) as e:
+            if isinstance(e, WireKeysError):
+                raise
+            raise WireKeysError(
+                f"cannot read the wire keys of {role} in {path}: {e} (make them with "
+                "`radixserve keys DIR` and give all three processes --ipc-keys-dir DIR)"
+            ) from e
+        if secret is None:
+            raise WireKeysError(f"{secret_file} holds no secret key")
+        return cls(role, public, secret, publics)
+
+
+def load_wire_keys(directory: str | None, role: str) -> WireKeys | None:
+    """`role`'s keys from `directory` (`--ipc-keys-dir`); None, with a loud warning, when
+    there is none: the process then talks plain ZMQ that any local process can join.
+    `radixserve serve` and the chart always give keys; only a process started by hand (or
+    built in-process by a test) runs without."""
+    if directory is not None:
+        return WireKeys.load(directory, role)
+    logger.warning(
+        "%s: no --ipc-keys-dir: the ZMQ wire is NOT authenticated, and any process on this "
+        "host can inject, abort or retire requests (make keys with `radixserve keys DIR`)",
+        role,
+    )
+    return None
+
+
+def create_wire_keys(directory: str | os.PathLike[str]) -> Path:
+    """Fresh keypairs for every role in `directory` (made if absent), private to this user:
+    the directory 0700, its files 0600. Existing keys are replaced."""
+    path = Path(directory)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)
+    for role in WIRE_ROLES:
+        for file in zmq.auth.create_certificates(path, role):
+            os.chmod(file, 0o600)
+    return path
+
+
+class WireAuthenticator(zmq.auth.Authenticator):
+    """The ZAP handler of one context: admits a CURVE client only if its public key is one
+    of the pod's (`WireKeys.publics`), and warns (rate-limited) about the others.
+
+    Its thread answers libzmq on a socket the context does not track, so the owner's
+    `ctx.destroy()` ends it (the blocked receive raises ETERM, the thread closes the
+    socket) with no stop call to forget. Start it before binding a CURVE server socket:
+    those enforce ZAP and refuse every client while no handler is bound."""
+
+    def __init__(self, ctx: zmq.Context, keys: WireKeys):
+        super().__init__(ctx, log=logging.getLogger(f"{__name__}.zap"))
+        self.roles = {key: role for role, key in keys.publics.items()}
+        """Z85 public key (as `WireKeys` holds them, and as zmq.auth asks) → role."""
+        self.configure_curve_callback(ZAP_DOMAIN, self)
+        self._refused = _Throttle()
+        self._thread = threading.Thread(target=self._serve, name="zap", daemon=True)
+
+    def start(self) -> None:
+        self.zap_socket = zmq.Socket(self.context, zmq.REP)
+        self.zap_socket.setsockopt(zmq.LINGER, 0)
+        self.zap_socket.bind(ZAP_ENDPOINT)
+        self._thread.start()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """zmq.auth's credentials check: is `key` (Z85) one of the pod's?"""
+        if key in self.roles:
+            return True
+        refused = self._refused.hit()
+        if refused:
+            logger.warning(
+                "refused %d ZMQ connection(s) with an unknown CURVE key (latest %s)",
+                refused,
+                key.decode(errors="replace"),
+            )
+        return False
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self.roles[z85.encode(client_public_key)]
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            while True:
+                loop.run_until_complete(self.handle_zap_message(self.zap_socket.recv_multipart()))
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            self.zap_socket.close()
+            loop.close()
+
+
+def bind_pull(
+    ctx: zmq.Context, port: int, hwm: int = DEFAULT_HWM, keys: WireKeys | None = None
+) -> zmq.Socket:
     """A PULL socket on tcp://127.0.0.1:`port` (never all interfaces: the processes share a
     pod or a host, and nothing else may inject requests). Port 0 picks a free port; read it
-    back with `bound_port`."""
+    back with `bound_port`. With `keys` it is a CURVE server that admits only the clients
+    `ctx`'s `WireAuthenticator` admits."""
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
+    if keys is not None:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
+        sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     endpoint = f"tcp://{LOCALHOST}:{port or '*'}"
     try:
         sock.bind(endpoint)
@@ -65,15 +213,25 @@ def bound_port(sock: zmq.Socket) -> int:
 
 
 def connect_push(
-    ctx: zmq.Context, port: int, hwm: int = DEFAULT_HWM, linger_ms: int = DEFAULT_LINGER_MS
+    ctx: zmq.Context,
+    port: int,
+    hwm: int = DEFAULT_HWM,
+    linger_ms: int = DEFAULT_LINGER_MS,
+    keys: WireKeys | None = None,
+    server: str = "",
 ) -> zmq.Socket:
     """A PUSH socket to tcp://127.0.0.1:`port` that queues only while the peer is connected
     (`IMMEDIATE`): messages for an absent peer are refused at once, not delivered to a
-    restarted peer long after their requests were failed."""
+    restarted peer long after their requests were failed. With `keys` it is a CURVE client
+    that talks only to the role `server` (its public key) and proves it is `keys.role`."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.LINGER, linger_ms)
+    if keys is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, keys.publics[server])
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
     sock.connect(f"tcp://{LOCALHOST}:{port}")
     return sock
 

@@ -38,8 +38,10 @@ from services.ipc import (
     PeerMonitor,
     Receiver,
     Sender,
+    WireAuthenticator,
     bind_pull,
     connect_push,
+    load_wire_keys,
 )
 from services.protocol import Heartbeat, Hello, Message, new_epoch
 from services.settings import Settings
@@ -72,8 +74,11 @@ class Service(ABC):
     def __init__(self, settings: Settings, in_port: int):
         self.settings = settings
         self.epoch = new_epoch()
+        self.keys = load_wire_keys(settings.ipc_keys_dir, self.role)
         self.ctx = zmq.Context()
-        self.receiver = Receiver(bind_pull(self.ctx, in_port), name=self.role)
+        if self.keys is not None:
+            WireAuthenticator(self.ctx, self.keys).start()
+        self.receiver = Receiver(bind_pull(self.ctx, in_port, keys=self.keys), name=self.role)
         self.monitor = PeerMonitor(settings.heartbeat_interval)
         self.senders: list[Sender] = []
         self.outboxes: list[Outbox] = []
@@ -105,11 +110,15 @@ class Service(ABC):
 
     def connect(self, port: int) -> Sender:
         sender = Sender(
-            connect_push(self.ctx, port), self.role, self.epoch, self.settings.heartbeat_interval
+            self._connect_push(port), self.role, self.epoch, self.settings.heartbeat_interval
         )
         self.senders.append(sender)
         self.peer_ports.append(port)
         return sender
+
+    def _connect_push(self, port: int) -> zmq.Socket:
+        """A PUSH socket to the peer that binds `port`, authenticated as this role."""
+        return connect_push(self.ctx, port, keys=self.keys, server=peer_role(self.settings, port))
 
     def outbox(self, port: int) -> Outbox:
         """`connect(port)` for messages that must not be lost to a short disconnection."""
@@ -197,7 +206,7 @@ class Service(ABC):
         thread); exit the process once the loop has not turned for `watchdog_timeout`."""
         senders = [
             Sender(
-                connect_push(self.ctx, port),
+                self._connect_push(port),
                 self.role,
                 self.epoch,
                 self.settings.heartbeat_interval,
@@ -237,6 +246,17 @@ class Service(ABC):
     def _request_stop(self, signum: int, frame: types.FrameType | None) -> None:
         logger.info("%s received %s; stopping", self.role, signal.Signals(signum).name)
         self.stopping = True
+
+
+def peer_role(settings: Settings, port: int) -> str:
+    """The role whose PULL socket binds ZMQ port `port`."""
+    roles = {
+        settings.worker_port: "worker",
+        settings.detokenizer_port: "detokenizer",
+        settings.tokenizer_port: "tokenizer",
+        settings.tokenizer_control_port: "tokenizer",
+    }
+    return roles[port]
 
 
 class ServiceClass(Protocol):

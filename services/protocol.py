@@ -24,7 +24,8 @@ messages from a restarted peer's previous life.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Self, TypeVar
 
 import msgspec
 
@@ -156,6 +157,19 @@ class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
 
 _NOT_PER_RID = ("sender", "epoch", "rids", "new_reqs")
 """Fields of an output batch that are not one entry per rid."""
+_PAYLOAD = (
+    "output_ids",
+    "output_token_logprobs_val",
+    "output_top_logprobs_val",
+    "output_top_logprobs_idx",
+    "input_token_logprobs_val",
+    "input_top_logprobs_val",
+    "input_top_logprobs_idx",
+)
+"""Per-rid columns of lists that a failed row sends empty."""
+FRAME_HEADROOM_BYTES = 1024
+"""What the wire may add to an encoded message under a frame limit (ZMTP framing, CURVE's
+box): an output batch is split to encode to at most the limit less this."""
 
 
 class _BatchOutput(_Msg, kw_only=True):
@@ -232,6 +246,33 @@ class _BatchOutput(_Msg, kw_only=True):
     def _per_rid_fields(self) -> tuple[str, ...]:
         return tuple(f for f in self.__struct_fields__ if f not in _NOT_PER_RID)
 
+    def select(self, rows: Sequence[int]) -> Self:
+        """The batch of these rows alone, in this order, with their rids' constants."""
+        columns = {
+            name: None if (column := getattr(self, name)) is None else [column[i] for i in rows]
+            for name in self._per_rid_fields()
+        }
+        rids = [self.rids[i] for i in rows]
+        return msgspec.structs.replace(self, rids=rids, **columns, **self._constants_of(rids))
+
+    def _constants_of(self, rids: list[str]) -> dict[str, Any]:
+        """The fields that are not per-rid columns, for a batch of `rids` only."""
+        return {}
+
+    def fail_row(self, row: int, reason: FinishReason) -> None:
+        """Finish `row` with `reason`, its payload (ids, logprobs, text) emptied: its
+        request fails, and what the row still carries is a few bytes. The columns it
+        changes are copied first (a batch may share them with the one it came from)."""
+        self._set_cell("finished_reasons", row, reason)
+        for name in _PAYLOAD:
+            if getattr(self, name) is not None:
+                self._set_cell(name, row, [])
+
+    def _set_cell(self, name: str, row: int, value: Any) -> None:
+        column = list(getattr(self, name))
+        column[row] = value
+        setattr(self, name, column)
+
 
 class DetokenizerReqState(msgspec.Struct, frozen=True, omit_defaults=True, array_like=True):
     """What the detokenizer needs of one request to turn its ids into text, constant for
@@ -258,12 +299,25 @@ class BatchTokenIDOutput(_BatchOutput, kw_only=True):
     untraced request), so the detokenizer can add its span to the request's trace. None
     when no rid of the batch has one."""
 
+    def _constants_of(self, rids: list[str]) -> dict[str, Any]:
+        kept = set(rids)
+        return {"new_reqs": [state for state in self.new_reqs if state.rid in kept]}
+
+    def fail_row(self, row: int, reason: FinishReason) -> None:
+        super().fail_row(row, reason)
+        rid = self.rids[row]
+        self.new_reqs = [state for state in self.new_reqs if state.rid != rid]
+
 
 class BatchStrOutput(_BatchOutput, kw_only=True):
     """Detokenizer → tokenizer: the same columns, plus the text each rid gained."""
 
     output_strs: list[str]
     """Text delta per rid: safe to show (no broken UTF-8, no partial stop string)."""
+
+    def fail_row(self, row: int, reason: FinishReason) -> None:
+        super().fail_row(row, reason)
+        self._set_cell("output_strs", row, "")
 
 
 Message = (
@@ -300,3 +354,33 @@ def decode(data: bytes | memoryview) -> Message:
         return _decoder.decode(data)
     except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: absurdly nested input
         raise ProtocolError(f"invalid message ({len(data)} bytes): {e}") from e
+
+
+OutputBatch = TypeVar("OutputBatch", BatchTokenIDOutput, BatchStrOutput)
+
+
+def split_batch(
+    batch: OutputBatch, max_bytes: int, fail: Callable[[int, int], FinishReason]
+) -> list[OutputBatch]:
+    """`batch` as consecutive runs of its rows, in order, each encoding to at most
+    `max_bytes` (one encode when it fits whole, the common case), so that no batch is
+    dropped for its size. A row that alone encodes to more is failed: `fail(row, size)`
+    gives its finish reason, and it goes on emptied (`fail_row`); the other rows arrive
+    whole. A run is sized by its rows' one-row encodings, which together exceed it."""
+    if len(encode(batch)) <= max_bytes:
+        return [batch]
+    parts: list[OutputBatch] = []
+    run: list[int] = []
+    run_bytes = 0
+    for row in range(len(batch.rids)):
+        size = len(encode(batch.select([row])))
+        if size > max_bytes:
+            batch.fail_row(row, fail(row, size))
+            size = len(encode(batch.select([row])))
+        if run and run_bytes + size > max_bytes:
+            parts.append(batch.select(run))
+            run, run_bytes = [], 0
+        run.append(row)
+        run_bytes += size
+    parts.append(batch.select(run))
+    return parts

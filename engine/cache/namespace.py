@@ -18,16 +18,28 @@ class PrefixNamespace:
     """A prefix's namespace. `None` stands for the default, shared one.
 
     `cache_salt` is the OpenAI-style field that isolates one client's prefixes from
-    another's; later reasons (a LoRA adapter, a tenant) become fields here.
+    another's. `tenant` is set under `--cache-isolation tenant`: an opaque digest of the
+    API key's tenant (never its name or key, since it travels in KV events), so tenants
+    share nothing and `cached_tokens` reveals nothing across them. Both may be set: a
+    tenant's salted prefixes are apart from its unsalted ones. Later reasons (a LoRA
+    adapter) become fields here.
     """
 
     cache_salt: str | None = None
+    tenant: str | None = None
 
     def extra_keys(self) -> tuple[ExtraKey, ...]:
         """The namespace as (kind, value) pairs, in a fixed order, for hashes and events."""
-        return () if self.cache_salt is None else (("cache_salt", self.cache_salt),)
+        keys: tuple[ExtraKey, ...] = ()
+        if self.tenant is not None:
+            keys += (("tenant", self.tenant),)
+        if self.cache_salt is not None:
+            keys += (("cache_salt", self.cache_salt),)
+        return keys
 
     @classmethod
-    def of(cls, cache_salt: str | None = None) -> PrefixNamespace | None:
+    def of(cls, cache_salt: str | None = None, tenant: str | None = None) -> PrefixNamespace | None:
         """The namespace of these fields, or None when they are all unset."""
-        return None if cache_salt is None else cls(cache_salt=cache_salt)
+        if cache_salt is None and tenant is None:
+            return None
+        return cls(cache_salt=cache_salt, tenant=tenant)

@@ -35,8 +35,9 @@ class Sampler(nn.Module):
     masks and temperature, before the top-k / top-p / min-p filters — the distribution the
     filters cut from, so a filtered-out candidate in the top-k list still shows its
     probability instead of -inf. (vLLM's default, the raw model logprobs, ignores the
-    penalties and the grammar that shaped the choice.) -inf is clamped to the float32
-    minimum so that the values can go out as JSON.
+    penalties and the grammar that shaped the choice.) -inf (a forbidden token) and NaN (a
+    row whose every token is forbidden) become the float32 minimum, so that every value is
+    finite; the services floor what they show (`responses.LOGPROB_FLOOR`).
     """
 
     def forward(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
@@ -51,19 +52,35 @@ class Sampler(nn.Module):
             next_token_ids = _argmax_rows(logits)
         else:
             # Greedy rows have temperature 1, so their scaled logits are their logits.
-            logits = logits / info.temperatures
+            logits = _scaled(logits, info.temperatures)
             probs = torch.softmax(logits, dim=-1)
             _apply_top_k_top_p_min_p(probs, info)
             sampled = _sample_from_probs(probs, info)
             next_token_ids = torch.where(info.is_greedy, _argmax_rows(logits), sampled)
         if not info.return_logprob:
             return SamplerOutput(next_token_ids, None, None, None)
-        logprobs = torch.log_softmax(logits, dim=-1).clamp_(min=torch.finfo(torch.float32).min)
+        logprobs = torch.log_softmax(logits, dim=-1).nan_to_num_(
+            nan=_FLOAT32_MIN, neginf=_FLOAT32_MIN
+        )
         chosen = logprobs.gather(1, next_token_ids.unsqueeze(1)).squeeze(1)
         if not info.top_logprobs_num:
             return SamplerOutput(next_token_ids, chosen, None, None)
         top = logprobs.topk(info.top_logprobs_num, dim=-1)
         return SamplerOutput(next_token_ids, chosen, top.values, top.indices)
+
+
+_FLOAT32_MIN = torch.finfo(torch.float32).min
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _scaled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """`logits / temperatures`, a new tensor, with +inf clamped to float32's largest value.
+
+    Why: a huge logit (the largest bf16 over a small temperature or repetition penalty)
+    overflows to +inf, and softmax's inf - inf is NaN; clamped, it is simply the likeliest
+    token. -inf, a forbidden token, stays -inf.
+    """
+    return (logits / temperatures).clamp_(max=_FLOAT32_MAX)
 
 
 def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -79,8 +96,9 @@ def _apply_top_k_top_p_min_p(probs: torch.Tensor, info: SamplingBatchInfo) -> No
     One sort serves top-k and top-p, and only as wide as it must be (`info.sort_width`): a
     partial `topk` of the largest top-k is far cheaper than sorting the vocabulary. Top-p
     keeps the smallest prefix of the sorted, top-k-renormalised distribution whose mass
-    reaches `top_p`; a row with `top_p == 1` is exempt, so float rounding in the cumsum can
-    never drop its tail. Min-p drops tokens below `min_p` times the largest probability;
+    reaches `top_p`, and never less than the likeliest token (a tiny `top_p` is 0 in
+    float32); a row with `top_p == 1` is exempt, so float rounding in the cumsum can never
+    drop its tail. Min-p drops tokens below `min_p` times the largest probability;
     that test is scale-free, so it needs neither the sort nor the renormalisation.
     """
     removed: torch.Tensor | None = None
@@ -96,6 +114,7 @@ def _apply_top_k_top_p_min_p(probs: torch.Tensor, info: SamplingBatchInfo) -> No
             top_k_mass = cumulative.gather(1, info.top_ks.clamp(max=width) - 1)
             mass_before = cumulative - sorted_probs
             removed_sorted |= (mass_before >= info.top_ps * top_k_mass) & (info.top_ps < 1.0)
+            removed_sorted[:, 0] = False
         # Past the sorted prefix, a row keeps everything unless its top-k ends inside it.
         removed = (info.top_ks <= width).expand_as(probs).contiguous()
         removed.scatter_(1, sorted_ids, removed_sorted)

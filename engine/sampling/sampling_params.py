@@ -15,6 +15,24 @@ GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")
 MAX_SEED = 2**63 - 1
 """Seeds are hashed as int64 tensors (see `engine.sampling.sampler.seeded_uniform`)."""
 
+MAX_TEMPERATURE = 1e4
+"""The sampler divides float32 logits by the temperature. Above about 6e4 the smallest step
+between two bf16 logits (1/128 for |logit| >= 1) divided by it falls below float32's
+resolution near 1 (1.2e-7), so every hotter temperature samples the same uniform
+distribution: 1e4 is still meaningful, and any logit divided by it stays finite (a
+float32 overflow to inf, as 1e39 was, turns a forbidden token's -inf / inf into NaN)."""
+
+MIN_REPETITION_PENALTY = 1e-2
+"""A seen token's positive logit is divided by the penalty. 0.01 already multiplies it by
+100, which saturates softmax for any real model's logits (a repeat is then as certain as
+any smaller penalty would make it), and with the smallest sampled temperature (1e-6) keeps
+logits up to 3e30 finite in float32. Far smaller values (1e-40) are subnormal or zero in
+float32 and make inf and NaN."""
+
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's range for `logit_bias` values is [-100, 100]: -100 already forbids a token in
+practice, +100 forces it."""
+
 
 @dataclass
 class SamplingParams:
@@ -99,7 +117,9 @@ class SamplingParams:
         return None
 
     def verify(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first bad field; ranges follow OpenAI and SGLang."""
+        """Raise ValueError naming the first bad field; ranges follow OpenAI and SGLang, within
+        what the sampler's float32 arithmetic holds (`MAX_TEMPERATURE`,
+        `MIN_REPETITION_PENALTY`)."""
         _check_int("max_new_tokens", self.max_new_tokens, low=0)
         _check_int("min_new_tokens", self.min_new_tokens, low=0)
         if self.min_new_tokens > self.max_new_tokens:
@@ -107,7 +127,7 @@ class SamplingParams:
                 f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
                 f"got {self.min_new_tokens}"
             )
-        _check_float("temperature", self.temperature, low=0.0)
+        _check_float("temperature", self.temperature, low=0.0, high=MAX_TEMPERATURE)
         _check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _check_int("top_k", self.top_k, low=-1)
         if self.top_k == 0:
@@ -115,9 +135,8 @@ class SamplingParams:
         _check_float("min_p", self.min_p, low=0.0, high=1.0)
         _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
         _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
-        # 0 would divide positive logits by zero.
         _check_float(
-            "repetition_penalty", self.repetition_penalty, low=0.0, high=2.0, low_open=True
+            "repetition_penalty", self.repetition_penalty, low=MIN_REPETITION_PENALTY, high=2.0
         )
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(
@@ -133,11 +152,9 @@ class SamplingParams:
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         for token_id, bias in self.logit_bias.items():
             _check_int("logit_bias", token_id, low=0, high=vocab_size - 1)
-            # -inf forbids a token; +inf on two tokens would make softmax NaN.
-            if not _is_number(bias) or math.isnan(bias) or bias == math.inf:
-                raise ValueError(
-                    f"logit_bias values must be finite numbers or -inf, got {bias!r} for {token_id}"
-                )
+            _check_float(
+                "logit_bias", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS, of=f"token {token_id}"
+            )
         if self.seed is not None:
             _check_int("seed", self.seed, low=0, high=MAX_SEED)
         _check_int("n", self.n, low=1)
@@ -187,12 +204,24 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
 
 
 def _check_float(
-    name: str, value: object, low: float, high: float | None = None, low_open: bool = False
+    name: str,
+    value: object,
+    low: float,
+    high: float | None = None,
+    low_open: bool = False,
+    of: str = "",
 ) -> None:
-    if not _is_number(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    """`of` says whose value it is (a logit_bias entry's token). Integers are compared as
+    they are: one too large for a float (JSON allows any) is out of range, not an
+    OverflowError."""
+    if not _is_number(value) or (isinstance(value, float) and not math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite number, {_got(value, of)}")
     too_low = value <= low if low_open else value < low
     if too_low or (high is not None and value > high):
         lower = f"> {low}" if low_open else f">= {low}"
         bounds = lower if high is None else f"{lower} and <= {high}"
-        raise ValueError(f"{name} must be {bounds}, got {value}")
+        raise ValueError(f"{name} must be {bounds}, {_got(value, of)}")
+
+
+def _got(value: object, of: str) -> str:
+    return f"got {value!r}" + (f" for {of}" if of else "")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,9 @@ class ScheduleBatch:
     """`id`s of requests whose prefill continues after this batch: they sample nothing."""
     forward_batch: ForwardBatch
     sampling_info: SamplingBatchInfo
+    faults: list[tuple[Req, Exception]] = field(default_factory=list)
+    """Requests whose grammar raised while masking this batch's row, with the error: the
+    scheduler fails each alone when it processes the batch (its sampled token is void)."""
 
     @property
     def forward_mode(self) -> ForwardMode:
@@ -104,8 +108,16 @@ class ScheduleBatch:
         if bool(sampling_rows.needs_req_state.any()):
             sampling_info.add_req_state(reqs, sampling_rows, eos_token_ids)
         chunked = frozenset(id(r) for r in extend_reqs if r.is_chunked)
-        sampling_info.vocab_mask = build_vocab_mask(reqs, chunked, vocab_size, device)
-        return cls(reqs, batch_extend_lens, len(extend_reqs), chunked, forward_batch, sampling_info)
+        sampling_info.vocab_mask, faults = build_vocab_mask(reqs, chunked, vocab_size, device)
+        return cls(
+            reqs,
+            batch_extend_lens,
+            len(extend_reqs),
+            chunked,
+            forward_batch,
+            sampling_info,
+            faults,
+        )
 
     @classmethod
     def _decode(
@@ -119,6 +131,7 @@ class ScheduleBatch:
         one that counts their new KV slot, and the sampling state of the last step reused
         unless some request's sampling reads its tokens."""
         reqs = decodes.reqs
+        faults: list[tuple[Req, Exception]] = []
         forward_batch = ForwardBatch.from_host(
             ForwardMode.DECODE,
             decodes.futures,
@@ -136,12 +149,12 @@ class ScheduleBatch:
             rows = decodes.sampling_rows
             sampling_info = SamplingBatchInfo.from_rows(rows, decodes.vocab_size, device)
             sampling_info.add_req_state(reqs, rows, eos_token_ids)
-            sampling_info.vocab_mask = build_vocab_mask(
+            sampling_info.vocab_mask, faults = build_vocab_mask(
                 reqs, frozenset(), decodes.vocab_size, device
             )
         else:
             sampling_info = decodes.sampling_info()
-        return cls(reqs, decodes.ones_list, 0, frozenset(), forward_batch, sampling_info)
+        return cls(reqs, decodes.ones_list, 0, frozenset(), forward_batch, sampling_info, faults)
 
 
 def _ints(values: list[int]) -> torch.Tensor:
@@ -189,19 +202,34 @@ def prompt_logprobs_input(
     )
 
 
+class VocabMask(NamedTuple):
+    mask: torch.Tensor | None
+    """The batch's grammar bitmask on the device; None when no request has a grammar."""
+    faults: list[tuple[Req, Exception]]
+    """Requests whose matcher raised while filling its row (left all-allowed), and why."""
+
+
 def build_vocab_mask(
     reqs: list[Req], chunked: frozenset[int], vocab_size: int, device: torch.device
-) -> torch.Tensor | None:
-    """The grammar bitmask of a batch, None when no request has a grammar. Each grammar
-    row is filled by its matcher in one native call; other rows, and chunked prefills
-    (which sample nothing), stay all-allowed. The matchers must already have accepted
-    every token sampled so far: the scheduler resolves the in-flight batch first."""
+) -> VocabMask:
+    """The grammar bitmask of a batch. Each grammar row is filled by its matcher in one
+    native call; other rows, and chunked prefills (which sample nothing), stay all-allowed.
+    A matcher that raises costs its own request only: its row is reset to all-allowed and
+    the request is reported in `faults`. The matchers must already have accepted every
+    token sampled so far: the scheduler resolves the in-flight batch first."""
     rows = [
-        (i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None and id(r) not in chunked
+        (i, r, grammar)
+        for i, r in enumerate(reqs)
+        if (grammar := r.grammar) is not None and id(r) not in chunked
     ]
+    faults: list[tuple[Req, Exception]] = []
     if not rows:
-        return None
+        return VocabMask(None, faults)
     vocab_mask = allocate_vocab_mask(len(reqs), vocab_size)
-    for i, grammar in rows:
-        grammar.fill_vocab_mask(vocab_mask, i)
-    return vocab_mask.to(device, non_blocking=True)
+    for i, req, grammar in rows:
+        try:
+            grammar.fill_vocab_mask(vocab_mask, i)
+        except Exception as e:
+            vocab_mask[i] = -1  # all allowed: whatever the row samples is discarded
+            faults.append((req, e))
+    return VocabMask(vocab_mask.to(device, non_blocking=True), faults)

@@ -69,6 +69,8 @@ rather than spin; short, so that the event loop still receives new requests prom
 AnyGrammarMatcher = GrammarMatcher | ReasoningGrammarMatcher
 """A request's grammar state: plain, or waiting for the end of a reasoning section."""
 
+ABORTED_BY_CLIENT = FinishReason("abort", message="aborted by the client")
+
 
 class SchedulerObserver(Protocol):
     """Hears the per-request and per-batch events that counters cannot carry (the worker
@@ -233,13 +235,13 @@ class Scheduler:
         else:
             self.waiting_queue.append(req)
 
-    def abort_request(self, rid: str) -> None:
-        """Finish `rid` now; its KV slots are freed at once, in flight or not."""
+    def abort_request(self, rid: str, reason: FinishReason = ABORTED_BY_CLIENT) -> None:
+        """Finish `rid` now with `reason`; its KV slots are freed at once, in flight or not."""
         for queue in (self.waiting_queue, self.grammar_queue):
             for req in queue:
                 if req.rid == rid:
                     queue.remove(req)
-                    self._finish(req, FinishReason("abort", message="aborted by the client"))
+                    self._finish(req, reason)
                     return
         holding_kv = self.running.reqs
         if self.chunked_req is not None:
@@ -249,7 +251,7 @@ class Scheduler:
                 if live is self.chunked_req:
                     self.chunked_req = None
                 release_req(live, self.cache_manager)
-                self._finish(live, FinishReason("abort", message="aborted by the client"))
+                self._finish(live, reason)
                 self.running.remove([live])
                 return
 
@@ -427,15 +429,19 @@ class Scheduler:
         for req in self.grammar_queue:
             try:
                 compiled = _pending_grammar(req).result()
+                if compiled is not None:
+                    req.grammar = self._grammar_backend().new_matcher(
+                        compiled, req.sampling_params.reasoning
+                    )
             except GrammarError as e:
                 self._finish(req, FinishReason("abort", message=str(e), status_code=400))
+                continue
+            except Exception as e:
+                self._fail(req, "compiling its grammar", e)
                 continue
             if compiled is None:
                 still_compiling.append(req)
                 continue
-            req.grammar = self._grammar_backend().new_matcher(
-                compiled, req.sampling_params.reasoning
-            )
             req.pending_grammar = None
             self.waiting_queue.append(req)
         self.grammar_queue = still_compiling
@@ -542,6 +548,10 @@ class Scheduler:
         num_extend = batch.num_extend_reqs
         reqs, tokens = batch.reqs, result.next_token_ids
         done: list[Req] = []  # leaving the running batch: finished or jumped forward
+        for req, error in batch.faults:  # its row sampled unconstrained: the token is void
+            if not req.finished:
+                done.append(req)
+                self._fail(req, "masking its grammar's tokens", error)
         generated = 0
         for i in range(num_extend):
             generated += self._process_extend(batch, result, i, done)
@@ -575,7 +585,12 @@ class Scheduler:
             return 0
         self.cache_manager.commit(req, batch.extend_lens[i])
         if req.prompt_logprobs_pending:
-            _add_prompt_logprobs(req, result, i)
+            try:
+                _add_prompt_logprobs(req, result, i)
+            except Exception as e:
+                done.append(req)
+                self._fail(req, "gathering its prompt logprobs", e)
+                return 0
         if id(req) in batch.chunked:
             self.cache_manager.cache_unfinished_req(req)
             return 0
@@ -594,7 +609,36 @@ class Scheduler:
         self, req: Req, result: BatchResult, i: int, token: int, fresh_prefill: bool = False
     ) -> bool:
         """Record the logprobs of the token just appended at row `i`, advance the grammar,
-        and end the request or send it on; True if it leaves the running batch."""
+        and end the request or send it on; True if it leaves the running batch.
+
+        What runs the request's own logprobs, grammar, stop strings or jump-forward plan is
+        contained: an error there fails this request alone (`_fail`) and the batch goes on.
+        The KV hand-overs stay outside the guard: an error in them is the scheduler's own."""
+        grammar = req.grammar
+        try:
+            reason = self._advance(req, result, i, token)
+            plan = (
+                self._plan_jump_forward(req, grammar)
+                if reason is None and self.jump_forward and grammar is not None
+                else None
+            )
+        except Exception as e:
+            return self._fail(req, "processing its sampled token", e)
+        if reason is not None:
+            self.cache_manager.cache_finished_req(req)
+            self._finish(req, reason)
+            return True
+        if fresh_prefill:  # share the fresh prefill with later requests now
+            self.cache_manager.cache_unfinished_req(req)
+        self.outputs.append(req)
+        if plan is None:
+            return False
+        self._jump_forward(req, plan)
+        return True
+
+    def _advance(self, req: Req, result: BatchResult, i: int, token: int) -> FinishReason | None:
+        """Record row `i`'s logprobs of the token just appended and advance the grammar;
+        why the request ends now, if it does."""
         params = req.sampling_params
         if params.logprobs:
             logprobs, top_logprobs = result.next_token_logprobs, result.top_logprobs
@@ -605,40 +649,36 @@ class Scheduler:
                 req.output_top_logprobs.append(top_logprobs[i][: params.top_logprobs_num])
         grammar = req.grammar
         reason = _accept_grammar_token(grammar, token) if grammar is not None else None
-        reason = reason or self._check_finished(req)
-        if reason is not None:
-            self.cache_manager.cache_finished_req(req)
-            self._finish(req, reason)
-            return True
-        if fresh_prefill:  # share the fresh prefill with later requests now
-            self.cache_manager.cache_unfinished_req(req)
-        self.outputs.append(req)
-        return self.jump_forward and grammar is not None and self._jump_forward(req, grammar)
+        return reason or self._check_finished(req)
 
-    def _jump_forward(self, req: Req, matcher: AnyGrammarMatcher) -> bool:
-        """Take the text the grammar forces now, if any; True if it did. The request then
-        leaves the running batch (the caller removes it) with its KV handed to the radix tree
-        and returns through the waiting queue as an extend of the forced tokens: one forward
-        pass instead of one per token. Under the overlap loop nothing of it is in flight
-        here: `_prepare` resolved its last batch before building the next, as for every
-        grammar request."""
+    def _plan_jump_forward(self, req: Req, matcher: AnyGrammarMatcher) -> JumpForward | None:
+        """The tokens of the text the grammar forces now, with the matcher already moved
+        onto them; None (matcher unchanged) when there is nothing to take."""
         params = req.sampling_params
         forced = matcher.find_jump_forward_string()
         if not forced or params.logprobs:  # forced tokens have no sampled logprobs to report
-            return False
+            return None
         plan = plan_jump_forward(self._grammar_backend().tokenizer, req.output_ids, forced)
         if plan is None:
-            return False
+            return None
         new_len = len(req.output_ids) - plan.rollback + len(plan.token_ids)
         if (
             new_len >= params.max_new_tokens
             or len(req.origin_input_ids) + new_len >= self.context_len
         ):
-            return False  # the forced text would end the request: decode up to the limit
+            return None  # the forced text would end the request: decode up to the limit
         if params.stop and self._forced_text_hits_stop(req, forced):
-            return False  # decode it token by token, so that the stop check ends the request
+            return None  # decode it token by token, so that the stop check ends the request
         if not _retokenize_grammar(matcher, req.output_ids, plan):
-            return False
+            return None
+        return plan
+
+    def _jump_forward(self, req: Req, plan: JumpForward) -> None:
+        """Take the forced tokens of `plan`. The request leaves the running batch (the
+        caller removes it) with its KV handed to the radix tree and returns through the
+        waiting queue as an extend of the forced tokens: one forward pass instead of one
+        per token. Under the overlap loop nothing of it is in flight here: `_prepare`
+        resolved its last batch before building the next, as for every grammar request."""
         self.cache_manager.cache_finished_req(req)
         del req.output_ids[len(req.output_ids) - plan.rollback :]
         req.output_ids += plan.token_ids
@@ -647,7 +687,6 @@ class Scheduler:
         self.waiting_queue.insert(0, req)
         self.stats.jump_forwards += 1
         self.stats.jump_forward_tokens += len(plan.token_ids) - plan.rollback
-        return True
 
     def _forced_text_hits_stop(self, req: Req, forced: str) -> bool:
         stop = req.sampling_params.stop
@@ -678,6 +717,23 @@ class Scheduler:
         if len(req.origin_input_ids) + num_output >= self.context_len:
             return FinishReason("length")
         return None
+
+    def _fail(self, req: Req, stage: str, error: Exception) -> bool:
+        """Contain an error raised while handling `req` alone: log it once with its
+        traceback, free its KV without caching it, and finish it with a server error that
+        the client sees; the loop serves the other requests on. True: like any finished
+        request it leaves the running batch (the caller removes it)."""
+        logger.error("request %s failed while %s", req.rid, stage, exc_info=error)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        if req.req_pool_idx is not None:
+            release_req(req, self.cache_manager)
+        message = (
+            f"internal server error while {stage} ({type(error).__name__}); "
+            "the request was stopped, and the server serves other requests on"
+        )
+        self._finish(req, FinishReason("abort", message=message))
+        return True
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         """Mark `req` finished and send it; a running request's caller also removes it from

@@ -4,9 +4,10 @@ It runs apart from the worker so that decoding text never delays a scheduler rou
 `IncrementalDetokenizer` per live rid holds back broken UTF-8 and anything that could
 still turn into a stop string, so every delta it sends is final. A rid's stop strings and
 decode options come once, with its first output (`DetokenizerReqState`), and its state is
-dropped with its last (a finish or an abort), so a step's batch carries ids only. It
-serves `/metrics` and `/healthz` on its metrics port, and adds a detokenize span to each
-traced request.
+dropped with its last (a finish or an abort), so a step's batch carries ids only. A rid
+whose decoding raises fails alone, with a server error; an output batch too large for one
+message goes as several. It serves `/metrics` and `/healthz` on its metrics port, and adds
+a detokenize span to each traced request.
 """
 
 from __future__ import annotations
@@ -14,17 +15,21 @@ from __future__ import annotations
 import logging
 import time
 
+import msgspec
+
 from engine.detokenize import IncrementalDetokenizer, Tokenizer
 from engine.model.loader import load_tokenizer
 from observability.detokenizer_metrics import DetokenizerMetrics
-from services.ipc import PeerEvent
+from services.ipc import MAX_MESSAGE_BYTES, PeerEvent
 from services.process import Service
 from services.protocol import (
+    FRAME_HEADROOM_BYTES,
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizerReqState,
     FinishReason,
     Message,
+    split_batch,
 )
 from services.settings import Settings
 
@@ -46,20 +51,58 @@ class BatchDetokenizer:
         """None with skip_tokenizer_init: the API returns token ids only, the text stays ""."""
         self.decode_status: dict[str, IncrementalDetokenizer] = {}
         """rid → its incremental state, from its first output until it finishes."""
+        self.failed: set[str] = set()
+        """Rids failed here whose worker has not finished them yet: their rows are dropped."""
 
     def detokenize(self, batch: BatchTokenIDOutput) -> BatchStrOutput:
+        """The text of each row; a row whose decoding raises fails its request alone."""
+        if self.failed:
+            batch = self.drop_failed(batch)
         for req_state in batch.new_reqs:
             self.add_request(req_state)
         rollbacks = batch.rollbacks or [0] * len(batch.rids)
-        texts = [
-            self.text_delta(rid, ids, reason, rollback)
-            for rid, ids, reason, rollback in zip(
-                batch.rids, batch.output_ids, batch.finished_reasons, rollbacks
-            )
-        ]
-        return BatchStrOutput(
+        texts: list[str] = []
+        errors: list[tuple[int, Exception]] = []
+        for row, (rid, ids, reason, rollback) in enumerate(
+            zip(batch.rids, batch.output_ids, batch.finished_reasons, rollbacks)
+        ):
+            try:
+                texts.append(self.text_delta(rid, ids, reason, rollback))
+            except Exception as e:
+                texts.append("")
+                errors.append((row, e))
+        out = BatchStrOutput(
             **{name: getattr(batch, name) for name in _PASSED_THROUGH}, output_strs=texts
         )
+        for row, error in errors:
+            logger.error("request %s failed while detokenizing", out.rids[row], exc_info=error)
+            message = (
+                f"internal server error while detokenizing ({type(error).__name__}); "
+                "the request was stopped, and the server serves other requests on"
+            )
+            out.fail_row(row, self.fail(out, row, message))
+        return out
+
+    def drop_failed(self, batch: BatchTokenIDOutput) -> BatchTokenIDOutput:
+        """`batch` without the rows of rids failed here; a finished one is forgotten."""
+        keep: list[int] = []
+        for row, (rid, reason) in enumerate(zip(batch.rids, batch.finished_reasons)):
+            if rid not in self.failed:
+                keep.append(row)
+            elif reason is not None:
+                self.failed.discard(rid)
+        return batch if len(keep) == len(batch.rids) else batch.select(keep)
+
+    def fail(
+        self, batch: BatchStrOutput, row: int, message: str, status_code: int | None = None
+    ) -> FinishReason:
+        """Fail `row`'s request here: its state is dropped and, until the worker finishes
+        it, its later rows too. The finish reason its row carries (None: a server error)."""
+        rid = batch.rids[row]
+        self.decode_status.pop(rid, None)
+        if batch.finished_reasons[row] is None:
+            self.failed.add(rid)
+        return FinishReason("abort", message=message, status_code=status_code)
 
     def add_request(self, req_state: DetokenizerReqState) -> None:
         if self.tokenizer is not None:
@@ -101,6 +144,8 @@ class Detokenizer(Service):
         )
         super().__init__(settings, settings.detokenizer_port)
         self.to_tokenizer = self.outbox(settings.tokenizer_port)
+        self.max_output_bytes = MAX_MESSAGE_BYTES - FRAME_HEADROOM_BYTES
+        """An output batch encoding to more is split by rows (`split_batch`)."""
         self.first_seen: dict[str, float] = {}
         """rid → when its first output arrived (time.monotonic()); kept only while tracing."""
         self.metrics = DetokenizerMetrics(
@@ -113,7 +158,7 @@ class Detokenizer(Service):
     def handle(self, msg: Message) -> None:
         if isinstance(msg, BatchTokenIDOutput):
             start = time.monotonic()
-            self.to_tokenizer.put(self.state.detokenize(msg))
+            self.send(self.state.detokenize(msg))
             end = time.monotonic()
             self.metrics.observe_batch(end - start)
             self.trace(msg, start, end)
@@ -124,12 +169,32 @@ class Detokenizer(Service):
                 msg.sender or "?",
             )
 
+    def send(self, out: BatchStrOutput) -> None:
+        """`out` to the tokenizer, as several messages if it is too large for one."""
+        out = msgspec.structs.replace(out, sender=self.role, epoch=self.epoch)
+
+        def fail(row: int, size: int) -> FinishReason:
+            message = (
+                f"this request's output of one step encodes to {size} bytes, over the "
+                f"{self.max_output_bytes}-byte limit of a message between the server's "
+                "processes; ask for fewer logprobs or prompt logprobs"
+            )
+            logger.error("request %s failed: %s", out.rids[row], message)
+            return self.state.fail(out, row, message, status_code=400)
+
+        for part in split_batch(out, self.max_output_bytes, fail):
+            self.to_tokenizer.put(part)
+
     def on_peer_event(self, event: PeerEvent) -> None:
         decode_status = self.state.decode_status
-        if event.peer == "worker" and event.kind == "restart" and decode_status:
+        if event.peer == "worker" and event.kind == "restart":
             # The worker's previous life will never finish these rids.
-            logger.info("worker restarted; dropped the state of %d request(s)", len(decode_status))
+            if decode_status:
+                logger.info(
+                    "worker restarted; dropped the state of %d request(s)", len(decode_status)
+                )
             decode_status.clear()
+            self.state.failed.clear()
             self.first_seen.clear()
 
     def trace(self, batch: BatchTokenIDOutput, start: float, end: float) -> None:

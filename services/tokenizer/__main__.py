@@ -6,7 +6,8 @@ import uvicorn
 from engine.model.loader import load_tokenizer
 from services.process import configure_logging
 from services.settings import Settings
-from services.tokenizer.server import create_app
+from services.tokenizer.middleware import ApiKeyFileError
+from services.tokenizer.server import EdgeProtocol, create_app
 
 
 def main() -> None:
@@ -17,10 +18,15 @@ def main() -> None:
         if settings.skip_tokenizer_init
         else load_tokenizer(settings.tokenizer or settings.model)
     )
+    try:
+        app = create_app(settings, tokenizer)
+    except ApiKeyFileError as e:
+        raise SystemExit(f"python -m services.tokenizer: error: {e}") from None
     uvicorn.run(
-        create_app(settings, tokenizer),
+        app,
         host=settings.host,
         port=settings.port,
+        http=EdgeProtocol.configured(settings),
         log_config=None,
         log_level=settings.log_level,
         # uvicorn annotates this as int but passes it to asyncio.wait_for, which takes any

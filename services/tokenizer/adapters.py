@@ -8,9 +8,9 @@ a 4xx is decided, and tested, here.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import ValidationError
 
@@ -40,6 +40,20 @@ _VALIDATION_CODES = {
     "unsupported": "unsupported_parameter",
 }
 """OpenAI-style codes for the pydantic error types that have one of their own."""
+COMPLETIONS_MAX_LOGPROBS = 5
+"""OpenAI's limit on the legacy completions' `logprobs` (chat's `top_logprobs` goes to 20)."""
+
+
+class RequestLimits(Protocol):
+    """The size limits a request is held to, each a flag of its own (`Settings` has them):
+    what a request may make the worker copy into every step's output batch and the
+    tokenizer decode per token."""
+
+    max_stop_strings: int
+    max_stop_string_length: int
+    max_stop_token_ids: int
+    max_logit_bias: int
+    max_top_logprobs: int
 
 
 class RequestError(Exception):
@@ -154,6 +168,7 @@ def to_sampling_params(
     vocab_size: int,
     grammar_max_bytes: int,
     grammar_max_nesting_depth: int,
+    limits: RequestLimits,
 ) -> SamplingParams:
     """Map a request onto the engine's `SamplingParams` and check it, for a prompt of
     `prompt_len` tokens (one call per prompt of a batch: each has its own room).
@@ -162,7 +177,8 @@ def to_sampling_params(
     than the model can hold is the client's mistake); the server's `max_tokens_cap` is
     policy, so a larger request is clamped to it and ends with finish_reason "length".
     Omitted, it is the room left in the context (OpenAI's default; /generate keeps the
-    engine's default of 128, as SGLang does), up to the cap. Ranges are
+    engine's default of 128, as SGLang does), up to the cap. Sizes are the server's
+    `limits` (a 400 naming the field, the limit and its flag), ranges are
     `SamplingParams.verify`'s; its errors come back under the request's own field names.
     A grammar (json_schema, regex, ebnf, response_format) is checked against the limits
     and parsed here, so that a bad one is a 400 before the request is queued.
@@ -193,6 +209,15 @@ def to_sampling_params(
     )
     try:
         params = SamplingParams.from_dict(kwargs)
+    except ValueError as exc:
+        raise _renamed(str(exc), names, prefix) from None
+    _check_sizes(
+        params,
+        limits,
+        lambda field: names.get(field, prefix + field),
+        completions=isinstance(request, CompletionRequest),
+    )
+    try:
         params.verify(vocab_size)
         _check_int64(params)
     except ValueError as exc:
@@ -211,6 +236,69 @@ def to_sampling_params(
             param = names.get(kind, prefix + kind)
             raise RequestError(str(exc).replace(kind, param, 1), param=param) from None
     return params
+
+
+def _check_sizes(
+    params: SamplingParams,
+    limits: RequestLimits,
+    param_of: Callable[[str], str],
+    completions: bool,
+) -> None:
+    """The server's size limits, before `verify` walks the values. Values of the wrong type
+    are left to `verify`, which names the type error."""
+    _check_length(param_of("stop"), params.stop, limits.max_stop_strings, "max_stop_strings")
+    if isinstance(params.stop, list):
+        longest = max((s for s in params.stop if isinstance(s, str)), key=len, default="")
+        if len(longest) > limits.max_stop_string_length:
+            param = param_of("stop")
+            raise RequestError(
+                f"{param} has a string of {len(longest)} characters; at most "
+                f"{limits.max_stop_string_length} are allowed ({_flag('max_stop_string_length')})",
+                param=param,
+                code="string_above_max_length",
+            )
+    _check_length(
+        param_of("stop_token_ids"),
+        params.stop_token_ids,
+        limits.max_stop_token_ids,
+        "max_stop_token_ids",
+    )
+    _check_length(
+        param_of("logit_bias"), params.logit_bias, limits.max_logit_bias, "max_logit_bias"
+    )
+    top_limit, top_reason = limits.max_top_logprobs, _flag("max_top_logprobs")
+    if completions and COMPLETIONS_MAX_LOGPROBS < top_limit:
+        top_limit, top_reason = COMPLETIONS_MAX_LOGPROBS, "OpenAI's limit for completions"
+    _check_at_most(param_of("top_logprobs_num"), params.top_logprobs_num, top_limit, top_reason)
+    _check_at_most(
+        param_of("prompt_top_logprobs_num"),
+        params.prompt_top_logprobs_num,
+        limits.max_top_logprobs,
+        _flag("max_top_logprobs"),
+    )
+
+
+def _flag(setting: str) -> str:
+    """The command-line flag of a `Settings` field."""
+    return "--" + setting.replace("_", "-")
+
+
+def _check_length(param: str, value: object, limit: int, setting: str) -> None:
+    if isinstance(value, (list, dict)) and len(value) > limit:
+        raise RequestError(
+            f"{param} has {len(value)} entries; at most {limit} are allowed ({_flag(setting)})",
+            param=param,
+            code="array_above_max_length",
+        )
+
+
+def _check_at_most(param: str, value: object, limit: int, reason: str) -> None:
+    if isinstance(value, int) and value > limit:
+        raise RequestError(
+            f"{param} is {value}; at most {limit} are allowed ({reason})",
+            param=param,
+            code="integer_above_max_value",
+        )
 
 
 def _check_int64(params: SamplingParams) -> None:

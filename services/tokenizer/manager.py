@@ -28,7 +28,16 @@ import zmq.asyncio
 
 from observability.metrics import RequestTimer, TokenizerMetrics
 from observability.tracing import Tracing
-from services.ipc import AsyncReceiver, PeerEvent, PeerMonitor, Sender, bind_pull, connect_push
+from services.ipc import (
+    AsyncReceiver,
+    PeerEvent,
+    PeerMonitor,
+    Sender,
+    WireAuthenticator,
+    bind_pull,
+    connect_push,
+    load_wire_keys,
+)
 from services.protocol import (
     AbortReq,
     BatchStrOutput,
@@ -46,7 +55,7 @@ from services.protocol import (
 )
 from services.settings import Settings
 from services.tokenizer.adapters import RequestError
-from services.tokenizer.responses import TokenLogprob
+from services.tokenizer.responses import REQUESTED_ABORT_STATUS, TokenLogprob
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -95,6 +104,16 @@ class ReqOutput:
     which nothing predicts."""
 
 
+REQUESTED_ABORT = FinishReason(
+    "abort", message="the request was aborted (/abort_request)", status_code=REQUESTED_ABORT_STATUS
+)
+
+
+def requested_abort(reason: FinishReason | None, asked: bool) -> FinishReason | None:
+    """`REQUESTED_ABORT` for the worker's abort of a request `asked` to stop, else `reason`."""
+    return REQUESTED_ABORT if asked and reason is not None and reason.type == "abort" else reason
+
+
 @dataclass
 class _Group:
     queue: asyncio.Queue[list[ReqOutput] | RequestError] = field(default_factory=asyncio.Queue)
@@ -106,6 +125,9 @@ class _Group:
     queued: set[str] = field(default_factory=set)
     """Rids with no output yet: waiting in the worker, compiling a grammar or prefilling."""
     prompt_ids: dict[str, list[int]] = field(default_factory=dict)
+    aborted: set[str] = field(default_factory=set)
+    """Rids stopped through `abort` (`/abort_request`): their abort is asked for, not a
+    server error (`REQUESTED_ABORT`)."""
     """Rid → its prompt ids from `logprob_start_len` on, for those that ask prompt logprobs
     (the worker sends back the logprobs only)."""
 
@@ -125,10 +147,13 @@ class TokenizerManager:
         self.metrics = metrics
         self.tracing = tracing
         self.epoch = new_epoch()
+        self.keys = load_wire_keys(settings.ipc_keys_dir, "tokenizer")
         self.ctx = zmq.Context()
         self.actx = zmq.asyncio.Context()
+        if self.keys is not None:
+            WireAuthenticator(self.actx, self.keys).start()
         self.to_worker = Sender(
-            connect_push(self.ctx, settings.worker_port),
+            connect_push(self.ctx, settings.worker_port, keys=self.keys, server="worker"),
             "tokenizer",
             self.epoch,
             settings.heartbeat_interval,
@@ -138,6 +163,12 @@ class TokenizerManager:
             AsyncReceiver(self._bind_pull(settings.tokenizer_control_port), "tokenizer-control"),
         ]
         self.monitor = PeerMonitor(settings.heartbeat_interval)
+        self.live_peers: set[str] = set()
+        """Peers heard from and not since judged dead (`_on_peer_event`): requests are admitted
+        on this verdict, never on the time since a peer's last message, which a busy event
+        loop makes look long while the peer's heartbeats wait unread in the socket."""
+        self.responsive_since = time.monotonic()
+        """When this event loop last came back from a stall (`_liveness_loop`)."""
         self.worker_info: WorkerReady | None = None
         """The worker's limits; None until it announces itself (and after it restarts)."""
         self.groups: dict[str, _Group] = {}
@@ -149,7 +180,7 @@ class TokenizerManager:
 
     def _bind_pull(self, port: int) -> zmq.asyncio.Socket:
         # `bind_pull` is typed for any context; on an asyncio one it makes an asyncio socket.
-        return cast(zmq.asyncio.Socket, bind_pull(self.actx, port))
+        return cast(zmq.asyncio.Socket, bind_pull(self.actx, port, keys=self.keys))
 
     # ----- lifecycle ---------------------------------------------------------------------
 
@@ -171,7 +202,7 @@ class TokenizerManager:
         """The worker's limits, or a 503 unless it is loaded and every one of `peers` is alive."""
         if self.worker_info is None:
             raise unavailable("the model is still loading; retry when /health answers 200")
-        dead = [p for p in peers if not self.monitor.is_alive(p)]
+        dead = [p for p in peers if p not in self.live_peers]
         if dead:
             raise unavailable(f"the {' and '.join(dead)} process is not responding; retry later")
         if not self.to_worker.sock.poll(0, zmq.POLLOUT):
@@ -263,6 +294,10 @@ class TokenizerManager:
                 for item in items:
                     if item.finished_reason is not None:
                         group.unfinished.discard(item.rid)
+                        if item.finished_reason.type == "abort":
+                            # An abort may come from the detokenizer (its decode of the row
+                            # failed) while the worker still runs the request: free its KV now.
+                            self.to_worker.send(AbortReq(rid=item.rid))
                     if metrics is not None:
                         self._observe(metrics, timers[item.rid], item)
                     yield item
@@ -312,6 +347,7 @@ class TokenizerManager:
 
         rids = [r for r in self.groups if matches(r)]
         for r in rids:
+            self.groups[r].aborted.add(r)
             self.to_worker.send(AbortReq(rid=r))
         return len(rids)
 
@@ -404,7 +440,9 @@ class TokenizerManager:
                     rid=rid,
                     text=batch.output_strs[i],
                     output_ids=batch.output_ids[i],
-                    finished_reason=batch.finished_reasons[i],
+                    finished_reason=requested_abort(
+                        batch.finished_reasons[i], rid in group.aborted
+                    ),
                     prompt_tokens=batch.prompt_tokens[i],
                     completion_tokens=batch.completion_tokens[i],
                     cached_tokens=batch.cached_tokens[i],
@@ -479,16 +517,26 @@ class TokenizerManager:
         while True:
             self.to_worker.heartbeat_if_due()
             now = time.monotonic()
-            # After this event loop stalled (a huge prompt to tokenize), the peers' heartbeats
-            # wait unread in the sockets: let the receive loops drain them before judging.
-            responsive = now - last_tick <= interval
+            if now - last_tick > interval:
+                self.responsive_since = now
             last_tick = now
-            for event in self.monitor.poll(check_deaths=responsive):
+            for event in self.monitor.poll(check_deaths=self._can_judge_deaths(now)):
                 self._on_peer_event(event)
             await asyncio.sleep(interval / 2)
 
+    def _can_judge_deaths(self, now: float) -> bool:
+        """Whether a peer's silence is its own: only once this loop has run without a stall
+        (ticks at most an interval apart) for as long as a death takes, so that the peer's
+        heartbeats could have been read. A stall (a process-wide pause, or a bug that blocks
+        the loop) delays the verdict by that long; it never makes one."""
+        return now - self.responsive_since >= self.monitor.misses * self.settings.heartbeat_interval
+
     def _on_peer_event(self, event: PeerEvent) -> None:
         logger.info("peer %s %s (epoch %s)", event.peer, event.kind, event.epoch)
+        if event.kind == "dead":
+            self.live_peers.discard(event.peer)
+        else:
+            self.live_peers.add(event.peer)
         if event.kind == "up":
             if event.peer == "worker":
                 self.to_worker.hello()

@@ -5,8 +5,8 @@ a 2). Fields nobody implements here fall in three kinds (docs/api.md lists them)
 ignored on purpose (`user`, `metadata`, ...) are accepted, fields we know and do not
 serve are a 400 naming them unless sent at their default (SDKs send many at their
 defaults), and fields we have never heard of are ignored, as OpenAI's own server does.
-Value ranges are checked once, by `SamplingParams.verify`, through
-`adapters.to_sampling_params`.
+Value ranges are checked once, by `SamplingParams.verify`, and sizes against the
+server's limits, through `adapters.to_sampling_params`.
 
 The union-typed inputs (message content, `stop`, `prompt`) are normalised by a
 before-validator that also checks their shape, so a client sees one clear message naming
@@ -486,9 +486,15 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+Logprob = Annotated[float, Field(allow_inf_nan=False)]
+"""A logprob as a response carries it: refused at construction unless finite, so that a
+NaN or -inf that escaped `responses.LOGPROB_FLOOR` fails loudly instead of going out as
+pydantic's `null`."""
+
+
 class TopLogprob(BaseModel):
     token: str
-    logprob: float
+    logprob: Logprob
     bytes: list[int] | None = None
 
 
@@ -502,12 +508,12 @@ class ChoiceLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
+    token_logprobs: list[Logprob | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, Logprob] | None] = Field(default_factory=list)
 
 
-FinishReasonName = Literal["stop", "length", "tool_calls"]
+FinishReasonName = Literal["stop", "length", "tool_calls", "abort"]
 
 
 class ToolCallFunction(BaseModel):
@@ -586,7 +592,7 @@ class ChatCompletionResponseStreamChoice(BaseModel):
 
 
 class VllmLogprob(BaseModel):
-    logprob: float
+    logprob: Logprob
     rank: int | None = None
     """Not computed: the rank would need a sort of the vocabulary per position."""
     decoded_token: str

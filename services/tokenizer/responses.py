@@ -48,6 +48,21 @@ if TYPE_CHECKING:  # the engine imports torch, which the tokenizer service does 
 SSE_DONE = "data: [DONE]\n\n"
 """The last event of every OpenAI stream."""
 
+LOGPROB_FLOOR = -9999.0
+"""The least logprob a response shows (vLLM's floor): a token the grammar or a bias forbade
+has -inf, which the sampler sends as float32's minimum, and neither is a number a JSON
+client expects."""
+
+
+def shown_logprob(value: float) -> float:
+    """`value`, floored at `LOGPROB_FLOOR`; a NaN (which compares false) is floored too."""
+    return value if value >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _shown_or_none(value: float | None) -> float | None:
+    """An echoed prompt's first token has no logprob: it stays null."""
+    return None if value is None else shown_logprob(value)
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
@@ -105,9 +120,18 @@ class ResponseHeader:
         return {"id": self.id, "model": self.model, "created": self.created}
 
 
+REQUESTED_ABORT_STATUS = 499
+"""The status of a request aborted because it was asked to (`/abort_request`): nginx's
+"client closed request", never a server error. Such a stream ends with finish reason
+"abort" (vLLM's name); an answer not streamed is this status with an error body."""
+
+
 def openai_finish_reason(reason: FinishReason) -> FinishReasonName:
     """An abort has no OpenAI finish reason: the request failed, and the client gets an
-    error instead of a truncated answer that looks complete."""
+    error instead of a truncated answer that looks complete. One asked for
+    (`REQUESTED_ABORT_STATUS`) is "abort"."""
+    if reason.type == "abort" and reason.status_code == REQUESTED_ABORT_STATUS:
+        return "abort"
     if reason.type == "abort":
         raise RequestError(
             reason.message or "the request was aborted", code="request_aborted", status=500
@@ -134,7 +158,9 @@ def usage_info(choices: Sequence[ChoiceOutput], n: int) -> UsageInfo:
 def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> ChoiceLogprobs:
     def entry(lp: TokenLogprob) -> TopLogprob:
         assert lp.logprob is not None, "chat reports generated tokens only, each predicted"
-        return TopLogprob(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()))
+        return TopLogprob(
+            token=lp.token, logprob=shown_logprob(lp.logprob), bytes=list(lp.token.encode())
+        )
 
     return ChoiceLogprobs(
         content=[
@@ -158,12 +184,14 @@ def completion_logprobs(
         text_offset += len(lp.token)
     return CompletionLogprobs(
         text_offset=offsets,
-        token_logprobs=[lp.logprob for lp in logprobs],
+        token_logprobs=[_shown_or_none(lp.logprob) for lp in logprobs],
         tokens=[lp.token for lp in logprobs],
         top_logprobs=[
             None
             if lp.logprob is None
-            else {t.token: t.logprob for t in lp.top_logprobs if t.logprob is not None}
+            else {
+                t.token: shown_logprob(t.logprob) for t in lp.top_logprobs if t.logprob is not None
+            }
             for lp in logprobs
         ],
     )
@@ -226,9 +254,12 @@ def completion_response(
 
 
 def sse_event(obj: BaseModel | dict[str, Any]) -> str:
-    """One server-sent event: `data: <json>` and a blank line."""
+    """One server-sent event: `data: <json>` and a blank line. NaN and infinities are
+    refused (ValueError), as in a JSON response: they are not JSON."""
     payload = (
-        obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj, ensure_ascii=False)
+        obj.model_dump_json()
+        if isinstance(obj, BaseModel)
+        else json.dumps(obj, ensure_ascii=False, allow_nan=False)
     )
     return f"data: {payload}\n\n"
 
@@ -378,11 +409,14 @@ def vllm_prompt_logprobs(
         if lp.logprob is None:
             result.append(None)
             continue
-        by_id = {str(lp.token_id): VllmLogprob(logprob=lp.logprob, decoded_token=lp.token)}
+        by_id = {
+            str(lp.token_id): VllmLogprob(logprob=shown_logprob(lp.logprob), decoded_token=lp.token)
+        }
         for t in lp.top_logprobs:
             if t.logprob is not None:  # alternatives always have one; the type allows None
                 by_id.setdefault(
-                    str(t.token_id), VllmLogprob(logprob=t.logprob, decoded_token=t.token)
+                    str(t.token_id),
+                    VllmLogprob(logprob=shown_logprob(t.logprob), decoded_token=t.token),
                 )
         result.append(by_id)
     return result
@@ -419,21 +453,21 @@ def generate_response(output: ChoiceOutput) -> dict[str, Any]:
     meta_info = answer["meta_info"]
     meta_info["finish_reason"] = {k: v for k, v in finish_reason.items() if v is not None}
     if output.logprobs is not None:
-        meta_info["output_token_logprobs"] = [
-            [lp.logprob, lp.token_id, lp.token] for lp in output.logprobs
-        ]
+        meta_info["output_token_logprobs"] = [_native_logprob(lp) for lp in output.logprobs]
         meta_info["output_top_logprobs"] = [
-            [[t.logprob, t.token_id, t.token] for t in lp.top_logprobs] for lp in output.logprobs
+            [_native_logprob(t) for t in lp.top_logprobs] for lp in output.logprobs
         ]
     if output.prompt_logprobs is not None:
-        meta_info["input_token_logprobs"] = [
-            [lp.logprob, lp.token_id, lp.token] for lp in output.prompt_logprobs
-        ]
+        meta_info["input_token_logprobs"] = [_native_logprob(lp) for lp in output.prompt_logprobs]
         meta_info["input_top_logprobs"] = [
-            [[t.logprob, t.token_id, t.token] for t in lp.top_logprobs] or None
-            for lp in output.prompt_logprobs
+            [_native_logprob(t) for t in lp.top_logprobs] or None for lp in output.prompt_logprobs
         ]
     return answer
+
+
+def _native_logprob(lp: TokenLogprob) -> list[Any]:
+    """SGLang's `[logprob, token id, text]`; the prompt's first token has a null logprob."""
+    return [_shown_or_none(lp.logprob), lp.token_id, lp.token]
 
 
 def generate_progress(

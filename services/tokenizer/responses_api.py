@@ -811,7 +811,9 @@ class ResponsesStream:
 
     def _event(self, kind: str, **fields: Any) -> str:
         """One SSE event, named as OpenAI names it on both its lines; the payload is
-        serialised now, so later changes to the items it holds do not reach it."""
+        serialised now, so later changes to the items it holds do not reach it. NaN and
+        infinities are refused: they are not JSON."""
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        data = json.dumps(payload, ensure_ascii=False, allow_nan=False)
+        return f"event: {kind}\ndata: {data}\n\n"

@@ -21,6 +21,7 @@ from services.protocol import TokenizedGenerateReqInput
 from services.tokenizer.adapters import RequestError, check_model, error_body
 from services.tokenizer.chat_template import render_chat
 from services.tokenizer.manager import unavailable
+from services.tokenizer.middleware import require_admin
 from services.tokenizer.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -35,19 +36,24 @@ from services.tokenizer.openai_api import (
 from services.tokenizer.responses import model_list
 from services.tokenizer.responses_api import ResponsesRequest, responses_error
 from services.tokenizer.serving import (
+    INLINE_BODY_BYTES,
     AppState,
     ChatEndpoint,
     CompletionsEndpoint,
     GenerateEndpoint,
     ResponsesEndpoint,
     app_state,
+    check_prompt_chars,
     json_body,
+    off_loop,
     parse_body,
     render,
     serve,
 )
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
+SECRET_SETTINGS = ("api_key", "admin_api_key")
+"""Settings `/get_server_info` never shows."""
 
 router = APIRouter()
 
@@ -79,7 +85,7 @@ async def chat_completions_render(request: Request) -> dict[str, Any]:
     as chat applies them) and their sampling parameters; nothing reaches the worker."""
     body = await parse_body(request, ChatCompletionRequest)
     state = app_state(request)
-    (rendered,) = render(state, ChatEndpoint(body, state.model, state.chat_parsers))
+    (rendered,) = await render(request, ChatEndpoint(body, state.model, state.chat_parsers))
     return rendered.model_dump()
 
 
@@ -88,7 +94,7 @@ async def completions_render(request: Request) -> list[dict[str, Any]]:
     """vLLM's completions render: one rendered request per prompt of the batch."""
     body = await parse_body(request, CompletionRequest)
     state = app_state(request)
-    return [r.model_dump() for r in render(state, CompletionsEndpoint(body, state.model))]
+    return [r.model_dump() for r in await render(request, CompletionsEndpoint(body, state.model))]
 
 
 @router.post("/v1/responses")
@@ -136,20 +142,32 @@ async def tokenize(request: Request) -> dict[str, Any]:
         else TokenizeCompletionRequest.model_validate_json(raw)
     )
     check_model(body.model, state.model)
-    tokenizer = state.require_tokenizer("messages" if chat else "prompt")
-    if isinstance(body, TokenizeChatRequest):
-        ids = render_chat(
-            tokenizer,
-            body.messages,
-            tools=body.tools,
-            template_kwargs=body.chat_template_kwargs,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-        ).ids
-        if body.add_special_tokens:
-            ids = tokenizer.build_inputs_with_special_tokens(ids)
-    else:
-        ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    param = "messages" if chat else "prompt"
+    tokenizer = state.require_tokenizer(param)
+    chars = (
+        sum(len(m.content or "") for m in body.messages)
+        if isinstance(body, TokenizeChatRequest)
+        else len(body.prompt)
+    )
+    check_prompt_chars(chars, state.settings.max_prompt_chars, param)
+
+    def token_ids() -> list[int]:
+        if isinstance(body, TokenizeChatRequest):
+            ids = render_chat(
+                tokenizer,
+                body.messages,
+                tools=body.tools,
+                template_kwargs=body.chat_template_kwargs,
+                add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                special_tokens_in_content=state.settings.allow_special_tokens_in_content,
+            ).ids
+            if body.add_special_tokens:
+                ids = tokenizer.build_inputs_with_special_tokens(ids)
+            return list(ids)
+        return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+
+    ids = await off_loop(token_ids, inline=len(raw) <= INLINE_BODY_BYTES)
     info = state.manager.require_ready()
     strs = list(tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
     return TokenizeResponse(
@@ -267,13 +285,18 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 
 @router.get("/get_server_info")
 async def get_server_info(request: Request) -> dict[str, Any]:
-    """The settings (never the API key) and the worker's live state; the worker's
-    values win where both have one (the KV size it actually allocated).
+    """The settings (never a key) and the worker's live state; the worker's values win
+    where both have one (the KV size it actually allocated).
     `?check_integrity=true` adds `radix_integrity` ("ok", "failed: ...", or "skipped"
-    while requests run): the radix tree's full check, a debugging aid."""
+    while requests run): the radix tree's full check, a debugging aid for operators only
+    (it walks the whole tree in the worker's loop)."""
     state = app_state(request)
     check = request.query_params.get("check_integrity", "").lower() in ("1", "true", "yes")
-    settings = {k: v for k, v in dataclasses.asdict(state.settings).items() if k != "api_key"}
+    if check:
+        require_admin(request, "check_integrity")
+    settings = {
+        k: v for k, v in dataclasses.asdict(state.settings).items() if k not in SECRET_SETTINGS
+    }
     info = await state.manager.server_info(check_integrity=check)
     return {
         **settings,
@@ -285,6 +308,7 @@ async def get_server_info(request: Request) -> dict[str, Any]:
 
 @router.post("/flush_cache")
 async def flush_cache(request: Request) -> Response:
+    require_admin(request, "/flush_cache")
     reply = await app_state(request).manager.flush_cache()
     if not reply.success:
         raise RequestError(reply.message, code="requests_in_flight", status=409)
@@ -293,7 +317,12 @@ async def flush_cache(request: Request) -> Response:
 
 @router.post("/abort_request")
 async def abort_request(request: Request) -> dict[str, int]:
+    """One request (any API key: its id is unguessable), or every one (`abort_all`: an
+    operator's). The aborted request ends with finish reason "abort" (a stream) or a 499
+    (an answer not streamed)."""
     body = await parse_body(request, AbortRequestInput)
     if not body.rid and not body.abort_all:
         raise RequestError("give a rid, or abort_all: true", param="rid")
+    if body.abort_all:
+        require_admin(request, "abort_all")
     return {"aborted": app_state(request).manager.abort("" if body.abort_all else body.rid)}

@@ -4,7 +4,8 @@ The worker's loop is the scheduler's event loop (normal or overlap): it polls th
 at the start of each turn and sends the turn's outputs at its end. Requests arrive from
 the tokenizer already tokenized; each turn's new tokens go to the detokenizer as one
 `BatchTokenIDOutput` (a request's constants, its stop strings and decode options,
-ride once, in the first batch that carries it), and control replies (ready, flush,
+ride once, in the first batch that carries it; a batch too large for one message goes as
+several, and a request whose own row is too large fails alone), and control replies (ready, flush,
 server info) go straight back to the tokenizer on the control socket. Once the model is
 loaded the worker serves `/metrics` and `/healthz` on its metrics port, and a traced
 request gets its queue-wait, prefill and decode spans when it finishes.
@@ -27,9 +28,10 @@ from engine.cache.radix_cache import RadixCache
 from engine.sched.req import FinishReason, Req
 from observability.worker_metrics import WorkerMetrics, WorkerSample
 from services import protocol
-from services.ipc import PeerEvent
+from services.ipc import MAX_MESSAGE_BYTES, PeerEvent
 from services.process import Service
 from services.protocol import (
+    FRAME_HEADROOM_BYTES,
     AbortReq,
     BatchTokenIDOutput,
     DetokenizerReqState,
@@ -40,6 +42,7 @@ from services.protocol import (
     Message,
     TokenizedGenerateReqInput,
     WorkerReady,
+    split_batch,
 )
 from services.settings import Settings
 from services.worker.kv_event_publisher import ZmqEventPublisher
@@ -104,6 +107,8 @@ class Worker(Service):
         )
         super().__init__(settings, settings.worker_port)
         self.to_detokenizer = self.outbox(settings.detokenizer_port)
+        self.max_output_bytes = MAX_MESSAGE_BYTES - FRAME_HEADROOM_BYTES
+        """An output batch encoding to more is split by rows (`split_batch`)."""
         self.to_tokenizer = self.connect(settings.tokenizer_control_port)
         self.live: dict[str, _ReqState] = {}
         """rid → state of each request queued or running in the scheduler."""
@@ -152,7 +157,9 @@ class Worker(Service):
         outputs = {id(r): r for r in reqs}.values()
         now = time.monotonic()
         for req in outputs:
-            state = self.live[req.rid]
+            state = self.live.get(req.rid)
+            if state is None:
+                continue  # an output too large to send failed it: that went out already
             if state.first_token is None and req.output_ids:
                 state.first_token = now
             rollback, req.output_rollback = min(req.output_rollback, state.sent), 0
@@ -273,6 +280,12 @@ class Worker(Service):
             self.rejected.append(req)
             logger.info("rejected request %s: %s", msg.rid, e)
             return
+        except Exception as e:  # a bug met by this request's parameters: fail it alone
+            logger.exception("request %s failed at submission", msg.rid)
+            message = f"internal server error while submitting the request ({type(e).__name__})"
+            req.finish(FinishReason("abort", message=message))
+            self.rejected.append(req)
+            return
         self.live[msg.rid] = state
 
     def send_batch_output(self, entries: list[_Entry]) -> None:
@@ -307,13 +320,35 @@ class Worker(Service):
             output_token_logprobs_val=logprobs if want_logprobs else None,
             output_top_logprobs_val=top_val if want_top else None,
             output_top_logprobs_idx=top_idx if want_top else None,
+            sender=self.role,  # stamped now: `split_batch` measures what is sent
+            epoch=self.epoch,
             trace_contexts=contexts if any(contexts) else None,
             rollbacks=[e.rollback for e in entries] if any(e.rollback for e in entries) else None,
             input_token_logprobs_val=prompt.input_token_logprobs_val,
             input_top_logprobs_val=prompt.input_top_logprobs_val,
             input_top_logprobs_idx=prompt.input_top_logprobs_idx,
         )
-        self.to_detokenizer.put(out)
+
+        def fail(row: int, size: int) -> protocol.FinishReason:
+            return self.fail_oversized(entries[row].req, size)
+
+        for part in split_batch(out, self.max_output_bytes, fail):
+            self.to_detokenizer.put(part)
+
+    def fail_oversized(self, req: Req, size: int) -> protocol.FinishReason:
+        """Fail `req`, whose row of an output batch alone encodes to `size` bytes, over the
+        frame limit: it is aborted (its KV freed) and its emptied row carries the reason.
+        Its later outputs are not sent (it is no longer live)."""
+        message = (
+            f"this request's output of one step encodes to {size} bytes, over the "
+            f"{self.max_output_bytes}-byte limit of a message between the server's "
+            "processes; ask for fewer logprobs or prompt logprobs, or shorter stop strings"
+        )
+        logger.error("request %s failed: %s", req.rid, message)
+        self.live.pop(req.rid, None)
+        if not req.finished:
+            self.scheduler.abort_request(req.rid, FinishReason("abort", None, message, 400))
+        return protocol.FinishReason("abort", None, message, 400)
 
     def trace_finished(self, req: Req, state: _ReqState, now: float) -> None:
         """The request's worker spans, from the times kept while it ran: queue wait until

@@ -36,11 +36,11 @@ def test_the_pod_runs_tokenizer_worker_and_detokenizer_from_one_image(render):
 def test_all_three_processes_get_identical_flags(render):
     args = [c["args"] for c in render.containers.values()]
     assert args[0] == args[1] == args[2]
-    # Flags only: no RADIXSERVE_* variable could make one container disagree.
+    # Flags only: no RADIXSERVE_* variable could make one container disagree (the keys from
+    # Secrets, which only the tokenizer reads, are variables so as to stay out of `ps`).
+    secrets = {"RADIXSERVE_API_KEY", "RADIXSERVE_ADMIN_API_KEY"}
     for name in CONTAINERS:
-        assert not [
-            v for v in render.env(name) if v.startswith("RADIXSERVE_") and v != "RADIXSERVE_API_KEY"
-        ]
+        assert not [v for v in render.env(name) if v.startswith("RADIXSERVE_") and v not in secrets]
 
 
 @pytest.mark.parametrize(
@@ -343,3 +343,48 @@ def test_the_service_selects_the_server_pods_only(render):
     assert selector.items() <= labels.items()
     assert not selector.items() <= render.one("Pod")["metadata"]["labels"].items()
     assert render.one("Service")["metadata"]["name"] == FULLNAME
+
+
+# ----- the authenticated wire and the key Secrets -------------------------------------------------
+
+
+def wire_volume(render) -> dict:
+    return next(v for v in render.pod["volumes"] if v["name"] == "wire-keys")
+
+
+def test_by_default_an_init_container_makes_fresh_wire_keys_in_memory_that_all_three_read(default):
+    init = {c["name"]: c for c in default.pod["initContainers"]}["wire-keys"]
+    keys_dir = flag(default.containers["worker"]["args"], "ipc-keys-dir")
+    assert init["command"] == ["radixserve", "keys", keys_dir]
+    assert {"name": "wire-keys", "mountPath": "/etc/radixserve/wire"} in init["volumeMounts"]
+    assert keys_dir.startswith("/etc/radixserve/wire/")  # a subdirectory it can make 0700
+    assert wire_volume(default)["emptyDir"]["medium"] == "Memory"
+    for name in CONTAINERS:
+        mounts = default.containers[name]["volumeMounts"]
+        assert {
+            "name": "wire-keys",
+            "mountPath": "/etc/radixserve/wire",
+            "readOnly": True,
+        } in mounts
+
+
+def test_wire_keys_from_a_secret_replace_the_init_container(all_on):
+    assert "wire-keys" not in [c["name"] for c in all_on.pod.get("initContainers", [])]
+    assert wire_volume(all_on)["secret"] == {"secretName": "radixserve-wire", "defaultMode": 0o440}
+    assert flag(all_on.containers["worker"]["args"], "ipc-keys-dir") == "/etc/radixserve/wire"
+    only_secret = helm_template(sets={"wire.keysSecret": "w"})
+    assert "initContainers" not in only_secret.pod
+
+
+def test_the_api_key_file_and_the_admin_key_come_from_their_secrets(default, all_on):
+    args = all_on.containers["tokenizer"]["args"]
+    assert flag(args, "api-key-file") == "/etc/radixserve/auth/api-keys"
+    volume = next(v for v in all_on.pod["volumes"] if v["name"] == "api-keys")
+    assert volume["secret"] == {"secretName": "radixserve-api-keys", "defaultMode": 0o440}
+    mount = {"name": "api-keys", "mountPath": "/etc/radixserve/auth", "readOnly": True}
+    assert mount in all_on.containers["tokenizer"]["volumeMounts"]
+    admin = {"secretKeyRef": {"name": "radixserve-admin-key", "key": "admin-api-key"}}
+    assert all_on.env("tokenizer")["RADIXSERVE_ADMIN_API_KEY"] == admin
+    assert "RADIXSERVE_ADMIN_API_KEY" not in all_on.env("worker")
+    assert flag(default.containers["tokenizer"]["args"], "api-key-file") is None
+    assert "RADIXSERVE_ADMIN_API_KEY" not in default.env("tokenizer")

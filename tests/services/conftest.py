@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -17,8 +18,19 @@ import zmq
 
 from benchmarks.support.launcher import HEARTBEAT_INTERVAL, ServiceLauncher, cpu_flags, server_ports
 from benchmarks.support.net import free_ports
-from services.ipc import Receiver, Sender, bind_pull, bound_port, connect_push
+from services.ipc import Receiver, Sender, bind_pull, bound_port, connect_push, create_wire_keys
 from services.protocol import BatchStrOutput, Heartbeat, Hello, Message, new_epoch
+
+
+@pytest.fixture(scope="session")
+def wire_keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A keys directory (`radixserve keys`) that the session's keyed servers share."""
+    return create_wire_keys(tmp_path_factory.mktemp("wire") / "keys")
+
+
+def keys_env(keys_dir: Path) -> dict[str, str]:
+    """The environment that gives a launcher's processes the wire keys in `keys_dir`."""
+    return {"RADIXSERVE_IPC_KEYS_DIR": str(keys_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +65,7 @@ class RouterFacingServer:
 
 @pytest.fixture(scope="session")
 def router_facing_server(
-    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory, wire_keys: Path
 ) -> Iterator[RouterFacingServer]:
     events, replay = (f"tcp://127.0.0.1:{port}" for port in free_ports(2))
     config = {"publisher": "zmq", "endpoint": events, "replay_endpoint": replay, "topic": "kv@rs"}
@@ -65,7 +77,9 @@ def router_facing_server(
         json.dumps(config),
     ]
     ports = server_ports()
-    launcher = ServiceLauncher(tmp_path_factory.mktemp("router-facing-logs"))
+    launcher = ServiceLauncher(
+        tmp_path_factory.mktemp("router-facing-logs"), env=keys_env(wire_keys)
+    )
     with launcher.serve(flags, ports=ports) as url:
         model = httpx2.get(f"{url}/v1/models").json()["data"][0]["id"]
         yield RouterFacingServer(url, model, ports, events, replay)
@@ -79,11 +93,13 @@ headers went out (as a compile timeout would)."""
 
 
 @pytest.fixture(scope="session")
-def embedded_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def embedded_server(tmp_path_factory: pytest.TempPathFactory, wire_keys: Path) -> Iterator[str]:
     """The three processes on the embedded SmolLM2-135M-Instruct, with jump-forward and the
     nesting limits above, shared by the client-library and grammar tests (it loads in about
     30 s on two cores). Yields the base URL."""
-    launcher = ServiceLauncher(tmp_path_factory.mktemp("embedded-server-logs"), 1.0)
+    launcher = ServiceLauncher(
+        tmp_path_factory.mktemp("embedded-server-logs"), 1.0, env=keys_env(wire_keys)
+    )
     role_flags = {
         "worker": ["--grammar-max-nesting-depth", str(EMBEDDED_WORKER_MAX_DEPTH)],
         "tokenizer": ["--grammar-max-nesting-depth", str(EMBEDDED_TOKENIZER_MAX_DEPTH)],
@@ -229,3 +245,13 @@ def make_stub() -> Iterator[Callable[[str, int], PeerStub]]:
     yield make
     for stub in stubs:
         stub.close()
+
+
+def strict_json(text: str) -> Any:
+    """`text` parsed as JSON proper: NaN, Infinity and -Infinity (which Python's parser
+    takes) are not JSON, and no answer of the server may hold them."""
+
+    def refuse(constant: str) -> Any:
+        raise ValueError(f"{constant} is not JSON: {text[:300]}")
+
+    return json.loads(text, parse_constant=refuse)

@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from benchmarks.support.launcher import ServiceLauncher, cpu_flags
 from benchmarks.support.net import wait_until
 from engine.sampling.sampling_params import SamplingParams
+from tests.services.conftest import strict_json
 
 API_KEY = "fuzz-key"
 MAX_TOKENS_CAP = 8
@@ -358,11 +359,11 @@ def check_answer(req: dict[str, Any], response: httpx2.Response) -> str:
         lines = [line for line in text.split("\n") if line]
         assert lines and all(line.startswith("data: ") for line in lines), where
         assert lines[-1] == "data: [DONE]", where
-        events = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+        events = [strict_json(line[len("data: ") :]) for line in lines[:-1]]
         errors = [e["error"] for e in events if "error" in e]
         assert len(errors) <= 1 and (not errors or "error" in events[-1]), where
         return f"200 stream{' error ' + errors[0]['code'] if errors else ''}"
-    payload = response.json()
+    payload = strict_json(text)
     if response.status_code >= 400:
         error = payload["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["message"], where
@@ -439,6 +440,19 @@ FOUND = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 1025}, "n"),
     ("/v1/completions", {"prompt": ["hi"] * 1025}, "prompt"),
     ("/generate", {"input_ids": [[1, 2]] * 1025}, "input_ids"),
+    # Numbers past what float32 holds: each was a 500 (an overflow to inf, then NaN).
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 1e39}},
+        "logit_bias",
+    ),
+    ("/v1/completions", {"prompt": "hi", "temperature": 1e39}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e-40}, "repetition_penalty"),
+    (
+        "/generate",
+        {"text": "hi", "sampling_params": {"temperature": 10**400}},
+        "sampling_params.temperature",
+    ),
 ]
 
 

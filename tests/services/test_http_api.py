@@ -259,20 +259,6 @@ def test_client_that_disconnects_while_waiting_frees_its_kv(http: httpx2.Client)
     wait_until(lambda: all_kv_free(http), 10, "the KV of the disconnected request to be freed")
 
 
-def test_abort_request_ends_a_stream_with_an_error_event(http: httpx2.Client):
-    with http.stream(
-        "POST", "/v1/completions", json={"prompt": "Hello", "stream": True, **LONG}
-    ) as response:
-        events = (
-            line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")
-        )
-        rid = json.loads(next(events))["id"]
-        assert http.post("/abort_request", json={"rid": rid}).json() == {"aborted": 1}
-        rest = list(events)
-    assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "request_aborted"
-    wait_until(lambda: all_kv_free(http), 10, "the KV of the aborted request to be freed")
-
-
 def test_flush_cache_when_idle(http: httpx2.Client):
     wait_until(lambda: all_kv_free(http), 10, "an idle server")
     assert http.post("/flush_cache").status_code == 200

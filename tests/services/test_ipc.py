@@ -13,9 +13,12 @@ from services.ipc import (
     PeerMonitor,
     Receiver,
     Sender,
+    WireAuthenticator,
+    WireKeys,
     bind_pull,
     bound_port,
     connect_push,
+    create_wire_keys,
 )
 from services.protocol import (
     AbortReq,
@@ -296,3 +299,55 @@ def test_monitor_sees_a_restart_across_real_sockets(ctx):
         received += receiver.recv_all(timeout_ms=50)
     assert sorted(m.rid for m in received) == ["fresh", "stale"]
     assert [m.rid for m in received if monitor.accept(m)] == ["fresh"]
+
+
+# ----- the authenticated wire ---------------------------------------------------------------
+
+
+def test_curve_with_the_pods_keys_delivers_and_an_unknown_key_or_plain_zmq_never_does(tmp_path):
+    keys_dir = create_wire_keys(tmp_path / "keys")
+    worker, tokenizer = (WireKeys.load(keys_dir, role) for role in ("worker", "tokenizer"))
+    stranger = WireKeys.load(create_wire_keys(tmp_path / "other"), "tokenizer")
+    # It knows the server's public key (public keys are no secret), not a pod's client key.
+    stranger = WireKeys("tokenizer", stranger.public, stranger.secret, worker.publics)
+    server_ctx, client_ctx = zmq.Context(), zmq.Context()
+    WireAuthenticator(server_ctx, worker).start()
+    pull = bind_pull(server_ctx, 0, keys=worker)
+    port = bound_port(pull)
+    receiver = Receiver(pull)
+    try:
+        strangers = [
+            Sender(connect_push(client_ctx, port), "tokenizer", new_epoch()),
+            Sender(
+                connect_push(client_ctx, port, keys=stranger, server="worker"),
+                "tokenizer",
+                new_epoch(),
+            ),
+        ]
+        member = Sender(
+            connect_push(client_ctx, port, keys=tokenizer, server="worker"),
+            "tokenizer",
+            new_epoch(),
+        )
+        _send_when_connected(member, AbortReq(rid="from the pod"))
+        assert _recv_one(receiver).rid == "from the pod"
+        for sender in strangers:  # IMMEDIATE: refused, as their handshake never completes
+            assert not sender.send(AbortReq(rid="spoofed"))
+        assert receiver.recv_all(timeout_ms=300) == []
+    finally:
+        client_ctx.destroy(linger=0)
+        server_ctx.destroy(linger=0)  # ends the authenticator's thread: no hang here
+
+
+def test_a_curve_server_without_an_authenticator_admits_nobody(tmp_path):
+    """ZAP is enforced: a forgotten authenticator fails closed, not open."""
+    keys_dir = create_wire_keys(tmp_path / "keys")
+    server_ctx, client_ctx = zmq.Context(), zmq.Context()
+    pull = bind_pull(server_ctx, 0, keys=WireKeys.load(keys_dir, "worker"))
+    keys = WireKeys.load(keys_dir, "tokenizer")
+    push = connect_push(client_ctx, bound_port(pull), keys=keys, server="worker")
+    try:
+        assert not push.poll(500, zmq.POLLOUT)
+    finally:
+        client_ctx.destroy(linger=0)
+        server_ctx.destroy(linger=0)

@@ -11,3 +11,17 @@ def test_console_script_reports_its_version_and_runs_the_radix_demo():
     ).stdout.startswith("radixserve 0.1.0")
     demo = subprocess.run([script, "radix-demo"], capture_output=True, text=True, check=True).stdout
     assert "lock_ref=1" in demo and "protected: 5" in demo
+
+
+def test_keys_makes_a_private_directory_that_every_role_can_load(tmp_path: Path):
+    from services.ipc import WIRE_ROLES, WireKeys
+
+    script = shutil.which("radixserve") or str(Path(sys.executable).parent / "radixserve")
+    keys_dir = tmp_path / "wire" / "keys"
+    out = subprocess.run(
+        [script, "keys", str(keys_dir)], capture_output=True, text=True, check=True
+    ).stdout
+    assert str(keys_dir) in out
+    assert keys_dir.stat().st_mode & 0o777 == 0o700
+    loaded = [WireKeys.load(keys_dir, role) for role in WIRE_ROLES]
+    assert len({keys.secret for keys in loaded}) == len(WIRE_ROLES)

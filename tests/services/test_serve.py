@@ -11,7 +11,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
@@ -19,6 +21,7 @@ import openai
 import pytest
 
 from benchmarks.support.launcher import REPO_ROOT, cpu_flags, port_flags, server_ports
+from benchmarks.support.net import http_status, wait_until
 from engine.api import Engine
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -107,3 +110,95 @@ def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_
         if serve.poll() is None:
             serve.send_signal(signal.SIGTERM)
             serve.wait(15)
+
+
+DRAIN_STREAMS = 16
+DRAIN_TOKENS = 192
+
+
+def drain_stream(url: str, index: int, started: threading.Barrier, out: dict[int, object]) -> None:
+    """One greedy stream with usage; waits at `started` once its first event is in."""
+    body = {
+        "prompt": f"Story {index}:",
+        "max_tokens": DRAIN_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        with httpx2.stream("POST", url + "/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            events = [
+                json.loads(line[len("data: ") :])
+                for line in _after_first_event(response.iter_lines(), started)
+                if line.startswith("data: ") and line != "data: [DONE]"
+            ]
+        out[index] = events
+    except BaseException as e:  # reported by the test
+        out[index] = e
+        started.abort()
+
+
+def _after_first_event(lines: Iterator[str], started: threading.Barrier) -> Iterator[str]:
+    """`lines`, pausing at `started` after the first event: the test then knows that all
+    streams are in flight."""
+    waited = False
+    for line in lines:
+        yield line
+        if not waited and line.startswith("data: "):
+            started.wait(60)
+            waited = True
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_drains_16_streams_in_flight_to_their_full_output_then_exits_0(
+    tiny_llama_dir: Path, tmp_path: Path
+):
+    script = shutil.which("radixserve") or str(Path(sys.executable).parent / "radixserve")
+    ports = server_ports()
+    flags = [*cpu_flags(8192, tiny_llama_dir), "--host", "127.0.0.1", *port_flags(ports)]
+    with open(tmp_path / "children.log", "wb") as stderr:
+        serve = subprocess.Popen(
+            [script, "serve", *flags],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+    try:
+        url = next(
+            m[1]
+            for line in serve.stdout
+            if (m := re.match(r"radixserve: serving .* at (\S+)", line))
+        )
+        started = threading.Barrier(DRAIN_STREAMS + 1)
+        out: dict[int, object] = {}
+        threads = [
+            threading.Thread(target=drain_stream, args=(url, i, started, out))
+            for i in range(DRAIN_STREAMS)
+        ]
+        for thread in threads:
+            thread.start()
+        started.wait(120)  # every stream has its first event: all 16 are in flight
+        serve.send_signal(signal.SIGTERM)
+        # New requests are refused once the tokenizer stops listening, while the 16 go on.
+        wait_until(
+            lambda: http_status(url.removesuffix("/v1") + "/health") is None,
+            30,
+            "the API to stop accepting connections",
+        )
+        for thread in threads:
+            thread.join(120)
+        assert serve.wait(60) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    for i in range(DRAIN_STREAMS):
+        events = out[i]
+        assert isinstance(events, list), events
+        assert not any("error" in e for e in events), events[-1]
+        finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        assert finishes == ["length"], finishes
+        assert events[-1]["usage"]["completion_tokens"] == DRAIN_TOKENS

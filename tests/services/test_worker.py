@@ -169,6 +169,29 @@ def test_flush_is_refused_while_a_request_runs_and_empties_the_cache_when_idle(s
     assert (info["available_kv_tokens"], info["evictable_kv_tokens"]) == (MAX_TOTAL_TOKENS, 0)
 
 
+def test_a_step_whose_output_exceeds_the_frame_limit_arrives_split_and_every_request_finishes(
+    stub, offline, tokenizer
+):
+    """Eight requests admitted together, each with a 9 MiB stop string: their first output
+    batch carries the eight stop strings (72 MiB, over the 64 MiB frame limit). It goes as
+    several messages; before, it was dropped and all eight hung."""
+    input_ids = tokenizer.encode("Once upon a time")
+    params = SamplingParams(
+        temperature=0, max_new_tokens=6, ignore_eos=True, stop=["\x00" * (9 * 2**20)]
+    )
+    expected = offline.generate(
+        input_ids, {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
+    )
+    rids = [f"huge-stop-{i}" for i in range(8)]
+    for rid in rids:
+        generate(stub, rid, input_ids, params)
+    for rid in rids:
+        stream = stub.result(rid, timeout=60)
+        assert stream.finished_reason.type == "length"
+        assert stream.ids == expected[0].output_ids
+    assert_all_kv_free(server_info(stub, "after-huge-stop"))
+
+
 def test_garbage_on_the_worker_port_is_dropped_and_the_next_request_served(
     stub, launcher, tokenizer
 ):

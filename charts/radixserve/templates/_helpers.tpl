@@ -97,6 +97,10 @@ and the tokenizer and detokenizer load the same tokenizer as the worker's model.
 - --max-tokens-cap={{ int64 $e.maxTokensCap }}
 - --heartbeat-interval={{ $e.heartbeatInterval }}
 - --graceful-shutdown-timeout={{ .Values.gracefulShutdown.streamDrainSeconds }}
+- --ipc-keys-dir={{ include "radixserve.wireKeysDir" . }}
+{{- with .Values.auth.apiKeysSecret.name }}
+- --api-key-file={{ printf "/etc/radixserve/auth/%s" $.Values.auth.apiKeysSecret.key }}
+{{- end }}
 - --log-level={{ $e.logLevel }}
 {{- if .Values.kvEvents.enabled }}
 - {{ printf "--kv-events-config=%s" (include "radixserve.kvEventsConfig" .) | toJson }}
@@ -150,8 +154,25 @@ container's own `env`. Called with (dict "root" $ "env" <the container's env>).
 {{- add $g.endpointDelaySeconds $g.streamDrainSeconds }}
 {{- end }}
 
-{{/* Mounts every container needs: the writable paths of a read-only root, and the model. */}}
+{{/*
+The wire keys (--ipc-keys-dir): the Secret's files at the mount's root, or the subdirectory
+that the init container makes private (0700) inside the emptyDir (whose root it cannot chmod).
+*/}}
+{{- define "radixserve.wireKeysDir" -}}
+{{- if .Values.wire.keysSecret }}/etc/radixserve/wire{{ else }}/etc/radixserve/wire/keys{{ end }}
+{{- end }}
+
+{{/* Mounts every container needs: the writable paths of a read-only root, the wire keys
+(read-only), the API key file, and the model. */}}
 {{- define "radixserve.volumeMounts" -}}
+- name: wire-keys
+  mountPath: /etc/radixserve/wire
+  readOnly: true
+{{- if .Values.auth.apiKeysSecret.name }}
+- name: api-keys
+  mountPath: /etc/radixserve/auth
+  readOnly: true
+{{- end }}
 - name: home
   mountPath: /home/radixserve
 - name: cache

@@ -13,7 +13,12 @@ import torch
 from engine.sampling import sampler
 from engine.sampling.sampler import Sampler, SamplerOutput, _apply_top_k_top_p_min_p, seeded_uniform
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
-from engine.sampling.sampling_params import SamplingParams
+from engine.sampling.sampling_params import (
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    SAMPLING_EPS,
+    SamplingParams,
+)
 
 MakeInfo = Callable[..., SamplingBatchInfo]
 DRAWS = 8000
@@ -233,8 +238,10 @@ def test_logprobs_are_of_the_tempered_distribution_before_the_filters(make_info:
 
 
 def test_logprobs_of_forbidden_tokens_are_finite(make_info: MakeInfo) -> None:
-    params = SamplingParams(logit_bias={0: -math.inf}, logprobs=True, top_logprobs_num=3)
-    out = sample(make_info, torch.tensor([[5.0, 0.0, -math.inf]]), [params])
+    params = SamplingParams(logprobs=True, top_logprobs_num=3)
+    info = make_info([params], 3)
+    info.vocab_mask = torch.tensor([[0b110]], dtype=torch.int32)  # the grammar forbids token 0
+    out = Sampler()(torch.tensor([[5.0, 0.0, -math.inf]]), info)
     assert out.next_token_ids.tolist() == [1]
     assert out.next_token_top_logprobs_idx.tolist() == [[1, 0, 2]]
     assert out.next_token_top_logprobs_val[0, 1:].tolist() == [torch.finfo(torch.float32).min] * 2
@@ -249,15 +256,15 @@ def test_row_with_every_token_forbidden_still_yields_an_in_range_id(make_info: M
     assert all(0 <= t < 8 for t in out.next_token_ids.tolist())
 
 
-def test_logit_bias_minus_inf_forbids_and_plus_100_forces(make_info: MakeInfo) -> None:
+def test_logit_bias_minus_100_forbids_and_plus_100_forces(make_info: MakeInfo) -> None:
     probs = [0.5, 0.3, 0.15, 0.05]
     forbid_0, force_3 = (
-        SamplingParams(logit_bias={0: -math.inf}),
+        SamplingParams(logit_bias={0: -100.0}),
         SamplingParams(logit_bias={3: 100.0}),
     )
     assert_follows(draw_counts(make_info, probs, forbid_0), normalised([0, 0.3, 0.15, 0.05]))
     assert_follows(draw_counts(make_info, probs, force_3), [0, 0, 0, 1.0])
-    greedy_forbid_0 = SamplingParams(temperature=0.0, logit_bias={"0": -math.inf})
+    greedy_forbid_0 = SamplingParams(temperature=0.0, logit_bias={"0": -100.0})
     assert sample(
         make_info, torch.tensor([probs]).log(), [greedy_forbid_0]
     ).next_token_ids.tolist() == [1]
@@ -387,3 +394,70 @@ def test_seeded_uniform_is_the_splitmix64_stream_of_the_mixed_seed() -> None:
             expected.append((mix64(state) >> 11) * 2.0**-53)
         steps = torch.arange(50)
         assert seeded_uniform(torch.full_like(steps, seed), steps).tolist() == expected
+
+
+EDGE_PARAMS = [
+    SamplingParams(temperature=MAX_TEMPERATURE, logprobs=True, top_logprobs_num=4),
+    SamplingParams(temperature=SAMPLING_EPS, logprobs=True, top_logprobs_num=4),
+    SamplingParams(temperature=0.0, repetition_penalty=MIN_REPETITION_PENALTY, logprobs=True),
+    SamplingParams(temperature=SAMPLING_EPS, repetition_penalty=MIN_REPETITION_PENALTY),
+    SamplingParams(repetition_penalty=2.0, frequency_penalty=-2.0, presence_penalty=2.0),
+    SamplingParams(logit_bias={0: 100.0, 1: 100.0, 2: -100.0}, logprobs=True, top_logprobs_num=3),
+    SamplingParams(top_p=5e-324, top_k=1, min_p=1.0, logprobs=True),
+    SamplingParams(top_p=1e-45, min_p=5e-324, seed=2**63 - 1, logprobs=True),
+]
+"""Every sampling parameter at the end of its accepted range, with logprobs where they matter."""
+
+
+def edge_logits(dtype: torch.dtype, vocab_size: int) -> torch.Tensor:
+    """Rows of logits at the edges of `dtype`: its largest and smallest values, ties of the
+    largest, tiny values, a row of -inf but one token, and an ordinary row."""
+    info = torch.finfo(dtype)
+    rows = [
+        [info.max, info.max, -info.max] + [0.0] * (vocab_size - 3),
+        [-info.max] * vocab_size,
+        [info.tiny, -info.tiny, 0.0] + [info.tiny] * (vocab_size - 3),
+        [-math.inf, 3.0] + [-math.inf] * (vocab_size - 2),
+        [float(i % 7) for i in range(vocab_size)],
+    ]
+    return torch.tensor(rows, dtype=torch.float32).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_no_accepted_parameters_make_nan_at_the_edges_of_the_logits(
+    make_info: MakeInfo, dtype: torch.dtype
+) -> None:
+    vocab_size = 16
+    logits = edge_logits(dtype, vocab_size)
+    for params in EDGE_PARAMS:
+        rows = len(logits)
+        info = make_info([params] * rows, vocab_size, prompts=[[0, 1]] * rows, outputs=[[2]] * rows)
+        out = Sampler()(logits, info)
+        ids = out.next_token_ids.tolist()
+        assert all(0 <= t < vocab_size for t in ids), (params, ids)
+        assert ids[3] == 1, f"{params}: drew a forbidden token from the one-token row"
+        for values in (out.next_token_logprobs, out.next_token_top_logprobs_val):
+            if values is not None:
+                assert not values.isnan().any() and not values.isposinf().any(), (params, values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_row_with_every_token_forbidden_gives_an_in_range_id_and_finite_logprobs(
+    make_info: MakeInfo, dtype: torch.dtype
+) -> None:
+    params = [
+        SamplingParams(top_p=0.9, logprobs=True, top_logprobs_num=2),
+        SamplingParams(temperature=0.0, logprobs=True, top_logprobs_num=2),
+    ]
+    info = make_info(params, 8)
+    info.vocab_mask = torch.zeros(2, 1, dtype=torch.int32)  # a grammar that allows nothing
+    out = Sampler()(torch.randn(2, 8).to(dtype), info)
+    assert all(0 <= t < 8 for t in out.next_token_ids.tolist())
+    assert out.next_token_logprobs is not None and out.next_token_top_logprobs_val is not None
+    assert torch.isfinite(out.next_token_logprobs).all()
+    assert torch.isfinite(out.next_token_top_logprobs_val).all()
+
+
+def test_a_top_p_that_is_zero_in_float32_keeps_the_likeliest_token(make_info: MakeInfo) -> None:
+    counts = draw_counts(make_info, [0.2, 0.5, 0.3], SamplingParams(top_p=1e-50), draws=200)
+    assert counts.tolist() == [0, 200, 0]

@@ -8,7 +8,11 @@ from typing import Any
 
 import pytest
 
-from engine.sampling.sampling_params import SamplingParams
+from engine.sampling.sampling_params import (
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
 
 VOCAB = 100
 
@@ -88,6 +92,16 @@ def test_logit_bias_that_is_not_keyed_by_token_ids_is_rejected() -> None:
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", {3: math.inf}),
         ("logit_bias", {3: math.nan}),
+        ("logit_bias", {3: -math.inf}),
+        ("logit_bias", {3: 100.01}),
+        ("logit_bias", {3: 1e39}),
+        ("logit_bias", {3: 10**400}),
+        ("temperature", MAX_TEMPERATURE * 1.01),
+        ("temperature", 1e39),
+        ("temperature", 10**400),
+        ("top_p", 10**400),
+        ("repetition_penalty", 1e-40),
+        ("repetition_penalty", MIN_REPETITION_PENALTY * 0.99),
         ("seed", -1),
         ("seed", 2**63),
         ("seed", "42"),
@@ -109,7 +123,9 @@ def test_verify_rejects_bad_value_naming_the_field(field: str, value: Any) -> No
     [
         {"temperature": 0.0, "top_p": 1.0, "top_k": 1, "min_p": 1.0},
         {"frequency_penalty": -2.0, "presence_penalty": 2.0, "repetition_penalty": 2.0},
-        {"logit_bias": {0: -math.inf, VOCAB - 1: 100.0}, "stop_token_ids": [0, VOCAB - 1]},
+        {"temperature": MAX_TEMPERATURE, "repetition_penalty": MIN_REPETITION_PENALTY},
+        {"temperature": -0.0, "top_p": 5e-324, "min_p": 5e-324, "presence_penalty": -0.0},
+        {"logit_bias": {0: -100, VOCAB - 1: 100.0}, "stop_token_ids": [0, VOCAB - 1]},
         {"seed": 0, "top_logprobs_num": VOCAB, "logprobs": True, "max_new_tokens": 0},
         {"top_k": VOCAB * 10},
     ],

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ValidationError
 from transformers import PreTrainedTokenizerBase
 
 from engine.sampling.sampling_params import SamplingParams
+from services.settings import Settings
 from services.tokenizer.adapters import (
     RequestError,
     check_chat_request,
@@ -35,6 +36,7 @@ LIMITS = {
     "context_len": CONTEXT_LEN,
     "vocab_size": VOCAB,
     **GRAMMAR_LIMITS,
+    "limits": Settings(),
 }
 USER = [{"role": "user", "content": "hi"}]
 
@@ -682,7 +684,7 @@ def test_generate_takes_native_names_and_logprob_flags_beside_them():
     default = GenerateRequest.model_validate({"input_ids": [1, 2]})
     assert (
         to_sampling_params(
-            default, 2, max_tokens_cap=4096, context_len=2048, vocab_size=VOCAB, **GRAMMAR_LIMITS
+            default, 2, **{**LIMITS, "max_tokens_cap": 4096, "context_len": 2048}
         ).max_new_tokens
         == 128
     )
@@ -755,3 +757,108 @@ def test_chat_template_is_chatml_ending_with_the_assistant_prompt(tokenizer):
     )
     assert ids[:1] == tokenizer.convert_tokens_to_ids(["<|im_start|>"])
     assert ids.count(tokenizer.convert_tokens_to_ids("<|im_end|>")) == 2
+
+
+SIZE_LIMITS = [
+    # (id, request model, body, param, code, what the message names)
+    (
+        "33 stop strings",
+        CHAT,
+        {"messages": USER, "stop": [f"s{i}" for i in range(33)]},
+        "stop",
+        "array_above_max_length",
+        "at most 32 are allowed (--max-stop-strings)",
+    ),
+    (
+        "a stop string of 1025 characters",
+        COMPLETION,
+        {"prompt": "hi", "stop": ["ok", "x" * 1025]},
+        "stop",
+        "string_above_max_length",
+        "at most 1024 are allowed (--max-stop-string-length)",
+    ),
+    (
+        "257 stop_token_ids",
+        GENERATE,
+        {"text": "hi", "sampling_params": {"stop_token_ids": list(range(257))}},
+        "sampling_params.stop_token_ids",
+        "array_above_max_length",
+        "at most 256 are allowed (--max-stop-token-ids)",
+    ),
+    (
+        "1025 logit_bias entries",
+        COMPLETION,
+        {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}},
+        "logit_bias",
+        "array_above_max_length",
+        "at most 1024 are allowed (--max-logit-bias)",
+    ),
+    (
+        "chat top_logprobs 21",
+        CHAT,
+        {"messages": USER, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+        "integer_above_max_value",
+        "at most 20 are allowed (--max-top-logprobs)",
+    ),
+    (
+        "completions logprobs 6",
+        COMPLETION,
+        {"prompt": "hi", "logprobs": 6},
+        "logprobs",
+        "integer_above_max_value",
+        "at most 5 are allowed (OpenAI's limit for completions)",
+    ),
+    (
+        "prompt_logprobs 21",
+        COMPLETION,
+        {"prompt": "hi", "prompt_logprobs": 21},
+        "prompt_logprobs",
+        "integer_above_max_value",
+        "at most 20 are allowed (--max-top-logprobs)",
+    ),
+    (
+        "generate top_logprobs_num 21",
+        GENERATE,
+        {"text": "hi", "return_logprob": True, "top_logprobs_num": 21},
+        "top_logprobs_num",
+        "integer_above_max_value",
+        "at most 20 are allowed (--max-top-logprobs)",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("model", "body", "param", "code", "names"),
+    [case[1:] for case in SIZE_LIMITS],
+    ids=[case[0] for case in SIZE_LIMITS],
+)
+def test_sizes_past_the_default_limits_are_a_400_naming_the_limit_and_its_flag(
+    model: type[BaseModel], body: dict[str, Any], param: str, code: str, names: str
+) -> None:
+    with pytest.raises(RequestError) as caught:
+        to_sampling_params(model.model_validate(body), 1, **LIMITS)
+    assert (caught.value.param, caught.value.code, caught.value.status) == (param, code, 400)
+    assert names in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("model", "body"),
+    [
+        (CHAT, {"messages": USER, "stop": ["x" * 1024] * 32, "logprobs": True, "top_logprobs": 20}),
+        (
+            COMPLETION,
+            {"prompt": "hi", "logprobs": 5, "logit_bias": {str(i): 1 for i in range(1024)}},
+        ),
+        (GENERATE, {"text": "hi", "sampling_params": {"stop_token_ids": list(range(256))}}),
+    ],
+    ids=["chat", "completions", "generate"],
+)
+def test_sizes_at_the_default_limits_are_accepted(model: type[BaseModel], body: dict[str, Any]):
+    to_sampling_params(model.model_validate(body), 1, **LIMITS)
+
+
+def test_a_lower_max_top_logprobs_also_lowers_the_completions_limit() -> None:
+    request = CompletionRequest.model_validate({"prompt": "hi", "logprobs": 4})
+    with pytest.raises(RequestError, match=r"at most 3 are allowed \(--max-top-logprobs\)"):
+        to_sampling_params(request, 1, **{**LIMITS, "limits": Settings(max_top_logprobs=3)})
