@@ -13,7 +13,15 @@ from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import FinishReason as EngineFinishReason
 from engine.sched.req import Req
 from services.detokenizer.detokenizer import BatchDetokenizer
-from services.protocol import BatchStrOutput, BatchTokenIDOutput, FinishReason, decode, encode
+from services.ipc import MAX_MESSAGE_BYTES
+from services.protocol import (
+    FRAME_HEADROOM_BYTES,
+    BatchStrOutput,
+    BatchTokenIDOutput,
+    FinishReason,
+    decode,
+    encode,
+)
 from services.tokenizer.manager import TokenizerManager, _Group
 from services.tokenizer.responses import ChatCompletionStream, CompletionStream, ResponseHeader
 from services.tokenizer.sse import DeltaEvents
@@ -40,6 +48,8 @@ def bare_worker() -> tuple[Worker, _Wire]:
     worker.live, worker.rejected = {}, []
     worker.tracing = None
     worker.kv_events = worker.kv_publisher = None
+    worker.epoch = "worker-epoch"
+    worker.max_output_bytes = MAX_MESSAGE_BYTES - FRAME_HEADROOM_BYTES
     return worker, wire
 
 
