@@ -381,7 +381,8 @@ def run_read_only(deployment: dict, image: str) -> None:
         image,
         "radixserve",
         "serve",
-        *tokenizer["args"],
+        # The pod's wire keys come from its init container; `serve` makes its own in /tmp.
+        *(arg for arg in tokenizer["args"] if not arg.startswith("--ipc-keys-dir=")),
     )
     try:
         http_port = tokenizer["ports"][0]["containerPort"]

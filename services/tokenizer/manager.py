@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import zmq
@@ -65,6 +65,10 @@ logger = logging.getLogger(__name__)
 PEERS = ("worker", "detokenizer")
 """Processes a request needs alive from submission to its last token."""
 CONTROL_TIMEOUT_S = 10.0
+INLINE_LOGPROB_IDS = 256
+"""Prompt logprobs naming up to this many token ids (positions and their alternatives) are
+decoded on the event loop, about 1 ms on the embedded tokenizer (some 4 µs an id); more go
+to a thread, whose hop costs about 0.1 ms: 4,096 positions with 20 alternatives take 0.4 s."""
 """How long a control request (flush, server info) waits for the worker's reply."""
 
 ControlReply = FlushCacheReqOutput | GetServerInfoReqOutput
@@ -96,8 +100,6 @@ class ReqOutput:
     rollback: int = 0
     """How many ids of the previous outputs `output_ids` replaces (grammar jump-forward)."""
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
-    """Per prompt position from `logprob_start_len`, in the output that brings them (once);
-    the prompt's first token has logprob None: nothing predicts it."""
     """One entry per prompt position from `logprob_start_len` on, in the one output that
     brings them (the first after the prefill; () in every other): the prompt token, its
     logprob and its `prompt_top_logprobs_num` alternatives. None at prompt position 0,
@@ -125,11 +127,25 @@ class _Group:
     queued: set[str] = field(default_factory=set)
     """Rids with no output yet: waiting in the worker, compiling a grammar or prefilling."""
     prompt_ids: dict[str, list[int]] = field(default_factory=dict)
+    """Rid → its prompt ids from `logprob_start_len` on, for those that ask prompt logprobs
+    (the worker sends back the logprobs only)."""
+    undecoded: dict[str, _RawLogprobs] = field(default_factory=dict)
+    """Rid → prompt logprobs that arrived, still without their tokens' texts: the group's own
+    coroutine decodes them (`TokenizerManager._decoded`), not the receiving loop."""
     aborted: set[str] = field(default_factory=set)
     """Rids stopped through `abort` (`/abort_request`): their abort is asked for, not a
     server error (`REQUESTED_ABORT`)."""
-    """Rid → its prompt ids from `logprob_start_len` on, for those that ask prompt logprobs
-    (the worker sends back the logprobs only)."""
+
+
+@dataclass(frozen=True)
+class _RawLogprobs:
+    """Logprobs as the wire brings them: per position a token id, its logprob, and the ids
+    and logprobs of its alternatives."""
+
+    token_ids: Sequence[int]
+    values: Sequence[float | None]
+    top_vals: Sequence[Sequence[float]]
+    top_ids: Sequence[Sequence[int]]
 
 
 class TokenizerManager:
@@ -292,6 +308,9 @@ class TokenizerManager:
                 if isinstance(items, RequestError):
                     raise items
                 for item in items:
+                    raw = group.undecoded.pop(item.rid, None)
+                    if raw is not None:
+                        item = replace(item, prompt_logprobs=await self._decoded(raw))
                     if item.finished_reason is not None:
                         group.unfinished.discard(item.rid)
                         if item.finished_reason.type == "abort":
@@ -448,9 +467,11 @@ class TokenizerManager:
                     cached_tokens=batch.cached_tokens[i],
                     logprobs=self._logprobs(batch, i),
                     rollback=batch.rollbacks[i] if batch.rollbacks else 0,
-                    prompt_logprobs=self._prompt_logprobs(batch, i, group),
                 )
             )
+            raw = self._prompt_logprobs(batch, i, group)
+            if raw is not None:
+                group.undecoded[rid] = raw
         for group, outputs in delivered.values():
             group.queue.put_nowait(outputs)
 
@@ -462,14 +483,12 @@ class TokenizerManager:
         top_ids = batch.output_top_logprobs_idx[i] if batch.output_top_logprobs_idx else []
         return self._token_logprobs(batch.output_ids[i], values, top_vals, top_ids)
 
-    def _prompt_logprobs(
-        self, batch: BatchStrOutput, i: int, group: _Group
-    ) -> tuple[TokenLogprob, ...]:
+    def _prompt_logprobs(self, batch: BatchStrOutput, i: int, group: _Group) -> _RawLogprobs | None:
         """The prompt logprobs batch row `i` brings, with the prompt ids kept at submission
         (dropped now: they come once)."""
         values = batch.input_token_logprobs_val[i] if batch.input_token_logprobs_val else []
         if not values:
-            return ()
+            return None
         rid = batch.rids[i]
         prompt_ids = group.prompt_ids.pop(rid, [])
         if len(values) != len(prompt_ids):
@@ -479,10 +498,22 @@ class TokenizerManager:
                 len(values),
                 len(prompt_ids),
             )
-            return ()
+            return None
         top_vals = batch.input_top_logprobs_val[i] if batch.input_top_logprobs_val else []
         top_ids = batch.input_top_logprobs_idx[i] if batch.input_top_logprobs_idx else []
-        return self._token_logprobs(prompt_ids, values, top_vals, top_ids)
+        return _RawLogprobs(prompt_ids, values, top_vals, top_ids)
+
+    async def _decoded(self, raw: _RawLogprobs) -> tuple[TokenLogprob, ...]:
+        """`raw` with its tokens' texts; in a thread when it is long (a long prompt's logprobs
+        are millions of objects at 20 alternatives per position), so the event loop keeps
+        serving probes, streams and heartbeats meanwhile."""
+
+        def decode() -> tuple[TokenLogprob, ...]:
+            return self._token_logprobs(raw.token_ids, raw.values, raw.top_vals, raw.top_ids)
+
+        if len(raw.token_ids) + sum(map(len, raw.top_ids)) <= INLINE_LOGPROB_IDS:
+            return decode()
+        return await asyncio.to_thread(decode)
 
     def _token_logprobs(
         self,

@@ -16,7 +16,12 @@ from engine.sampling.sampling_params import SamplingParams
 from services.protocol import TokenizedGenerateReqInput
 from services.settings import Settings
 from services.tokenizer.adapters import RequestError
-from services.tokenizer.manager import ReqOutput, TokenizerManager, running_manager
+from services.tokenizer.manager import (
+    INLINE_LOGPROB_IDS,
+    ReqOutput,
+    TokenizerManager,
+    running_manager,
+)
 
 MAX_TOTAL_TOKENS = 4096
 PROMPT = "The quick brown fox jumps over the lazy dog, and the dog sleeps on"
@@ -83,10 +88,13 @@ def assert_all_kv_free(info: dict) -> None:
     assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == MAX_TOTAL_TOKENS
 
 
+@pytest.mark.parametrize("repeats", [1, 8], ids=["decoded-inline", "decoded-in-a-thread"])
 def test_a_prefill_only_request_brings_the_offline_prompt_logprobs_with_their_text(
-    settings, offline, tokenizer
+    settings, offline, tokenizer, repeats
 ):
-    ids = tokenizer.encode(PROMPT)
+    ids = tokenizer.encode(" ".join([PROMPT] * repeats))
+    # Each position names itself and 3 alternatives: the long prompt is decoded off the loop.
+    assert (len(ids) * 4 > INLINE_LOGPROB_IDS) == (repeats > 1)
     scored = SamplingParams(max_new_tokens=0, logprob_start_len=0, prompt_top_logprobs_num=3)
     expected = offline.generate(
         ids, {"max_new_tokens": 0, "logprob_start_len": 0, "prompt_top_logprobs_num": 3}

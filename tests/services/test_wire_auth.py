@@ -20,7 +20,7 @@ from zmq.utils.monitor import recv_monitor_message
 from benchmarks.support.launcher import ServiceLauncher, cpu_flags, server_ports
 from benchmarks.support.net import all_kv_free, server_info, wait_until
 from engine.sampling.sampling_params import SamplingParams
-from services.ipc import WireKeys, WireKeysError, connect_push, create_wire_keys
+from services.ipc import WireKeys, WireKeysError, create_wire_keys
 from services.protocol import (
     AbortReq,
     BatchStrOutput,
@@ -156,24 +156,34 @@ def spoofed(port_name: str, ids: list[str]) -> list[Message]:
     ]
 
 
-def attacker(ctx: zmq.Context, port: int, server_key: bytes | None) -> zmq.Socket:
+def attacker(
+    ctx: zmq.Context,
+    port: int,
+    server_key: bytes | None,
+    client_keys: tuple[bytes, bytes] | None = None,
+) -> tuple[zmq.Socket, zmq.Socket]:
     """A PUSH socket that queues what it is given until connected (no IMMEDIATE), so that
     its messages go out the moment a handshake would succeed: plain ZMQ when `server_key`
-    is None, else CURVE with the server's real public key and a client key of its own."""
+    is None, else CURVE with the server's real public key and `client_keys` (public, secret;
+    default: a key pair of its own). With it, the monitor of its handshakes, attached before
+    it connects so that the first handshake is seen."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
+    # connect() attaches the pipe that queues messages in libzmq's I/O thread, a moment later:
+    # a send waits for it (a non-blocking one could find none yet and fail with EAGAIN).
+    sock.setsockopt(zmq.SNDTIMEO, 10_000)
     if server_key is not None:
-        public, secret = zmq.curve_keypair()
+        public, secret = client_keys or zmq.curve_keypair()
         sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
         sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    return sock
-
-
-def handshake_outcome(sock: zmq.Socket) -> int:
-    """The first handshake event of `sock` (failed or succeeded), as libzmq reports it."""
     monitor = sock.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return sock, monitor
+
+
+def handshake_outcome(sock: zmq.Socket, monitor: zmq.Socket) -> int:
+    """The first handshake event of `sock` (failed or succeeded), as libzmq reports it."""
     try:
         assert monitor.poll(30_000), "no handshake within 30 s"
         return int(recv_monitor_message(monitor)["event"])
@@ -198,10 +208,10 @@ def test_spoofed_hello_abort_request_and_outputs_on_every_port_never_arrive_whil
         try:
             for name, port_flag in [(n, f) for n in PORTS for f in ("plain", "curve")]:
                 key = None if port_flag == "plain" else server_key(server.keys_dir, name)
-                sock = attacker(ctx, server.ports[name], key)
+                sock, monitor = attacker(ctx, server.ports[name], key)
                 for msg in spoofed(name, ids):
-                    sock.send(encode(msg), zmq.NOBLOCK)  # queued: nothing connected yet
-                outcomes[f"{name} {port_flag}"] = handshake_outcome(sock)
+                    sock.send(encode(msg))  # queued: no handshake has succeeded yet
+                outcomes[f"{name} {port_flag}"] = handshake_outcome(sock, monitor)
                 sock.close(linger=0)
             # The streams were still in flight once every attack had been refused.
             with httpx2.Client(base_url=server.url, timeout=30) as client:
@@ -232,10 +242,11 @@ def test_a_client_with_the_pods_keys_completes_the_handshake_on_every_port(serve
     ctx = zmq.Context()
     try:
         for name in PORTS:
-            sock = connect_push(
-                ctx, server.ports[name], keys=keys, server=SERVERS.get(name, "tokenizer")
+            server_public = keys.publics[SERVERS.get(name, "tokenizer")]
+            sock, monitor = attacker(
+                ctx, server.ports[name], server_public, (keys.public, keys.secret)
             )
-            assert handshake_outcome(sock) == zmq.EVENT_HANDSHAKE_SUCCEEDED, name
+            assert handshake_outcome(sock, monitor) == zmq.EVENT_HANDSHAKE_SUCCEEDED, name
             sock.close(linger=0)
     finally:
         ctx.destroy(linger=0)
