@@ -185,8 +185,8 @@ def build_image(wheelhouse: Path) -> str:
 
 
 def render_deployment() -> dict:
-    """The chart's Deployment with the CPU values; the only override points it at the local
-    image."""
+    """The chart's Deployment with the CPU values; the only overrides point it at the local
+    image and keep podman's init containers until the pod goes (see below)."""
     manifest = run(
         HELM,
         "template",
@@ -200,8 +200,13 @@ def render_deployment() -> dict:
         "templates/deployment.yaml",
         capture=True,
     ).stdout
-    (WORK / "deployment.yaml").write_text(manifest)
-    return yaml.safe_load(manifest)
+    deployment = yaml.safe_load(manifest)
+    # podman 4.3 runs init containers as type "once" and removes each one as it exits, racing
+    # its exit ("cannot remove container ... as it is running"); type "always" keeps them.
+    pod_meta = deployment["spec"]["template"]["metadata"]
+    pod_meta.setdefault("annotations", {})["io.podman.annotations.init.container.type"] = "always"
+    (WORK / "deployment.yaml").write_text(yaml.safe_dump(deployment, sort_keys=False))
+    return deployment
 
 
 def pod_container(deployment: dict, name: str) -> str:
