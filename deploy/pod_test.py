@@ -203,8 +203,9 @@ def render_deployment() -> dict:
     deployment = yaml.safe_load(manifest)
     # podman 4.3 runs init containers as type "once" and removes each one as it exits, racing
     # its exit ("cannot remove container ... as it is running"); type "always" keeps them.
-    pod_meta = deployment["spec"]["template"]["metadata"]
-    pod_meta.setdefault("annotations", {})["io.podman.annotations.init.container.type"] = "always"
+    # podman reads the annotation from the Deployment's own metadata.
+    annotations = deployment["metadata"].setdefault("annotations", {})
+    annotations["io.podman.annotations.init.container.type"] = "always"
     (WORK / "deployment.yaml").write_text(yaml.safe_dump(deployment, sort_keys=False))
     return deployment
 

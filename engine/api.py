@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
+import os
+import signal
+import sys
 from collections.abc import Iterator, Sequence
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import torch
 
 from engine import constants
 from engine.args import EngineArgs
 from engine.detokenize import IncrementalDetokenizer
+from engine.distributed import (
+    ParallelConfig,
+    destroy_distributed,
+    get_tp_group,
+    init_distributed,
+)
 from engine.grammar import GrammarBackend
 from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
@@ -18,9 +29,18 @@ from engine.outputs import GenerateMeta, GenerateResult, StreamChunk
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import Req
 from engine.sched.scheduler import Scheduler, after_turns
+from engine.sched.tp_ranks import (
+    RankMain,
+    RankProcesses,
+    configure_rank_logging,
+    dist_init_addr,
+    rank_device,
+)
 
 Prompt = str | Sequence[int]
 SamplingParamsArg = dict[str, Any] | Sequence[dict[str, Any]] | None
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -28,12 +48,48 @@ class Engine:
     options are EngineArgs fields, the snake_case of the server's flags."""
 
     def __init__(self, model: str | None = None, **options: Any):
-        self.args = args = EngineArgs.from_options(model=model or "embedded", **options)
-        device = (
-            args.device
-            if args.device != "auto"
-            else ("cuda" if torch.cuda.is_available() else "cpu")
-        )
+        args = EngineArgs.from_options(model=model or "embedded", **options)
+        if args.node_rank > 0:
+            raise ValueError(
+                "node_rank > 0 runs worker ranks only (`python -m services.worker "
+                "--node-rank K`, or engine.api.serve_node); the Engine is rank 0, on node 0"
+            )
+        if args.tp_size == 1:
+            self._start(args, 0, None, None)
+            return
+        if get_tp_group().size > 1:
+            raise RuntimeError(
+                "this process already holds a tensor-parallel engine (one group a process); "
+                "shut it down first"
+            )
+        addr = dist_init_addr(args)
+        ranks = RankProcesses(args, addr, _rank_main())
+        try:
+            self._start(args, 0, addr, ranks)
+        except BaseException:
+            ranks.kill()
+            destroy_distributed()
+            raise
+
+    @classmethod
+    def _for_rank(
+        cls, args: EngineArgs, rank: int, addr: str, ranks: RankProcesses | None
+    ) -> Engine:
+        """The engine of a rank other than 0, which follows rank 0 (`_follow`)."""
+        engine = cls.__new__(cls)
+        engine._start(args, rank, addr, ranks)
+        return engine
+
+    def _start(
+        self, args: EngineArgs, rank: int, addr: str | None, ranks: RankProcesses | None
+    ) -> None:
+        """Join the group (at TP > 1), then load this rank's shard of the model and build
+        the scheduler: every rank builds the same one over its own pools."""
+        self.args = args
+        self.ranks = ranks
+        device = rank_device(args, rank)
+        if addr is not None:
+            init_distributed(ParallelConfig(args.tp_size, rank, addr), torch.device(device))
         self.model_runner = ModelRunner(
             args.model,
             device=device,
@@ -119,7 +175,15 @@ class Engine:
                 self.scheduler.abort_request(req.rid)
 
     def shutdown(self) -> None:
+        """Stop the scheduler; at TP > 1 rank 0's stop ends the other ranks' loops too,
+        and each leaves the group."""
+        if self.ranks is not None:
+            self.ranks.expect_exit()
         self.scheduler.shutdown()
+        if self.ranks is not None:
+            self.ranks.join()
+        if self.args.tp_size > 1:
+            destroy_distributed()
 
     def __enter__(self) -> Engine:
         return self
@@ -167,6 +231,51 @@ class Engine:
             tail, skip_special_tokens=req.sampling_params.skip_special_tokens
         )
         return next((s for s in stop if s in text), None)
+
+
+def serve_node(args: EngineArgs) -> NoReturn:
+    """A node other than 0 (`python -m services.worker --node-rank K`): run its ranks, the
+    first in this process and the rest as its children, until rank 0 stops the group."""
+    addr = dist_init_addr(args)
+    _follow(args, args.first_rank, addr, RankProcesses(args, addr, _rank_main()))
+
+
+def _rank_main() -> RankMain:
+    """A spawned rank's body, logging at this process's level."""
+    return functools.partial(_run_rank, log_level=logging.getLogger().getEffectiveLevel())
+
+
+def _run_rank(args: EngineArgs, rank: int, addr: str, log_level: int) -> NoReturn:
+    # A terminal's Ctrl-C reaches the whole process group: rank 0 stops this rank in
+    # order (a rank that died of it would look like a crash).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_rank_logging(log_level, rank)
+    _follow(args, rank, addr, None)
+
+
+def _follow(args: EngineArgs, rank: int, addr: str, ranks: RankProcesses | None) -> NoReturn:
+    """Build rank `rank`'s engine and run rank 0's turns until it stops the group, then
+    end the process (status 0); a failed collective (a dead rank, or one stuck past the
+    group's timeout) ends it with status 1."""
+    engine = Engine._for_rank(args, rank, addr, ranks)
+    status = 0
+    try:
+        engine.scheduler.follow()
+        engine.shutdown()
+    except Exception:
+        logger.critical(
+            "tensor-parallel rank %d: a collective failed (another rank died, or stalled "
+            "past the group's timeout); exiting",
+            rank,
+            exc_info=True,
+        )
+        status = 1
+    # Leave without the interpreter's finalization: a process group that reference cycles
+    # keep alive until then is torn down after its threads, which can abort the process
+    # ("terminate called without an active exception") after a clean stop.
+    logging.shutdown()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _meta(req: Req) -> GenerateMeta:

@@ -108,6 +108,56 @@ class EngineArgs:
     debug_future_map: bool = _opt(
         False, "poison the FutureMap and assert every future is written before read"
     )
+    tp_size: int = _opt(
+        1,
+        "tensor-parallel ranks, one process and one device each: the model's layers and KV "
+        "heads are split over them",
+    )
+    nnodes: int = _opt(1, "nodes the tensor-parallel ranks span, tp_size / nnodes on each")
+    node_rank: int = _opt(
+        0,
+        "this node's index in [0, nnodes): node 0 runs rank 0, the worker the other "
+        "services talk to; the others run worker ranks only",
+    )
+    dist_init_addr: str | None = _opt(
+        None,
+        "host:port where rank 0 serves the rendezvous (default: 127.0.0.1 and a free port, "
+        "on one node); required when nnodes > 1",
+    )
+
+    def __post_init__(self) -> None:
+        self.check_parallel()
+
+    def check_parallel(self) -> None:
+        """Refuse a rank layout that cannot start, before any process is spawned."""
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1:
+            raise ValueError(f"nnodes must be >= 1, got {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(
+                f"tp_size ({self.tp_size}) must be a multiple of nnodes ({self.nnodes}): "
+                "every node runs the same number of ranks"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes - 1}], got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError(
+                "nnodes > 1 needs dist_init_addr: the host:port of node 0 that every node reaches"
+            )
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
+
+    @property
+    def first_rank(self) -> int:
+        """The global rank of this node's first rank (the one its own process runs)."""
+        return self.node_rank * self.ranks_per_node
 
     @classmethod
     def from_options(cls, **options: Any) -> EngineArgs:

@@ -116,12 +116,16 @@ def load_wire_keys(directory: str | None, role: str) -> WireKeys | None:
 
 
 def create_wire_keys(directory: str | os.PathLike[str]) -> Path:
-    """Fresh keypairs for every role in `directory` (made if absent), private to this user:
-    the directory 0700, its files 0600. Existing keys are replaced."""
+    """A keypair for every role in `directory` (made if absent), private to this user: the
+    directory 0700, its files 0600. A role whose two files are there keeps them: a rerun
+    (Kubernetes reruns init containers when a pod's sandbox restarts; podman restarts them
+    with the pod's policy) must not change keys that running processes have loaded."""
     path = Path(directory)
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     path.chmod(0o700)
     for role in WIRE_ROLES:
+        if (path / f"{role}.key").is_file() and (path / f"{role}.key_secret").is_file():
+            continue
         for file in zmq.auth.create_certificates(path, role):
             os.chmod(file, 0o600)
     return path

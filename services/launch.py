@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> None:
     keys = commands.add_parser(
         "keys", help="make the CURVE keys of the ZMQ wire (--ipc-keys-dir) in a directory"
     )
-    keys.add_argument("directory", help="made if absent, private to this user; keys replaced")
+    keys.add_argument(
+        "directory", help="made if absent, private to this user; keys already there are kept"
+    )
     # The serve flags are the Settings flags; `radixserve serve --help` lists them.
     commands.add_parser(
         "serve", help="serve the OpenAI-compatible API (all three processes)", add_help=False
@@ -72,6 +74,13 @@ def serve(argv: list[str]) -> int:
     from services.settings import Settings
 
     settings = Settings.from_cli(argv, prog="radixserve serve")
+    if settings.node_rank > 0:
+        print(
+            "radixserve: serve runs node 0 (the API and rank 0); on node K > 0 run "
+            "`python -m services.worker --node-rank K` with the same flags",
+            file=sys.stderr,
+        )
+        return 2
     keys_dir = None if settings.ipc_keys_dir else _make_wire_keys()
     children = ServiceGroup(argv, keys_dir)
     stop_signal: list[int] = []

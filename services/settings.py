@@ -153,6 +153,7 @@ class Settings(EngineArgs):
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.served_model_name is None:
             self.served_model_name = self.model
         for f in fields(self):

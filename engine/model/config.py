@@ -73,6 +73,31 @@ class ModelConfig:
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
 
+    def get_num_kv_heads(self, tp_size: int) -> int:
+        """KV heads per rank: an even share, or one (replicated) when the ranks outnumber
+        the KV heads (SGLang's name)."""
+        return max(1, self.num_key_value_heads // tp_size)
+
+    def verify_tp_size(self, tp_size: int) -> None:
+        """Refuse a tensor-parallel size the model cannot be split over. The vocabulary is
+        padded to a multiple of it, so only the heads and the MLP width can refuse."""
+        heads, kv_heads = self.num_attention_heads, self.num_key_value_heads
+        problem = None
+        if heads % tp_size:
+            problem = f"the {heads} attention heads"
+        elif kv_heads % tp_size and tp_size % kv_heads:
+            problem = (
+                f"the {kv_heads} KV heads (and {tp_size} is not a multiple of them, "
+                f"so they cannot be replicated either)"
+            )
+        elif self.intermediate_size % tp_size:
+            problem = f"the MLP's intermediate size {self.intermediate_size}"
+        if problem is not None:
+            raise ValueError(
+                f"--tp-size {tp_size} does not divide {problem} of this model; "
+                f"choose a --tp-size that does"
+            )
+
     @classmethod
     def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike[str]) -> ModelConfig:
         """From a Hugging Face `config.json`: a dict, the file, or the directory holding it."""

@@ -23,9 +23,11 @@ import numpy.typing as npt
 import torch
 from safetensors import safe_open
 
+from engine.distributed import get_tp_group
 from engine.model.attention.base import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.embedded import EMBEDDED_MODEL, embedded_model_path
+from engine.model.layers.linear import CheckpointTensor
 from engine.model.models import get_model_class
 from engine.model.models.llama import LlamaForCausalLM
 from engine.model.tokenizer_cache import load_gguf_tokenizer
@@ -115,6 +117,11 @@ class Checkpoint(ABC):
     @abstractmethod
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
+    def lazy_weights(self) -> Iterator[tuple[str, CheckpointTensor]]:
+        """The same stream for the model's loaders, which `narrow` each tensor to their
+        rank's slice: formats that can read a slice alone read only that."""
+        return self.weights()
+
 
 class HFCheckpoint(Checkpoint):
     def __init__(self, model_dir: Path):
@@ -135,6 +142,26 @@ class HFCheckpoint(Checkpoint):
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
+
+    def lazy_weights(self) -> Iterator[tuple[str, CheckpointTensor]]:
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, SafetensorsSlice(f.get_slice(name))
+
+
+class SafetensorsSlice:
+    """A tensor of an open safetensors file, read only as far as `narrow` asks: a rank
+    reads its shard, not the whole tensor. Valid while the file is open."""
+
+    def __init__(self, tensor_slice: Any):
+        self.tensor_slice = tensor_slice
+        self.shape = torch.Size(tensor_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        tensor: torch.Tensor = self.tensor_slice[index]
+        return tensor
 
 
 class GGUFReader(gguf.GGUFReader):
@@ -221,11 +248,13 @@ def load_model(
     device: str | torch.device,
     attn_backend: AttentionBackend,
 ) -> LlamaForCausalLM:
-    """Build the network for `checkpoint.config` straight on `device` in `dtype` and fill it."""
+    """Build this rank's shard of the network for `checkpoint.config` straight on `device`
+    in `dtype` and fill it; refuse a tensor-parallel size the model cannot be split over."""
+    checkpoint.config.verify_tp_size(get_tp_group().size)
     model_cls = get_model_class(checkpoint.config.architecture)
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(checkpoint.config, attn_backend)
-    model.load_weights(checkpoint.weights())
+    model.load_weights(checkpoint.lazy_weights())
     return model.eval()
 
 

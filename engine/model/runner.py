@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.distributed import get_tp_group
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
@@ -94,11 +95,12 @@ class ModelRunner:
             raise ValueError(f"dtype {self.dtype} is not supported on {self.device.type}")
         checkpoint = open_checkpoint(model)
         self.model_config = config = checkpoint.config
+        self.tp_size = get_tp_group().size
         self.context_len = context_len or config.context_len
         self.attn_backend = create_attention_backend(
             attention_backend or default_attention_backend(self.device),
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
+            num_heads=config.num_attention_heads // self.tp_size,
+            num_kv_heads=config.get_num_kv_heads(self.tp_size),
             head_dim=config.head_dim,
             device=self.device,
         )
@@ -136,16 +138,21 @@ class ModelRunner:
     ) -> None:
         """Graphs bake in the KV pool's addresses, so their memory is reserved first: the
         request table, then the graph memory a trial capture measures, then the pool out of
-        what is left; the graphs are captured over the pool afterwards."""
+        what is left; the graphs are captured over the pool afterwards. The pool holds this
+        rank's KV heads only; under tensor parallelism every rank sizes it alike (the
+        smallest size any rank can afford), since their schedulers allocate in step."""
         config = self.model_config
-        kv_shape = (config.num_key_value_heads, config.head_dim, config.num_hidden_layers)
+        kv_heads = config.get_num_kv_heads(self.tp_size)
+        kv_shape = (kv_heads, config.head_dim, config.num_hidden_layers)
         self.req_to_token_pool = ReqToTokenPool(max_running_requests, self.context_len, self.device)
         if max_total_tokens is None:
             graph_bytes = 0
             if graph_backend is not None and self.device.type == "cuda":
                 graph_bytes = self._measure_graph_memory(kv_shape)
-            max_total_tokens = MHATokenToKVPool.max_tokens_for_budget(
-                self._kv_cache_budget(mem_fraction_static) - graph_bytes, *kv_shape, self.dtype
+            max_total_tokens = get_tp_group().min_over_ranks(
+                MHATokenToKVPool.max_tokens_for_budget(
+                    self._kv_cache_budget(mem_fraction_static) - graph_bytes, *kv_shape, self.dtype
+                )
             )
         if max_total_tokens < 1:
             raise RuntimeError(

@@ -28,6 +28,7 @@ from engine.args import EngineArgs
 from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.chunk_cache import ChunkCache
 from engine.cache.radix_cache import RadixCache
+from engine.distributed import get_tp_group
 from engine.grammar import (
     GrammarBackend,
     GrammarError,
@@ -36,7 +37,7 @@ from engine.grammar import (
     ReasoningGrammarMatcher,
 )
 from engine.grammar.jump_forward import JumpForward, decodes_concatenatively, plan_jump_forward
-from engine.sampling.sampler import Sampler
+from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.sched.batch import ScheduleBatch
 from engine.sched.batch_result import BatchResult, PendingResult
 from engine.sched.cache_manager import CacheManager
@@ -47,6 +48,7 @@ from engine.sched.prefill_adder import AddReqResult, PrefillAdder
 from engine.sched.req import FinishReason, Req, ReqStatus
 from engine.sched.retract import release_req, retract_decode
 from engine.sched.running_batch import RunningBatch
+from engine.sched.tp_sync import Abort, AddReq, FlushCache, GrammarsDone, InputSync
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -181,6 +183,9 @@ class Scheduler:
             else None
         )
         self.in_flight: tuple[ScheduleBatch, Future[PendingResult]] | None = None
+        self.tp_group = get_tp_group()
+        self.input_sync = InputSync(self.tp_group) if self.tp_group.size > 1 else None
+        """At TP > 1: rank 0 broadcasts each turn's inputs, the other ranks apply them."""
 
     # ----- requests in ------------------------------------------------------------------
 
@@ -234,9 +239,22 @@ class Scheduler:
             self.grammar_queue.append(req)
         else:
             self.waiting_queue.append(req)
+        if self.input_sync is not None:
+            self.input_sync.record(
+                AddReq(
+                    req.rid,
+                    req.origin_input_ids,
+                    params,
+                    req.extra_key,
+                    req.priority,
+                    req.routing_key,
+                )
+            )
 
     def abort_request(self, rid: str, reason: FinishReason = ABORTED_BY_CLIENT) -> None:
         """Finish `rid` now with `reason`; its KV slots are freed at once, in flight or not."""
+        if self.input_sync is not None:
+            self.input_sync.record(Abort(rid, reason))
         for queue in (self.waiting_queue, self.grammar_queue):
             for req in queue:
                 if req.rid == rid:
@@ -255,7 +273,42 @@ class Scheduler:
                 self.running.remove([live])
                 return
 
+    def flush_cache(self) -> None:
+        """Empty the prefix cache and both pools (the caller checks that nothing holds KV)."""
+        if self.input_sync is not None:
+            self.input_sync.record(FlushCache())
+        self.cache_manager.reset()
+
     # ----- event loops ------------------------------------------------------------------
+
+    def begin_turn(self) -> bool:
+        """Start an event-loop turn, after its messages are in: take the compiled grammars
+        in, then at TP > 1 bring every rank to the same inputs (`InputSync`); a rank other
+        than 0 applies rank 0's instead of deciding for itself. False: rank 0 has stopped,
+        and this follower's loop ends."""
+        leads = self.input_sync is None or self.tp_group.is_first_rank
+        if leads and self.grammar_queue:
+            self.move_ready_grammar_requests()
+        return self.input_sync is None or self.input_sync.begin_turn(self)
+
+    def fingerprint(self) -> dict[str, int]:
+        """Numbers two ranks in step agree on between turns (cheap: no walk, no sync)."""
+        cache, tree = self.cache_manager, self.cache_manager.tree_cache
+        return {
+            "waiting": len(self.waiting_queue),
+            "compiling": len(self.grammar_queue),
+            "running": len(self.running),
+            "free_kv": cache.allocator.available_size(),
+            "evictable_kv": tree.evictable_size(),
+            "protected_kv": tree.protected_size(),
+            "generated": self.stats.generation_tokens,
+            "prefilled": self.stats.prefill_tokens,
+            "retractions": self.stats.num_retractions,
+        }
+
+    def follow(self) -> None:
+        """A rank other than 0: run rank 0's turns until it stops."""
+        self.run_event_loop(should_stop=lambda: False)
 
     def event_loop_normal(
         self, should_stop: ShouldStop, recv_requests: RecvRequests, send_outputs: SendOutputs
@@ -264,6 +317,8 @@ class Scheduler:
         batch, run it and process its result; send the requests that advanced or finished."""
         while not should_stop():
             recv_requests()
+            if not self.begin_turn():
+                return
             if self.has_work():
                 batch = self.get_next_batch_to_run()
                 if batch is None:
@@ -282,6 +337,8 @@ class Scheduler:
         loop stops."""
         while not should_stop():
             recv_requests()
+            if not self.begin_turn():
+                return
             if self.has_work():
                 batch = self.get_next_batch_to_run()
                 launched = (batch, self.launch_batch(batch)) if batch is not None else None
@@ -351,6 +408,8 @@ class Scheduler:
         """Finish the batch a stopped overlap loop left in flight (its forward counts in the
         stats and the observer like any other), then stop the threads."""
         self.resolve_in_flight()
+        if self.input_sync is not None:
+            self.input_sync.stop()
         if self.forward_thread is not None:
             self.forward_thread.shutdown(wait=True)
         if self.grammar_backend is not None:
@@ -359,8 +418,6 @@ class Scheduler:
     # ----- building batches -------------------------------------------------------------
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        if self.grammar_queue:
-            self.move_ready_grammar_requests()
         batch = self.get_new_batch_prefill()
         if batch is None and self.running:
             batch = self.update_running_batch()
@@ -426,25 +483,58 @@ class Scheduler:
             pending = [_pending_grammar(r).future for r in self.grammar_queue]
             wait(pending, timeout=GRAMMAR_POLL_INTERVAL_S, return_when=FIRST_COMPLETED)
         still_compiling: list[Req] = []
+        ready: list[str] = []
+        failed: list[tuple[str, FinishReason]] = []
         for req in self.grammar_queue:
             try:
                 compiled = _pending_grammar(req).result()
-                if compiled is not None:
-                    req.grammar = self._grammar_backend().new_matcher(
-                        compiled, req.sampling_params.reasoning
-                    )
             except GrammarError as e:
                 self._finish(req, FinishReason("abort", message=str(e), status_code=400))
+            except Exception as e:
+                self._fail(req, "compiling its grammar", e)
+            else:
+                if compiled is None:
+                    still_compiling.append(req)
+                elif self._take_grammar(req, compiled):
+                    ready.append(req.rid)
                 continue
+            assert req.finished_reason is not None, "finished just above"
+            failed.append((req.rid, req.finished_reason))
+        self.grammar_queue = still_compiling
+        if self.input_sync is not None and (ready or failed):
+            self.input_sync.record(GrammarsDone(ready, failed))
+
+    def follow_grammar_queue(self, ready: list[str], failed: dict[str, FinishReason]) -> None:
+        """A rank other than 0 takes rank 0's word on which compiles ended and how (when
+        one ends depends on thread timing): the failed finish with rank 0's reason, the
+        ready join the waiting queue in rank 0's order, waiting for their compile here."""
+        by_rid = {req.rid: req for req in self.grammar_queue}
+        self.grammar_queue = [
+            r for r in self.grammar_queue if r.rid not in failed and r.rid not in ready
+        ]
+        for rid, reason in failed.items():
+            self._finish(by_rid[rid], reason)
+        for rid in ready:
+            req = by_rid[rid]
+            try:
+                compiled = _pending_grammar(req).future.result()
             except Exception as e:
                 self._fail(req, "compiling its grammar", e)
                 continue
-            if compiled is None:
-                still_compiling.append(req)
-                continue
-            req.pending_grammar = None
-            self.waiting_queue.append(req)
-        self.grammar_queue = still_compiling
+            self._take_grammar(req, compiled)
+
+    def _take_grammar(self, req: Req, compiled: Any) -> bool:
+        """Give `req` its matcher and queue it; False if making the matcher failed it."""
+        try:
+            req.grammar = self._grammar_backend().new_matcher(
+                compiled, req.sampling_params.reasoning
+            )
+        except Exception as e:
+            self._fail(req, "compiling its grammar", e)
+            return False
+        req.pending_grammar = None
+        self.waiting_queue.append(req)
+        return True
 
     def update_running_batch(self) -> ScheduleBatch | None:
         """A decode step for every running request, making room first: evict cache, then
@@ -530,11 +620,26 @@ class Scheduler:
             logits_output = self.model_runner.forward_output(
                 forward_batch, resolve_input_ids=self.future_map.resolve
             )
-        out = self.sampler(logits_output.next_token_logits, batch.sampling_info)
+        out = self._agree_on_tokens(
+            batch, self.sampler(logits_output.next_token_logits, batch.sampling_info)
+        )
         self.future_map.store(forward_batch.req_pool_indices, out.next_token_ids)
         return PendingResult(
             out, logits_output, forward_batch.prompt_logprobs, started, start_event
         )
+
+    def _agree_on_tokens(self, batch: ScheduleBatch, out: SamplerOutput) -> SamplerOutput:
+        """At TP > 1 every rank samples from the same (all-gathered) logits. Greedy rows
+        agree by construction, so a batch of them costs nothing more; a batch with a
+        sampled or grammar-masked row takes rank 0's ids (one all-gather of B ids on the
+        device group, in stream order: no host sync). Seeding every rank alike would
+        agree too, but only while no rank's RNG is ever drawn differently: the broadcast
+        makes agreement a fact, not a hope."""
+        info = batch.sampling_info
+        if self.tp_group.size == 1 or (info.is_all_greedy and info.vocab_mask is None):
+            return out
+        ids = self.tp_group.all_gather(out.next_token_ids[None], dim=0)[0]
+        return out._replace(next_token_ids=ids)
 
     # ----- results ----------------------------------------------------------------------
 

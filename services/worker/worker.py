@@ -98,12 +98,14 @@ class Worker(Service):
         self.engine = Engine(**engine_args)
         self.scheduler = self.engine.scheduler
         logger.info(
-            "loaded %s: max_total_tokens=%d context_length=%d max_running_requests=%d device=%s",
+            "loaded %s: max_total_tokens=%d context_length=%d max_running_requests=%d "
+            "device=%s tp_size=%d",
             settings.model,
             self.scheduler.max_total_tokens,
             self.scheduler.context_len,
             self.scheduler.max_running_requests,
             self.scheduler.device,
+            settings.tp_size,
         )
         super().__init__(settings, settings.worker_port)
         self.to_detokenizer = self.outbox(settings.detokenizer_port)
@@ -421,7 +423,7 @@ class Worker(Service):
             )
             logger.info("refused flush_cache: %s", message)
             return FlushCacheReqOutput(success=False, message=message, rid=rid)
-        sched.cache_manager.reset()
+        sched.flush_cache()
         self.publish_kv_events()
         logger.info("flushed the cache")
         return FlushCacheReqOutput(success=True, message="cache flushed", rid=rid)
@@ -435,6 +437,7 @@ class Worker(Service):
             "max_total_tokens": sched.max_total_tokens,
             "context_length": sched.context_len,
             "max_running_requests": sched.max_running_requests,
+            "tp_size": sched.tp_group.size,
             "available_kv_tokens": cache.allocator.available_size(),
             "evictable_kv_tokens": cache.tree_cache.evictable_size(),
             "protected_kv_tokens": cache.tree_cache.protected_size(),

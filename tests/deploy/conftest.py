@@ -22,6 +22,8 @@ CPU_VALUES = CHART / "values-cpu.yaml"
 ALL_ON_VALUES = CHART / "ci" / "all-on-values.yaml"
 # KEDA in place of the HPA, layered on the all-on values (the two autoscalers exclude each other).
 KEDA_VALUES = CHART / "ci" / "keda-values.yaml"
+# One model over two nodes: a LeaderWorkerSet in place of the Deployment.
+MULTINODE_VALUES = CHART / "ci" / "multinode-values.yaml"
 RELEASE = "rs"
 FULLNAME = "rs-radixserve"
 CONTAINERS = ("tokenizer", "worker", "detokenizer")
@@ -69,6 +71,10 @@ class Render:
     def containers(self) -> dict[str, dict[str, Any]]:
         return {c["name"]: c for c in self.pod["containers"]}
 
+    def group_template(self, role: str) -> dict[str, Any]:
+        """The LeaderWorkerSet's pod template of `role`: "leader" or "worker"."""
+        return self.one("LeaderWorkerSet")["spec"]["leaderWorkerTemplate"][f"{role}Template"]
+
     def env(self, container: str) -> dict[str, Any]:
         return {
             e["name"]: e.get("value", e.get("valueFrom"))
@@ -114,6 +120,11 @@ def all_on() -> Render:
 @pytest.fixture(scope="session")
 def all_on_keda() -> Render:
     return helm_template(ALL_ON_VALUES, KEDA_VALUES)
+
+
+@pytest.fixture(scope="session")
+def multinode() -> Render:
+    return helm_template(MULTINODE_VALUES)
 
 
 @pytest.fixture(scope="session", params=["default", "cpu", "all_on"])

@@ -35,6 +35,7 @@ SWITCHES = [
     ("autoscaling.enabled", "HorizontalPodAutoscaler", {}),
     ("keda.enabled", "ScaledObject", PROMETHEUS),
     ("networkPolicy.enabled", "NetworkPolicy", {}),
+    ("multinode.enabled", "LeaderWorkerSet", {}),
     ("inferencePool.enabled", "InferencePool", PICKER),
     (
         "httpRoute.enabled",

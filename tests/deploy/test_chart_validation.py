@@ -17,6 +17,7 @@ from tests.deploy.conftest import (
     CHART,
     CPU_VALUES,
     KEDA_VALUES,
+    MULTINODE_VALUES,
     REPO,
     helm_template_error,
     run_tool,
@@ -27,18 +28,22 @@ VALUES_FILES = {
     "cpu": [CPU_VALUES],
     "all_on": [ALL_ON_VALUES],
     "all_on_keda": [ALL_ON_VALUES, KEDA_VALUES],
+    "multinode": [MULTINODE_VALUES],
 }
 # The oldest and newest Kubernetes that kubernetes-validate has schemas for; Chart.yaml says
 # >= 1.25.
 KUBERNETES_VERSIONS = ["1.25.0", "1.37.0"]
-# Kinds of CRDs (Prometheus Operator, Gateway API and its Inference Extension, KEDA): not in
-# kubernetes-validate's schemas; test_chart_objects checks their structure.
+# Kinds of CRDs (Prometheus Operator, Gateway API and its Inference Extension, KEDA,
+# LeaderWorkerSet): not in kubernetes-validate's schemas; test_chart_objects and
+# test_chart_multinode check their structure (and the LeaderWorkerSet's pod templates are
+# validated here as Pods).
 CUSTOM_RESOURCES = {
     "ServiceMonitor",
     "PrometheusRule",
     "InferencePool",
     "HTTPRoute",
     "ScaledObject",
+    "LeaderWorkerSet",
 }
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 
@@ -56,6 +61,7 @@ def test_renders_pass_kubernetes_validate_strict(values, version, tmp_path, requ
     render = request.getfixturevalue(values)
     # kubernetes-validate has no schemas for custom resources; test_chart_objects checks those.
     builtin = [doc for doc in render.docs if doc["kind"] not in CUSTOM_RESOURCES]
+    builtin += [group_pod(render.group_template(role), role) for role in group_roles(render)]
     manifest = tmp_path / "manifest.yaml"
     manifest.write_text(yaml.safe_dump_all(builtin))
     result = run_tool(
@@ -63,6 +69,20 @@ def test_renders_pass_kubernetes_validate_strict(values, version, tmp_path, requ
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count(" passed for resource ") == len(builtin)
+
+
+def group_roles(render) -> list[str]:
+    return ["leader", "worker"] if "LeaderWorkerSet" in render.kinds() else []
+
+
+def group_pod(template: dict, role: str) -> dict:
+    """A LeaderWorkerSet pod template as the Pod it becomes, so its spec is validated."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**template["metadata"], "name": role},
+        "spec": template["spec"],
+    }
 
 
 def test_kubernetes_validate_strict_rejects_an_unknown_field(tmp_path):
@@ -96,6 +116,9 @@ def test_kubernetes_validate_strict_rejects_an_unknown_field(tmp_path):
         ({"httpRoute.timeouts.request": "1 hour"}, "timeouts.request"),
         ({"keda.enabled": True}, "serverAddress"),
         ({"keda.prometheus.serverAddress": "prometheus:9090"}, "serverAddress"),
+        ({"multinode.nodes": 1}, "multinode.nodes"),
+        ({"multinode.distInitPort": 70000}, "multinode.distInitPort"),
+        ({"multinode.enabeld": True}, "enabeld"),
     ],
 )
 def test_the_values_schema_rejects_mistakes_with_their_name(values, message):

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.api import Engine
 from engine.model.forward_batch import ForwardMode, PromptLogprobsInput
-from engine.model.layers.embedding import VocabEmbedding
+from engine.model.layers.embedding import VocabParallelEmbedding
 from engine.model.layers.logits_processor import LogitsProcessor
 from engine.outputs import GenerateMeta
 from engine.sampling.sampling_params import SamplingParams
@@ -254,7 +254,7 @@ def test_an_abort_mid_chunked_prefill_frees_its_slots(make_engine):
 
 
 def test_a_logprob_that_underflows_to_minus_inf_is_clamped_to_the_float32_minimum():
-    lm_head = VocabEmbedding(3, 1)
+    lm_head = VocabParallelEmbedding(3, 1)
     with torch.no_grad():
         lm_head.weight.copy_(torch.tensor([[3e38], [0.0], [-3e38]]))
     spec = PromptLogprobsInput(torch.tensor([0, 1]), torch.tensor([2, 1]), 3, [2])

@@ -25,3 +25,13 @@ def test_keys_makes_a_private_directory_that_every_role_can_load(tmp_path: Path)
     assert keys_dir.stat().st_mode & 0o777 == 0o700
     loaded = [WireKeys.load(keys_dir, role) for role in WIRE_ROLES]
     assert len({keys.secret for keys in loaded}) == len(WIRE_ROLES)
+    # A rerun (an init container run again) keeps what running processes loaded; a role
+    # whose files are gone gets new ones.
+    (keys_dir / "worker.key_secret").unlink()
+    subprocess.run([script, "keys", str(keys_dir)], capture_output=True, check=True)
+    again = {role: WireKeys.load(keys_dir, role) for role in WIRE_ROLES}
+    for before in loaded:
+        if before.role == "worker":
+            assert again["worker"].secret != before.secret
+        else:
+            assert again[before.role].secret == before.secret

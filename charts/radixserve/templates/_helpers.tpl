@@ -94,6 +94,17 @@ and the tokenizer and detokenizer load the same tokenizer as the worker's model.
 {{- end }}
 - --grammar-backend={{ $e.grammarBackend }}
 - --dtype={{ $e.dtype }}
+{{- $tpSize := include "radixserve.tpSize" . | int }}
+{{- if gt $tpSize 1 }}
+- --tp-size={{ $tpSize }}
+{{- end }}
+{{- if .Values.multinode.enabled }}
+{{- /* The kubelet expands $(VAR) from the container's environment, where the
+LeaderWorkerSet puts each pod's place in its group (the leader's index is 0). */}}
+- --nnodes=$(LWS_GROUP_SIZE)
+- --node-rank=$(LWS_WORKER_INDEX)
+- --dist-init-addr=$(LWS_LEADER_ADDRESS):{{ int64 .Values.multinode.distInitPort }}
+{{- end }}
 - --max-tokens-cap={{ int64 $e.maxTokensCap }}
 - --heartbeat-interval={{ $e.heartbeatInterval }}
 - --graceful-shutdown-timeout={{ .Values.gracefulShutdown.streamDrainSeconds }}
@@ -108,6 +119,46 @@ and the tokenizer and detokenizer load the same tokenizer as the worker's model.
 {{- end }}
 {{- range $e.extraArgs }}
 - {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+The LeaderWorkerSet: not the Service's name, which its controller would take for the headless
+Service it makes under that name and through which the pods find their leader
+(LWS_LEADER_ADDRESS). Short enough for its pods' host names, <name>-<group>-<index>.
+*/}}
+{{- define "radixserve.groupName" -}}
+{{- printf "%s-group" (include "radixserve.fullname" . | trunc 40 | trimSuffix "-") }}
+{{- end }}
+
+{{/* Ranks of one model: a rank per GPU (one on the CPU) on each node of the group. */}}
+{{- define "radixserve.tpSize" -}}
+{{- $nodes := ternary (int .Values.multinode.nodes) 1 .Values.multinode.enabled }}
+{{- mul (max 1 (int .Values.worker.gpus)) $nodes }}
+{{- end }}
+
+{{/* What an autoscaler scales: the Deployment, or the LeaderWorkerSet's groups (its scale
+subresource counts groups and selects their leaders). */}}
+{{- define "radixserve.scaleTargetRef" -}}
+{{- if .Values.multinode.enabled -}}
+apiVersion: leaderworkerset.x-k8s.io/v1
+kind: LeaderWorkerSet
+name: {{ include "radixserve.groupName" . }}
+{{- else -}}
+apiVersion: apps/v1
+kind: Deployment
+name: {{ include "radixserve.fullname" . }}
+{{- end }}
+{{- end }}
+
+{{/*
+The names of the server pods, as a Prometheus regex: a Deployment's are
+<fullname>-<replicaset hash>-<suffix>; a LeaderWorkerSet's leaders are <name>-<group>
+(its other pods, <name>-<group>-<index>, serve no metrics).
+*/}}
+{{- define "radixserve.serverPodPattern" -}}
+{{- if .Values.multinode.enabled }}{{ printf "%s-[0-9]+" (include "radixserve.groupName" .) }}
+{{- else }}{{ printf "%s-[a-z0-9]+-[a-z0-9]+" (include "radixserve.fullname" .) }}
 {{- end }}
 {{- end }}
 
@@ -189,4 +240,16 @@ that the init container makes private (0700) inside the emptyDir (whose root it 
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/*
+The ingress rule between the pods of the release's LeaderWorkerSet: rank 0's rendezvous port
+(multinode.distInitPort) and the ports NCCL and gloo then open between ranks, which are
+ephemeral and so cannot be listed. No other pod reaches them.
+*/}}
+{{- define "radixserve.groupIngress" -}}
+- from:
+    - podSelector:
+        matchLabels:
+          leaderworkerset.sigs.k8s.io/name: {{ include "radixserve.groupName" . }}
 {{- end }}

@@ -1,4 +1,11 @@
-"""Token embedding and the LM head (which may share its weight)."""
+"""Token embedding and the LM head (which may share its weight), split by vocabulary rows
+across the ranks of the tensor-parallel group.
+
+Each rank holds `ceil(vocab / N)` rows: the last rank's tail past the vocabulary is zero
+padding, so any vocabulary splits. The embedding looks up the ids in its range and one
+all-reduce adds the ranks' rows; the LM head gives each rank's slice of the logits, which
+`LogitsProcessor` gathers and cuts back to the vocabulary.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +13,45 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.layers.linear import default_weight_loader, set_weight_loader
+from engine.distributed import get_tp_group
+from engine.model.layers.linear import CheckpointTensor, copy_shard, set_weight_loader
 
 
-class VocabEmbedding(nn.Module):
-    """Token id -> hidden vector."""
+class VocabParallelEmbedding(nn.Module):
+    """Token id -> hidden vector, from this rank's rows `[vocab_start, vocab_end)`."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
+        group = get_tp_group()
         self.num_embeddings = num_embeddings
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
-        set_weight_loader(self.weight, default_weight_loader)
+        self.tp_size = group.size
+        rows_per_rank = -(-num_embeddings // group.size)
+        self.vocab_start = min(group.rank * rows_per_rank, num_embeddings)
+        self.vocab_end = min(self.vocab_start + rows_per_rank, num_embeddings)
+        self.weight = nn.Parameter(torch.empty(rows_per_rank, embedding_dim))
+        set_weight_loader(self.weight, self.weight_loader)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | None = None
+    ) -> int:
+        """This rank's rows of the checkpoint's `[vocab, hidden]`; the padding rows zero."""
+        rows = self.vocab_end - self.vocab_start
+        copy_shard(param.data[:rows], loaded, 0, self.vocab_start, self.num_embeddings)
+        param.data[rows:].zero_()
+        return param.numel()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill_(outside, 0)
+        embeddings = F.embedding(local_ids, self.weight).masked_fill_(outside.unsqueeze(-1), 0)
+        return get_tp_group().all_reduce(embeddings)
 
 
-class LMHead(VocabEmbedding):
+class ParallelLMHead(VocabParallelEmbedding):
     """Hidden vector -> vocabulary logits; the LogitsProcessor applies it. With
-    `tie_word_embeddings` the model uses its VocabEmbedding here instead."""
+    `tie_word_embeddings` the model uses its VocabParallelEmbedding here instead."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("LMHead is applied by LogitsProcessor, not called")
+        raise RuntimeError("ParallelLMHead is applied by LogitsProcessor, not called")

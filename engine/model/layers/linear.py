@@ -1,34 +1,74 @@
-"""Linear layers whose weights arrive from checkpoints in pieces.
+"""Linear layers whose weights arrive from checkpoints in pieces, split across the ranks of
+the tensor-parallel group (Megatron's layout, SGLang's names).
 
 Each parameter carries a `weight_loader(param, loaded, shard_id)` (`set_weight_loader`);
-the model's `load_weights` routes every checkpoint tensor to it (`get_weight_loader`).
-Parameters are allocated with `torch.empty`: every one is overwritten by the checkpoint, so
-initialising them is wasted time.
+the model's `load_weights` routes every checkpoint tensor to it (`get_weight_loader`). A
+loader copies only this rank's slice, read with `narrow` from a `CheckpointTensor`, which may
+be a lazy view of a file that reads just that slice. Parameters are allocated with
+`torch.empty`: every one is overwritten by the checkpoint, so initialising them is wasted
+time.
+
+A column-parallel layer (qkv, gate_up) holds 1/N of the output rows and needs no
+communication; a row-parallel one (o_proj, down_proj) holds 1/N of the input columns, so its
+partial products are summed by exactly one all-reduce. At TP=1 the group is a group of one
+and these are plain linear layers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.distributed import get_tp_group
 
-def default_weight_loader(
-    param: torch.Tensor, loaded: torch.Tensor, shard_id: str | None = None
-) -> None:
-    """Copy a whole checkpoint tensor into `param` (converting dtype and device)."""
-    if param.shape != loaded.shape:
+
+class CheckpointTensor(Protocol):
+    """A checkpoint tensor as the loaders see it: a `torch.Tensor`, or a lazy view of a file
+    whose `narrow` reads only the slice asked for."""
+
+    @property
+    def shape(self) -> torch.Size: ...
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor: ...
+
+
+def copy_shard(
+    target: torch.Tensor,
+    loaded: CheckpointTensor,
+    dim: int = 0,
+    start: int = 0,
+    full_len: int | None = None,
+) -> int:
+    """Copy `loaded[start : start + len]` along `dim` into `target` (`len` being target's
+    length there), where `loaded` is `full_len` long along `dim` (default: as target) and
+    as target along every other dim. Returns the elements written."""
+    expected = list(target.shape)
+    if full_len is not None:
+        expected[dim] = full_len
+    if list(loaded.shape) != expected:
         raise ValueError(
             f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter "
-            f"{tuple(param.shape)}"
+            f"{tuple(expected)}"
         )
-    param.data.copy_(loaded)
+    target.copy_(loaded.narrow(dim, start, target.shape[dim]))
+    return target.numel()
 
 
-WeightLoader = Callable[[nn.Parameter, torch.Tensor, str | None], None]
-"""Copies one checkpoint tensor (or the shard `shard_id` of a fused one) into a parameter."""
+def default_weight_loader(
+    param: torch.Tensor, loaded: CheckpointTensor, shard_id: str | None = None
+) -> int:
+    """Copy a whole checkpoint tensor into `param` (converting dtype and device): the
+    parameters every rank holds in full."""
+    return copy_shard(param.data, loaded)
+
+
+WeightLoader = Callable[[nn.Parameter, CheckpointTensor, str | None], int]
+"""Copies this rank's part of one checkpoint tensor (or of the shard `shard_id` of a fused
+one) into a parameter; returns how many of the parameter's elements it filled."""
 
 
 def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
@@ -78,7 +118,8 @@ def linear(
 
 
 class Linear(nn.Module):
-    """`y = x W^T + b` with weights loaded whole."""
+    """`y = x W^T + b` with this rank's weights: whole (replicated) here; the parallel
+    layers below hold a slice. Packing (`pack_weight`) applies to whatever slice is held."""
 
     packed_weight: torch.Tensor | None = None
 
@@ -94,9 +135,9 @@ class Linear(nn.Module):
             set_weight_loader(self.bias, self.weight_loader)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
-    ) -> None:
-        default_weight_loader(param, loaded)
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | None = None
+    ) -> int:
+        return default_weight_loader(param, loaded)
 
     def pack_weight(self) -> None:
         """Once the weights are loaded. The plain `weight` stays, for loading and inspection."""
@@ -106,39 +147,95 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.packed_weight, self.bias)
 
 
-class MergedColumnLinear(Linear):
-    """Several projections of the same input in one matmul (gate_up, qkv): the checkpoint's
-    separate tensors, named by `shard_id`, are copied into consecutive row blocks."""
+class Shard(NamedTuple):
+    """Which slice of a checkpoint tensor, `full_size` long along the split dim (rows of a
+    column-parallel layer, columns of a row-parallel one), this rank holds."""
+
+    full_size: int
+    start: int
+    size: int
+
+
+def even_shard(full_size: int) -> Shard:
+    """This rank's 1/N of `full_size` (`ModelConfig.verify_tp_size` checked that N divides
+    it)."""
+    group = get_tp_group()
+    size = full_size // group.size
+    return Shard(full_size, group.rank * size, size)
+
+
+class MergedColumnParallelLinear(Linear):
+    """Several projections of the same input in one matmul (gate_up, qkv), each split by
+    output rows across the ranks: the checkpoint's separate tensors, named by `shard_id`,
+    are narrowed to this rank's rows and copied into consecutive row blocks."""
 
     def __init__(self, input_size: int, output_sizes: dict[str, int], bias: bool = False):
-        super().__init__(input_size, sum(output_sizes.values()), bias)
-        self.output_sizes = output_sizes
+        self.shards = {
+            shard_id: self.row_shard(shard_id, size) for shard_id, size in output_sizes.items()
+        }
+        super().__init__(input_size, sum(shard.size for shard in self.shards.values()), bias)
+        self.output_sizes = {shard_id: shard.size for shard_id, shard in self.shards.items()}
         self.shard_offsets: dict[str, int] = {}
         offset = 0
-        for shard_id, size in output_sizes.items():
+        for shard_id, shard in self.shards.items():
             self.shard_offsets[shard_id] = offset
-            offset += size
+            offset += shard.size
+
+    def row_shard(self, shard_id: str, full_size: int) -> Shard:
+        """The rows of checkpoint tensor `shard_id` that this rank holds."""
+        return even_shard(full_size)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None
-    ) -> None:
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | None = None
+    ) -> int:
         if shard_id is None:
-            raise ValueError(
-                f"a merged linear layer loads one of {list(self.output_sizes)} at a time"
-            )
-        offset, size = self.shard_offsets[shard_id], self.output_sizes[shard_id]
-        default_weight_loader(param.data.narrow(0, offset, size), loaded)
+            raise ValueError(f"a merged linear layer loads one of {list(self.shards)} at a time")
+        shard = self.shards[shard_id]
+        target = param.data.narrow(0, self.shard_offsets[shard_id], shard.size)
+        return copy_shard(target, loaded, 0, shard.start, shard.full_size)
 
 
-class QKVLinear(MergedColumnLinear):
-    """The q, k and v projections fused; `forward` output splits as
-    `[q_size, kv_size, kv_size]`."""
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """The q, k and v projections fused, with this rank's heads: `forward` output splits as
+    `[q_size, kv_size, kv_size]`, per rank. q heads are split evenly; KV heads too, or, when
+    the ranks outnumber them, each rank holds the one KV head its q heads attend with."""
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
     ):
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        super().__init__(
-            hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias
-        )
+        group = get_tp_group()
+        kv_replicas = max(1, group.size // num_kv_heads)
+        self.kv_shard_rank = group.rank // kv_replicas
+        self.q_size = num_heads // group.size * head_dim
+        self.kv_size = max(1, num_kv_heads // group.size) * head_dim
+        full_kv = num_kv_heads * head_dim
+        super().__init__(hidden_size, {"q": num_heads * head_dim, "k": full_kv, "v": full_kv}, bias)
+
+    def row_shard(self, shard_id: str, full_size: int) -> Shard:
+        if shard_id == "q":
+            return even_shard(full_size)
+        return Shard(full_size, self.kv_shard_rank * self.kv_size, self.kv_size)
+
+
+class RowParallelLinear(Linear):
+    """Input columns split across the ranks (o_proj, down_proj, after a column-parallel
+    layer): each rank's partial product is summed by one all-reduce. Rank 0 alone adds the
+    bias, before the sum, so it is added once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        group = get_tp_group()
+        self.tp_rank = group.rank
+        self.input_shard = even_shard(input_size)
+        super().__init__(self.input_shard.size, output_size, bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | None = None
+    ) -> int:
+        if param is self.bias:
+            return default_weight_loader(param, loaded)
+        shard = self.input_shard
+        return copy_shard(param.data, loaded, 1, shard.start, shard.full_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        return get_tp_group().all_reduce(linear(x, self.weight, self.packed_weight, bias))

@@ -8,8 +8,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from engine.distributed import get_tp_group
 from engine.model.forward_batch import ForwardBatch, PromptLogprobsInput
-from engine.model.layers.embedding import VocabEmbedding
+from engine.model.layers.embedding import VocabParallelEmbedding
 from engine.model.layers.linear import linear, pack_weight
 
 PROMPT_LOGPROBS_STEP_ELEMENTS = 1 << 26
@@ -39,13 +40,16 @@ class LogitsProcessor(nn.Module):
 
     packed_lm_head: torch.Tensor | None = None
 
-    def pack_lm_head(self, lm_head: VocabEmbedding) -> None:
+    def pack_lm_head(self, lm_head: VocabParallelEmbedding) -> None:
         """Once the weights are loaded (see `pack_weight`): the vocabulary projection is the
         largest matmul of a decode step."""
         self.packed_lm_head = pack_weight(lm_head.weight)
 
     def forward(
-        self, hidden_states: torch.Tensor, lm_head: VocabEmbedding, forward_batch: ForwardBatch
+        self,
+        hidden_states: torch.Tensor,
+        lm_head: VocabParallelEmbedding,
+        forward_batch: ForwardBatch,
     ) -> LogitsProcessorOutput:
         last = hidden_states
         if not forward_batch.forward_mode.is_decode():
@@ -57,18 +61,26 @@ class LogitsProcessor(nn.Module):
         prompt_hidden = hidden_states.index_select(0, spec.token_rows)
         return LogitsProcessorOutput(logits, *self._prompt_logprobs(prompt_hidden, lm_head, spec))
 
-    def _project(self, hidden_states: torch.Tensor, lm_head: VocabEmbedding) -> torch.Tensor:
+    def _project(
+        self, hidden_states: torch.Tensor, lm_head: VocabParallelEmbedding
+    ) -> torch.Tensor:
+        """Every rank's slice of the logits, gathered along the vocabulary, without the
+        padding rows of a vocabulary that does not split evenly."""
         logits = linear(hidden_states, lm_head.weight, self.packed_lm_head)
+        logits = get_tp_group().all_gather(logits, dim=-1)[:, : lm_head.num_embeddings]
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     def _prompt_logprobs(
-        self, hidden_states: torch.Tensor, lm_head: VocabEmbedding, spec: PromptLogprobsInput
+        self,
+        hidden_states: torch.Tensor,
+        lm_head: VocabParallelEmbedding,
+        spec: PromptLogprobsInput,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """The raw model's log-softmax at each row (no penalty, bias or temperature: these
         are the prompt's, not a sampled token's), gathered at the next prompt token and its
         top-k, a bounded number of rows at a time. -inf is clamped to the float32 minimum,
         as the sampler clamps, so that the values can go out as JSON."""
-        step = max(1, PROMPT_LOGPROBS_STEP_ELEMENTS // lm_head.weight.shape[0])
+        step = max(1, PROMPT_LOGPROBS_STEP_ELEMENTS // lm_head.num_embeddings)
         chosen, top_val, top_idx = [], [], []
         for start in range(0, hidden_states.shape[0], step):
             logprobs = torch.log_softmax(

@@ -1,5 +1,9 @@
 """The Llama decoder (Llama 2/3, SmolLM2, Mistral without a sliding window), which Qwen2 and
-Qwen3 reuse: their differences (q/k/v biases, per-head q/k RMSNorm) are ModelConfig flags."""
+Qwen3 reuse: their differences (q/k/v biases, per-head q/k RMSNorm) are ModelConfig flags.
+
+Tensor parallel in Megatron's layout: each rank holds its share of the heads and of the MLP
+width, so a layer costs two all-reduces (after o_proj and after down_proj) and the
+embedding one. Per-head q/k norms and the q/k/v biases follow their heads' rows."""
 
 from __future__ import annotations
 
@@ -8,12 +12,19 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from engine.distributed import get_tp_group
 from engine.model.attention.base import AttentionBackend, AttentionLayer
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.layers.activation import SiluAndMul
-from engine.model.layers.embedding import LMHead, VocabEmbedding
-from engine.model.layers.linear import Linear, MergedColumnLinear, QKVLinear, get_weight_loader
+from engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.model.layers.linear import (
+    CheckpointTensor,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    get_weight_loader,
+)
 from engine.model.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.radix_attention import RadixAttention
@@ -24,10 +35,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnLinear(
+        self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, {"gate": inter, "up": inter}, config.mlp_bias
         )
-        self.down_proj = Linear(inter, config.hidden_size, config.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -43,13 +54,20 @@ class LlamaAttention(nn.Module):
         attn_backend: AttentionBackend,
     ):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        tp_size = get_tp_group().size
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = config.get_num_kv_heads(tp_size)
         self.head_dim = config.head_dim
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.qkv_bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.qkv_bias,
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, config.o_proj_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, config.o_proj_bias
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb
@@ -112,7 +130,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.context_len,
@@ -155,7 +173,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             self.model.embed_tokens
             if config.tie_word_embeddings
-            else LMHead(config.vocab_size, config.hidden_size)
+            else ParallelLMHead(config.vocab_size, config.hidden_size)
         )
         self.logits_processor = LogitsProcessor()
 
@@ -167,9 +185,10 @@ class LlamaForCausalLM(nn.Module):
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(hidden_states, self.lm_head, forward_batch)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters; fail if any
-        tensor has no parameter or any parameter is left partly unfilled."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> None:
+        """Copy this rank's slice of each checkpoint tensor (Hugging Face names) into the
+        parameters; fail if any tensor has no parameter or any parameter is left partly
+        unfilled."""
         params = dict(self.named_parameters())
         filled = dict.fromkeys(params, 0)
         for name, tensor in weights:
@@ -187,8 +206,7 @@ class LlamaForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} has no parameter in {type(self).__name__}"
                 )
             param = params[name]
-            get_weight_loader(param)(param, tensor, shard_id)
-            filled[name] += tensor.numel()
+            filled[name] += get_weight_loader(param)(param, tensor, shard_id)
         unfilled = [name for name, param in params.items() if filled[name] != param.numel()]
         if unfilled:
             raise ValueError(f"checkpoint does not fill {unfilled}")

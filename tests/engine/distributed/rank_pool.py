@@ -52,7 +52,11 @@ class RankPool:
         self.tasks = [ctx.Queue() for _ in range(size)]
         self.results = ctx.Queue()
         self.procs = [
-            ctx.Process(target=_serve_rank, args=(rank, size, addr, self.tasks[rank], self.results))
+            ctx.Process(
+                target=_serve_rank,
+                args=(rank, size, addr, self.tasks[rank], self.results),
+                daemon=True,  # never outlives the test process
+            )
             for rank in range(size)
         ]
         for proc in self.procs:

@@ -50,7 +50,7 @@ def tp2() -> Iterator[RankPool]:
 
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Every TINY_MODELS checkpoint, saved in float32 as sharded safetensors."""
+    """Every TINY_MODELS checkpoint, saved in float32 as safetensors."""
     dirs = {}
     for name, (arch, overrides) in TINY_MODELS.items():
         path = tmp_path_factory.mktemp(name)
@@ -89,9 +89,14 @@ def expected_shards(
 
     mlp = slice(rank * inter, (rank + 1) * inter)
     rows = -(-config.vocab_size // tp)
-    embed = torch.zeros(rows, config.hidden_size)
-    real = full["model.embed_tokens.weight"][rank * rows : (rank + 1) * rows]
-    embed[: len(real)] = real
+
+    def vocab_rows(name: str) -> torch.Tensor:
+        """The rank's `ceil(vocab / tp)` rows, zero past the vocabulary."""
+        held = torch.zeros(rows, config.hidden_size)
+        real = full[name][rank * rows : (rank + 1) * rows]
+        held[: len(real)] = real
+        return held
+
     expected = {
         f"{layer}self_attn.qkv_proj.weight": qkv("weight"),
         f"{layer}self_attn.o_proj.weight": full[f"{layer}self_attn.o_proj.weight"][
@@ -101,8 +106,10 @@ def expected_shards(
             [full[f"{layer}mlp.gate_proj.weight"][mlp], full[f"{layer}mlp.up_proj.weight"][mlp]]
         ),
         f"{layer}mlp.down_proj.weight": full[f"{layer}mlp.down_proj.weight"][:, mlp],
-        "model.embed_tokens.weight": embed,
+        "model.embed_tokens.weight": vocab_rows("model.embed_tokens.weight"),
     }
+    if not config.tie_word_embeddings:
+        expected["lm_head.weight"] = vocab_rows("lm_head.weight")
     if config.qkv_bias:
         expected[f"{layer}self_attn.qkv_proj.bias"] = qkv("bias")
     return expected

@@ -7,7 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.layers.linear import Linear, QKVLinear, mkldnn_packing_applies, pack_weight
+from engine.model.layers.linear import (
+    Linear,
+    QKVParallelLinear,
+    mkldnn_packing_applies,
+    pack_weight,
+)
 
 PACKS = mkldnn_packing_applies(torch.empty(1, dtype=torch.bfloat16))
 
@@ -32,7 +37,7 @@ def test_packed_bfloat16_linear_equals_f_linear(rows: int, bias: bool):
 
 
 def test_a_merged_layer_packs_after_its_shards_load():
-    layer = QKVLinear(64, head_dim=16, num_heads=4, num_kv_heads=2)
+    layer = QKVParallelLinear(64, head_dim=16, num_heads=4, num_kv_heads=2)
     for shard, size in layer.output_sizes.items():
         layer.weight_loader(layer.weight, torch.full((size, 64), float(len(shard))), shard)
     layer.weight.data = layer.weight.data.to(torch.bfloat16)

@@ -1,0 +1,41 @@
+"""Two nodes of one tensor-parallel rank each, on one machine: node 1 is `python -m
+services.worker --node-rank 1` (ranks only, no sockets), node 0 the offline Engine. They
+generate what tp_size=1 does, and rank 0's shutdown stops node 1 cleanly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.support.launcher import REPO_ROOT
+from benchmarks.support.net import free_port
+from engine.api import Engine
+
+OPTIONS = dict(dtype="float32", device="cpu", max_total_tokens=512, chunked_prefill_size=16)
+PROMPTS = [list(range(100, 140)), list(range(7, 12))]
+GREEDY = {"temperature": 0, "ignore_eos": True, "max_new_tokens": 6}
+
+
+@pytest.mark.timeout(180)
+def test_two_nodes_of_one_rank_each_generate_what_tp1_does(tiny_llama_dir: Path):
+    with Engine(str(tiny_llama_dir), **OPTIONS) as engine:
+        expected = [r.output_ids for r in engine.generate(PROMPTS, GREEDY)]
+    layout = dict(tp_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in {**OPTIONS, **layout}.items()]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "services.worker", f"--model={tiny_llama_dir}", *flags]
+        + ["--node-rank=1"],
+        cwd=REPO_ROOT,
+    )
+    try:
+        with Engine(str(tiny_llama_dir), **OPTIONS, **layout) as engine:
+            assert engine.ranks is not None and not engine.ranks.procs  # one rank a node
+            assert [r.output_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
+        assert node1.wait(30) == 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait()
