@@ -1,13 +1,14 @@
 """The offline Engine at tp_size=2 (two real processes over gloo) decides and generates as
 at tp_size=1: radix reuse, chunked prefill, retraction under a tiny KV pool, seeded
-sampling and a JSON schema, under the normal and the overlap loop. Every turn a follower
+sampling and a JSON schema, under the normal and the overlap loop in float32 and the normal
+loop in float64. Every turn a follower
 also checks its scheduler's numbers against rank 0's, so a rank out of step would fail
 these runs, not just differ."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,38 +75,59 @@ def run_cases(engine: Engine) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def tp1(tiny_llama_dir: Path) -> dict[str, Any]:
-    with Engine(str(tiny_llama_dir), **OPTIONS) as engine:
-        return run_cases(engine)
+def tp1(tiny_llama_dir: Path) -> Callable[[str], dict[str, Any]]:
+    """The cases' results at tp_size=1 in a dtype, each computed once."""
+    results: dict[str, dict[str, Any]] = {}
+
+    def of(dtype: str) -> dict[str, Any]:
+        if dtype not in results:
+            with Engine(str(tiny_llama_dir), **{**OPTIONS, "dtype": dtype}) as engine:
+                results[dtype] = run_cases(engine)
+        return results[dtype]
+
+    return of
 
 
-@pytest.fixture(scope="module", params=["normal", "overlap"])
-def tp2(request: pytest.FixtureRequest, tiny_llama_dir: Path, tp1: dict[str, Any]) -> Iterator[Any]:
-    """The same cases at tp_size=2 (after tp1: one group per process at a time)."""
-    overlap = request.param == "overlap"
+@pytest.fixture(
+    scope="module",
+    params=[("normal", "float32"), ("overlap", "float32"), ("normal", "float64")],
+    ids=lambda param: "-".join(param),
+)
+def tp2(
+    request: pytest.FixtureRequest,
+    tiny_llama_dir: Path,
+    tp1: Callable[[str], dict[str, Any]],
+) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """(tp_size=1's results, tp_size=2's) for one loop and dtype; tp_size=1 runs first: one
+    group per process at a time."""
+    loop, dtype = request.param
+    reference = tp1(dtype)
+    overlap = loop == "overlap"
+    options = {**OPTIONS, "dtype": dtype}
     with Engine(
-        str(tiny_llama_dir), tp_size=2, disable_overlap_schedule=not overlap, **OPTIONS
+        str(tiny_llama_dir), tp_size=2, disable_overlap_schedule=not overlap, **options
     ) as engine:
         assert engine.scheduler.overlap == overlap and engine.scheduler.tp_group.size == 2
-        yield run_cases(engine)
+        yield reference, run_cases(engine)
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("case", list(CASES))
-def test_tp2_generates_what_tp1_does(case: str, tp1: dict[str, Any], tp2: dict[str, Any]):
-    assert tp2[case] == tp1[case]
+def test_tp2_generates_what_tp1_does(case: str, tp2: tuple[dict[str, Any], dict[str, Any]]):
+    reference, results = tp2
+    assert results[case] == reference[case]
 
 
 @pytest.mark.timeout(180)
-def test_the_cases_exercise_what_they_name(tp1: dict[str, Any], tp2: dict[str, Any]):
-    for results in (tp1, tp2):
+def test_the_cases_exercise_what_they_name(tp2: tuple[dict[str, Any], dict[str, Any]]):
+    for results in tp2:
         assert results["radix_reuse"][1][2] >= len(SHARED)  # the shared prefix was a hit
         assert results["stats"]["num_retractions"] > 0
         assert results["json_schema"][0][1].type in ("stop", "length")
         assert results["bad_grammar"][0][1].status_code == 400
         assert results["kv_whole"]
     # The overlap loop builds a few more decode batches; every other counter agrees.
-    counters = [{k: v for k, v in r["stats"].items() if k != "forward_modes"} for r in (tp1, tp2)]
+    counters = [{k: v for k, v in r["stats"].items() if k != "forward_modes"} for r in tp2]
     assert counters[0] == counters[1]
 
 
@@ -149,7 +171,9 @@ def test_the_engine_runs_rank_0_only():
 
 
 @pytest.mark.timeout(60)
-def test_one_tensor_parallel_engine_a_process(tiny_llama_dir: Path, tp2: dict[str, Any]):
+def test_one_tensor_parallel_engine_a_process(
+    tiny_llama_dir: Path, tp2: tuple[dict[str, Any], dict[str, Any]]
+):
     """While the tp2 engine runs, a second one is refused before it spawns anything."""
     with pytest.raises(RuntimeError, match="already holds a tensor-parallel engine"):
         Engine(str(tiny_llama_dir), tp_size=2, **OPTIONS)
