@@ -103,6 +103,9 @@ class Engine:
             disable_cuda_graph=args.disable_cuda_graph,
             enable_torch_compile=args.enable_torch_compile,
             torch_compile_max_bs=args.torch_compile_max_bs,
+            enable_lora=args.enable_lora,
+            max_loras_per_batch=args.max_loras_per_batch,
+            max_lora_rank=args.max_lora_rank,
         )
         self.tokenizer = (
             None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)
@@ -129,18 +132,23 @@ class Engine:
         self._rids = itertools.count()
 
     def generate(
-        self, prompt: Prompt | Sequence[Prompt], sampling_params: SamplingParamsArg = None
+        self,
+        prompt: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParamsArg = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[GenerateResult]:
         """Generate for one prompt or a batch (text, or token ids); one `GenerateResult`
         per prompt. `sampling_params` is one dict for all prompts or one per prompt;
         `json_schema` may be a dict. A grammar that fails to compile comes back as a result
-        whose finish_reason is an abort with status_code 400, not as an exception."""
+        whose finish_reason is an abort with status_code 400, not as an exception.
+        `lora_name` is one LoRA adapter for all prompts or one (or None) per prompt."""
         prompts = _as_prompt_list(prompt)
         params = _as_params_list(sampling_params, len(prompts))
+        loras = _as_lora_list(lora_name, len(prompts))
         reqs: list[Req] = []
         try:  # a rejected prompt, or an interrupt, must not leave its batch-mates queued
-            for p, sp in zip(prompts, params):
-                reqs.append(self._submit(p, sp))
+            for p, sp, lora in zip(prompts, params, loras):
+                reqs.append(self._submit(p, sp, lora))
             self.scheduler.run_event_loop(should_stop=lambda: all(r.finished for r in reqs))
         finally:
             for req in reqs:
@@ -149,13 +157,16 @@ class Engine:
         return [self._result(req) for req in reqs]
 
     def generate_stream(
-        self, prompt: Prompt, sampling_params: dict[str, Any] | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: dict[str, Any] | None = None,
+        lora_name: str | None = None,
     ) -> Iterator[StreamChunk]:
         """Yield a `StreamChunk` (the text delta and the new ids) as tokens arrive; the
         last chunk also carries `meta`. With jump-forward a chunk may carry `rollback=k`:
         the last k ids already yielded were re-encoded and `output_ids` replaces them (the
         text only ever grows)."""
-        req = self._submit(prompt, SamplingParams.from_dict(sampling_params or {}))
+        req = self._submit(prompt, SamplingParams.from_dict(sampling_params or {}), lora_name)
         detok = self._detokenizer(req)
         sent = 0
         try:
@@ -191,7 +202,7 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _submit(self, prompt: Prompt, params: SamplingParams) -> Req:
+    def _submit(self, prompt: Prompt, params: SamplingParams, lora_name: str | None = None) -> Req:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -200,7 +211,7 @@ class Engine:
             input_ids = self.tokenizer.encode(prompt)
         else:
             input_ids = list(prompt)
-        req = Req(str(next(self._rids)), input_ids, params)
+        req = Req(str(next(self._rids)), input_ids, params, lora_name=lora_name)
         self.scheduler.add_request(req)
         return req
 
@@ -316,3 +327,11 @@ def _as_params_list(sampling_params: SamplingParamsArg, n: int) -> list[Sampling
     if len(sampling_params) != n:
         raise ValueError(f"{len(sampling_params)} sampling_params for {n} prompts")
     return [SamplingParams.from_dict(p) for p in sampling_params]
+
+
+def _as_lora_list(lora_name: str | Sequence[str | None] | None, n: int) -> list[str | None]:
+    if lora_name is None or isinstance(lora_name, str):
+        return [lora_name] * n
+    if len(lora_name) != n:
+        raise ValueError(f"lora_name has {len(lora_name)} entries for {n} prompts")
+    return list(lora_name)

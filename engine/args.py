@@ -6,6 +6,7 @@ Field names are the snake_case of the server's CLI flags (`--max-total-tokens` i
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -124,9 +125,29 @@ class EngineArgs:
         "host:port where rank 0 serves the rendezvous (default: 127.0.0.1 and a free port, "
         "on one node); required when nnodes > 1",
     )
+    lora_paths: str | None = _opt(
+        None,
+        "LoRA adapters (PEFT directories) loaded at start, as name=path entries separated "
+        "by commas or spaces; a request picks one by its name",
+    )
+    max_lora_rank: int = _opt(16, "largest LoRA adapter rank accepted")
+    max_loras_per_batch: int = _opt(
+        4,
+        "LoRA adapters resident at once (one batch mixes at most this many; others wait "
+        "and swap in, least recently used out)",
+    )
+    enable_lora_runtime_update: bool = _opt(
+        False, "allow /load_lora_adapter and /unload_lora_adapter while serving"
+    )
+    lora_root: str | None = _opt(
+        None,
+        "directory that run-time adapter paths must lie under (default: the parent "
+        "directories of --lora-paths)",
+    )
 
     def __post_init__(self) -> None:
         self.check_parallel()
+        self.lora_entries()
 
     def check_parallel(self) -> None:
         """Refuse a rank layout that cannot start, before any process is spawned."""
@@ -149,6 +170,29 @@ class EngineArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
                 raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+
+    @property
+    def enable_lora(self) -> bool:
+        """Whether the model gets LoRA layers: adapters at start or loadable later."""
+        return bool(self.lora_paths) or self.enable_lora_runtime_update
+
+    def lora_entries(self) -> dict[str, str]:
+        """`lora_paths` as name -> path, refusing a malformed or repeated entry."""
+        entries: dict[str, str] = {}
+        for entry in (self.lora_paths or "").replace(",", " ").split():
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_paths entries are name=path, got {entry!r}")
+            if name in entries:
+                raise ValueError(f"lora_paths names adapter {name!r} twice")
+            entries[name] = path
+        return entries
+
+    def lora_roots(self) -> list[str]:
+        """Directories run-time adapter paths must lie under."""
+        if self.lora_root is not None:
+            return [self.lora_root]
+        return sorted({os.path.dirname(os.path.abspath(p)) for p in self.lora_entries().values()})
 
     @property
     def ranks_per_node(self) -> int:

@@ -10,6 +10,7 @@ observes as the events happen.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -100,6 +101,10 @@ class WorkerSample:
     num_grammar_queue: int
     kv_events_published: int = 0
     kv_events_dropped: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    """Adapters of the running batch's requests, sorted."""
+    waiting_lora_adapters: tuple[str, ...] = ()
+    """Adapters of waiting requests, sorted."""
 
     @property
     def kv_usage(self) -> float:
@@ -142,13 +147,17 @@ class _Rolling:
 
 
 class WorkerMetrics(Collector):
-    """Every worker metric, on `registry`, labelled `model_name` and `tp_rank`."""
+    """Every worker metric, on `registry`, labelled `model_name` and `tp_rank`.
+    `max_lora` > 0 (LoRA serving on) adds the adapter metrics."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str):
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_lora: int = 0):
         self.labels = {"model_name": model_name, "tp_rank": TP_RANK}
         self.lock = threading.Lock()
         self.latest: WorkerSample | None = None
         self.rolling = _Rolling()
+        self.max_lora = max_lora
+        self.lora_updated = time.time()
+        """Unix time the running or waiting adapter set last changed (the info gauge's value)."""
         names, values = list(self.labels), list(self.labels.values())
         self.queue_time = Histogram(
             "radixserve_queue_time_seconds",
@@ -184,14 +193,25 @@ class WorkerMetrics(Collector):
             names,
             registry=registry,
         ).labels(*values)
+        self.lora_requests = Counter(
+            "radixserve_lora_requests",
+            "Requests submitted with a LoRA adapter, by adapter",
+            [*names, "lora_name"],
+            registry=registry,
+        )
         registry.register(self)
 
     # ----- what the worker calls --------------------------------------------------------
 
     def publish(self, sample: WorkerSample) -> None:
         with self.lock:
+            if self.latest is None or _lora_sets(self.latest) != _lora_sets(sample):
+                self.lora_updated = time.time()
             self.latest = sample
             self.rolling.add(sample)
+
+    def observe_lora_request(self, lora_name: str) -> None:
+        self.lora_requests.labels(*self.labels.values(), lora_name).inc()
 
     def observe_forward(self, mode: str, batch_size: int, seconds: float) -> None:
         values = (*self.labels.values(), mode)
@@ -213,8 +233,11 @@ class WorkerMetrics(Collector):
     def collect(self) -> Iterator[Metric]:
         with self.lock:
             s, hit_rate, throughput = self.latest, self.rolling.hit_rate, self.rolling.throughput()
+            lora_updated = self.lora_updated
         if s is None:
             return
+        if self.max_lora > 0:
+            yield self._lora_info(s, lora_updated)
         counters: tuple[tuple[str, str, float], ...] = (
             (
                 "radixserve_prefix_cache_hit_tokens",
@@ -319,7 +342,30 @@ class WorkerMetrics(Collector):
         )
         yield info
 
+    def _lora_info(self, s: WorkerSample, updated: float) -> Metric:
+        """The Gateway API Inference Extension's adapter gauge (vLLM's layout): the adapter
+        sets as comma-joined labels, the value the time they last changed."""
+        info = GaugeMetricFamily(
+            "radixserve_lora_requests_info",
+            "LoRA adapters of running and waiting requests (value: unix time of the last change)",
+            labels=[*self.labels, "running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+        )
+        info.add_metric(
+            [
+                *self.labels.values(),
+                ",".join(s.running_lora_adapters),
+                ",".join(s.waiting_lora_adapters),
+                str(self.max_lora),
+            ],
+            updated,
+        )
+        return info
+
     def _family(self, cls: type, name: str, doc: str, value: float) -> Metric:
         family = cls(name, doc, labels=list(self.labels))
         family.add_metric(list(self.labels.values()), value)
         return family
+
+
+def _lora_sets(s: WorkerSample) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return s.running_lora_adapters, s.waiting_lora_adapters

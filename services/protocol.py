@@ -8,12 +8,14 @@ receiver can drop them. Nothing is unpickled: a socket must never be a way to ru
 Who sends what to whom (ports are Settings fields):
 
     tokenizer   → worker       (worker_port):            TokenizedGenerateReqInput, AbortReq,
-                                                          FlushCacheReq, GetServerInfoReq
+                                                          FlushCacheReq, GetServerInfoReq,
+                                                          LoadLoRAAdapterReq, UnloadLoRAAdapterReq
     worker      → detokenizer  (detokenizer_port):       BatchTokenIDOutput (with a
                                                           DetokenizerReqState per new rid)
     detokenizer → tokenizer    (tokenizer_port):         BatchStrOutput
     worker      → tokenizer    (tokenizer_control_port): WorkerReady, FlushCacheReqOutput,
-                                                          GetServerInfoReqOutput
+                                                          GetServerInfoReqOutput,
+                                                          LoRAAdapterReqOutput
     every process, on every socket it sends on:          Hello (once), Heartbeat (every second)
 
 Every message carries `sender` (the process role) and `epoch` (unique per process start);
@@ -83,6 +85,8 @@ class TokenizedGenerateReqInput(_Msg):
     routing_key: str | None = None
     trace_context: dict[str, str] = msgspec.field(default_factory=dict)
     """W3C trace-context carrier (`traceparent`, `tracestate`) so spans join across processes."""
+    lora_name: str | None = None
+    """The LoRA adapter to serve it with; None: the base model."""
 
 
 class AbortReq(_Msg):
@@ -107,6 +111,21 @@ class GetServerInfoReq(_Msg):
     and KV slot, so not for every scrape)."""
 
 
+class LoadLoRAAdapterReq(_Msg):
+    """Tokenizer → worker: load the PEFT adapter at `path` under `name` (run-time update)."""
+
+    name: str
+    path: str
+    rid: str = ""
+
+
+class UnloadLoRAAdapterReq(_Msg):
+    """Tokenizer → worker: unload adapter `name` (refused while requests use it)."""
+
+    name: str
+    rid: str = ""
+
+
 # ----- control replies (worker → tokenizer, on the control socket) ------------------------
 
 
@@ -121,6 +140,8 @@ class WorkerReady(_Msg):
     vocab_size: int
     eos_token_ids: list[int]
     max_running_requests: int
+    lora_adapters: dict[str, str] = {}
+    """Name → path of each LoRA adapter loaded now (a `model` a request may name)."""
 
 
 class FlushCacheReqOutput(_Msg):
@@ -128,6 +149,18 @@ class FlushCacheReqOutput(_Msg):
 
     success: bool
     message: str = ""
+    rid: str = ""
+
+
+class LoRAAdapterReqOutput(_Msg):
+    """Worker → tokenizer: the answer to a load or unload, with the adapters loaded after it.
+    `status` is the HTTP status a refusal is answered with (400, 404 or 409)."""
+
+    success: bool
+    status: int = 200
+    message: str = ""
+    param: str | None = None
+    lora_adapters: dict[str, str] = {}
     rid: str = ""
 
 
@@ -327,9 +360,12 @@ Message = (
     | AbortReq
     | FlushCacheReq
     | GetServerInfoReq
+    | LoadLoRAAdapterReq
+    | UnloadLoRAAdapterReq
     | WorkerReady
     | FlushCacheReqOutput
     | GetServerInfoReqOutput
+    | LoRAAdapterReqOutput
     | BatchTokenIDOutput
     | BatchStrOutput
 )

@@ -155,7 +155,7 @@ class BlockEventRecorder:
                 block_size=size,
                 lora_id=None,
                 medium=MEDIUM_GPU,
-                lora_name=None,
+                lora_name=namespace.lora if namespace is not None else None,
                 extra_keys=[extra] * len(hashes) if extra else None,
             )
         )

@@ -20,13 +20,14 @@ class PrefixNamespace:
     `cache_salt` is the OpenAI-style field that isolates one client's prefixes from
     another's. `tenant` is set under `--cache-isolation tenant`: an opaque digest of the
     API key's tenant (never its name or key, since it travels in KV events), so tenants
-    share nothing and `cached_tokens` reveals nothing across them. Both may be set: a
-    tenant's salted prefixes are apart from its unsalted ones. Later reasons (a LoRA
-    adapter) become fields here.
+    share nothing and `cached_tokens` reveals nothing across them. `lora` is the LoRA
+    adapter's name: K/V computed under one adapter is wrong under any other. Any of them may
+    be set together: a tenant's salted prefixes are apart from its unsalted ones.
     """
 
     cache_salt: str | None = None
     tenant: str | None = None
+    lora: str | None = None
 
     def extra_keys(self) -> tuple[ExtraKey, ...]:
         """The namespace as (kind, value) pairs, in a fixed order, for hashes and events."""
@@ -35,11 +36,15 @@ class PrefixNamespace:
             keys += (("tenant", self.tenant),)
         if self.cache_salt is not None:
             keys += (("cache_salt", self.cache_salt),)
+        if self.lora is not None:
+            keys += (("lora", self.lora),)
         return keys
 
     @classmethod
-    def of(cls, cache_salt: str | None = None, tenant: str | None = None) -> PrefixNamespace | None:
+    def of(
+        cls, cache_salt: str | None = None, tenant: str | None = None, lora: str | None = None
+    ) -> PrefixNamespace | None:
         """The namespace of these fields, or None when they are all unset."""
-        if cache_salt is None and tenant is None:
+        if cache_salt is None and tenant is None and lora is None:
             return None
-        return cls(cache_salt=cache_salt, tenant=tenant)
+        return cls(cache_salt=cache_salt, tenant=tenant, lora=lora)

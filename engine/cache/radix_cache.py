@@ -27,6 +27,7 @@ from engine.cache.base_prefix_cache import (
 )
 from engine.cache.evict_policy import get_evict_key
 from engine.cache.kv_events import BlockEventRecorder
+from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey
 from engine.mem.allocator import TokenToKVPoolAllocator
 
@@ -224,6 +225,25 @@ class RadixCache(BasePrefixCache):
         if freed:
             self.token_to_kv_pool_allocator.free(torch.cat(freed))
         self.evicted_tokens += num_evicted
+        return num_evicted
+
+    def evict_namespace(self, namespace: PrefixNamespace) -> int:
+        """Free every unlocked prefix of `namespace` (an unloaded LoRA adapter's), leaves
+        first; returns the slots freed. A namespaced node's parent is the root or a node of
+        the same namespace, so the walk never leaves it."""
+        stack = [n for n in self.evictable_leaves if n.key.extra_key == namespace]
+        freed: list[torch.Tensor] = []
+        num_evicted = 0
+        while stack:
+            node = stack.pop()
+            parent = _parent(node)
+            freed.append(node.value)
+            num_evicted += len(node.key)
+            self._delete_leaf(node)
+            if parent in self.evictable_leaves:
+                stack.append(parent)
+        if freed:
+            self.token_to_kv_pool_allocator.free(torch.cat(freed))
         return num_evicted
 
     # ----- sizes ------------------------------------------------------------------------

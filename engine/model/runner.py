@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from engine.distributed import get_tp_group
+from engine.lora import LoRAManager
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
@@ -83,6 +84,9 @@ class ModelRunner:
         enable_torch_compile: bool = False,
         torch_compile_max_bs: int = 8,
         graph_backend: GraphBackend | None = None,
+        enable_lora: bool = False,
+        max_loras_per_batch: int = 4,
+        max_lora_rank: int = 16,
     ):
         self.device = torch.device(device)
         if enable_torch_compile and self.device.type != "cpu":
@@ -111,13 +115,18 @@ class ModelRunner:
             if isinstance(module, Linear):
                 module.pack_weight()
         self.model.logits_processor.pack_lm_head(self.model.lm_head)
+        self.lora_manager: LoRAManager | None = None
+        if enable_lora:
+            self.lora_manager = LoRAManager(self.model, max_loras_per_batch, max_lora_rank)
         self.cuda_graph_bs = min(cuda_graph_max_bs, max_running_requests)
         if enable_torch_compile:
             self.cuda_graph_bs = min(torch_compile_max_bs, max_running_requests)
             graph_backend = graph_backend or TorchCompileBackend()
         elif disable_cuda_graph:
             graph_backend = None
-        if self.cuda_graph_bs < 1:
+        if self.cuda_graph_bs < 1 or self.lora_manager is not None:
+            # Each LoRA batch points the LoRA layers at its own token weights, which a
+            # captured graph would not see: with LoRA on, every batch runs eagerly.
             graph_backend = None
         elif graph_backend is None and self.device.type == "cuda":
             graph_backend = CudaGraphBackend(self.device)
@@ -223,6 +232,8 @@ class ModelRunner:
         input ids into tokens as part of the forward: inside the graph for a decode batch
         of up to `cuda_graph_bs` requests, eagerly for every other batch. A graph's logits
         are valid until the next forward (the sampler reads them at once, on the stream)."""
+        if self.lora_manager is not None:
+            self.lora_manager.prepare(forward_batch)
         if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
             return self.graph_runner.replay(forward_batch, resolve_input_ids)
         if resolve_input_ids is not None:

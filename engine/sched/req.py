@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +52,8 @@ class Req:
     """Radix namespace: requests in different namespaces share no KV."""
     priority: int = 0
     routing_key: str | None = None
+    lora_name: str | None = None
+    """The LoRA adapter it runs under (None: the base model); joins `extra_key`."""
     eos_token_ids: frozenset[int] = frozenset()
     stop_ids: frozenset[int] = frozenset()
     """The token ids that end it: its `stop_token_ids`, and the model's EOS unless
@@ -94,6 +96,11 @@ class Req:
     """Output ids a jump-forward replaced since whoever streams the output last read it
     (re-encoded with the forced text). The reader drops those of them it had already read
     (at most all it read) and resets this to 0."""
+
+    def __post_init__(self) -> None:
+        if self.lora_name is not None:
+            namespace = self.extra_key or PrefixNamespace()
+            self.extra_key = replace(namespace, lora=self.lora_name)
 
     @property
     def seqlen(self) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -27,6 +28,7 @@ import torch
 from engine.args import EngineArgs
 from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.chunk_cache import ChunkCache
+from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_cache import RadixCache
 from engine.distributed import get_tp_group
 from engine.grammar import (
@@ -37,6 +39,7 @@ from engine.grammar import (
     ReasoningGrammarMatcher,
 )
 from engine.grammar.jump_forward import JumpForward, decodes_concatenatively, plan_jump_forward
+from engine.lora import LoRAError, LoRAManager
 from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.sched.batch import ScheduleBatch
 from engine.sched.batch_result import BatchResult, PendingResult
@@ -48,7 +51,15 @@ from engine.sched.prefill_adder import AddReqResult, PrefillAdder
 from engine.sched.req import FinishReason, Req, ReqStatus
 from engine.sched.retract import release_req, retract_decode
 from engine.sched.running_batch import RunningBatch
-from engine.sched.tp_sync import Abort, AddReq, FlushCache, GrammarsDone, InputSync
+from engine.sched.tp_sync import (
+    Abort,
+    AddReq,
+    FlushCache,
+    GrammarsDone,
+    InputSync,
+    LoadLoRA,
+    UnloadLoRA,
+)
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -186,6 +197,10 @@ class Scheduler:
         self.tp_group = get_tp_group()
         self.input_sync = InputSync(self.tp_group) if self.tp_group.size > 1 else None
         """At TP > 1: rank 0 broadcasts each turn's inputs, the other ranks apply them."""
+        self.lora: LoRAManager | None = model_runner.lora_manager
+        self.lora_roots = [os.path.realpath(root) for root in args.lora_roots()]
+        for name, path in args.lora_entries().items():
+            self._lora_manager().load(name, path)
 
     # ----- requests in ------------------------------------------------------------------
 
@@ -228,6 +243,10 @@ class Scheduler:
                 "json_schema, regex and ebnf need a tokenizer and a grammar backend; this "
                 "engine runs with skip_tokenizer_init or --grammar-backend none"
             )
+        if req.lora_name is not None and (
+            self.lora is None or req.lora_name not in self.lora.adapters
+        ):
+            raise LoRAError(f"no LoRA adapter named {req.lora_name!r} is loaded", 404, "model")
         req.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         req.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else req.eos_token_ids
@@ -446,16 +465,20 @@ class Scheduler:
         )
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
+        adapters = self._running_adapters()
         for req in self.waiting_queue:
-            if req.rid in deferred:
-                continue
+            if req.rid in deferred or not self._adapter_fits(req, adapters):
+                continue  # its adapter waits for a slot: it never fails for that
             if (
                 len(self.running) + len(adder.can_run_list) >= self.max_running_requests
                 or adder.budget_exhausted()
             ):
                 break
             self.cache_manager.match_req(req)
-            if adder.add_one_req(req) is not AddReqResult.CONTINUE:
+            result = adder.add_one_req(req)
+            if req.lora_name is not None and adder.can_run_list[-1:] == [req]:
+                adapters.add(req.lora_name)
+            if result is not AddReqResult.CONTINUE:
                 break
         if not adder.can_run_list:
             return None
@@ -589,6 +612,11 @@ class Scheduler:
             self.resolve_in_flight()
         if not extend_reqs and not (with_decodes and self.running):
             return None
+        if self.lora is not None and self.in_flight is not None:
+            names = [r.lora_name for r in extend_reqs]
+            names += [r.lora_name for r in self.running] if with_decodes else []
+            if self.lora.needs_swap(names):  # the in-flight batch may read the slot
+                self.resolve_in_flight()
         batch = ScheduleBatch.prepare(
             extend_reqs,
             self.running if with_decodes else None,
@@ -597,9 +625,101 @@ class Scheduler:
             self.model_config.vocab_size,
             self.model_config.eos_token_ids,
         )
+        if self.lora is not None:
+            batch.forward_batch.lora_slots = self._lora_slots(self.lora, batch)
         mode = batch.forward_mode.name.lower()
         self.stats.forward_modes[mode] = self.stats.forward_modes.get(mode, 0) + 1
         return batch
+
+    # ----- LoRA adapters ----------------------------------------------------------------
+
+    def _lora_manager(self) -> LoRAManager:
+        if self.lora is None:
+            raise LoRAError(
+                "LoRA is off: start with --lora-paths or --enable-lora-runtime-update",
+                param="lora_name",
+            )
+        return self.lora
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load an adapter at run time (only under --enable-lora-runtime-update, from under
+        --lora-root); raises LoRAError, leaving what serves untouched."""
+        manager = self._lora_manager()
+        if not self.args.enable_lora_runtime_update:
+            raise LoRAError(
+                "loading adapters at run time needs --enable-lora-runtime-update",
+                param="lora_name",
+            )
+        real = os.path.realpath(path)
+        if not any(os.path.commonpath([real, root]) == root for root in self.lora_roots):
+            raise LoRAError(f"lora_path {path!r} is not under --lora-root {self.lora_roots}")
+        manager.load(name, path)
+        if self.input_sync is not None:
+            self.input_sync.record(LoadLoRA(name, path))
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Unload an adapter and free its cached prefixes; 409 while a request uses it."""
+        manager = self._lora_manager()
+        if not self.args.enable_lora_runtime_update:
+            raise LoRAError(
+                "unloading adapters at run time needs --enable-lora-runtime-update",
+                param="lora_name",
+            )
+        if name not in manager.adapters:
+            raise LoRAError(f"no LoRA adapter named {name!r} is loaded", 404, "lora_name")
+        if any(req.lora_name == name for req in self._live_reqs()):
+            raise LoRAError(f"LoRA adapter {name!r} has requests in flight", 409, "lora_name")
+        self.resolve_in_flight()  # a finished batch of it may still be in flight
+        tree = self.cache_manager.tree_cache
+        if isinstance(tree, RadixCache):
+            tree.evict_namespace(PrefixNamespace(lora=name))
+        manager.unload(name)
+        if self.input_sync is not None:
+            self.input_sync.record(UnloadLoRA(name))
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded adapters: name -> path."""
+        if self.lora is None:
+            return {}
+        return {name: adapter.path for name, adapter in self.lora.adapters.items()}
+
+    def lora_info(self) -> tuple[list[str], list[str]]:
+        """(adapters of running requests, adapters of waiting ones), for the metrics."""
+        running = {r.lora_name for r in self.running} | (
+            {self.chunked_req.lora_name} if self.chunked_req is not None else set()
+        )
+        waiting = {r.lora_name for r in (*self.waiting_queue, *self.grammar_queue)}
+        return sorted(n for n in running if n), sorted(n for n in waiting if n)
+
+    def _live_reqs(self) -> list[Req]:
+        """Every request not finished: waiting, compiling, chunked or running."""
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        return [*self.waiting_queue, *self.grammar_queue, *chunked, *self.running]
+
+    def _running_adapters(self) -> set[str]:
+        """Adapters the next batch holds slots for already: running and chunked requests'."""
+        if self.lora is None:
+            return set()
+        names = {r.lora_name for r in self.running if r.lora_name is not None}
+        if self.chunked_req is not None and self.chunked_req.lora_name is not None:
+            names.add(self.chunked_req.lora_name)
+        return names
+
+    def _adapter_fits(self, req: Req, adapters: set[str]) -> bool:
+        """Whether `req` can join a batch already naming `adapters` (slots are finite)."""
+        if req.lora_name is None or req.lora_name in adapters or self.lora is None:
+            return True
+        return len(adapters) < self.lora.num_slots
+
+    def _lora_slots(self, manager: LoRAManager, batch: ScheduleBatch) -> torch.Tensor | None:
+        """Each token's adapter slot, or None when no request of the batch has an adapter."""
+        names = [r.lora_name for r in batch.reqs]
+        if not any(names):
+            return None
+        slots = torch.tensor(manager.acquire(names), dtype=torch.int64)
+        lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
+        token_slots = torch.repeat_interleave(slots, lens, output_size=int(lens.sum()))
+        return token_slots.to(self.device, non_blocking=True)
 
     # ----- the forward side -------------------------------------------------------------
 

@@ -55,6 +55,7 @@ class AddReq(msgspec.Struct, tag=True, array_like=True):
             extra_key=self.extra_key,
             priority=self.priority,
             routing_key=self.routing_key,
+            lora_name=self.extra_key.lora if self.extra_key is not None else None,
         )
         scheduler.add_request(req)
 
@@ -65,6 +66,21 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
     def apply(self, scheduler: Scheduler) -> None:
         scheduler.abort_request(self.rid, self.reason)
+
+
+class LoadLoRA(msgspec.Struct, tag=True, array_like=True):
+    name: str
+    path: str
+
+    def apply(self, scheduler: Scheduler) -> None:
+        scheduler.load_lora_adapter(self.name, self.path)
+
+
+class UnloadLoRA(msgspec.Struct, tag=True, array_like=True):
+    name: str
+
+    def apply(self, scheduler: Scheduler) -> None:
+        scheduler.unload_lora_adapter(self.name)
 
 
 class FlushCache(msgspec.Struct, tag=True, array_like=True):
@@ -83,7 +99,7 @@ class GrammarsDone(msgspec.Struct, tag=True, array_like=True):
         scheduler.follow_grammar_queue(self.ready, dict(self.failed))
 
 
-Input = AddReq | Abort | FlushCache | GrammarsDone
+Input = AddReq | Abort | LoadLoRA | UnloadLoRA | FlushCache | GrammarsDone
 
 
 class Turn(msgspec.Struct, tag=True, array_like=True):

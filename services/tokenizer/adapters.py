@@ -8,7 +8,7 @@ a 4xx is decided, and tested, here.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -107,16 +107,23 @@ def _dotted(loc: Sequence[str | int]) -> str:
     return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
 
 
-def check_model(requested: str | None, served_model: str) -> None:
-    """A request for another model is an error rather than silently served by this one;
-    omitting `model` (None) means this one."""
-    if requested is not None and requested != served_model:
-        raise RequestError(
-            f"the model {requested!r} does not exist; this server serves {served_model!r}",
-            param="model",
-            code="model_not_found",
-            status=404,
-        )
+def check_model(
+    requested: str | None, served_model: str, adapters: Collection[str] = (), param: str = "model"
+) -> str | None:
+    """The LoRA adapter `requested` names (None: the base model, also when `model` is
+    omitted). A request for another model is an error rather than silently served by this
+    one."""
+    if requested is None or requested == served_model:
+        return None
+    if requested in adapters:
+        return requested
+    served = ", ".join(repr(m) for m in (served_model, *adapters))
+    raise RequestError(
+        f"the model {requested!r} does not exist; this server serves {served}",
+        param=param,
+        code="model_not_found",
+        status=404,
+    )
 
 
 def check_chat_request(request: ChatCompletionRequest) -> None:

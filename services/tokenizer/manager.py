@@ -48,8 +48,11 @@ from services.protocol import (
     GetServerInfoReqOutput,
     Heartbeat,
     Hello,
+    LoadLoRAAdapterReq,
+    LoRAAdapterReqOutput,
     Message,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
     WorkerReady,
     new_epoch,
 )
@@ -71,8 +74,9 @@ decoded on the event loop, about 1 ms on the embedded tokenizer (some 4 µs an i
 to a thread, whose hop costs about 0.1 ms: 4,096 positions with 20 alternatives take 0.4 s."""
 """How long a control request (flush, server info) waits for the worker's reply."""
 
-ControlReply = FlushCacheReqOutput | GetServerInfoReqOutput
-ReplyT = TypeVar("ReplyT", FlushCacheReqOutput, GetServerInfoReqOutput)
+ControlReq = FlushCacheReq | GetServerInfoReq | LoadLoRAAdapterReq | UnloadLoRAAdapterReq
+ControlReply = FlushCacheReqOutput | GetServerInfoReqOutput | LoRAAdapterReqOutput
+ReplyT = TypeVar("ReplyT", FlushCacheReqOutput, GetServerInfoReqOutput, LoRAAdapterReqOutput)
 
 
 def unavailable(message: str) -> RequestError:
@@ -187,6 +191,8 @@ class TokenizerManager:
         """When this event loop last came back from a stall (`_liveness_loop`)."""
         self.worker_info: WorkerReady | None = None
         """The worker's limits; None until it announces itself (and after it restarts)."""
+        self.lora_adapters: dict[str, str] = {}
+        """Name → path of the worker's LoRA adapters, as of its latest word on them."""
         self.groups: dict[str, _Group] = {}
         """rid → the group waiting for its outputs, from submission until it finishes."""
         self.num_queued = 0
@@ -378,9 +384,15 @@ class TokenizerManager:
         reply = await self._control(request, GetServerInfoReqOutput)
         return reply.info
 
-    async def _control(
-        self, msg: FlushCacheReq | GetServerInfoReq, reply_type: type[ReplyT]
-    ) -> ReplyT:
+    async def load_lora_adapter(self, name: str, path: str) -> LoRAAdapterReqOutput:
+        request = LoadLoRAAdapterReq(name=name, path=path, rid=self.new_rid("lora"))
+        return await self._control(request, LoRAAdapterReqOutput)
+
+    async def unload_lora_adapter(self, name: str) -> LoRAAdapterReqOutput:
+        request = UnloadLoRAAdapterReq(name=name, rid=self.new_rid("lora"))
+        return await self._control(request, LoRAAdapterReqOutput)
+
+    async def _control(self, msg: ControlReq, reply_type: type[ReplyT]) -> ReplyT:
         """The worker's reply to `msg`; a 503 if it sends none in time, or another kind."""
         self.require_ready(peers=("worker",))  # answered by the worker alone
         future = self.control[msg.rid] = asyncio.get_running_loop().create_future()
@@ -423,13 +435,16 @@ class TokenizerManager:
             self._route(msg)
         elif isinstance(msg, WorkerReady):
             self.worker_info = msg
+            self.lora_adapters = msg.lora_adapters
             logger.info(
                 "worker ready: %s, context %d, %d KV tokens",
                 msg.model_path,
                 msg.context_length,
                 msg.max_total_tokens,
             )
-        elif isinstance(msg, (FlushCacheReqOutput, GetServerInfoReqOutput)):
+        elif isinstance(msg, (FlushCacheReqOutput, GetServerInfoReqOutput, LoRAAdapterReqOutput)):
+            if isinstance(msg, LoRAAdapterReqOutput):
+                self.lora_adapters = msg.lora_adapters
             future = self.control.get(msg.rid)
             if future is not None and not future.done():
                 future.set_result(msg)

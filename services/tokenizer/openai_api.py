@@ -25,6 +25,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
+    SerializeAsAny,
     ValidatorFunctionWrapHandler,
     model_serializer,
     model_validator,
@@ -437,6 +438,9 @@ class GenerateRequest(_Request):
     logprob_start_len: int = -1
     """With `return_logprob`: also the prompt tokens' logprobs from this position on
     (-1: none), in `meta_info.input_token_logprobs`."""
+    lora_path: str | None = None
+    """SGLang's name for the LoRA adapter to serve every prompt with (its name; None: the base
+    model)."""
     _is_batch: bool = PrivateAttr(default=False)
 
     @model_validator(mode="wrap")
@@ -649,9 +653,15 @@ class ModelCard(BaseModel):
     max_model_len: int | None = None
 
 
+class LoRAModelCard(ModelCard):
+    """A LoRA adapter, served under its name: `parent` is the base model's id (vLLM's shape)."""
+
+    parent: str
+
+
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
-    data: list[ModelCard]
+    data: list[SerializeAsAny[ModelCard]]
 
 
 class TokenizeResponse(BaseModel):

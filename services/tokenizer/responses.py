@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -34,6 +34,7 @@ from services.tokenizer.openai_api import (
     CompletionResponseChoice,
     DeltaMessage,
     FinishReasonName,
+    LoRAModelCard,
     ModelCard,
     ModelList,
     PromptTokensDetails,
@@ -489,5 +490,13 @@ def generate_progress(
     return {"text": text, "output_ids": list(output_ids), "meta_info": meta_info}
 
 
-def model_list(model: str, max_model_len: int | None, created: int) -> ModelList:
-    return ModelList(data=[ModelCard(id=model, created=created, max_model_len=max_model_len)])
+def model_list(
+    model: str, max_model_len: int | None, created: int, adapters: Iterable[str] = ()
+) -> ModelList:
+    """The base model, then each LoRA adapter with the base model as its parent."""
+    base = ModelCard(id=model, created=created, max_model_len=max_model_len)
+    cards = [
+        LoRAModelCard(id=name, created=created, max_model_len=max_model_len, parent=model)
+        for name in adapters
+    ]
+    return ModelList(data=[base, *cards])

@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict
 
 from engine.sampling.sampling_params import SamplingParams
-from services.protocol import TokenizedGenerateReqInput
+from services.protocol import LoRAAdapterReqOutput, TokenizedGenerateReqInput
 from services.tokenizer.adapters import RequestError, check_model, error_body
 from services.tokenizer.chat_template import render_chat
 from services.tokenizer.manager import unavailable
@@ -115,14 +115,73 @@ async def models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}")
 async def model_card(request: Request, model_id: str) -> dict[str, Any]:
     state = app_state(request)
-    check_model(model_id, state.model)
-    return _model_list(state).data[0].model_dump()
+    check_model(model_id, state.model, state.manager.lora_adapters)
+    card = next(card for card in _model_list(state).data if card.id == model_id)
+    return card.model_dump()
 
 
 def _model_list(state: AppState) -> ModelList:
     info = state.manager.worker_info
     context_length = None if info is None else info.context_length
-    return model_list(state.model, context_length, state.started)
+    return model_list(state.model, context_length, state.started, state.manager.lora_adapters)
+
+
+class LoadLoRAAdapterInput(BaseModel):
+    """SGLang's `/load_lora_adapter` (vLLM's `/v1/load_lora_adapter` has the same fields)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterInput(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    lora_name: str
+
+
+@router.post("/load_lora_adapter")
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> dict[str, Any]:
+    """Load a PEFT adapter at run time (`--enable-lora-runtime-update`, an operator's); a
+    400 for a bad adapter or path, leaving what serves untouched."""
+    require_admin(request, "/load_lora_adapter")
+    state = app_state(request)
+    body = await parse_body(request, LoadLoRAAdapterInput)
+    _check_adapter_name(state, body.lora_name)
+    reply = await state.manager.load_lora_adapter(body.lora_name, body.lora_path)
+    return _lora_answer(reply)
+
+
+@router.post("/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> dict[str, Any]:
+    """Unload an adapter; a 409 while requests use it, a 404 for one not loaded."""
+    require_admin(request, "/unload_lora_adapter")
+    state = app_state(request)
+    body = await parse_body(request, UnloadLoRAAdapterInput)
+    reply = await state.manager.unload_lora_adapter(body.lora_name)
+    return _lora_answer(reply)
+
+
+def _check_adapter_name(state: AppState, lora_name: str) -> None:
+    """An adapter cannot take the base model's name, which means no adapter. The worker
+    checks the rest (run-time updates allowed, the path, the adapter itself)."""
+    if lora_name == state.model or not lora_name:
+        raise RequestError(
+            f"{lora_name!r} cannot name a LoRA adapter: it is empty or the base model's name",
+            param="lora_name",
+        )
+
+
+def _lora_answer(reply: LoRAAdapterReqOutput) -> dict[str, Any]:
+    """The worker's refusal as an error (400 bad adapter, 404 unknown, 409 in use), else
+    SGLang's answer."""
+    if not reply.success:
+        code = {404: "model_not_found", 409: "lora_adapter_in_use"}.get(reply.status)
+        raise RequestError(
+            reply.message, param=reply.param, code=code or "invalid_value", status=reply.status
+        )
+    return {"success": True, "message": reply.message}
 
 
 @router.post("/tokenize")
@@ -141,7 +200,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
         if chat
         else TokenizeCompletionRequest.model_validate_json(raw)
     )
-    check_model(body.model, state.model)
+    check_model(body.model, state.model, state.manager.lora_adapters)
     param = "messages" if chat else "prompt"
     tokenizer = state.require_tokenizer(param)
     chars = (
@@ -180,7 +239,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 async def detokenize(request: Request) -> dict[str, Any]:
     state = app_state(request)
     body = await parse_body(request, DetokenizeRequest)
-    check_model(body.model, state.model)
+    check_model(body.model, state.model, state.manager.lora_adapters)
     tokenizer = state.require_tokenizer("tokens")
     info = state.manager.require_ready()
     bad = next((t for t in body.tokens if not 0 <= t < info.vocab_size), None)
@@ -215,7 +274,7 @@ async def tokenizer_info(request: Request) -> dict[str, Any]:
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     body = await parse_body(request, GenerateRequest)
-    return await serve(request, GenerateEndpoint(body))
+    return await serve(request, GenerateEndpoint(body, app_state(request).model))
 
 
 @router.get("/health")

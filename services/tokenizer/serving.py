@@ -27,7 +27,7 @@ import json
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -212,11 +212,13 @@ class Endpoint(ABC):
         `/abort_request` with the id aborts them all."""
         self.extra_key: PrefixNamespace | None = None
         self.priority = 0
+        self.lora_name: str | None = None
+        """The LoRA adapter the request names (`check`); None: the base model."""
 
     @abstractmethod
-    def check(self) -> None:
+    def check(self, adapters: Collection[str]) -> None:
         """Raises `RequestError` for what is refused before the server's readiness is even
-        looked at."""
+        looked at, and sets `lora_name` from the request (one of `adapters`)."""
 
     @abstractmethod
     def prompt_chars(self) -> int:
@@ -270,12 +272,14 @@ class _OpenAIEndpoint(Endpoint):
     ):
         super().__init__(body, num_prompts, body.n)
         self.model = model
-        self.header = ResponseHeader(id=self.id, model=model, created=int(time.time()))
+        # `check` refuses any model but this one and its adapters: the name sent is served.
+        served = body.model or model
+        self.header = ResponseHeader(id=self.id, model=served, created=int(time.time()))
         self.extra_key = PrefixNamespace.of(cache_salt=body.cache_salt)
         self.priority = body.priority
 
-    def check(self) -> None:
-        check_model(self.body.model, self.model)
+    def check(self, adapters: Collection[str]) -> None:
+        self.lora_name = check_model(self.body.model, self.model, adapters)
 
     def check_output(self, out: ReqOutput) -> None:
         raise_if_aborted(out, self.body.stream)
@@ -314,8 +318,8 @@ class ChatEndpoint(_OpenAIEndpoint):
         section decides how the output is read."""
         self.choice_parsers: dict[int, ChoiceParser] = {}
 
-    def check(self) -> None:
-        super().check()
+    def check(self, adapters: Collection[str]) -> None:
+        super().check(adapters)
         check_chat_request(self.body)
 
     def prompt_chars(self) -> int:
@@ -427,8 +431,8 @@ class CompletionsEndpoint(_OpenAIEndpoint):
         self.prompt_texts: list[str] = []
         """With `echo`: each prompt as text."""
 
-    def check(self) -> None:
-        super().check()
+    def check(self, adapters: Collection[str]) -> None:
+        super().check(adapters)
         check_completion_request(self.body)
 
     def prompt_chars(self) -> int:
@@ -488,12 +492,14 @@ class GenerateEndpoint(Endpoint):
     n_param = "sampling_params.n"
     body: GenerateRequest
 
-    def __init__(self, body: GenerateRequest):
+    def __init__(self, body: GenerateRequest, model: str):
         super().__init__(body, len(body.prompts))
         self.prompt_param = body.prompt_field
+        self.model = model
 
-    def check(self) -> None:
-        """Nothing: the native API names no model."""
+    def check(self, adapters: Collection[str]) -> None:
+        """The native API names no model, only a LoRA adapter (`lora_path`)."""
+        self.lora_name = check_model(self.body.lora_path, self.model, adapters, "lora_path")
 
     def check_output(self, out: ReqOutput) -> None:
         """Nothing fails a native request: an abort is its finish reason."""
@@ -542,7 +548,7 @@ async def prepare(request: Request, endpoint: Endpoint) -> PreparedPrompts:
     the prompts are tokenized (chat's through its template) as they will be submitted. The
     render endpoints stop here, so their ids are the generation endpoints' by construction."""
     state = app_state(request)
-    endpoint.check()
+    endpoint.check(state.manager.lora_adapters)
     check_prompt_chars(
         endpoint.prompt_chars(), state.settings.max_prompt_chars, endpoint.prompt_param
     )
@@ -594,7 +600,14 @@ async def serve(request: Request, endpoint: Endpoint) -> Response:
     n = params[0].n
     extra_key = tenant_namespace(request, state.settings, endpoint.extra_key)
     reqs = fan_out(
-        endpoint.id, prompts, params, n, endpoint.body.stream, extra_key, endpoint.priority
+        endpoint.id,
+        prompts,
+        params,
+        n,
+        endpoint.body.stream,
+        extra_key,
+        endpoint.priority,
+        endpoint.lora_name,
     )
     state.manager.check_capacity(len(reqs))  # before a stream's 200: shedding is a real 429
     acc = ChoiceAccumulator(want_logprobs=params[0].logprobs)
@@ -682,6 +695,7 @@ def fan_out(
     stream: bool,
     extra_key: PrefixNamespace | None = None,
     priority: int = 0,
+    lora_name: str | None = None,
 ) -> list[TokenizedGenerateReqInput]:
     """`n` requests per prompt, in OpenAI's choice order (sample j of prompt i is choice
     i*n + j). Each sample of a seeded request gets its own seed, so the `n` samples differ
@@ -698,6 +712,7 @@ def fan_out(
                     stream=stream,
                     extra_key=extra_key,
                     priority=priority,
+                    lora_name=lora_name,
                 )
             )
     return reqs

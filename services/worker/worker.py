@@ -25,6 +25,7 @@ import zmq
 from engine.api import Engine
 from engine.cache.kv_events import AllBlocksCleared, BlockEventRecorder
 from engine.cache.radix_cache import RadixCache
+from engine.lora import LoRAError
 from engine.sched.req import FinishReason, Req
 from observability.worker_metrics import WorkerMetrics, WorkerSample
 from services import protocol
@@ -39,8 +40,11 @@ from services.protocol import (
     FlushCacheReqOutput,
     GetServerInfoReq,
     GetServerInfoReqOutput,
+    LoadLoRAAdapterReq,
+    LoRAAdapterReqOutput,
     Message,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
     WorkerReady,
     split_batch,
 )
@@ -122,7 +126,8 @@ class Worker(Service):
             settings.model if settings.served_model_name is None else settings.served_model_name
         )
         """The model id of the API (`Settings` fills `served_model_name` in from `model`)."""
-        self.metrics = WorkerMetrics(self.registry, self.model_name)
+        max_lora = settings.max_loras_per_batch if settings.enable_lora else 0
+        self.metrics = WorkerMetrics(self.registry, self.model_name, max_lora)
         self.scheduler.stats.observer = self
         if self.scheduler.grammar_backend is not None:
             self.scheduler.grammar_backend.on_compile = self.metrics.observe_grammar_compile
@@ -256,6 +261,8 @@ class Worker(Service):
             if msg.check_integrity:
                 info["radix_integrity"] = self.check_integrity()
             self.to_tokenizer.send(GetServerInfoReqOutput(info=info, rid=msg.rid))
+        elif isinstance(msg, (LoadLoRAAdapterReq, UnloadLoRAAdapterReq)):
+            self.to_tokenizer.send(self.update_lora(msg))
         else:
             logger.warning(
                 "dropped a %s from %s: not a worker message", type(msg).__name__, msg.sender or "?"
@@ -271,14 +278,16 @@ class Worker(Service):
             extra_key=msg.extra_key,
             priority=msg.priority,
             routing_key=msg.routing_key,
+            lora_name=msg.lora_name,
         )
         state = _ReqState(msg.epoch, trace_context=msg.trace_context)
         try:
             if msg.rid in self.live:
                 raise ValueError(f"request id {msg.rid!r} is already in use")
             self.scheduler.add_request(req)
-        except ValueError as e:
-            req.finish(FinishReason("abort", message=str(e), status_code=400))
+        except ValueError as e:  # a LoRAError's status: 404 for an adapter unloaded meanwhile
+            status = e.status if isinstance(e, LoRAError) else 400
+            req.finish(FinishReason("abort", message=str(e), status_code=status))
             self.rejected.append(req)
             logger.info("rejected request %s: %s", msg.rid, e)
             return
@@ -289,6 +298,8 @@ class Worker(Service):
             self.rejected.append(req)
             return
         self.live[msg.rid] = state
+        if msg.lora_name is not None:
+            self.metrics.observe_lora_request(msg.lora_name)
 
     def send_batch_output(self, entries: list[_Entry]) -> None:
         """One column entry per request: the output ids the detokenizer has not seen yet, or
@@ -407,6 +418,7 @@ class Worker(Service):
             vocab_size=sched.model_config.vocab_size,
             eos_token_ids=sorted(sched.model_config.eos_token_ids),
             max_running_requests=sched.max_running_requests,
+            lora_adapters=sched.lora_adapters(),
         )
         if self.to_tokenizer.send(ready):
             self.ready_pending = False
@@ -428,6 +440,33 @@ class Worker(Service):
         logger.info("flushed the cache")
         return FlushCacheReqOutput(success=True, message="cache flushed", rid=rid)
 
+    def update_lora(self, msg: LoadLoRAAdapterReq | UnloadLoRAAdapterReq) -> LoRAAdapterReqOutput:
+        """Load or unload an adapter between turns; a refusal (bad adapter, requests using
+        it) leaves everything serving as it was."""
+        sched = self.scheduler
+        try:
+            if isinstance(msg, LoadLoRAAdapterReq):
+                sched.load_lora_adapter(msg.name, msg.path)
+                message = f"loaded LoRA adapter {msg.name!r} from {msg.path!r}"
+            else:
+                sched.unload_lora_adapter(msg.name)
+                message = f"unloaded LoRA adapter {msg.name!r}"
+        except LoRAError as e:
+            logger.info("refused a LoRA update of %r: %s", msg.name, e)
+            return LoRAAdapterReqOutput(
+                success=False,
+                status=e.status,
+                message=str(e),
+                param=e.param,
+                lora_adapters=sched.lora_adapters(),
+                rid=msg.rid,
+            )
+        logger.info(message)
+        self.metrics.publish(self.sample())
+        return LoRAAdapterReqOutput(
+            success=True, message=message, lora_adapters=sched.lora_adapters(), rid=msg.rid
+        )
+
     def server_info(self) -> dict[str, Any]:
         sched = self.scheduler
         cache = sched.cache_manager
@@ -445,6 +484,7 @@ class Worker(Service):
             "num_waiting_reqs": len(sched.waiting_queue),
             "new_token_ratio": sched.ratio.new_token_ratio,
             "scheduler_stats": sched.stats.counters(),
+            "lora_adapters": sched.lora_adapters(),
         }
 
     def check_integrity(self) -> str:
@@ -469,6 +509,7 @@ class Worker(Service):
         sched = self.scheduler
         cache, tree = sched.cache_manager, sched.cache_manager.tree_cache
         stats = sched.stats
+        running, waiting = sched.lora_info()
         return WorkerSample(
             time=time.monotonic(),
             cache_hit_tokens=stats.cache_hit_tokens,
@@ -489,6 +530,8 @@ class Worker(Service):
             num_grammar_queue=len(sched.grammar_queue),
             kv_events_published=self.kv_publisher.published if self.kv_publisher else 0,
             kv_events_dropped=self.kv_publisher.dropped if self.kv_publisher else 0,
+            running_lora_adapters=tuple(sorted(running)),
+            waiting_lora_adapters=tuple(sorted(waiting)),
         )
 
     def num_running(self) -> int:

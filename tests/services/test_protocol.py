@@ -21,8 +21,11 @@ from services.protocol import (
     GetServerInfoReqOutput,
     Heartbeat,
     Hello,
+    LoadLoRAAdapterReq,
+    LoRAAdapterReqOutput,
     ProtocolError,
     TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
     WorkerReady,
     decode,
     encode,
@@ -87,6 +90,11 @@ EXAMPLES = [
         **STAMP,
     ),
     FlushCacheReqOutput(False, "2 requests running", rid="c1", **STAMP),
+    LoadLoRAAdapterReq(name="sql", path="/models/sql", rid="c3", **STAMP),
+    UnloadLoRAAdapterReq(name="sql", rid="c4", **STAMP),
+    LoRAAdapterReqOutput(
+        success=False, status=409, message="in use", param="lora_name", lora_adapters={"a": "/a"}
+    ),
     GetServerInfoReqOutput(
         {"kv_total_tokens": 8192, "stats": {"hit_rate": 0.5}, "queues": [1, 2]}, rid="c2"
     ),

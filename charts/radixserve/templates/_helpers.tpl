@@ -117,8 +117,34 @@ LeaderWorkerSet puts each pod's place in its group (the leader's index is 0). */
 - {{ printf "--kv-events-config=%s" (include "radixserve.kvEventsConfig" .) | toJson }}
 - --kv-events-block-size={{ int64 .Values.kvEvents.blockSize }}
 {{- end }}
+{{- include "radixserve.loraArgs" . }}
 {{- range $e.extraArgs }}
 - {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{- /* LoRA flags: adapters and their root are paths inside the model volume (/models). */}}
+{{- define "radixserve.loraArgs" -}}
+{{- $l := .Values.lora }}
+{{- if or $l.adapters $l.runtimeUpdate }}
+{{- if eq .Values.model.source "embedded" }}
+{{- fail "lora adapters are read from the model volume: set model.source to pvc, hostPath or huggingface" }}
+{{- end }}
+{{- $paths := list }}
+{{- range $l.adapters }}
+{{- $paths = append $paths (printf "%s=/models/%s" .name (trimPrefix "/" .path)) }}
+{{- end }}
+{{- if $paths }}
+- --lora-paths={{ join "," $paths }}
+{{- end }}
+- --max-loras-per-batch={{ int64 $l.maxLorasPerBatch }}
+- --max-lora-rank={{ int64 $l.maxLoraRank }}
+{{- if $l.runtimeUpdate }}
+- --enable-lora-runtime-update
+{{- end }}
+{{- with $l.root }}
+- --lora-root={{ printf "/models/%s" (trimPrefix "/" .) | trimSuffix "/" }}
+{{- end }}
 {{- end }}
 {{- end }}
 

@@ -66,6 +66,12 @@ def default_weight_loader(
     return copy_shard(param.data, loaded)
 
 
+class LoRAHook(Protocol):
+    """Adds a LoRA term to a layer's output (engine/lora/layers.py's `LoRALayer`)."""
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+
 WeightLoader = Callable[[nn.Parameter, CheckpointTensor, str | None], int]
 """Copies this rank's part of one checkpoint tensor (or of the shard `shard_id` of a fused
 one) into a parameter; returns how many of the parameter's elements it filled."""
@@ -122,6 +128,8 @@ class Linear(nn.Module):
     layers below hold a slice. Packing (`pack_weight`) applies to whatever slice is held."""
 
     packed_weight: torch.Tensor | None = None
+    lora: LoRAHook | None = None
+    """Set on the layers adapters target when LoRA is on (engine/lora)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__()
@@ -144,7 +152,11 @@ class Linear(nn.Module):
         self.packed_weight = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.packed_weight, self.bias)
+        return self.with_lora(x, linear(x, self.weight, self.packed_weight, self.bias))
+
+    def with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """`y` plus the LoRA term of `x`, when adapters target this layer."""
+        return y if self.lora is None else self.lora(x, y)
 
 
 class Shard(NamedTuple):
@@ -238,4 +250,5 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        return get_tp_group().all_reduce(linear(x, self.weight, self.packed_weight, bias))
+        partial = self.with_lora(x, linear(x, self.weight, self.packed_weight, bias))
+        return get_tp_group().all_reduce(partial)

@@ -38,6 +38,7 @@ class ScriptedManager:
             max_running_requests=8,
         )
         self.submitted: list[TokenizedGenerateReqInput] = []
+        self.lora_adapters: dict[str, str] = {}
 
     def require_ready(self, peers: Sequence[str] = ()) -> WorkerReady:
         return self.worker_info
