@@ -22,7 +22,9 @@ case $stage in
 tests)
     python3 -m pytest -q -p no:cacheprovider --timeout 120 --junitxml "$out/cuda-tests.xml" \
         tests/engine/model/attention/test_triton_backend.py tests/engine/model/test_runner.py \
-        tests/engine/mem/test_mem_pools.py 2>&1 | tee "$out/cuda-tests.log" | tail -15
+        tests/engine/mem/test_mem_pools.py tests/engine/model/layers/test_triton_ops.py \
+        tests/engine/lora/test_lora_triton.py tests/engine/lora/test_lora_graphs.py 2>&1 \
+        | tee "$out/cuda-tests.log" | tail -15
     timeout "${ENGINE_SUITE_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider --timeout 60 \
         --junitxml "$out/engine-suite.xml" tests/engine 2>&1 | tee "$out/engine-suite.log" | tail -25
     ;;
@@ -35,7 +37,8 @@ graph)
     timeout "${GRAPH_TESTS_TIMEOUT:-90}" python3 -m pytest -q -p no:cacheprovider --timeout 60 \
         --junitxml "$out/graph-tests.xml" tests/engine/model/test_graph_runner.py \
         tests/engine/model/attention/test_triton_backend.py tests/engine/model/test_runner.py \
-        2>&1 | tee "$out/graph-tests.log" | tail -15
+        tests/engine/model/layers/test_triton_ops.py tests/engine/lora/test_lora_triton.py \
+        tests/engine/lora/test_lora_graphs.py 2>&1 | tee "$out/graph-tests.log" | tail -15
     timeout "${GRAPH_BENCH_TIMEOUT:-90}" python3 -m benchmarks.graph_bench --device cuda \
         --out "$out/graph_bench.json" 2>&1 | tee "$out/graph_bench.log" | tail -40
     timeout "${GRAPH_SERVING_TIMEOUT:-170}" python3 -m benchmarks.serving.compare \

@@ -2,17 +2,18 @@
 
 Every adapter slot s holds, per sub-projection k (q/k/v of qkv_proj, gate/up of
 gate_up_proj, the one of o_proj/down_proj), A rows `[(s*K + k)*R, +R)` and the matching B
-columns, zero-padded to R = `max_lora_rank`; B's other sub-projections' rows stay zero. The
-whole batch then costs two matmuls whatever its adapters:
+columns, zero-padded to R = `max_lora_rank`; B's other sub-projections' rows stay zero.
+On CPU the whole batch then costs two matmuls whatever its adapters:
 
     y += ((x @ A^T) * w[token, slot]) @ B^T
 
 where `w` (`LoRABatchInfo.token_weights`, [tokens, slots]) is each token's adapter scaling
-in its slot's column and zeros elsewhere: no loop over tokens or slots, no device sync, and
-the buffers are static (a decode graph could capture them). Under tensor parallelism A and B
-shard like their base layer: column-parallel layers hold B's rows of this rank's outputs
-(A whole); row-parallel ones hold A's columns of this rank's inputs (B whole), and their
-term joins the partial product before the all-reduce.
+in its slot's column and zeros elsewhere: no loop over tokens or slots, no device sync. On
+CUDA a segment kernel (engine/lora/triton_ops.py) multiplies each request's tokens by its
+own slot only. Both read static buffers, so a decode graph captures either. Under tensor
+parallelism A and B shard like their base layer: column-parallel layers hold B's rows of
+this rank's outputs (A whole); row-parallel ones hold A's columns of this rank's inputs (B
+whole), and their term joins the partial product before the all-reduce.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.lora.errors import LoRAError
+from engine.model import layers
 from engine.model.layers.linear import (
     Linear,
     MergedColumnParallelLinear,
@@ -34,10 +36,18 @@ from engine.model.layers.linear import (
 
 @dataclass
 class LoRABatchInfo:
-    """What every LoRA layer reads about the current batch (set by `LoRAManager.prepare`);
-    `token_weights` is None when no token of the batch has an adapter."""
+    """What every LoRA layer reads about the current batch (set by `LoRAManager.prepare`).
+    A segment is one request's tokens; `seg_slots` is None when no request has an adapter."""
 
+    scalings: torch.Tensor
+    """[slot ids]: the scaling of the adapter in each slot (0 for slot id 0, no adapter)."""
+    seg_indptr: torch.Tensor | None = None
+    """[requests + 1]: where each request's tokens start, and the end."""
+    seg_slots: torch.Tensor | None = None
+    """[requests]: each request's slot id."""
+    max_seg_len: int = 0
     token_weights: torch.Tensor | None = None
+    """[tokens, slots]: each token's scaling in its slot's column (the torch path only)."""
 
 
 def _whole(size: int) -> Shard:
@@ -70,19 +80,45 @@ class LoRALayer:
         self.lora_b = torch.zeros(weight.shape[0], width, dtype=weight.dtype, device=weight.device)
         self.repack()
 
+    packed_a: torch.Tensor | None = None
+    packed_b: torch.Tensor | None = None
+
     def repack(self) -> None:
         """oneDNN's blocked copies of A and B, where that applies (see `pack_weight`): a
-        plain bf16 `x @ A.T` on CPU measured 30x slower than the packed matmul."""
-        self.packed_a, self.packed_b = pack_weight(self.lora_a), pack_weight(self.lora_b)
+        plain bf16 `x @ A.T` on CPU measured 30x slower than the packed matmul. Written into
+        the copies already made, so that what a graph captured stays where it was."""
+        for name, weight in (("packed_a", self.lora_a), ("packed_b", self.lora_b)):
+            packed, held = pack_weight(weight), getattr(self, name)
+            if held is not None and packed is not None:
+                held.copy_(packed)
+            else:
+                setattr(self, name, packed)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """`y` plus this batch's LoRA term of input `x`."""
-        weights = self.batch.token_weights
-        if weights is None:
+        """`y` plus this batch's LoRA term of input `x` (`y`, the layer's own output, is
+        updated in place)."""
+        batch = self.batch
+        if batch.seg_slots is None:
             return y
+        if layers.uses_triton(x):
+            from engine.lora.triton_ops import segment_lora  # imports Triton: CUDA only
+
+            assert batch.seg_indptr is not None
+            return segment_lora(
+                x,
+                y,
+                self.lora_a,
+                self.lora_b,
+                self.slot_width,
+                batch.seg_indptr,
+                batch.seg_slots,
+                batch.scalings,
+                batch.max_seg_len,
+            )
+        assert batch.token_weights is not None
         xa = linear(x, self.lora_a, self.packed_a).view(len(x), self.num_slots, self.slot_width)
-        xa = (xa * weights.unsqueeze(-1)).view(len(x), -1)
-        return y.add_(linear(xa, self.lora_b, self.packed_b))  # y: the layer's own output
+        xa = (xa * batch.token_weights.unsqueeze(-1)).view(len(x), -1)
+        return y.add_(linear(xa, self.lora_b, self.packed_b))
 
     def slot_weights(
         self, subs: dict[str, dict[str, torch.Tensor]], rank: int, key_hint: str

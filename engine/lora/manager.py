@@ -7,11 +7,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.lora.adapter import LoRAAdapter, load_adapter
 from engine.lora.errors import LoRAError
 from engine.lora.layers import LoRABatchInfo, LoRALayer
+from engine.model import layers
 from engine.model.forward_batch import ForwardBatch
 from engine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
@@ -28,7 +30,10 @@ class LoRAManager:
         if max_loras_per_batch < 1 or max_lora_rank < 1:
             raise ValueError("max_loras_per_batch and max_lora_rank must be >= 1")
         self.num_slots, self.max_rank = max_loras_per_batch, max_lora_rank
-        self.batch = LoRABatchInfo()
+        weight = next(model.parameters())
+        self.batch = LoRABatchInfo(
+            scalings=torch.zeros(max_loras_per_batch + 1, dtype=weight.dtype, device=weight.device)
+        )
         self.model = model
         self.layers: dict[str, LoRALayer] = {}
         for name, module in model.named_modules():
@@ -36,7 +41,6 @@ class LoRAManager:
                 module.lora = self.layers[name] = LoRALayer(
                     module, max_loras_per_batch, max_lora_rank, self.batch
                 )
-        weight = next(model.parameters())
         self.slot_scalings = torch.zeros(
             max_loras_per_batch + 1, max_loras_per_batch, dtype=weight.dtype, device=weight.device
         )
@@ -56,7 +60,7 @@ class LoRAManager:
             raise LoRAError(f"no adapter named {name!r} is loaded", 404, "lora_name")
         slot = self.resident.pop(name, None)
         if slot is not None:
-            self.slot_scalings[slot + 1].zero_()
+            self._set_scaling(slot, 0.0)
             self.free_slots.append(slot)
 
     def needs_swap(self, names: Sequence[str | None]) -> bool:
@@ -87,11 +91,29 @@ class LoRAManager:
         for layer_name, layer in self.layers.items():
             a, b = adapter.weights.get(layer_name, (None, None))
             layer.write_slot(slot, a, b)
-        self.slot_scalings[slot + 1].zero_()
-        self.slot_scalings[slot + 1, slot] = adapter.scaling
+        self._set_scaling(slot, adapter.scaling)
         self.resident[name] = slot
 
+    def _set_scaling(self, slot: int, scaling: float) -> None:
+        """In place: the decode graphs read these buffers where they were captured."""
+        self.slot_scalings[slot + 1, slot] = scaling
+        self.batch.scalings[slot + 1] = scaling
+
     def prepare(self, forward_batch: ForwardBatch) -> None:
-        """Point every LoRA layer at this batch's per-token adapter weights."""
-        slots = forward_batch.lora_slots
-        self.batch.token_weights = None if slots is None else self.slot_scalings[slots]
+        """Point every LoRA layer at this batch's adapters, from its per-request slot ids:
+        tensor ops on the device only, so that a decode graph runs this too."""
+        batch, slots = self.batch, forward_batch.lora_slots
+        batch.seg_slots = slots
+        batch.seg_indptr = batch.token_weights = None
+        if slots is None:
+            return
+        lens = forward_batch.extend_lens
+        if layers.uses_triton(slots):
+            batch.seg_indptr = F.pad(torch.cumsum(lens, 0), (1, 0))
+            batch.max_seg_len = max(forward_batch.extend_lens_cpu)
+            return
+        token_slots = slots
+        if not forward_batch.forward_mode.is_decode():
+            num_tokens = len(forward_batch.input_ids)
+            token_slots = torch.repeat_interleave(slots, lens, output_size=num_tokens)
+        batch.token_weights = self.slot_scalings[token_slots]

@@ -64,7 +64,7 @@ class ForwardBatch:
     prompt_logprobs: PromptLogprobsInput | None = None
     """Set when some extend request asks for prompt logprobs (the scheduler sets it)."""
     lora_slots: torch.Tensor | None = None
-    """[num_tokens] int64 on the device: each token's LoRA adapter slot (0: none); None
+    """[batch] int64 on the device: each request's LoRA adapter slot id (0: none); None
     when no request of the batch has an adapter (the scheduler sets it)."""
 
     @classmethod

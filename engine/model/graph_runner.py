@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from engine.lora import LoRAManager
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.attention.base import AttentionBackend
@@ -37,6 +38,9 @@ ResolveInputIds = Callable[[torch.Tensor], torch.Tensor]
 # slot 0 are reserved for padding by the pools, and a one-token context keeps its softmax
 # finite.
 PADDING = {"input_ids": 0, "req_pool_indices": 0, "seq_lens": 1, "out_cache_loc": 0}
+LORA_PADDING = {"lora_slots": 0}
+"""With LoRA on, each request's adapter slot id too (0, no adapter, for padding and for
+batches without adapters): the graphs always carry the LoRA term."""
 
 
 class GraphBackend(Protocol):
@@ -111,10 +115,11 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
 class DecodeInputs:
     """The static buffers every captured graph reads its batch from (`max_bs` rows each)."""
 
-    def __init__(self, max_bs: int, device: torch.device):
+    def __init__(self, max_bs: int, device: torch.device, lora: bool):
+        self.padding = PADDING | LORA_PADDING if lora else PADDING
         self.buffers = {
             name: torch.full((max_bs,), pad, dtype=torch.int64, device=device)
-            for name, pad in PADDING.items()
+            for name, pad in self.padding.items()
         }
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
@@ -126,10 +131,9 @@ class HostStaging:
     Batch N+1 fills the other half while batch N's copies may still be queued, and a half
     is refilled only once the copies that read it two batches ago are done."""
 
-    def __init__(self, max_bs: int):
+    def __init__(self, num_inputs: int, max_bs: int):
         self.halves = [
-            torch.empty((len(PADDING), max_bs), dtype=torch.int64, pin_memory=True)
-            for _ in range(2)
+            torch.empty((num_inputs, max_bs), dtype=torch.int64, pin_memory=True) for _ in range(2)
         ]
         self.copied = [torch.cuda.Event(), torch.cuda.Event()]
         self.turn = 0
@@ -147,7 +151,8 @@ class HostStaging:
 class GraphRunner:
     """Decode batches of up to `max_bs` requests through captured graphs, padded to the
     next bucket. Built by `ModelRunner`, which decides when a batch can use it
-    (`can_run`)."""
+    (`can_run`). With `lora`, each graph points the LoRA layers at its batch's adapters
+    from a static buffer of slot ids (`LoRAManager.prepare` inside the graph)."""
 
     def __init__(
         self,
@@ -158,8 +163,10 @@ class GraphRunner:
         max_bs: int,
         backend: GraphBackend,
         batch_sizes: list[int] | None = None,
+        lora: LoRAManager | None = None,
     ):
         self.model = model
+        self.lora = lora
         self.attn_backend = attn_backend
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool = token_to_kv_pool
@@ -167,8 +174,10 @@ class GraphRunner:
         self.batch_sizes = batch_sizes or capture_batch_sizes(max_bs)
         self.max_bs = self.batch_sizes[-1]
         device = token_to_kv_pool.device
-        self.inputs = DecodeInputs(self.max_bs, device)
-        self.staging = HostStaging(self.max_bs) if device.type == "cuda" else None
+        self.inputs = DecodeInputs(self.max_bs, device, lora is not None)
+        self.staging = (
+            HostStaging(len(self.inputs.buffers), self.max_bs) if device.type == "cuda" else None
+        )
         attn_backend.init_cuda_graph_state(
             self.max_bs, req_to_token_pool.max_context_len, backend.static_shapes
         )
@@ -194,7 +203,7 @@ class GraphRunner:
         self.graphs.clear()
         self.resolve_input_ids = resolve_input_ids
         for name, buffer in self.inputs.buffers.items():
-            buffer.fill_(PADDING[name])
+            buffer.fill_(self.inputs.padding[name])
         for bs in reversed(self.batch_sizes):
             self.graphs[bs] = self.backend.capture(self._forward_fn(bs, resolve_input_ids))
         logger.info("captured decode graphs for batch sizes %s", self.batch_sizes)
@@ -216,12 +225,16 @@ class GraphRunner:
         batch_size = forward_batch.batch_size
         bs = self.bucket(batch_size)
         staging = None if self.staging is None else self.staging.begin()
+        padding = self.inputs.padding
         for i, (name, buffer) in enumerate(self.inputs.buffers.items()):
-            source: torch.Tensor = getattr(forward_batch, name)
+            source: torch.Tensor | None = getattr(forward_batch, name)
+            if source is None:  # lora_slots of a batch without adapters
+                buffer[:bs].fill_(padding[name])
+                continue
             if staging is not None and source.device.type == "cpu":
                 source = staging[i, :batch_size].copy_(source)
             buffer[:batch_size].copy_(source, non_blocking=True)
-            buffer[batch_size:bs].fill_(PADDING[name])
+            buffer[batch_size:bs].fill_(padding[name])
         if self.staging is not None:
             self.staging.end()
         return bs
@@ -256,7 +269,10 @@ class GraphRunner:
                 extend_lens_cpu=[1] * bs,
                 req_to_token_pool=self.req_to_token_pool,
                 token_to_kv_pool=self.token_to_kv_pool,
+                lora_slots=buffers.get("lora_slots"),
             )
+            if self.lora is not None:
+                self.lora.prepare(forward_batch)
             self.attn_backend.init_forward_metadata_graph(forward_batch)
             output: LogitsProcessorOutput = self.model(input_ids, positions, forward_batch)
             return output.next_token_logits

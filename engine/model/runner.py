@@ -122,14 +122,15 @@ class ModelRunner:
         if enable_torch_compile:
             self.cuda_graph_bs = min(torch_compile_max_bs, max_running_requests)
             graph_backend = graph_backend or TorchCompileBackend()
+            if self.lora_manager is not None:
+                logger.warning("--enable-torch-compile is not used with LoRA: decode runs eagerly")
+                graph_backend = None
         elif disable_cuda_graph:
-            graph_backend = None
-        if self.cuda_graph_bs < 1 or self.lora_manager is not None:
-            # Each LoRA batch points the LoRA layers at its own token weights, which a
-            # captured graph would not see: with LoRA on, every batch runs eagerly.
             graph_backend = None
         elif graph_backend is None and self.device.type == "cuda":
             graph_backend = CudaGraphBackend(self.device)
+        if self.cuda_graph_bs < 1:
+            graph_backend = None
         self.graph_runner: GraphRunner | None = None
         self.init_memory_pool(
             max_total_tokens, mem_fraction_static, max_running_requests, graph_backend
@@ -190,6 +191,7 @@ class ModelRunner:
             self.cuda_graph_bs,
             backend,
             batch_sizes[-1:] if largest_only else batch_sizes,
+            self.lora_manager,
         )
 
     def _measure_graph_memory(self, kv_shape: tuple[int, int, int]) -> int:
@@ -232,10 +234,10 @@ class ModelRunner:
         input ids into tokens as part of the forward: inside the graph for a decode batch
         of up to `cuda_graph_bs` requests, eagerly for every other batch. A graph's logits
         are valid until the next forward (the sampler reads them at once, on the stream)."""
-        if self.lora_manager is not None:
-            self.lora_manager.prepare(forward_batch)
         if self.graph_runner is not None and self.graph_runner.can_run(forward_batch):
             return self.graph_runner.replay(forward_batch, resolve_input_ids)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare(forward_batch)
         if resolve_input_ids is not None:
             forward_batch.input_ids = resolve_input_ids(forward_batch.input_ids)
         self.attn_backend.init_forward_metadata(forward_batch)

@@ -712,14 +712,12 @@ class Scheduler:
         return len(adapters) < self.lora.num_slots
 
     def _lora_slots(self, manager: LoRAManager, batch: ScheduleBatch) -> torch.Tensor | None:
-        """Each token's adapter slot, or None when no request of the batch has an adapter."""
+        """Each request's adapter slot id, or None when no request of the batch has one."""
         names = [r.lora_name for r in batch.reqs]
         if not any(names):
             return None
         slots = torch.tensor(manager.acquire(names), dtype=torch.int64)
-        lens = torch.tensor(batch.extend_lens, dtype=torch.int64)
-        token_slots = torch.repeat_interleave(slots, lens, output_size=int(lens.sum()))
-        return token_slots.to(self.device, non_blocking=True)
+        return slots.to(self.device, non_blocking=True)
 
     # ----- the forward side -------------------------------------------------------------
 

@@ -1,14 +1,14 @@
 """LoRA in the engine, against transformers + peft on the same adapters (made here with
 random non-zero A and B): one batch mixing three adapters and the base model gives each
-request its own adapter's greedy tokens (float32) and logits (float64, within 1e-6), also
-after radix reuse, chunked prefill and retraction; the radix tree never shares a prefix
-across adapters and drops an unloaded adapter's; bad adapters are refused by status."""
+request its own adapter's greedy tokens (float32) and logits (float64, within 1e-6, every
+row the engine computes), also after radix reuse, chunked prefill and retraction; the
+radix tree never shares a prefix across adapters and drops an unloaded adapter's; bad
+adapters are refused by status."""
 
 from __future__ import annotations
 
 import copy
 import json
-import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,17 +22,8 @@ from engine.model.forward_batch import ForwardMode
 from engine.model.runner import ExtendInput, ModelRunner
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import Req
+from tests.engine.lora.conftest import ALL_TARGETS, Reference, peft, prompt
 
-peft = pytest.importorskip("peft")
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ADAPTERS: dict[str, tuple[int, list[str]]] = {
-    "attn": (4, ["q_proj", "v_proj"]),
-    "mlp": (8, ["gate_proj", "up_proj", "down_proj"]),
-    "all": (2, ALL_TARGETS),
-}
-"""name -> (rank, target modules): different ranks, so slots hold padded adapters."""
 OPTIONS: dict[str, Any] = dict(
     device="cpu",
     skip_tokenizer_init=True,
@@ -44,60 +35,8 @@ OPTIONS: dict[str, Any] = dict(
 GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
-def prompt(seed: int, length: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 256) for _ in range(length)]
-
-
-def make_adapter(base: Path, out: Path, seed: int, rank: int, targets: list[str]) -> Path:
-    """A PEFT adapter of `base` whose A and B are both random (peft's default B is 0)."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False
-    )
-    lora_model = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, param in lora_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn_like(param) * 0.3)
-    lora_model.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("loras")
-    return {
-        name: make_adapter(tiny_model_dir, root / name, seed, rank, targets)
-        for seed, (name, (rank, targets)) in enumerate(ADAPTERS.items())
-    }
-
-
-@pytest.fixture(scope="module")
-def reference(
-    tiny_model_dir: Path, adapters: dict[str, Path]
-) -> Callable[[str | None, list[int], torch.dtype], torch.Tensor]:
-    """`reference(adapter, ids, dtype)`: transformers + peft's last-position logits."""
-    models: dict[tuple[str | None, torch.dtype], Any] = {}
-
-    def model(name: str | None, dtype: torch.dtype) -> Any:
-        if (name, dtype) not in models:
-            base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=dtype).eval()
-            models[name, dtype] = (
-                base if name is None else peft.PeftModel.from_pretrained(base, adapters[name])
-            )
-        return models[name, dtype]
-
-    @torch.no_grad()
-    def logits(name: str | None, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
-        return model(name, dtype)(torch.tensor([ids])).logits[0, -1]
-
-    return logits
-
-
 def greedy(
-    reference: Callable[[str | None, list[int], torch.dtype], torch.Tensor],
+    reference: Reference,
     name: str | None,
     ids: list[int],
     n: int,
@@ -128,7 +67,7 @@ MIXED = [None, "attn", "mlp", "all"]
 def test_mixed_batch_float64_logits_match_peft(
     tiny_model_dir: Path,
     adapters: dict[str, Path],
-    reference: Callable[[str | None, list[int], torch.dtype], torch.Tensor],
+    reference: Reference,
 ):
     runner = ModelRunner(
         tiny_model_dir,
@@ -147,7 +86,7 @@ def test_mixed_batch_float64_logits_match_peft(
     reqs = [ExtendInput(row, 0, ids) for row, ids in zip(rows, prompts)]
     batch = runner.build_forward_batch(reqs, ForwardMode.EXTEND)
     slots = torch.tensor(manager.acquire(MIXED))
-    batch.lora_slots = torch.repeat_interleave(slots, torch.tensor([len(p) for p in prompts]))
+    batch.lora_slots = slots
     logits = runner.forward(batch)
     for row, (name, ids) in enumerate(zip(MIXED, prompts)):
         expected = reference(name, ids, torch.float64)
@@ -177,7 +116,7 @@ CASES: dict[str, tuple[list[list[int]], int]] = {
 def test_mixed_batch_greedy_tokens_match_peft(
     case: str,
     engine: Engine,
-    reference: Callable[[str | None, list[int], torch.dtype], torch.Tensor],
+    reference: Reference,
 ):
     prompts, n = CASES[case]
     if case == "radix_reuse":  # the shared prefix cached under every adapter first
@@ -193,7 +132,7 @@ def test_mixed_batch_greedy_tokens_match_peft(
 def test_retraction_keeps_each_adapters_tokens(
     tiny_model_dir: Path,
     adapters: dict[str, Path],
-    reference: Callable[[str | None, list[int], torch.dtype], torch.Tensor],
+    reference: Reference,
 ):
     paths = " ".join(f"{name}={path}" for name, path in adapters.items())
     options = {**OPTIONS, "max_total_tokens": 200}
@@ -205,6 +144,78 @@ def test_retraction_keeps_each_adapters_tokens(
         for name, ids, result in zip(names, prompts, results):
             assert result.output_ids == greedy(reference, name, ids, 24), name
         assert kv_idle_and_whole(engine)
+
+
+Record = tuple[Req, int, torch.Tensor]
+"""(request, context length, the logits for the token at that position)."""
+
+
+def record_logits(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[Record]:
+    """Every row of logits the scheduler's batches produce, with the request it belongs to
+    and the context it was computed over (chunks and re-prefills after retraction too)."""
+    scheduler = engine.scheduler
+    records: list[Record] = []
+    last: list[torch.Tensor] = []
+    forward_output, run_batch = scheduler.model_runner.forward_output, scheduler.run_batch
+
+    def forward_spy(forward_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        output = forward_output(forward_batch, *args, **kwargs)
+        last.append(output.next_token_logits.clone())
+        return output
+
+    def run_spy(batch: Any) -> Any:
+        pending = run_batch(batch)
+        seq_lens = batch.forward_batch.seq_lens_cpu
+        records.extend(zip(batch.reqs, seq_lens, last.pop()))
+        return pending
+
+    monkeypatch.setattr(scheduler.model_runner, "forward_output", forward_spy)
+    monkeypatch.setattr(scheduler, "run_batch", run_spy)
+    return records
+
+
+FLOAT64_CASES: dict[str, tuple[list[list[int]], int, int]] = {
+    "radix_reuse": (CASES["radix_reuse"][0], 6, 8192),
+    "chunked_prefill": (CASES["chunked_prefill"][0], 4, 8192),
+    "retraction": ([prompt(30 + i, 20) for i in range(8)], 24, 200),
+}
+"""case -> (prompts, max_new_tokens, max_total_tokens)."""
+
+
+@pytest.mark.parametrize("case", list(FLOAT64_CASES))
+def test_float64_logits_match_peft_after_reuse_chunking_and_retraction(
+    case: str,
+    tiny_model_dir: Path,
+    adapters: dict[str, Path],
+    reference: Reference,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Every logits row the engine computes (float64), for the three adapters and the base
+    model in mixed batches, is transformers + peft's at that context within 1e-6: prefixes
+    read from the radix tree, prompts prefilled in chunks, requests retracted and
+    re-prefilled."""
+    prompts, n, max_total_tokens = FLOAT64_CASES[case]
+    names = (MIXED * 2)[: len(prompts)]
+    paths = " ".join(f"{name}={path}" for name, path in adapters.items())
+    options = {**OPTIONS, "max_total_tokens": max_total_tokens}
+    with Engine(str(tiny_model_dir), dtype="float64", lora_paths=paths, **options) as engine:
+        if case == "radix_reuse":  # the shared prefix cached under every adapter first
+            engine.generate([SHARED] * 4, {**GREEDY, "max_new_tokens": 1}, lora_name=MIXED)
+        records = record_logits(engine, monkeypatch)
+        results = engine.generate(prompts, {**GREEDY, "max_new_tokens": n}, lora_name=names)
+        stats = engine.scheduler.stats
+        assert kv_idle_and_whole(engine)
+    if case == "radix_reuse":
+        assert all(r.meta.cached_tokens == len(SHARED) for r in results)
+    if case == "chunked_prefill":
+        assert any(seq_len < len(req.origin_input_ids) for req, seq_len, _ in records)
+    if case == "retraction":
+        assert stats.num_retractions > 0
+    assert len(records) >= len(prompts) * n
+    for req, seq_len, logits in records:
+        ids = (req.origin_input_ids + req.output_ids)[:seq_len]
+        expected = reference(req.lora_name, ids, torch.float64)
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
 
 
 def test_adapters_wait_for_a_slot_never_fail(engine: Engine):
