@@ -87,6 +87,7 @@ def child(options: argparse.Namespace) -> None:
     scheduler.run_event_loop(after_turns(warmup))
     wall: list[float] = []
     cpu: list[float] = []
+    run_batch_ms: list[float] = []
     if options.child == "forward":
         step = scheduler.get_next_batch_to_run()
         assert step is not None
@@ -99,12 +100,34 @@ def child(options: argparse.Namespace) -> None:
             wall.append((time.perf_counter() - start) / steps * 1e3)
             cpu.append((time.process_time() - start_cpu) / steps * 1e3)
     else:
+        forward_side: list[float] = []  # run_batch's seconds, on whichever thread runs it
+        run_batch = scheduler.run_batch
+
+        def timed_run_batch(step: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return run_batch(step)
+            finally:
+                forward_side.append(time.perf_counter() - started)
+
+        scheduler.run_batch = timed_run_batch  # type: ignore[method-assign]
         for _ in range(windows):
+            forward_side.clear()
             start, start_cpu = time.perf_counter(), time.process_time()
             scheduler.run_event_loop(after_turns(steps))
             wall.append((time.perf_counter() - start) / steps * 1e3)
             cpu.append((time.process_time() - start_cpu) / steps * 1e3)
-    print(json.dumps({"wall_ms": wall, "cpu_ms": cpu, "engine": engine.__file__}))
+            run_batch_ms.append(sum(forward_side) / len(forward_side) * 1e3)
+    print(
+        json.dumps(
+            {
+                "wall_ms": wall,
+                "cpu_ms": cpu,
+                "run_batch_ms": run_batch_ms,
+                "engine": engine.__file__,
+            }
+        )
+    )
     os._exit(0)  # skip shutdown: the forward thread may hold the last batch
 
 
@@ -117,7 +140,7 @@ def measure(tree: Path, model: Path, batch: int, loop: str, options: argparse.Na
     out = subprocess.run(cmd, env=env, cwd=tree, check=True, capture_output=True, text=True)
     data = json.loads(out.stdout.strip().splitlines()[-1])
     assert Path(data["engine"]).is_relative_to(tree), f"{data['engine']} is not under {tree}"
-    return {k: statistics.median(data[k]) for k in ("wall_ms", "cpu_ms")}
+    return {k: statistics.median(v) for k, v in data.items() if k != "engine" and v}
 
 
 def ensure_worktree(path: Path, commit: str) -> None:
@@ -216,6 +239,20 @@ def main() -> None:
         print(
             f"\nforward / host work = {forward / host:.2f}; forward + host = {forward + host:.2f}"
         )
+        print("\nInside the loops (the same runs): the forward side is `run_batch` (forward and")
+        print("sampling, on the forward thread under the overlap loop), the rest is the")
+        print("scheduler's own work the overlap loop can hide; the last column divides by the")
+        print("normal loop's forward side.")
+        print("\n| loop | step ms | forward side ms | step - forward side ms | step / forward |")
+        print("|---|---:|---:|---:|---:|")
+        normal_forward = median_of(overlap_runs["normal"], "run_batch_ms")
+        for loop in ("normal", "overlap"):
+            step = median_of(overlap_runs[loop], "wall_ms")
+            side = median_of(overlap_runs[loop], "run_batch_ms")
+            print(
+                f"| {loop} | {step:.2f} | {side:.2f} | {step - side:.2f} | "
+                f"{step / normal_forward:.2f} |"
+            )
 
 
 if __name__ == "__main__":
