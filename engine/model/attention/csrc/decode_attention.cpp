@@ -5,11 +5,21 @@
 // share it), take a softmax in the accumulation type (float for bf16/half/float, double for
 // double), and sum the values weighted by it. Nothing is gathered: `slots[r, j]` names the
 // pool slot of request r's j-th token, and only the first `seq_lens[r]` of them are read.
+//
+// Built with AVX-512 (the kernel is compiled for the CPU at hand) and float accumulation,
+// keys and values go in blocks of 16 tokens: the 16 dot products of a query head share one
+// reduction, and the weighted sums of up to 4 query heads stay in registers across a block
+// of values. Other builds, double and other head sizes take the plain loops, which also
+// score the keys after the last full block.
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <bit>
@@ -85,6 +95,94 @@ const acc_t* load_token(
   }
 }
 
+#if defined(__AVX512F__)
+// Lane i of the result is the sum of the 16 lanes of v[i]: the 16 sums of 16 vectors in
+// 15 adds and 28 shuffles, where reducing each vector alone takes 4 shuffles and 4 adds.
+inline __m512 sum_lanes_16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit block: [a0+a2, b0+b2, a1+a3, b1+b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit block: tokens 4i..4i+3, that block's share
+    quads[i] = _mm512_add_ps(
+        _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+        _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  const __m512 low = _mm512_add_ps(  // blocks: quads[0] (b0+b2, b1+b3), quads[1] (same)
+      _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+      _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 high = _mm512_add_ps(
+      _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
+      _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Scores of one query head against 16 keys (`keys[t]`, head_dim floats each, a multiple
+// of 16): one fused multiply-add per 16 dims and key, and one shared reduction for the 16
+// dot products.
+inline void score_block_16(
+    const float* query, const float* const* keys, int64_t head_dim, float* scores) {
+  __m512 dots[16];
+  for (int t = 0; t < 16; ++t) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), _mm512_loadu_ps(keys[t]));
+    for (int64_t d = 16; d < head_dim; d += 16) {
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + d), _mm512_loadu_ps(keys[t] + d), acc);
+    }
+    dots[t] = acc;
+  }
+  _mm512_storeu_ps(scores, sum_lanes_16(dots));
+}
+
+// Adds `scores[g * score_stride + t] * values[t]` over the `count` value rows (head_dim =
+// 16 * CHUNKS floats each, at `offset` in each row) to `sums[g]` for G query heads: the
+// G x CHUNKS running sums stay in registers across the rows.
+template <int CHUNKS, int G>
+void add_weighted_values(
+    const float* const* values, int64_t count, int64_t offset, const float* scores,
+    int64_t score_stride, float* sums) {
+  __m512 acc[G][CHUNKS];
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < CHUNKS; ++c) acc[g][c] = _mm512_loadu_ps(sums + g * CHUNKS * 16 + c * 16);
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    __m512 p[G];
+    for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * score_stride + t]);
+    for (int c = 0; c < CHUNKS; ++c) {
+      const __m512 v = _mm512_loadu_ps(values[t] + offset + c * 16);
+      for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], v, acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(sums + g * CHUNKS * 16 + c * 16, acc[g][c]);
+  }
+}
+
+template <int CHUNKS>
+void add_weighted_values_heads(
+    int64_t heads, const float* const* values, int64_t count, int64_t offset,
+    const float* scores, int64_t score_stride, float* sums) {
+  for (int64_t g = 0; g < heads; g += 4) {  // at most 4 x CHUNKS sums in registers
+    const float* head_scores = scores + g * score_stride;
+    float* head_sums = sums + g * CHUNKS * 16;
+    switch (std::min<int64_t>(4, heads - g)) {
+      case 1:
+        add_weighted_values<CHUNKS, 1>(values, count, offset, head_scores, score_stride, head_sums);
+        break;
+      case 2:
+        add_weighted_values<CHUNKS, 2>(values, count, offset, head_scores, score_stride, head_sums);
+        break;
+      case 3:
+        add_weighted_values<CHUNKS, 3>(values, count, offset, head_scores, score_stride, head_sums);
+        break;
+      default:
+        add_weighted_values<CHUNKS, 4>(values, count, offset, head_scores, score_stride, head_sums);
+    }
+  }
+}
+#endif
+
 template <typename scalar_t>
 void decode_attention_kernel(
     const at::Tensor& q,
@@ -118,6 +216,7 @@ void decode_attention_kernel(
   at::parallel_for(0, num_reqs * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> queries(task_heads * head_dim), sums(task_heads * head_dim);
     std::vector<acc_t> converted(task_dim), scores(task_heads * max_len);
+    std::vector<acc_t> row_block(16 * task_dim);  // 16 key or value rows converted to acc_t
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / tasks_per_req;
       const int64_t first_head = (task % tasks_per_req) * heads_per_task;
@@ -128,7 +227,27 @@ void decode_attention_kernel(
       for (int64_t i = 0; i < task_heads * head_dim; ++i) {
         queries[i] = static_cast<acc_t>(q_row[i]) * static_cast<acc_t>(scaling);
       }
-      for (int64_t j = 0; j < len; ++j) {
+      int64_t scored = 0;  // keys scored so far
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<acc_t, float>) {
+        if (head_dim % 16 == 0) {  // blocks of 16 keys, for every query head at once
+          for (; scored + 16 <= len; scored += 16) {
+            const float* keys[16];
+            for (int t = 0; t < 16; ++t) {
+              keys[t] = load_token(k_ptr + offset, row, scored + t, len, token_stride,
+                                   task_dim, row_block.data() + t * task_dim);
+            }
+            for (int64_t qh = 0; qh < task_heads; ++qh) {
+              const float* head_keys[16];
+              for (int t = 0; t < 16; ++t) head_keys[t] = keys[t] + (qh / group) * head_dim;
+              score_block_16(queries.data() + qh * head_dim, head_keys, head_dim,
+                             scores.data() + qh * max_len + scored);
+            }
+          }
+        }
+      }
+#endif
+      for (int64_t j = scored; j < len; ++j) {
         const acc_t* keys =
             load_token(k_ptr + offset, row, j, len, token_stride, task_dim, converted.data());
         for (int64_t qh = 0; qh < task_heads; ++qh) {
@@ -156,7 +275,33 @@ void decode_attention_kernel(
         for (int64_t j = 0; j < len; ++j) score[j] *= inverse;
       }
       std::fill(sums.begin(), sums.end(), acc_t(0));
-      for (int64_t j = 0; j < len; ++j) {
+      int64_t summed = 0;  // values added so far
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<acc_t, float>) {
+        if (head_dim == 64 || head_dim == 128) {  // blocks of 16 values, sums in registers
+          for (; summed < len; summed += 16) {
+            const int64_t count = std::min<int64_t>(16, len - summed);
+            const float* values[16];
+            for (int64_t t = 0; t < count; ++t) {
+              values[t] = load_token(v_ptr + offset, row, summed + t, len, token_stride,
+                                     task_dim, row_block.data() + t * task_dim);
+            }
+            for (int64_t h = 0; h < heads_per_task; ++h) {
+              const float* head_scores = scores.data() + h * group * max_len + summed;
+              float* head_sums = sums.data() + h * group * head_dim;
+              if (head_dim == 64) {
+                add_weighted_values_heads<4>(group, values, count, h * head_dim, head_scores,
+                                             max_len, head_sums);
+              } else {
+                add_weighted_values_heads<8>(group, values, count, h * head_dim, head_scores,
+                                             max_len, head_sums);
+              }
+            }
+          }
+        }
+      }
+#endif
+      for (int64_t j = summed; j < len; ++j) {
         const acc_t* values =
             load_token(v_ptr + offset, row, j, len, token_stride, task_dim, converted.data());
         for (int64_t qh = 0; qh < task_heads; ++qh) {

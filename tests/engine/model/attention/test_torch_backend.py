@@ -161,6 +161,52 @@ def test_decode_kernel_in_half_and_single_precision_is_close_to_float64(dtype, t
     assert kernel_error <= (torch_ops - expected).abs().max().item() * 1.01 + 1e-7
 
 
+KERNEL_LAYOUTS = {
+    # (query heads, KV heads, head_dim): which of the kernel's paths a layout takes
+    "group3_dim64": (9, 3, 64),  # SmolLM2's: blocked scores, value sums in registers
+    "group5_dim128": (10, 2, 128),  # query heads in register tiles of 4, then 1
+    "mha_dim64": (4, 4, 64),
+    "group2_dim32": (8, 4, 32),  # blocked scores, value sums on the generic loop
+}
+KERNEL_LENS = [1, 15, 16, 17, 40, 100]
+"""Shorter than a 16-key block, one block, blocks with a tail."""
+
+
+@pytest.mark.parametrize("num_reqs", [len(KERNEL_LENS), 1], ids=["batch", "one-request"])
+@pytest.mark.parametrize("layout", list(KERNEL_LAYOUTS))
+@pytest.mark.parametrize(
+    "dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
+)
+def test_decode_kernel_layouts_match_float64(layout, dtype, tolerance, num_reqs):
+    """The kernel alone, on head layouts and lengths that take each of its paths, against
+    softmax(qK^T)V in float64 over the same (rounded) inputs; slots past a length are
+    garbage."""
+    heads, kv_heads, head_dim = KERNEL_LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(7)
+    lens = KERNEL_LENS[-num_reqs:]
+    pool = sum(lens) + 5
+    k_buffer, v_buffer = (
+        torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)
+    )
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    slots = torch.randint(0, pool, (len(lens), max(lens) + 3), generator=gen)
+    order, start = torch.randperm(pool, generator=gen), 0
+    for r, n in enumerate(lens):
+        slots[r, :n] = order[start : start + n]
+        start += n
+    out = cpu_kernels.decode_attention(
+        q, k_buffer, v_buffer, slots, torch.tensor(lens), LAYER.scaling
+    )
+    group = heads // kv_heads
+    for r, n in enumerate(lens):
+        keys, values = (
+            b.double()[slots[r, :n]].repeat_interleave(group, 1) for b in (k_buffer, v_buffer)
+        )
+        scores = torch.einsum("hd,khd->hk", q[r].double(), keys) * LAYER.scaling
+        expected = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
+        torch.testing.assert_close(out[r].double(), expected, rtol=0, atol=tolerance)
+
+
 def test_new_kv_lands_in_the_pool_at_out_cache_loc():
     fb, q, k, v = make_batch(*CASES["mixed"])
     run(fb, q, k, v)
