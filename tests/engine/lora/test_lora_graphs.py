@@ -79,7 +79,8 @@ def assert_graphs_equal_eager(
     graphed: ModelRunner, eager: ModelRunner, adapters: dict[str, Path], atol: float
 ) -> None:
     assert graphed.graph_runner is not None and eager.graph_runner is None
-    loaded(graphed, adapters), loaded(eager, adapters)
+    for runner in (graphed, eager):
+        loaded(runner, adapters)
     for names, prompts in BATCHES:
         from_graph = decode_logits(graphed, names, prompts)
         from_eager = decode_logits(eager, names, prompts)
