@@ -278,7 +278,8 @@ void decode_attention_kernel(
       int64_t summed = 0;  // values added so far
 #if defined(__AVX512F__)
       if constexpr (std::is_same_v<acc_t, float>) {
-        if (head_dim == 64 || head_dim == 128) {  // blocks of 16 values, sums in registers
+        if (head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128) {
+          // blocks of 16 values, the sums in registers
           for (; summed < len; summed += 16) {
             const int64_t count = std::min<int64_t>(16, len - summed);
             const float* values[16];
@@ -289,13 +290,11 @@ void decode_attention_kernel(
             for (int64_t h = 0; h < heads_per_task; ++h) {
               const float* head_scores = scores.data() + h * group * max_len + summed;
               float* head_sums = sums.data() + h * group * head_dim;
-              if (head_dim == 64) {
-                add_weighted_values_heads<4>(group, values, count, h * head_dim, head_scores,
-                                             max_len, head_sums);
-              } else {
-                add_weighted_values_heads<8>(group, values, count, h * head_dim, head_scores,
-                                             max_len, head_sums);
-              }
+              const auto add = head_dim == 16   ? add_weighted_values_heads<1>
+                               : head_dim == 32 ? add_weighted_values_heads<2>
+                               : head_dim == 64 ? add_weighted_values_heads<4>
+                                                : add_weighted_values_heads<8>;
+              add(group, values, count, h * head_dim, head_scores, max_len, head_sums);
             }
           }
         }

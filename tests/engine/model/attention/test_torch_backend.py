@@ -166,7 +166,9 @@ KERNEL_LAYOUTS = {
     "group3_dim64": (9, 3, 64),  # SmolLM2's: blocked scores, value sums in registers
     "group5_dim128": (10, 2, 128),  # query heads in register tiles of 4, then 1
     "mha_dim64": (4, 4, 64),
-    "group2_dim32": (8, 4, 32),  # blocked scores, value sums on the generic loop
+    "group2_dim32": (8, 4, 32),
+    "group2_dim48": (4, 2, 48),  # blocked scores, value sums on the plain loop
+    "group2_dim8": (4, 2, 8),  # the plain loops only
 }
 KERNEL_LENS = [1, 15, 16, 17, 40, 100]
 """Shorter than a 16-key block, one block, blocks with a tail."""
