@@ -5,6 +5,8 @@ against."""
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +31,23 @@ SERVER_PORTS = (
 """The port flags (without `--`) of one server's three processes."""
 HEARTBEAT_INTERVAL = 0.2
 """Fast heartbeats, so that a test sees liveness without waiting seconds."""
+SERVING_LINE = re.compile(r"radixserve: serving .* at (\S+)")
+"""What `radixserve serve` prints once /health answers; group 1 is the OpenAI base URL."""
+
+
+def start_serve(flags: list[str], stderr_path: Path) -> subprocess.Popen[str]:
+    """`radixserve serve <flags>` from the repository root, its children's logs into
+    `stderr_path`; its stdout (the children's pids, then `SERVING_LINE`) is piped."""
+    script = shutil.which("radixserve") or str(Path(sys.executable).parent / "radixserve")
+    with open(stderr_path, "wb") as stderr:
+        return subprocess.Popen(
+            [script, "serve", *flags],
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
 
 
 def server_ports() -> dict[str, int]:

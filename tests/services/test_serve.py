@@ -7,10 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +17,13 @@ import httpx2
 import openai
 import pytest
 
-from benchmarks.support.launcher import REPO_ROOT, cpu_flags, port_flags, server_ports
+from benchmarks.support.launcher import (
+    SERVING_LINE,
+    cpu_flags,
+    port_flags,
+    server_ports,
+    start_serve,
+)
 from benchmarks.support.net import http_status, wait_until
 from engine.api import Engine
 
@@ -40,7 +43,6 @@ def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_
     with Engine(dtype="float32", max_total_tokens=4096) as engine:
         offline = engine.generate(prompt_ids, {"temperature": 0, "max_new_tokens": 24})[0]
 
-    script = shutil.which("radixserve") or str(Path(sys.executable).parent / "radixserve")
     ports = server_ports()
     flags = [  # no --model: the embedded SmolLM2-135M-Instruct
         *cpu_flags(max_total_tokens=4096),
@@ -51,22 +53,14 @@ def test_serve_answers_like_the_engine_then_exits_non_zero_when_the_detokenizer_
         *port_flags(ports),
     ]
     log = tmp_path / "children.log"
-    with open(log, "wb") as stderr:
-        serve = subprocess.Popen(
-            [script, "serve", *flags],
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    serve = start_serve(flags, log)
     try:
         pids, url = {}, None
         # The launcher prints the children's pids, then the URL when ready.
         for line in serve.stdout:
             if match := re.match(r"radixserve: started (\w+) \(pid (\d+)\)", line):
                 pids[match[1]] = int(match[2])
-            elif match := re.match(r"radixserve: serving .* at (\S+)", line):
+            elif match := SERVING_LINE.match(line):
                 url = match[1]
                 break
         assert url == f"http://127.0.0.1:{ports['port']}/v1", log.read_text()
@@ -155,23 +149,11 @@ def _after_first_event(lines: Iterator[str], started: threading.Barrier) -> Iter
 def test_sigterm_drains_16_streams_in_flight_to_their_full_output_then_exits_0(
     tiny_llama_dir: Path, tmp_path: Path
 ):
-    script = shutil.which("radixserve") or str(Path(sys.executable).parent / "radixserve")
     ports = server_ports()
     flags = [*cpu_flags(8192, tiny_llama_dir), "--host", "127.0.0.1", *port_flags(ports)]
-    with open(tmp_path / "children.log", "wb") as stderr:
-        serve = subprocess.Popen(
-            [script, "serve", *flags],
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-        )
+    serve = start_serve(flags, tmp_path / "children.log")
     try:
-        url = next(
-            m[1]
-            for line in serve.stdout
-            if (m := re.match(r"radixserve: serving .* at (\S+)", line))
-        )
+        url = next(m[1] for line in serve.stdout if (m := SERVING_LINE.match(line)))
         started = threading.Barrier(DRAIN_STREAMS + 1)
         out: dict[int, object] = {}
         threads = [

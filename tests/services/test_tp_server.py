@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +16,13 @@ import httpx2
 import openai
 import pytest
 
-from benchmarks.support.launcher import REPO_ROOT, cpu_flags, port_flags, server_ports
+from benchmarks.support.launcher import (
+    SERVING_LINE,
+    cpu_flags,
+    port_flags,
+    server_ports,
+    start_serve,
+)
 from benchmarks.support.net import wait_until
 from engine.api import Engine
 
@@ -59,7 +63,6 @@ def reference(tiny_llama_dir: Path, tokenizer) -> tuple[list[int], str]:
 def server(
     reference: tuple[list[int], str], tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[TPServer]:
-    script = shutil.which("radixserve") or str(Path(sys.executable).parent / "radixserve")
     ports = server_ports()
     flags = [
         *cpu_flags(MAX_TOTAL_TOKENS, tiny_llama_dir),
@@ -72,20 +75,12 @@ def server(
         *port_flags(ports),
     ]
     log = tmp_path_factory.mktemp("tp-server") / "children.log"
-    with open(log, "wb") as stderr:
-        serve = subprocess.Popen(
-            [script, "serve", *flags],
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    serve = start_serve(flags, log)
     try:
         assert serve.stdout is not None
         url = None
         for line in serve.stdout:  # the launcher prints the URL once /health answers
-            if match := re.match(r"radixserve: serving .* at (\S+)", line):
+            if match := SERVING_LINE.match(line):
                 url = match[1]
                 break
         assert url, log.read_text()
