@@ -45,8 +45,8 @@ LABEL org.opencontainers.image.title="radixserve" \
 # mounts emptyDirs over them so that the root filesystem can be read-only.
 # Triton compiles a small C launcher per kernel on first use, so the CUDA image carries a C
 # compiler (the CPU image runs no Triton kernel). The CPU image has no compiler, so its
-# decode attention runs on torch ops; one that adds g++ and ninja-build builds the C++
-# kernel (engine/model/attention/cpu_kernels.py) into XDG_CACHE_HOME at the worker's start.
+# decode step runs on torch ops; one that adds g++ and ninja-build builds the C++ kernels
+# (engine/model/cpu_kernels.py) into XDG_CACHE_HOME at the worker's start.
 # DL3008: the compiler follows the base image's release, as its Python does.
 # hadolint ignore=DL3008
 RUN if [ "$VARIANT" = cuda ]; then \

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import cpu_kernels
+from engine.model import cpu_kernels
 from engine.model.attention.base import AttentionBackend, AttentionLayer
 from engine.model.forward_batch import ForwardBatch
 
@@ -91,9 +91,7 @@ class TorchAttnBackend(AttentionBackend):
     ):
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         self.cpu_kernel = (
-            cpu_kernel
-            and torch.device(device).type == "cpu"
-            and cpu_kernels.decode_attention_available()
+            cpu_kernel and torch.device(device).type == "cpu" and cpu_kernels.available()
         )
         self.forward_metadata: ForwardMetadata | None = None
         self.graph_max_seq_len = 0

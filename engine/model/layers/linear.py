@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_group
+from engine.model import cpu_kernels
 
 
 class CheckpointTensor(Protocol):
@@ -117,7 +118,17 @@ def linear(
     packed: torch.Tensor | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.linear, through the packed copy of `weight` when there is one."""
+    """F.linear: the few rows of a small bf16 decode batch on CPU through
+    `cpu_kernels.linear_few_rows`, else through the packed copy of `weight` when there is one."""
+    if (
+        bias is None
+        and x.dtype == torch.bfloat16
+        and x.dim() == 2
+        and x.shape[0] <= cpu_kernels.FEW_ROWS
+        and x.device.type == "cpu"
+        and cpu_kernels.enabled()
+    ):
+        return cpu_kernels.linear_few_rows(x, weight)
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

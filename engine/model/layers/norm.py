@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model import layers
+from engine.model import cpu_kernels, layers
 
 
 class RMSNorm(nn.Module):
@@ -16,7 +16,10 @@ class RMSNorm(nn.Module):
 
     With `residual`, adds `x` to it first, in place, and also returns it: the next residual
     (SGLang's fused add + RMSNorm). On CUDA one Triton kernel does both; on CPU, where each
-    op costs its dispatch at decode sizes, `F.rms_norm` does the float32 part in one op.
+    op costs its dispatch at decode sizes, one C++ op does both for 16-bit activations
+    (`cpu_kernels.rms_norm`: its float sum of squares is ordered differently, so a value can
+    round one unit apart from transformers), and `F.rms_norm` does the float32 part in one op
+    otherwise.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -29,6 +32,12 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if layers.uses_triton(x):
             out = self._forward_triton(x, residual)
+        elif (
+            x.dtype in (torch.bfloat16, torch.float16)
+            and x.device.type == "cpu"
+            and cpu_kernels.enabled()
+        ):
+            out = self._forward_cpu_kernel(x, residual)
         else:
             if residual is not None:
                 x = residual.add_(x)
@@ -43,6 +52,16 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x.float(), shape, eps=eps).to(x.dtype).mul_(self.weight)
         # Half dtypes: F.rms_norm computes in float32 and rounds once, as transformers does.
         return F.rms_norm(x, shape, eps=eps).mul_(self.weight)
+
+    def _forward_cpu_kernel(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() == 2:  # a layer's hidden states: no reshape to dispatch
+            return cpu_kernels.rms_norm(
+                x.contiguous(), residual, self.weight, self.variance_epsilon
+            )
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        residual_rows = None if residual is None else residual.view(rows.shape)
+        out = cpu_kernels.rms_norm(rows, residual_rows, self.weight, self.variance_epsilon)
+        return out.view(x.shape)
 
     def _forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         from engine.model.layers import triton_ops  # imports Triton: CUDA only

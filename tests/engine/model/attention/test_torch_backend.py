@@ -12,7 +12,8 @@ import torch
 
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
-from engine.model.attention import cpu_kernels, create_attention_backend
+from engine.model import cpu_kernels
+from engine.model.attention import create_attention_backend
 from engine.model.attention.base import AttentionLayer
 from engine.model.attention.torch_backend import TorchAttnBackend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
@@ -135,7 +136,7 @@ CASES = {
 
 def test_the_cpu_kernel_builds_here():
     """The suite's machines have a compiler: the kernel tests below must not fall back."""
-    assert cpu_kernels.decode_attention_available()
+    assert cpu_kernels.available()
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "torch-ops"])
@@ -278,7 +279,7 @@ def test_factory_builds_the_torch_backend_and_rejects_unknown_names():
 
 
 def test_without_a_compiler_decode_stays_on_torch_ops(tmp_path):
-    """A machine that cannot build the kernel (the CPU image has no compiler) logs why and
+    """A machine that cannot build the kernels (the CPU image has no compiler) logs why and
     serves decode through torch ops; the cache keeps nothing half-built."""
     probe = (
         "from engine.model.attention.torch_backend import TorchAttnBackend\n"
@@ -289,5 +290,5 @@ def test_without_a_compiler_decode_stays_on_torch_ops(tmp_path):
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
     assert done.stdout.split() == ["False"]
-    assert "CPU decode-attention kernel unavailable, using torch ops" in done.stderr
+    assert "CPU kernels unavailable, using torch ops" in done.stderr
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.o"))

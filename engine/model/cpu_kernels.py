@@ -1,0 +1,142 @@
+"""The CPU kernels of the decode step (`csrc/`), built on first use.
+
+Why C++: at decode sizes a step's cost on CPU is per-op dispatch and memory traffic, not
+arithmetic.
+- `decode_attention` (`csrc/decode_attention.cpp`): the torch ops of the portable path
+  gather every key of the batch into a new tensor before two batched matmuls; the kernel
+  reads keys and values in place through each request's slots, one task per request (or
+  per KV head of it, when requests are few).
+- `rms_norm` (`csrc/layer_ops.cpp`): the residual add and RMSNorm of 16-bit activations in
+  one op, where torch dispatches about eight.
+- `linear_few_rows` (`csrc/layer_ops.cpp`): `x W^T` in bf16 for the one to `FEW_ROWS` rows
+  of a small decode batch, streaming the weight with software prefetch; oneDNN's packed
+  kernels pay a fixed cost per call and read these weights slower (benchmarks/model.md).
+
+They are compiled with `torch.utils.cpp_extension` the first time one is needed (a CPU
+attention backend, a bf16 layer; about 15 s on two cores) into `<cache dir>/cpu_kernels/<key>`,
+keyed by the sources,
+the torch version and this CPU's instruction-set flags (it is built for the CPU at hand),
+and loaded from there afterwards. Never at `pip install` time: pip's isolated build
+environment would pull a CUDA torch. Without a compiler, or with
+`RADIXSERVE_CPU_KERNELS=0`, every one of these steps stays on torch ops.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+
+from engine.model.tokenizer_cache import cache_root
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [
+    Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "layer_ops.cpp")
+]
+NAME = "radixserve_cpu_kernels"
+DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
+"""Set to 0 to keep the CPU decode step on torch ops."""
+
+FEW_ROWS = 4
+"""Up to this many rows `linear_few_rows` beats oneDNN's packed bf16 matmul on the CPUs
+measured (benchmarks/model.md); from about 8 rows oneDNN's blocking wins."""
+
+
+@functools.cache
+def available() -> bool:
+    """Load the kernels once per process, building them first if this machine has no build
+    of them yet; False (logged once) if they cannot be had."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
+    library = cache_root() / "cpu_kernels" / _build_key() / f"{NAME}.so"
+    try:
+        if library.exists():
+            torch.ops.load_library(str(library))
+        else:
+            _build(library)
+    except Exception as e:  # no compiler, no headers, an unwritable cache: keep torch ops
+        logger.warning("CPU kernels unavailable, using torch ops: %s", e)
+        return False
+    return True
+
+
+def enabled() -> bool:
+    """The kernels are loaded and the caller runs eagerly: under `torch.compile` the layer
+    steps stay torch ops, which inductor fuses itself."""
+    return available() and not torch.compiler.is_compiling()
+
+
+def _build(library: Path) -> None:
+    """Compile into a directory of this process's own and load it from there, then move the
+    library into place: processes that build at once never share a lock (torch's build
+    lock would outlive a process killed while holding it, and hang every later start)."""
+    from torch.utils import cpp_extension
+
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as build_dir:
+        cpp_extension.load(
+            name=NAME,
+            sources=[str(source) for source in SOURCES],
+            build_directory=build_dir,
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+        os.replace(Path(build_dir) / f"{NAME}.so", library)
+
+
+def _build_key() -> str:
+    """Sources, torch version and the CPU's flags: a cache shared by different machines
+    never hands one a kernel built for another's instructions."""
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        flags = next(
+            (line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), ""
+        )
+    digest = hashlib.sha256()
+    for part in (
+        *(source.read_bytes() for source in SOURCES),
+        torch.__version__.encode(),
+        flags.encode(),
+    ):
+        digest.update(part)
+    return f"{platform.machine()}-{digest.hexdigest()[:16]}"
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """`[n, heads, dim]` attention of one-token queries over the first `seq_lens[r]` slots
+    of row r of `slots` (`[n, max_len]` int64), the pool buffers `[slots, kv_heads, dim]`."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.decode_attention(
+        q, k_buffer, v_buffer, slots, seq_lens, scaling
+    )
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`RMSNorm` of bf16/half `[T, hidden]` rows, `residual += x` first (in place) when given:
+    float32 inside, rounded where transformers rounds (normalised, then times the weight)."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.rms_norm(x, residual, weight, eps)
+    return out
+
+
+def linear_few_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight.T` for bf16 `x` `[rows, in]` (rows up to `FEW_ROWS`), float32 sums."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.linear_few_rows(x, weight)
+    return out

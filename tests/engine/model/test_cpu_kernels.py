@@ -1,0 +1,86 @@
+"""The CPU layer kernels (`engine/model/csrc/layer_ops.cpp`) against float64 and against the
+torch ops they replace: the few-rows bf16 matmul and the fused residual add + RMSNorm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model import cpu_kernels
+from engine.model.layers.linear import linear
+
+BF16_ROUNDING = 2.0**-8
+"""bf16 keeps 8 significant bits: a correctly rounded result is within 2^-9 of the value."""
+
+
+@pytest.fixture(autouse=True)
+def kernels_built() -> None:
+    assert cpu_kernels.available(), "the suite's machines have a compiler"
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [
+        (1, 960, 576),  # a fused qkv projection of the embedded model
+        (4, 577, 100),  # bands of output rows that are not multiples of 4; a K tail
+        (3, 5, 33),  # fewer outputs than one tile
+        (2, 130, 1536),
+        (7, 64, 64),  # past one block of four rows
+    ],
+)
+def test_linear_few_rows_matches_float64(rows: int, out_features: int, in_features: int):
+    gen = torch.Generator().manual_seed(rows * out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    expected = x.double() @ weight.double().T
+    out = cpu_kernels.linear_few_rows(x, weight)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+    torch.testing.assert_close(out.double(), expected, rtol=BF16_ROUNDING, atol=1e-3)
+
+
+def test_linear_takes_the_kernel_for_few_bf16_rows_only(monkeypatch):
+    """A decode batch of up to FEW_ROWS rows goes through the kernel; larger batches, a
+    bias and other dtypes keep torch's matmul."""
+    calls: list[int] = []
+    kernel = cpu_kernels.linear_few_rows
+    monkeypatch.setattr(
+        cpu_kernels, "linear_few_rows", lambda x, w: calls.append(len(x)) or kernel(x, w)
+    )
+    weight = torch.randn(48, 32).bfloat16()
+    for rows in (1, cpu_kernels.FEW_ROWS, cpu_kernels.FEW_ROWS + 1):
+        x = torch.randn(rows, 32).bfloat16()
+        torch.testing.assert_close(
+            linear(x, weight, None), F.linear(x, weight), rtol=BF16_ROUNDING, atol=1e-3
+        )
+    linear(torch.randn(1, 32).bfloat16(), weight, None, torch.zeros(48).bfloat16())
+    linear(torch.randn(1, 32), weight.float(), None)
+    assert calls == [1, cpu_kernels.FEW_ROWS]
+
+
+def torch_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    if residual is not None:
+        x = residual.add_(x)
+    return F.rms_norm(x, weight.shape, eps=eps).mul_(weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40: more rows than one thread's share
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_rms_norm_matches_the_torch_ops(dtype: torch.dtype, rows: int, with_residual: bool):
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * torch.rand(rows, 1, generator=gen) * 8).to(dtype)
+    residual = torch.randn(rows, 576, generator=gen).to(dtype) if with_residual else None
+    weight = torch.randn(576, generator=gen).to(dtype)
+    theirs_residual = None if residual is None else residual.clone()
+    expected = torch_rms_norm(x.clone(), theirs_residual, weight, 1e-5)
+    out = cpu_kernels.rms_norm(x, residual, weight, 1e-5)
+    if residual is not None:  # the sum is written in place, rounded as torch's add rounds
+        assert torch.equal(residual, theirs_residual)
+    # Only the order of the float sum of squares differs: the normalised value may round one
+    # unit apart, and its product with the weight another.
+    two_units = expected.float().abs() * 2.0 ** -(6 if dtype == torch.bfloat16 else 9)
+    assert ((out.float() - expected.float()).abs() <= two_units).all()
+    assert (out == expected).float().mean() > 0.99
