@@ -6,11 +6,13 @@ arithmetic.
   gather every key of the batch into a new tensor before two batched matmuls; the kernel
   reads keys and values in place through each request's slots, one task per request (or
   per KV head of it, when requests are few).
-- `rms_norm` (`csrc/layer_ops.cpp`): the residual add and RMSNorm of 16-bit activations in
-  one op, where torch dispatches about eight.
-- `linear_few_rows` (`csrc/layer_ops.cpp`): `x W^T` in bf16 for the one to `FEW_ROWS` rows
-  of a small decode batch, streaming the weight with software prefetch; oneDNN's packed
-  kernels pay a fixed cost per call and read these weights slower (benchmarks/model.md).
+- `rms_norm` (`csrc/norm.cpp`): the residual add and RMSNorm of 16-bit activations in one
+  op, where torch dispatches about eight.
+- `linear_amx` and `linear_few_rows` (`csrc/linear.cpp`): bf16 matmuls on AMX tiles over a
+  weight packed once for them (`amx_pack`), and by dot products over the plain weight for
+  the one or two rows (`FEW_ROWS`) of the smallest decode batches. oneDNN's packed kernels
+  pay a fixed cost per call and read small weights well below the bandwidth
+  (docs/benchmarks/model.md).
 
 They are compiled with `torch.utils.cpp_extension` the first time one is needed (a CPU
 attention backend, a bf16 layer; about 15 s on two cores) into `<cache dir>/cpu_kernels/<key>`,
@@ -38,15 +40,20 @@ from engine.model.tokenizer_cache import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name("csrc") / name for name in ("decode_attention.cpp", "layer_ops.cpp")
+    Path(__file__).with_name("csrc") / name
+    for name in ("decode_attention.cpp", "norm.cpp", "linear.cpp")
 ]
 NAME = "radixserve_cpu_kernels"
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 """Set to 0 to keep the CPU decode step on torch ops."""
 
-FEW_ROWS = 4
-"""Up to this many rows `linear_few_rows` beats oneDNN's packed bf16 matmul on the CPUs
-measured (benchmarks/model.md); from about 8 rows oneDNN's blocking wins."""
+FEW_ROWS = 2
+"""Up to this many rows `linear_few_rows` beats both oneDNN's packed bf16 matmul and the AMX
+kernel on the CPUs measured (docs/benchmarks/model.md)."""
+
+AMX_COLUMNS, AMX_DEPTH = 64, 32
+"""`amx_pack` takes weights whose output features are a multiple of 64 and input features a
+multiple of 32 (a task's band of columns, one tile step)."""
 
 
 @functools.cache
@@ -70,7 +77,7 @@ def available() -> bool:
 def enabled() -> bool:
     """The kernels are loaded and the caller runs eagerly: under `torch.compile` the layer
     steps stay torch ops, which inductor fuses itself."""
-    return available() and not torch.compiler.is_compiling()
+    return not torch.compiler.is_compiling() and available()  # dynamo never traces available
 
 
 def _build(library: Path) -> None:
@@ -133,6 +140,41 @@ def rms_norm(
     """`RMSNorm` of bf16/half `[T, hidden]` rows, `residual += x` first (in place) when given:
     float32 inside, rounded where transformers rounds (normalised, then times the weight)."""
     out: torch.Tensor = torch.ops.radixserve_cpu.rms_norm(x, residual, weight, eps)
+    return out
+
+
+@functools.cache
+def amx_available() -> bool:
+    """The kernels are loaded, were built with AMX, and the kernel may use it here."""
+    return available() and bool(torch.ops.radixserve_cpu.amx_available())
+
+
+def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` `[N, K]` bf16 as `linear_amx` reads it, where that applies (else None)."""
+    n, k = weight.shape
+    if not (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and n % AMX_COLUMNS == 0
+        and k % AMX_DEPTH == 0
+        and amx_available()
+    ):
+        return None
+    packed: torch.Tensor = torch.ops.radixserve_cpu.amx_pack(weight.detach())
+    return packed
+
+
+def is_amx_packed(packed: torch.Tensor) -> bool:
+    """Whether `packed` came from `amx_pack` (6-D) rather than from oneDNN (2-D)."""
+    return packed.dim() == 6
+
+
+def linear_amx(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x @ weight.T + bias` for bf16 `x` `[rows, K]` over `amx_pack(weight)`: float32 sums,
+    the bias added before the one rounding."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.linear_amx(x, packed, bias)
     return out
 
 

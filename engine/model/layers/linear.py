@@ -104,11 +104,13 @@ def mkldnn_packing_applies(weight: torch.Tensor) -> bool:
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` reordered once into oneDNN's blocked layout, where that applies (else None):
-    F.linear reorders a plain bf16 weight on every call, which costs 1.1-2.4x per matmul on
-    CPU, decode rows most."""
-    if not mkldnn_packing_applies(weight):
-        return None
+    """`weight` reordered once for the CPU's bf16 matmul, where that applies (else None): for
+    the AMX kernel (`cpu_kernels.amx_pack`) where it was built, else into oneDNN's blocked
+    layout. F.linear reorders a plain bf16 weight on every call, which costs 1.1-2.4x per
+    matmul on CPU, decode rows most."""
+    amx = cpu_kernels.amx_pack(weight)
+    if amx is not None or not mkldnn_packing_applies(weight):
+        return amx
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
 
 
@@ -118,17 +120,25 @@ def linear(
     packed: torch.Tensor | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """F.linear: the few rows of a small bf16 decode batch on CPU through
-    `cpu_kernels.linear_few_rows`, else through the packed copy of `weight` when there is one."""
+    """F.linear through the CPU's faster kernels where they apply: for the few rows of a
+    small bf16 decode batch `cpu_kernels.linear_few_rows`, else the packed copy of `weight`
+    (AMX or oneDNN). Under `torch.compile`, torch's own matmul."""
+    kernels = x.device.type == "cpu" and cpu_kernels.enabled()
     if (
-        bias is None
+        kernels
+        and bias is None
         and x.dtype == torch.bfloat16
         and x.dim() == 2
         and x.shape[0] <= cpu_kernels.FEW_ROWS
-        and x.device.type == "cpu"
-        and cpu_kernels.enabled()
     ):
         return cpu_kernels.linear_few_rows(x, weight)
+    if packed is not None and cpu_kernels.is_amx_packed(packed):
+        if not kernels:
+            return F.linear(x, weight, bias)
+        if x.dim() == 2:  # a layer's hidden states: no reshape to dispatch
+            return cpu_kernels.linear_amx(x, packed, bias)
+        out = cpu_kernels.linear_amx(x.reshape(-1, x.shape[-1]), packed, bias)
+        return out.view(*x.shape[:-1], out.shape[-1])
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, weight, bias)

@@ -1,5 +1,6 @@
-"""The CPU layer kernels (`engine/model/csrc/layer_ops.cpp`) against float64 and against the
-torch ops they replace: the few-rows bf16 matmul and the fused residual add + RMSNorm."""
+"""The CPU layer kernels (`engine/model/csrc/linear.cpp`, `norm.cpp`) against float64 and
+against the torch ops they replace: the AMX and few-rows bf16 matmuls and the fused
+residual add + RMSNorm."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import cpu_kernels
-from engine.model.layers.linear import linear
+from engine.model.layers.linear import Linear, linear
 
 BF16_ROUNDING = 2.0**-8
 """bf16 keeps 8 significant bits: a correctly rounded result is within 2^-9 of the value."""
@@ -39,9 +40,58 @@ def test_linear_few_rows_matches_float64(rows: int, out_features: int, in_featur
     torch.testing.assert_close(out.double(), expected, rtol=BF16_ROUNDING, atol=1e-3)
 
 
+amx = pytest.mark.skipif(
+    not cpu_kernels.amx_available(), reason="this CPU (or kernel build) has no AMX"
+)
+
+
+@amx
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])  # whole and partial 16-row tiles
+@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (64, 32), (128, 1536)])
+def test_linear_amx_matches_float64(rows: int, out_features: int, in_features: int):
+    gen = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    packed = cpu_kernels.amx_pack(weight)
+    assert packed is not None and cpu_kernels.is_amx_packed(packed)
+    out = cpu_kernels.linear_amx(x, packed)
+    assert out.shape == (rows, out_features)
+    torch.testing.assert_close(
+        out.double(), x.double() @ weight.double().T, rtol=BF16_ROUNDING, atol=1e-3
+    )
+
+
+@amx
+def test_amx_packs_only_weights_made_of_whole_tiles():
+    assert cpu_kernels.amx_pack(torch.randn(96, 64).bfloat16()) is None  # N: 1.5 bands
+    assert cpu_kernels.amx_pack(torch.randn(64, 48).bfloat16()) is None  # K: 1.5 tile steps
+    assert cpu_kernels.amx_pack(torch.randn(64, 64)) is None  # float32
+
+
+@amx
+@pytest.mark.parametrize("rows", [3, 32, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_linear_layer_runs_on_its_amx_copy(rows: int, bias: bool, monkeypatch):
+    layer = Linear(64, 128, bias=bias)
+    gen = torch.Generator().manual_seed(rows)
+    layer.weight.data = torch.randn(128, 64, generator=gen).bfloat16()
+    if bias:
+        layer.bias.data = torch.randn(128, generator=gen).bfloat16()
+    layer.pack_weight()
+    assert layer.packed_weight is not None and cpu_kernels.is_amx_packed(layer.packed_weight)
+    x = torch.randn(rows, 64, generator=gen).bfloat16()
+    calls: list[int] = []
+    kernel = cpu_kernels.linear_amx
+    monkeypatch.setattr(
+        cpu_kernels, "linear_amx", lambda x, p, b: calls.append(len(x)) or kernel(x, p, b)
+    )
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert calls == [rows]
+
+
 def test_linear_takes_the_kernel_for_few_bf16_rows_only(monkeypatch):
     """A decode batch of up to FEW_ROWS rows goes through the kernel; larger batches, a
-    bias and other dtypes keep torch's matmul."""
+    bias and other dtypes do not."""
     calls: list[int] = []
     kernel = cpu_kernels.linear_few_rows
     monkeypatch.setattr(

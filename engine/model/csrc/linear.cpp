@@ -1,0 +1,276 @@
+// Matmuls of bf16 decode rows on CPU, where oneDNN's packed kernels pay a fixed cost per
+// call and read small weights well below the machine's bandwidth (docs/benchmarks/model.md).
+//
+// linear_amx: y = x W^T on AMX tiles, for any number of rows, over a copy of the weight
+// packed once (amx_pack) so that each task streams one contiguous band of it. A task owns
+// 64 output columns: four 16 x 16 float accumulator tiles, each step multiplying a 16-row
+// x 32-deep tile of x (rows past the end are zero padding) by four 32 x 16 weight tiles.
+// While the first row block streams the band, it touches every eighth cache line two steps
+// ahead, which keeps the hardware prefetcher's streams running; later row blocks find the
+// band in L2.
+//
+// linear_few_rows: x W^T over the plain weight for the one or two rows of the smallest
+// decode batches (FEW_ROWS in cpu_kernels.py), where it beats both the AMX kernel and
+// oneDNN: 32 products per AVX512-BF16 instruction, four weight rows at a time with a
+// software prefetch of the next four.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define RADIXSERVE_AMX 1
+#endif
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+constexpr int64_t kAmxCols = 64;   // output columns of one task step: four 16-column tiles
+constexpr int64_t kAmxDepth = 32;  // bf16 products summed per tile step
+constexpr int64_t kAmxRows = 16;   // rows of x per tile
+
+#if defined(RADIXSERVE_AMX)
+// Linux hands out the AMX register state only to a process that asks for it once.
+bool amx_permitted() {
+  constexpr int kArchReqXcompPerm = 0x1023;
+  constexpr int kXfeatureXtiledata = 18;
+  static const bool permitted =
+      syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return permitted;
+}
+
+// Tiles 0-3: float accumulators (16 x 16); 4: rows of x (16 x 32 bf16); 5-7: weight tiles
+// (16 pairs of depth x 16 columns x 2).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig config;
+  for (int tile = 0; tile < 8; ++tile) {
+    config.rows[tile] = kAmxRows;
+    config.colsb[tile] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// One task step: 16 rows of x (`x`, stride `k_size`) against one 64-column band (`band`:
+// k_size / 32 steps of four 1 KiB weight tiles), plus the band's `bias` (float, or null)
+// before the one rounding, into `y` (stride `n_size`), the first `rows` rows kept.
+void amx_band(const bf16* x, int64_t k_size, const bf16* band, const float* bias,
+              bool prefetch, int64_t rows, bf16* y, int64_t n_size) {
+  constexpr int64_t kTile = kAmxDepth * 16;  // bf16 elements of one weight tile
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t step = 0; step < k_size / kAmxDepth; ++step) {
+    const bf16* tiles = band + step * 4 * kTile;
+    if (prefetch) {
+      const char* ahead = reinterpret_cast<const char*>(tiles + 8 * kTile);
+      for (int line = 0; line < 128; line += 8) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+    }
+    _tile_loadd(4, x + step * kAmxDepth, k_size * sizeof(bf16));
+    _tile_loadd(5, tiles, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, tiles + kTile, 64);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, tiles + 2 * kTile, 64);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, tiles + 3 * kTile, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  alignas(64) float sums[kAmxRows * kAmxCols];
+  _tile_stored(0, sums, kAmxCols * sizeof(float));  // tile numbers are immediates
+  _tile_stored(1, sums + 16, kAmxCols * sizeof(float));
+  _tile_stored(2, sums + 32, kAmxCols * sizeof(float));
+  _tile_stored(3, sums + 48, kAmxCols * sizeof(float));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < kAmxCols; c += 32) {  // round to nearest even, as torch does
+      __m512 low = _mm512_load_ps(sums + r * kAmxCols + c);
+      __m512 high = _mm512_load_ps(sums + r * kAmxCols + c + 16);
+      if (bias != nullptr) {
+        low = _mm512_add_ps(low, _mm512_loadu_ps(bias + c));
+        high = _mm512_add_ps(high, _mm512_loadu_ps(bias + c + 16));
+      }
+      _mm512_storeu_si512(y + r * n_size + c, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+  }
+}
+#endif
+
+bool amx_available() {
+#if defined(RADIXSERVE_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// [N, K] -> [N / 64][K / 32][4 tiles][16 pairs of depth][16 columns][2]: a task's band is
+// contiguous, each weight tile in the layout tdpbf16ps reads.
+at::Tensor amx_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "a bf16 [N, K] weight");
+  const int64_t n_size = weight.size(0), k_size = weight.size(1);
+  TORCH_CHECK(n_size % kAmxCols == 0 && k_size % kAmxDepth == 0,
+              "N a multiple of 64 and K of 32");
+  return weight.reshape({n_size / kAmxCols, 4, 16, k_size / kAmxDepth, 16, 2})
+      .permute({0, 3, 1, 4, 2, 5})
+      .contiguous();
+}
+
+at::Tensor linear_amx(const at::Tensor& input, const at::Tensor& packed,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "bf16 input [rows, K]");
+  TORCH_CHECK(packed.dim() == 6 && packed.size(1) * kAmxDepth == input.size(1),
+              "a weight from amx_pack with the input's K");
+#if defined(RADIXSERVE_AMX)
+  TORCH_CHECK(amx_permitted(), "the kernel may not use AMX here");
+  const int64_t m_size = input.size(0), k_size = input.size(1);
+  const int64_t n_size = packed.size(0) * kAmxCols;
+  const int64_t padded = (m_size + kAmxRows - 1) / kAmxRows * kAmxRows;
+  const at::Tensor x = padded == m_size
+                           ? input.contiguous()
+                           : at::constant_pad_nd(input, {0, 0, 0, padded - m_size});
+  at::Tensor out = at::empty({m_size, n_size}, input.options());
+  const bf16* x_ptr = x.const_data_ptr<bf16>();
+  const bf16* w_ptr = packed.const_data_ptr<bf16>();
+  bf16* out_ptr = out.data_ptr<bf16>();
+  at::Tensor bias_float;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n_size, "one bias per output feature");
+    bias_float = bias->to(at::kFloat).contiguous();
+  }
+  const float* bias_ptr = bias.has_value() ? bias_float.const_data_ptr<float>() : nullptr;
+  const int64_t band_size = k_size * kAmxCols;
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    for (int64_t band = begin; band < end; ++band) {
+      for (int64_t row = 0; row < padded; row += kAmxRows) {
+        amx_band(x_ptr + row * k_size, k_size, w_ptr + band * band_size,
+                 bias_ptr == nullptr ? nullptr : bias_ptr + band * kAmxCols, row == 0,
+                 std::min(kAmxRows, m_size - row), out_ptr + row * n_size + band * kAmxCols,
+                 n_size);
+      }
+    }
+    _tile_release();
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "built without AMX");
+#endif
+}
+
+#if defined(__AVX512BF16__)
+// ROWS rows of x against NR consecutive weight rows: ROWS x NR float sums in registers, 32
+// products per instruction, the K tail by masked loads. Prefetches the next NR weight rows
+// at the same offsets.
+template <int ROWS, int NR>
+inline void dot_tile(const bf16* x, int64_t k_size, const bf16* w, bf16* y, int64_t n_size) {
+  __m512 acc[ROWS][NR];
+#pragma GCC unroll 4
+  for (int m = 0; m < ROWS; ++m) {
+#pragma GCC unroll 4
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_size; k += 32) {
+    const __mmask32 mask =
+        k + 32 <= k_size ? ~__mmask32(0) : static_cast<__mmask32>((1u << (k_size - k)) - 1);
+    __m512i weights[NR];
+#pragma GCC unroll 4
+    for (int n = 0; n < NR; ++n) {
+      weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * k_size + k);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + NR) * k_size + k), _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512i row = _mm512_maskz_loadu_epi16(mask, x + m * k_size + k);
+#pragma GCC unroll 4
+      for (int n = 0; n < NR; ++n) {
+        acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)row, (__m512bh)weights[n]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < ROWS; ++m) {
+#pragma GCC unroll 4
+    for (int n = 0; n < NR; ++n) y[m * n_size + n] = bf16(_mm512_reduce_add_ps(acc[m][n]));
+  }
+}
+
+// Every row of x against weight rows [n, n + NR), four rows of x at a time: the weight rows
+// stay in L1 across the row blocks.
+template <int NR>
+void dot_rows(const bf16* x, int64_t m_size, const bf16* w, int64_t k_size, bf16* y,
+              int64_t n_size) {
+  int64_t m = 0;
+  for (; m + 4 <= m_size; m += 4) dot_tile<4, NR>(x + m * k_size, k_size, w, y + m * n_size, n_size);
+  const bf16* x_rest = x + m * k_size;
+  bf16* y_rest = y + m * n_size;
+  switch (m_size - m) {
+    case 3: dot_tile<3, NR>(x_rest, k_size, w, y_rest, n_size); break;
+    case 2: dot_tile<2, NR>(x_rest, k_size, w, y_rest, n_size); break;
+    case 1: dot_tile<1, NR>(x_rest, k_size, w, y_rest, n_size); break;
+    default: break;
+  }
+}
+#endif
+
+at::Tensor linear_few_rows(const at::Tensor& input, const at::Tensor& weight) {
+  TORCH_CHECK(input.dim() == 2 && weight.dim() == 2 && input.size(1) == weight.size(1),
+              "input [rows, in] and weight [out, in]");
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16,
+              "bf16 input and weight");
+#if defined(__AVX512BF16__)
+  const at::Tensor x = input.contiguous();
+  const at::Tensor w = weight.contiguous();
+  const int64_t m_size = x.size(0), k_size = x.size(1), n_size = w.size(0);
+  at::Tensor out = at::empty({m_size, n_size}, x.options());
+  const bf16* x_ptr = x.const_data_ptr<bf16>();
+  const bf16* w_ptr = w.const_data_ptr<bf16>();
+  bf16* out_ptr = out.data_ptr<bf16>();
+  at::parallel_for(0, n_size, 64, [&](int64_t begin, int64_t end) {
+    int64_t n = begin;
+    for (; n + 4 <= end; n += 4) {
+      dot_rows<4>(x_ptr, m_size, w_ptr + n * k_size, k_size, out_ptr + n, n_size);
+    }
+    for (; n < end; ++n) dot_rows<1>(x_ptr, m_size, w_ptr + n * k_size, k_size, out_ptr + n, n_size);
+  });
+  return out;
+#else
+  return at::linear(input, weight);  // built for a CPU without bf16 dot products
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def("amx_available() -> bool");
+  m.def("amx_pack(Tensor weight) -> Tensor");
+  m.def("linear_amx(Tensor input, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("linear_few_rows(Tensor input, Tensor weight) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu, CompositeExplicitAutograd, m) {
+  m.impl("amx_available", &amx_available);
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
+  m.impl("amx_pack", &amx_pack);
+  m.impl("linear_amx", &linear_amx);
+  m.impl("linear_few_rows", &linear_few_rows);
+}
