@@ -15,10 +15,10 @@ arithmetic.
   (docs/benchmarks/model.md).
 
 They are compiled with `torch.utils.cpp_extension` the first time one is needed (a CPU
-attention backend, a bf16 layer; about 15 s on two cores) into `<cache dir>/cpu_kernels/<key>`,
-keyed by the sources,
-the torch version and this CPU's instruction-set flags (it is built for the CPU at hand),
-and loaded from there afterwards. Never at `pip install` time: pip's isolated build
+attention backend, a bf16 layer; about 15 s on two cores) into
+`<cache dir>/cpu_kernels/<key>`, keyed by the sources, the torch version and this CPU's
+instruction-set flags (they are built for the CPU at hand), and loaded from there
+afterwards. Never at `pip install` time: pip's isolated build
 environment would pull a CUDA torch. Without a compiler, or with
 `RADIXSERVE_CPU_KERNELS=0`, every one of these steps stays on torch ops.
 """
