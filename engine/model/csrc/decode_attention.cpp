@@ -7,9 +7,9 @@
 // pool slot of request r's j-th token, and only the first `seq_lens[r]` of them are read.
 //
 // Built with AVX-512 (the kernel is compiled for the CPU at hand) and float accumulation,
-// keys and values go in blocks of 16 tokens: the 16 dot products of a query head share one
-// reduction, and the weighted sums of up to 4 query heads stay in registers across a block
-// of values. Other builds, double and other head sizes take the plain loops, which also
+// keys and values go in blocks of 16 tokens, read from the pool and widened to float in
+// registers: the 16 dot products of a query head share one reduction, and the weighted sums
+// of up to 4 query heads stay in registers across a block of values. Other builds, double and other head sizes take the plain loops, which also
 // score the keys after the last full block.
 
 #include <ATen/ATen.h>
@@ -66,9 +66,28 @@ acc_t exp_of_nonpositive(acc_t x) {
   }
 }
 
-// One task's slice of token j's row of a KV buffer in the accumulation type: in place when
-// the buffer already holds it, else converted into `converted`. The slice of token
+// One task's slice of token j's row of a KV buffer, in place. The slice of token
 // j + kPrefetchDistance is prefetched on the way.
+template <typename scalar_t>
+const scalar_t* locate_token(
+    const scalar_t* buffer,
+    const int64_t* slots,
+    int64_t j,
+    int64_t len,
+    int64_t token_stride,
+    int64_t width) {
+  if (j + kPrefetchDistance < len) {
+    const char* ahead =
+        reinterpret_cast<const char*>(buffer + slots[j + kPrefetchDistance] * token_stride);
+    for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) {
+      __builtin_prefetch(ahead + byte);
+    }
+  }
+  return buffer + slots[j] * token_stride;
+}
+
+// The same slice in the accumulation type: in place when the buffer already holds it, else
+// converted into `converted`.
 template <typename scalar_t, typename acc_t>
 const acc_t* load_token(
     const scalar_t* buffer,
@@ -78,14 +97,7 @@ const acc_t* load_token(
     int64_t token_stride,
     int64_t width,
     acc_t* converted) {
-  if (j + kPrefetchDistance < len) {
-    const char* ahead =
-        reinterpret_cast<const char*>(buffer + slots[j + kPrefetchDistance] * token_stride);
-    for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) {
-      __builtin_prefetch(ahead + byte);
-    }
-  }
-  const scalar_t* token = buffer + slots[j] * token_stride;
+  const scalar_t* token = locate_token(buffer, slots, j, len, token_stride, width);
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     return token;
   } else {
@@ -96,6 +108,17 @@ const acc_t* load_token(
 }
 
 #if defined(__AVX512F__)
+// 16 elements of a K/V row as floats, converted in registers (bf16: the 16 bits are a
+// float's high half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // Lane i of the result is the sum of the 16 lanes of v[i]: the 16 sums of 16 vectors in
 // 15 adds and 28 shuffles, where reducing each vector alone takes 4 shuffles and 4 adds.
 inline __m512 sum_lanes_16(const __m512* v) {
@@ -122,13 +145,14 @@ inline __m512 sum_lanes_16(const __m512* v) {
 // Scores of one query head against 16 keys (`keys[t]`, head_dim floats each, a multiple
 // of 16): one fused multiply-add per 16 dims and key, and one shared reduction for the 16
 // dot products.
+template <typename scalar_t>
 inline void score_block_16(
-    const float* query, const float* const* keys, int64_t head_dim, float* scores) {
+    const float* query, const scalar_t* const* keys, int64_t head_dim, float* scores) {
   __m512 dots[16];
   for (int t = 0; t < 16; ++t) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), _mm512_loadu_ps(keys[t]));
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), load16(keys[t]));
     for (int64_t d = 16; d < head_dim; d += 16) {
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + d), _mm512_loadu_ps(keys[t] + d), acc);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + d), load16(keys[t] + d), acc);
     }
     dots[t] = acc;
   }
@@ -138,9 +162,9 @@ inline void score_block_16(
 // Adds `scores[g * score_stride + t] * values[t]` over the `count` value rows (head_dim =
 // 16 * CHUNKS floats each, at `offset` in each row) to `sums[g]` for G query heads: the
 // G x CHUNKS running sums stay in registers across the rows.
-template <int CHUNKS, int G>
+template <int CHUNKS, int G, typename scalar_t>
 void add_weighted_values(
-    const float* const* values, int64_t count, int64_t offset, const float* scores,
+    const scalar_t* const* values, int64_t count, int64_t offset, const float* scores,
     int64_t score_stride, float* sums) {
   __m512 acc[G][CHUNKS];
   for (int g = 0; g < G; ++g) {
@@ -150,7 +174,7 @@ void add_weighted_values(
     __m512 p[G];
     for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * score_stride + t]);
     for (int c = 0; c < CHUNKS; ++c) {
-      const __m512 v = _mm512_loadu_ps(values[t] + offset + c * 16);
+      const __m512 v = load16(values[t] + offset + c * 16);
       for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], v, acc[g][c]);
     }
   }
@@ -159,9 +183,9 @@ void add_weighted_values(
   }
 }
 
-template <int CHUNKS>
+template <int CHUNKS, typename scalar_t>
 void add_weighted_values_heads(
-    int64_t heads, const float* const* values, int64_t count, int64_t offset,
+    int64_t heads, const scalar_t* const* values, int64_t count, int64_t offset,
     const float* scores, int64_t score_stride, float* sums) {
   for (int64_t g = 0; g < heads; g += 4) {  // at most 4 x CHUNKS sums in registers
     const float* head_scores = scores + g * score_stride;
@@ -216,7 +240,6 @@ void decode_attention_kernel(
   at::parallel_for(0, num_reqs * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> queries(task_heads * head_dim), sums(task_heads * head_dim);
     std::vector<acc_t> converted(task_dim), scores(task_heads * max_len);
-    std::vector<acc_t> row_block(16 * task_dim);  // 16 key or value rows converted to acc_t
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / tasks_per_req;
       const int64_t first_head = (task % tasks_per_req) * heads_per_task;
@@ -232,13 +255,12 @@ void decode_attention_kernel(
       if constexpr (std::is_same_v<acc_t, float>) {
         if (head_dim % 16 == 0) {  // blocks of 16 keys, for every query head at once
           for (; scored + 16 <= len; scored += 16) {
-            const float* keys[16];
+            const scalar_t* keys[16];
             for (int t = 0; t < 16; ++t) {
-              keys[t] = load_token(k_ptr + offset, row, scored + t, len, token_stride,
-                                   task_dim, row_block.data() + t * task_dim);
+              keys[t] = locate_token(k_ptr + offset, row, scored + t, len, token_stride, task_dim);
             }
             for (int64_t qh = 0; qh < task_heads; ++qh) {
-              const float* head_keys[16];
+              const scalar_t* head_keys[16];
               for (int t = 0; t < 16; ++t) head_keys[t] = keys[t] + (qh / group) * head_dim;
               score_block_16(queries.data() + qh * head_dim, head_keys, head_dim,
                              scores.data() + qh * max_len + scored);
@@ -282,18 +304,18 @@ void decode_attention_kernel(
           // blocks of 16 values, the sums in registers
           for (; summed < len; summed += 16) {
             const int64_t count = std::min<int64_t>(16, len - summed);
-            const float* values[16];
+            const scalar_t* values[16];
             for (int64_t t = 0; t < count; ++t) {
-              values[t] = load_token(v_ptr + offset, row, summed + t, len, token_stride,
-                                     task_dim, row_block.data() + t * task_dim);
+              values[t] = locate_token(v_ptr + offset, row, summed + t, len, token_stride,
+                                       task_dim);
             }
             for (int64_t h = 0; h < heads_per_task; ++h) {
               const float* head_scores = scores.data() + h * group * max_len + summed;
               float* head_sums = sums.data() + h * group * head_dim;
-              const auto add = head_dim == 16   ? add_weighted_values_heads<1>
-                               : head_dim == 32 ? add_weighted_values_heads<2>
-                               : head_dim == 64 ? add_weighted_values_heads<4>
-                                                : add_weighted_values_heads<8>;
+              const auto add = head_dim == 16   ? add_weighted_values_heads<1, scalar_t>
+                               : head_dim == 32 ? add_weighted_values_heads<2, scalar_t>
+                               : head_dim == 64 ? add_weighted_values_heads<4, scalar_t>
+                                                : add_weighted_values_heads<8, scalar_t>;
               add(group, values, count, h * head_dim, head_scores, max_len, head_sums);
             }
           }
