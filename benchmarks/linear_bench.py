@@ -76,7 +76,7 @@ def main() -> None:
                     partial(pointwise, x, p, None, "none", [], "") for p in packed_onednn
                 ]
             if packed_amx:
-                kernels["AMX"] = [partial(cpu_kernels.linear_amx, x, p) for p in packed_amx]
+                kernels["AMX"] = [partial(cpu_kernels.linear_amx, x, p, n) for p in packed_amx]
             if rows <= FEW_ROWS_SHOWN:
                 kernels["few rows"] = [partial(cpu_kernels.linear_few_rows, x, w) for w in weights]
             for kernel, calls in kernels.items():

@@ -51,10 +51,6 @@ FEW_ROWS = 2
 """Up to this many rows `linear_few_rows` beats both oneDNN's packed bf16 matmul and the AMX
 kernel on the CPUs measured (docs/benchmarks/model.md)."""
 
-AMX_COLUMNS, AMX_DEPTH = 64, 32
-"""`amx_pack` takes weights whose output features are a multiple of 64 and input features a
-multiple of 32 (a task's band of columns, one tile step)."""
-
 
 @functools.cache
 def available() -> bool:
@@ -150,15 +146,9 @@ def amx_available() -> bool:
 
 
 def amx_pack(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` `[N, K]` bf16 as `linear_amx` reads it, where that applies (else None)."""
-    n, k = weight.shape
-    if not (
-        weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-        and n % AMX_COLUMNS == 0
-        and k % AMX_DEPTH == 0
-        and amx_available()
-    ):
+    """`weight` `[N, K]` bf16 as `linear_amx` reads it (N padded to a multiple of 64 and K to
+    one of 32), where that applies (else None)."""
+    if not (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and amx_available()):
         return None
     packed: torch.Tensor = torch.ops.radixserve_cpu.amx_pack(weight.detach())
     return packed
@@ -170,11 +160,11 @@ def is_amx_packed(packed: torch.Tensor) -> bool:
 
 
 def linear_amx(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`x @ weight.T + bias` for bf16 `x` `[rows, K]` over `amx_pack(weight)`: float32 sums,
-    the bias added before the one rounding."""
-    out: torch.Tensor = torch.ops.radixserve_cpu.linear_amx(x, packed, bias)
+    """`x @ weight.T + bias` for bf16 `x` `[rows, K]` over `amx_pack(weight)` (`weight`
+    `[out_features, K]`): float32 sums, the bias added before the one rounding."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.linear_amx(x, packed, out_features, bias)
     return out
 
 

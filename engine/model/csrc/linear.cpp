@@ -2,9 +2,10 @@
 // call and read small weights well below the machine's bandwidth (docs/benchmarks/model.md).
 //
 // linear_amx: y = x W^T on AMX tiles, for any number of rows, over a copy of the weight
-// packed once (amx_pack) so that each task streams one contiguous band of it. A task owns
-// 64 output columns: four 16 x 16 float accumulator tiles, each step multiplying a 16-row
-// x 32-deep tile of x (rows past the end are zero padding) by four 32 x 16 weight tiles.
+// packed once (amx_pack, zero-padded to whole tiles) so that each task streams one
+// contiguous band of it. A task owns 64 output columns: four 16 x 16 float accumulator
+// tiles, each step multiplying a 16-row x 32-deep tile of x (rows and depth past the end
+// are zero padding) by four 32 x 16 weight tiles; columns past N are never written.
 // While the first row block streams the band, it touches every eighth cache line two steps
 // ahead, which keeps the hardware prefetcher's streams running; later row blocks find the
 // band in L2.
@@ -39,6 +40,10 @@ constexpr int64_t kAmxCols = 64;   // output columns of one task step: four 16-c
 constexpr int64_t kAmxDepth = 32;  // bf16 products summed per tile step
 constexpr int64_t kAmxRows = 16;   // rows of x per tile
 
+constexpr int64_t round_up(int64_t size, int64_t multiple) {
+  return (size + multiple - 1) / multiple * multiple;
+}
+
 #if defined(RADIXSERVE_AMX)
 // Linux hands out the AMX register state only to a process that asks for it once.
 bool amx_permitted() {
@@ -70,9 +75,11 @@ void configure_tiles() {
 
 // One task step: 16 rows of x (`x`, stride `k_size`) against one 64-column band (`band`:
 // k_size / 32 steps of four 1 KiB weight tiles), plus the band's `bias` (float, or null)
-// before the one rounding, into `y` (stride `n_size`), the first `rows` rows kept.
+// before the one rounding, into `y` (stride `n_size`): the first `rows` rows and `cols`
+// columns kept (the last band of a weight whose N is not a multiple of 64 is padding past
+// them).
 void amx_band(const bf16* x, int64_t k_size, const bf16* band, const float* bias,
-              bool prefetch, int64_t rows, bf16* y, int64_t n_size) {
+              bool prefetch, int64_t rows, int64_t cols, bf16* y, int64_t n_size) {
   constexpr int64_t kTile = kAmxDepth * 16;  // bf16 elements of one weight tile
   _tile_zero(0);
   _tile_zero(1);
@@ -99,15 +106,18 @@ void amx_band(const bf16* x, int64_t k_size, const bf16* band, const float* bias
   _tile_stored(1, sums + 16, kAmxCols * sizeof(float));
   _tile_stored(2, sums + 32, kAmxCols * sizeof(float));
   _tile_stored(3, sums + 48, kAmxCols * sizeof(float));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < kAmxCols; c += 32) {  // round to nearest even, as torch does
-      __m512 low = _mm512_load_ps(sums + r * kAmxCols + c);
-      __m512 high = _mm512_load_ps(sums + r * kAmxCols + c + 16);
-      if (bias != nullptr) {
-        low = _mm512_add_ps(low, _mm512_loadu_ps(bias + c));
-        high = _mm512_add_ps(high, _mm512_loadu_ps(bias + c + 16));
-      }
-      _mm512_storeu_si512(y + r * n_size + c, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+  for (int64_t c = 0; c < cols; c += 32) {  // round to nearest even, as torch does
+    const int64_t valid = std::min<int64_t>(32, cols - c);
+    const __mmask32 mask = valid == 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << valid) - 1);
+    __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
+    if (bias != nullptr) {
+      bias_low = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), bias + c);
+      bias_high = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask >> 16), bias + c + 16);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 low = _mm512_add_ps(_mm512_load_ps(sums + r * kAmxCols + c), bias_low);
+      const __m512 high = _mm512_add_ps(_mm512_load_ps(sums + r * kAmxCols + c + 16), bias_high);
+      _mm512_mask_storeu_epi16(y + r * n_size + c, mask, (__m512i)_mm512_cvtne2ps_pbh(high, low));
     }
   }
 }
@@ -121,31 +131,33 @@ bool amx_available() {
 #endif
 }
 
-// [N, K] -> [N / 64][K / 32][4 tiles][16 pairs of depth][16 columns][2]: a task's band is
-// contiguous, each weight tile in the layout tdpbf16ps reads.
+// [N, K] -> [N / 64][K / 32][4 tiles][16 pairs of depth][16 columns][2], N and K first
+// padded with zeros to whole bands and tile steps: a task's band is contiguous, each weight
+// tile in the layout tdpbf16ps reads.
 at::Tensor amx_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "a bf16 [N, K] weight");
-  const int64_t n_size = weight.size(0), k_size = weight.size(1);
-  TORCH_CHECK(n_size % kAmxCols == 0 && k_size % kAmxDepth == 0,
-              "N a multiple of 64 and K of 32");
-  return weight.reshape({n_size / kAmxCols, 4, 16, k_size / kAmxDepth, 16, 2})
+  const int64_t n_size = round_up(weight.size(0), kAmxCols);
+  const int64_t k_size = round_up(weight.size(1), kAmxDepth);
+  return at::constant_pad_nd(weight, {0, k_size - weight.size(1), 0, n_size - weight.size(0)})
+      .reshape({n_size / kAmxCols, 4, 16, k_size / kAmxDepth, 16, 2})
       .permute({0, 3, 1, 4, 2, 5})
       .contiguous();
 }
 
-at::Tensor linear_amx(const at::Tensor& input, const at::Tensor& packed,
+at::Tensor linear_amx(const at::Tensor& input, const at::Tensor& packed, int64_t n_size,
                       const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.dim() == 2 && input.scalar_type() == at::kBFloat16, "bf16 input [rows, K]");
-  TORCH_CHECK(packed.dim() == 6 && packed.size(1) * kAmxDepth == input.size(1),
-              "a weight from amx_pack with the input's K");
+  const int64_t m_size = input.size(0), k_size = round_up(input.size(1), kAmxDepth);
+  TORCH_CHECK(packed.dim() == 6 && packed.size(1) * kAmxDepth == k_size &&
+                  round_up(n_size, kAmxCols) == packed.size(0) * kAmxCols,
+              "a weight from amx_pack of [out_features, the input's K]");
 #if defined(RADIXSERVE_AMX)
   TORCH_CHECK(amx_permitted(), "the kernel may not use AMX here");
-  const int64_t m_size = input.size(0), k_size = input.size(1);
-  const int64_t n_size = packed.size(0) * kAmxCols;
-  const int64_t padded = (m_size + kAmxRows - 1) / kAmxRows * kAmxRows;
-  const at::Tensor x = padded == m_size
-                           ? input.contiguous()
-                           : at::constant_pad_nd(input, {0, 0, 0, padded - m_size});
+  const int64_t padded = round_up(m_size, kAmxRows);  // rows and K padded with zeros
+  const at::Tensor x =
+      padded == m_size && k_size == input.size(1)
+          ? input.contiguous()
+          : at::constant_pad_nd(input, {0, k_size - input.size(1), 0, padded - m_size});
   at::Tensor out = at::empty({m_size, n_size}, input.options());
   const bf16* x_ptr = x.const_data_ptr<bf16>();
   const bf16* w_ptr = packed.const_data_ptr<bf16>();
@@ -163,8 +175,8 @@ at::Tensor linear_amx(const at::Tensor& input, const at::Tensor& packed,
       for (int64_t row = 0; row < padded; row += kAmxRows) {
         amx_band(x_ptr + row * k_size, k_size, w_ptr + band * band_size,
                  bias_ptr == nullptr ? nullptr : bias_ptr + band * kAmxCols, row == 0,
-                 std::min(kAmxRows, m_size - row), out_ptr + row * n_size + band * kAmxCols,
-                 n_size);
+                 std::min(kAmxRows, m_size - row), std::min(kAmxCols, n_size - band * kAmxCols),
+                 out_ptr + row * n_size + band * kAmxCols, n_size);
       }
     }
     _tile_release();
@@ -261,7 +273,7 @@ at::Tensor linear_few_rows(const at::Tensor& input, const at::Tensor& weight) {
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def("amx_available() -> bool");
   m.def("amx_pack(Tensor weight) -> Tensor");
-  m.def("linear_amx(Tensor input, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("linear_amx(Tensor input, Tensor packed, int out_features, Tensor? bias) -> Tensor");
   m.def("linear_few_rows(Tensor input, Tensor weight) -> Tensor");
 }
 

@@ -105,8 +105,8 @@ def mkldnn_packing_applies(weight: torch.Tensor) -> bool:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` reordered once for the CPU's bf16 matmul, where that applies (else None): for
-    the AMX kernel (`cpu_kernels.amx_pack`) where it was built, else into oneDNN's blocked
-    layout. F.linear reorders a plain bf16 weight on every call, which costs 1.1-2.4x per
+    the AMX kernel (`cpu_kernels.amx_pack`) where the CPU has AMX, else into oneDNN's
+    blocked layout. F.linear reorders a plain bf16 weight on every call, which costs 1.1-2.4x per
     matmul on CPU, decode rows most."""
     amx = cpu_kernels.amx_pack(weight)
     if amx is not None or not mkldnn_packing_applies(weight):
@@ -136,8 +136,8 @@ def linear(
         if not kernels:
             return F.linear(x, weight, bias)
         if x.dim() == 2:  # a layer's hidden states: no reshape to dispatch
-            return cpu_kernels.linear_amx(x, packed, bias)
-        out = cpu_kernels.linear_amx(x.reshape(-1, x.shape[-1]), packed, bias)
+            return cpu_kernels.linear_amx(x, packed, weight.shape[0], bias)
+        out = cpu_kernels.linear_amx(x.reshape(-1, x.shape[-1]), packed, weight.shape[0], bias)
         return out.view(*x.shape[:-1], out.shape[-1])
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -47,14 +47,24 @@ amx = pytest.mark.skipif(
 
 @amx
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])  # whole and partial 16-row tiles
-@pytest.mark.parametrize(("out_features", "in_features"), [(960, 576), (64, 32), (128, 1536)])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"),
+    [
+        (960, 576),  # a fused qkv projection of the embedded model
+        (64, 32),  # one band, one tile step
+        (128, 1536),
+        (40, 576),  # a LoRA A: N padded to one band
+        (576, 40),  # a LoRA B: K padded to a tile step
+        (100, 33),  # both, past whole tiles
+    ],
+)
 def test_linear_amx_matches_float64(rows: int, out_features: int, in_features: int):
     gen = torch.Generator().manual_seed(rows + out_features)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     packed = cpu_kernels.amx_pack(weight)
     assert packed is not None and cpu_kernels.is_amx_packed(packed)
-    out = cpu_kernels.linear_amx(x, packed)
+    out = cpu_kernels.linear_amx(x, packed, out_features)
     assert out.shape == (rows, out_features)
     torch.testing.assert_close(
         out.double(), x.double() @ weight.double().T, rtol=BF16_ROUNDING, atol=1e-3
@@ -62,9 +72,9 @@ def test_linear_amx_matches_float64(rows: int, out_features: int, in_features: i
 
 
 @amx
-def test_amx_packs_only_weights_made_of_whole_tiles():
-    assert cpu_kernels.amx_pack(torch.randn(96, 64).bfloat16()) is None  # N: 1.5 bands
-    assert cpu_kernels.amx_pack(torch.randn(64, 48).bfloat16()) is None  # K: 1.5 tile steps
+def test_amx_pads_to_whole_tiles_and_packs_only_bf16():
+    packed = cpu_kernels.amx_pack(torch.randn(96, 48).bfloat16())
+    assert packed is not None and packed.shape == (2, 2, 4, 16, 16, 2)  # 128 x 64 of zeros
     assert cpu_kernels.amx_pack(torch.randn(64, 64)) is None  # float32
 
 
@@ -72,18 +82,18 @@ def test_amx_packs_only_weights_made_of_whole_tiles():
 @pytest.mark.parametrize("rows", [3, 32, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_linear_layer_runs_on_its_amx_copy(rows: int, bias: bool, monkeypatch):
-    layer = Linear(64, 128, bias=bias)
+    layer = Linear(64, 100, bias=bias)  # 100 outputs: the bias of a partial band too
     gen = torch.Generator().manual_seed(rows)
-    layer.weight.data = torch.randn(128, 64, generator=gen).bfloat16()
+    layer.weight.data = torch.randn(100, 64, generator=gen).bfloat16()
     if bias:
-        layer.bias.data = torch.randn(128, generator=gen).bfloat16()
+        layer.bias.data = torch.randn(100, generator=gen).bfloat16()
     layer.pack_weight()
     assert layer.packed_weight is not None and cpu_kernels.is_amx_packed(layer.packed_weight)
     x = torch.randn(rows, 64, generator=gen).bfloat16()
     calls: list[int] = []
     kernel = cpu_kernels.linear_amx
     monkeypatch.setattr(
-        cpu_kernels, "linear_amx", lambda x, p, b: calls.append(len(x)) or kernel(x, p, b)
+        cpu_kernels, "linear_amx", lambda x, p, n, b: calls.append(len(x)) or kernel(x, p, n, b)
     )
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert calls == [rows]
