@@ -5,7 +5,8 @@
 // packed once (amx_pack, zero-padded to whole tiles) so that each task streams one
 // contiguous band of it. A task owns 64 output columns: four 16 x 16 float accumulator
 // tiles, each step multiplying a 16-row x 32-deep tile of x (rows and depth past the end
-// are zero padding) by four 32 x 16 weight tiles; columns past N are never written.
+// are zero padding) by four 32 x 16 weight tiles; columns past N are never written. From
+// 64 rows (prefill) two row tiles share each weight tile, half a band at a time.
 // While the first row block streams the band, it touches every eighth cache line two steps
 // ahead, which keeps the hardware prefetcher's streams running; later row blocks find the
 // band in L2.
@@ -39,6 +40,7 @@ using bf16 = at::BFloat16;
 constexpr int64_t kAmxCols = 64;   // output columns of one task step: four 16-column tiles
 constexpr int64_t kAmxDepth = 32;  // bf16 products summed per tile step
 constexpr int64_t kAmxRows = 16;   // rows of x per tile
+constexpr int64_t kPairedRows = 64;  // from this many rows, two row tiles per weight tile
 
 constexpr int64_t round_up(int64_t size, int64_t multiple) {
   return (size + multiple - 1) / multiple * multiple;
@@ -73,24 +75,47 @@ void configure_tiles() {
   _tile_loadconfig(&config);
 }
 
+// `rows` rows of float sums (row stride `stride`) plus `bias` (float, or null), rounded to
+// nearest even as torch does, into `y` (stride `n_size`): the first `cols` columns, the rest
+// being the padding of a weight whose N is not a multiple of 64.
+void store_sums(const float* sums, int64_t stride, int64_t rows, int64_t cols,
+                const float* bias, bf16* y, int64_t n_size) {
+  for (int64_t c = 0; c < cols; c += 32) {
+    const int64_t valid = std::min<int64_t>(32, cols - c);
+    const __mmask32 mask = valid == 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << valid) - 1);
+    __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
+    if (bias != nullptr) {
+      bias_low = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), bias + c);
+      bias_high = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask >> 16), bias + c + 16);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 low = _mm512_add_ps(_mm512_load_ps(sums + r * stride + c), bias_low);
+      const __m512 high = _mm512_add_ps(_mm512_load_ps(sums + r * stride + c + 16), bias_high);
+      _mm512_mask_storeu_epi16(y + r * n_size + c, mask, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+  }
+}
+
+constexpr int64_t kTile = kAmxDepth * 16;  // bf16 elements of one weight tile
+
+// Touches every eighth cache line of the weight tiles two steps ahead of `tiles`.
+inline void prefetch_ahead(const bf16* tiles) {
+  const char* ahead = reinterpret_cast<const char*>(tiles + 8 * kTile);
+  for (int line = 0; line < 128; line += 8) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
+}
+
 // One task step: 16 rows of x (`x`, stride `k_size`) against one 64-column band (`band`:
-// k_size / 32 steps of four 1 KiB weight tiles), plus the band's `bias` (float, or null)
-// before the one rounding, into `y` (stride `n_size`): the first `rows` rows and `cols`
-// columns kept (the last band of a weight whose N is not a multiple of 64 is padding past
-// them).
+// k_size / 32 steps of four 1 KiB weight tiles), plus the band's `bias`, into `y`: the
+// first `rows` rows and `cols` columns kept.
 void amx_band(const bf16* x, int64_t k_size, const bf16* band, const float* bias,
               bool prefetch, int64_t rows, int64_t cols, bf16* y, int64_t n_size) {
-  constexpr int64_t kTile = kAmxDepth * 16;  // bf16 elements of one weight tile
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
   for (int64_t step = 0; step < k_size / kAmxDepth; ++step) {
     const bf16* tiles = band + step * 4 * kTile;
-    if (prefetch) {
-      const char* ahead = reinterpret_cast<const char*>(tiles + 8 * kTile);
-      for (int line = 0; line < 128; line += 8) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
-    }
+    if (prefetch) prefetch_ahead(tiles);
     _tile_loadd(4, x + step * kAmxDepth, k_size * sizeof(bf16));
     _tile_loadd(5, tiles, 64);
     _tile_dpbf16ps(0, 4, 5);
@@ -106,19 +131,40 @@ void amx_band(const bf16* x, int64_t k_size, const bf16* band, const float* bias
   _tile_stored(1, sums + 16, kAmxCols * sizeof(float));
   _tile_stored(2, sums + 32, kAmxCols * sizeof(float));
   _tile_stored(3, sums + 48, kAmxCols * sizeof(float));
-  for (int64_t c = 0; c < cols; c += 32) {  // round to nearest even, as torch does
-    const int64_t valid = std::min<int64_t>(32, cols - c);
-    const __mmask32 mask = valid == 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << valid) - 1);
-    __m512 bias_low = _mm512_setzero_ps(), bias_high = _mm512_setzero_ps();
-    if (bias != nullptr) {
-      bias_low = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask), bias + c);
-      bias_high = _mm512_maskz_loadu_ps(static_cast<__mmask16>(mask >> 16), bias + c + 16);
+  store_sums(sums, kAmxCols, rows, cols, bias, y, n_size);
+}
+
+// The same for 32 rows of x (two row tiles), a 32-column half of the band at a time: each
+// weight tile then feeds two row tiles, four tile loads for four products instead of five
+// (from kPairedRows rows: prefill, where the band is read from L2 again for every pair).
+void amx_band_pair(const bf16* x, int64_t k_size, const bf16* band, const float* bias,
+                   bool prefetch, int64_t rows, int64_t cols, bf16* y, int64_t n_size) {
+  constexpr int64_t kHalf = kAmxCols / 2;
+  for (int64_t half = 0; half * kHalf < cols; ++half) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t step = 0; step < k_size / kAmxDepth; ++step) {
+      const bf16* tiles = band + step * 4 * kTile;
+      if (prefetch && half == 0) prefetch_ahead(tiles);
+      tiles += half * 2 * kTile;
+      _tile_loadd(4, x + step * kAmxDepth, k_size * sizeof(bf16));
+      _tile_loadd(6, tiles, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(5, x + kAmxRows * k_size + step * kAmxDepth, k_size * sizeof(bf16));
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_loadd(7, tiles + kTile, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512 low = _mm512_add_ps(_mm512_load_ps(sums + r * kAmxCols + c), bias_low);
-      const __m512 high = _mm512_add_ps(_mm512_load_ps(sums + r * kAmxCols + c + 16), bias_high);
-      _mm512_mask_storeu_epi16(y + r * n_size + c, mask, (__m512i)_mm512_cvtne2ps_pbh(high, low));
-    }
+    alignas(64) float sums[2 * kAmxRows * kHalf];
+    _tile_stored(0, sums, kHalf * sizeof(float));
+    _tile_stored(1, sums + 16, kHalf * sizeof(float));
+    _tile_stored(2, sums + kAmxRows * kHalf, kHalf * sizeof(float));
+    _tile_stored(3, sums + kAmxRows * kHalf + 16, kHalf * sizeof(float));
+    store_sums(sums, kHalf, rows, std::min(kHalf, cols - half * kHalf),
+               bias == nullptr ? nullptr : bias + half * kHalf, y + half * kHalf, n_size);
   }
 }
 #endif
@@ -169,14 +215,24 @@ at::Tensor linear_amx(const at::Tensor& input, const at::Tensor& packed, int64_t
   }
   const float* bias_ptr = bias.has_value() ? bias_float.const_data_ptr<float>() : nullptr;
   const int64_t band_size = k_size * kAmxCols;
+  // Pairs of row tiles from 64 rows (prefill): a decode batch streams each band once from
+  // memory, which the single row tile's step does best.
+  const bool paired = padded >= kPairedRows;
   at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     for (int64_t band = begin; band < end; ++band) {
-      for (int64_t row = 0; row < padded; row += kAmxRows) {
-        amx_band(x_ptr + row * k_size, k_size, w_ptr + band * band_size,
-                 bias_ptr == nullptr ? nullptr : bias_ptr + band * kAmxCols, row == 0,
-                 std::min(kAmxRows, m_size - row), std::min(kAmxCols, n_size - band * kAmxCols),
-                 out_ptr + row * n_size + band * kAmxCols, n_size);
+      const float* band_bias = bias_ptr == nullptr ? nullptr : bias_ptr + band * kAmxCols;
+      const int64_t cols = std::min(kAmxCols, n_size - band * kAmxCols);
+      int64_t row = 0;
+      for (; paired && row + 2 * kAmxRows <= padded; row += 2 * kAmxRows) {
+        amx_band_pair(x_ptr + row * k_size, k_size, w_ptr + band * band_size, band_bias,
+                      row == 0, std::min(2 * kAmxRows, m_size - row), cols,
+                      out_ptr + row * n_size + band * kAmxCols, n_size);
+      }
+      for (; row < padded; row += kAmxRows) {
+        amx_band(x_ptr + row * k_size, k_size, w_ptr + band * band_size, band_bias, row == 0,
+                 std::min(kAmxRows, m_size - row), cols, out_ptr + row * n_size + band * kAmxCols,
+                 n_size);
       }
     }
     _tile_release();

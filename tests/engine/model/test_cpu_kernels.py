@@ -46,7 +46,8 @@ amx = pytest.mark.skipif(
 
 
 @amx
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])  # whole and partial 16-row tiles
+# Whole and partial 16-row tiles; from 64 rows pairs of them, then a single one.
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 64, 70, 100])
 @pytest.mark.parametrize(
     ("out_features", "in_features"),
     [
