@@ -104,15 +104,19 @@ inline void prefetch_ahead(const bf16* tiles) {
   for (int line = 0; line < 128; line += 8) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
 }
 
+inline void zero_accumulators() {  // tiles 0-3; tile numbers are immediates
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
 // One task step: 16 rows of x (`x`, stride `k_size`) against one 64-column band (`band`:
 // k_size / 32 steps of four 1 KiB weight tiles), plus the band's `bias`, into `y`: the
 // first `rows` rows and `cols` columns kept.
 void amx_band(const bf16* x, int64_t k_size, const bf16* band, const float* bias,
               bool prefetch, int64_t rows, int64_t cols, bf16* y, int64_t n_size) {
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  zero_accumulators();
   for (int64_t step = 0; step < k_size / kAmxDepth; ++step) {
     const bf16* tiles = band + step * 4 * kTile;
     if (prefetch) prefetch_ahead(tiles);
@@ -141,10 +145,7 @@ void amx_band_pair(const bf16* x, int64_t k_size, const bf16* band, const float*
                    bool prefetch, int64_t rows, int64_t cols, bf16* y, int64_t n_size) {
   constexpr int64_t kHalf = kAmxCols / 2;
   for (int64_t half = 0; half * kHalf < cols; ++half) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_accumulators();
     for (int64_t step = 0; step < k_size / kAmxDepth; ++step) {
       const bf16* tiles = band + step * 4 * kTile;
       if (prefetch && half == 0) prefetch_ahead(tiles);
