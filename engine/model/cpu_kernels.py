@@ -8,6 +8,9 @@ arithmetic.
   per KV head of it, when requests are few).
 - `rms_norm` (`csrc/norm.cpp`): the residual add and RMSNorm of 16-bit activations in one
   op, where torch dispatches about eight.
+- `rotary` (`csrc/rotary.cpp`) and `silu_and_mul` (`csrc/activation.cpp`): a layer's
+  rotary embedding and gated activation in one op each, where torch dispatches three or
+  four.
 - `linear_amx` and `linear_few_rows` (`csrc/linear.cpp`): bf16 matmuls on AMX tiles over a
   weight packed once for them (`amx_pack`), and by dot products over the plain weight for
   the one or two rows (`FEW_ROWS`) of the smallest decode batches. oneDNN's packed kernels
@@ -39,10 +42,12 @@ from engine.model.tokenizer_cache import cache_root
 
 logger = logging.getLogger(__name__)
 
+CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
-    Path(__file__).with_name("csrc") / name
-    for name in ("decode_attention.cpp", "norm.cpp", "linear.cpp")
+    CSRC / name
+    for name in ("decode_attention.cpp", "norm.cpp", "linear.cpp", "rotary.cpp", "activation.cpp")
 ]
+HEADERS = [CSRC / "vec16.h"]
 NAME = "radixserve_cpu_kernels"
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 """Set to 0 to keep the CPU decode step on torch ops."""
@@ -88,7 +93,9 @@ def _build(library: Path) -> None:
             name=NAME,
             sources=[str(source) for source in SOURCES],
             build_directory=build_dir,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            # No fused multiply-adds where the source has a product and a sum: the kernels
+            # that mirror torch's ops round as those ops do (explicit FMA intrinsics stay).
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
             is_python_module=False,
             verbose=False,
         )
@@ -96,7 +103,7 @@ def _build(library: Path) -> None:
 
 
 def _build_key() -> str:
-    """Sources, torch version and the CPU's flags: a cache shared by different machines
+    """Sources, headers, torch version and the CPU's flags: a cache shared by different machines
     never hands one a kernel built for another's instructions."""
     flags = ""
     cpuinfo = Path("/proc/cpuinfo")
@@ -106,7 +113,7 @@ def _build_key() -> str:
         )
     digest = hashlib.sha256()
     for part in (
-        *(source.read_bytes() for source in SOURCES),
+        *(source.read_bytes() for source in (*SOURCES, *HEADERS)),
         torch.__version__.encode(),
         flags.encode(),
     ):
@@ -136,6 +143,20 @@ def rms_norm(
     """`RMSNorm` of bf16/half `[T, hidden]` rows, `residual += x` first (in place) when given:
     float32 inside, rounded where transformers rounds (normalised, then times the weight)."""
     out: torch.Tensor = torch.ops.radixserve_cpu.rms_norm(x, residual, weight, eps)
+    return out
+
+
+def rotary(qk: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """Rotate `qk` `[T, heads, head_dim]` (float32, bf16 or half; whole heads side by side in
+    each row) in place by `cos_sin` `[T, 2, 1, head_dim]` (`RotaryEmbedding.cos_sin`),
+    bit for bit as the torch ops of `RotaryEmbedding.forward`."""
+    torch.ops.radixserve_cpu.rotary(qk, cos_sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of bf16/half `x` `[T, 2 * d]` (gate, then up), rounded where torch's
+    `F.silu(gate).mul_(up)` rounds."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.silu_and_mul(x)
     return out
 
 

@@ -12,6 +12,8 @@
 // of up to 4 query heads stay in registers across a block of values. Other builds, double and other head sizes take the plain loops, which also
 // score the keys after the last full block.
 
+#include "vec16.h"
+
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -22,7 +24,6 @@
 #endif
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -34,37 +35,6 @@ namespace {
 // How far ahead a task prefetches its keys and values: slots are scattered over the pool,
 // so the hardware prefetcher cannot guess the next row.
 constexpr int64_t kPrefetchDistance = 4;
-
-// exp(x) for x <= 0 in float, in a form the compiler vectorizes (std::exp is a libm call per
-// element, the largest cost of the softmax): x = n ln2 + f ln2 with n an integer and
-// |f| <= 1/2, 2^f by its Taylor series to degree 7 (relative error below 1e-8, under float's
-// rounding), 2^n by building the exponent bits. Below -87 (where exp underflows float's
-// normal range) it returns exp(-87), about 1.6e-38: a weight no softmax sum can notice.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
-  const float magic = 12582912.0f;  // 1.5 * 2^23: adding and subtracting it rounds to an integer
-  const float n = (t + magic) - magic;
-  const float f = (t - n) * 0.69314718055994531f;
-  float p = 1.98412698e-4f;  // 1/7!, then Horner down to 1/0!
-  p = p * f + 1.38888889e-3f;
-  p = p * f + 8.33333333e-3f;
-  p = p * f + 4.16666667e-2f;
-  p = p * f + 1.66666667e-1f;
-  p = p * f + 0.5f;
-  p = p * f + 1.0f;
-  p = p * f + 1.0f;
-  const int32_t exponent = (static_cast<int32_t>(n) + 127) << 23;
-  return p * std::bit_cast<float>(exponent);
-}
-
-template <typename acc_t>
-acc_t exp_of_nonpositive(acc_t x) {
-  if constexpr (std::is_same_v<acc_t, float>) {
-    return exp_nonpositive(x);
-  } else {
-    return std::exp(x);
-  }
-}
 
 // One task's slice of token j's row of a KV buffer, in place. The slice of token
 // j + kPrefetchDistance is prefetched on the way.
@@ -108,16 +78,7 @@ const acc_t* load_token(
 }
 
 #if defined(__AVX512F__)
-// 16 elements of a K/V row as floats, converted in registers (bf16: the 16 bits are a
-// float's high half).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using radixserve::load16;
 
 // Lane i of the result is the sum of the 16 lanes of v[i]: the 16 sums of 16 vectors in
 // 15 adds and 28 shuffles, where reducing each vector alone takes 4 shuffles and 4 adds.
@@ -287,9 +248,23 @@ void decode_attention_kernel(
 #pragma omp simd reduction(max : top)
         for (int64_t j = 0; j < len; ++j) top = std::max(top, score[j]);
         acc_t total = 0;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < len; ++j) {
-          score[j] = exp_of_nonpositive(score[j] - top);
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<acc_t, float>) {
+          const __m512 top16 = _mm512_set1_ps(top);
+          __m512 total16 = _mm512_setzero_ps();
+          for (; j < len; j += 16) {
+            const __mmask16 mask = radixserve::first_lanes(len - j);
+            const __m512 weight = radixserve::exp16_nonpositive(
+                _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, score + j), top16));
+            _mm512_mask_storeu_ps(score + j, mask, weight);
+            total16 = _mm512_add_ps(total16, _mm512_maskz_mov_ps(mask, weight));
+          }
+          total = _mm512_reduce_add_ps(total16);
+        }
+#endif
+        for (; j < len; ++j) {
+          score[j] = std::exp(score[j] - top);
           total += score[j];
         }
         const acc_t inverse = len > 0 ? acc_t(1) / total : acc_t(0);

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -138,11 +139,13 @@ void amx_band(const bf16* x, int64_t k_size, const bf16* band, const float* bias
   store_sums(sums, kAmxCols, rows, cols, bias, y, n_size);
 }
 
-// The same for 32 rows of x (two row tiles), a 32-column half of the band at a time: each
+// The same for 32 rows of x (two row tiles: `x` and `x_next`), a 32-column half of the band
+// at a time: each
 // weight tile then feeds two row tiles, four tile loads for four products instead of five
 // (from kPairedRows rows: prefill, where the band is read from L2 again for every pair).
-void amx_band_pair(const bf16* x, int64_t k_size, const bf16* band, const float* bias,
-                   bool prefetch, int64_t rows, int64_t cols, bf16* y, int64_t n_size) {
+void amx_band_pair(const bf16* x, const bf16* x_next, int64_t k_size, const bf16* band,
+                   const float* bias, bool prefetch, int64_t rows, int64_t cols, bf16* y,
+                   int64_t n_size) {
   constexpr int64_t kHalf = kAmxCols / 2;
   for (int64_t half = 0; half * kHalf < cols; ++half) {
     zero_accumulators();
@@ -153,7 +156,7 @@ void amx_band_pair(const bf16* x, int64_t k_size, const bf16* band, const float*
       _tile_loadd(4, x + step * kAmxDepth, k_size * sizeof(bf16));
       _tile_loadd(6, tiles, 64);
       _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(5, x + kAmxRows * k_size + step * kAmxDepth, k_size * sizeof(bf16));
+      _tile_loadd(5, x_next + step * kAmxDepth, k_size * sizeof(bf16));
       _tile_dpbf16ps(2, 5, 6);
       _tile_loadd(7, tiles + kTile, 64);
       _tile_dpbf16ps(1, 4, 7);
@@ -200,21 +203,30 @@ at::Tensor linear_amx(const at::Tensor& input, const at::Tensor& packed, int64_t
               "a weight from amx_pack of [out_features, the input's K]");
 #if defined(RADIXSERVE_AMX)
   TORCH_CHECK(amx_permitted(), "the kernel may not use AMX here");
-  const int64_t padded = round_up(m_size, kAmxRows);  // rows and K padded with zeros
-  const at::Tensor x =
-      padded == m_size && k_size == input.size(1)
-          ? input.contiguous()
-          : at::constant_pad_nd(input, {0, k_size - input.size(1), 0, padded - m_size});
-  at::Tensor out = at::empty({m_size, n_size}, input.options());
+  // K padded with zeros to whole tile steps (a weight of odd width: LoRA's B), the rows past
+  // the last whole tile copied into a zero-padded tile of their own.
+  const at::Tensor x = k_size == input.size(1)
+                           ? input.contiguous()
+                           : at::constant_pad_nd(input, {0, k_size - input.size(1)});
+  const int64_t whole_rows = m_size / kAmxRows * kAmxRows;
+  const int64_t padded = round_up(m_size, kAmxRows);
   const bf16* x_ptr = x.const_data_ptr<bf16>();
+  std::vector<bf16> tail(padded > m_size ? kAmxRows * k_size : 0);  // zeros
+  std::copy_n(x_ptr + whole_rows * k_size, (m_size - whole_rows) * k_size, tail.data());
+  const auto row_tile = [&](int64_t row) {
+    return row < whole_rows ? x_ptr + row * k_size : tail.data();
+  };
+  at::Tensor out = at::empty({m_size, n_size}, input.options());
   const bf16* w_ptr = packed.const_data_ptr<bf16>();
   bf16* out_ptr = out.data_ptr<bf16>();
-  at::Tensor bias_float;
+  std::vector<float> bias_float;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == n_size, "one bias per output feature");
-    bias_float = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias->numel() == n_size && bias->scalar_type() == at::kBFloat16,
+                "one bf16 bias per output feature");
+    const at::Tensor b = bias->contiguous();
+    bias_float.assign(b.const_data_ptr<bf16>(), b.const_data_ptr<bf16>() + n_size);
   }
-  const float* bias_ptr = bias.has_value() ? bias_float.const_data_ptr<float>() : nullptr;
+  const float* bias_ptr = bias.has_value() ? bias_float.data() : nullptr;
   const int64_t band_size = k_size * kAmxCols;
   // Pairs of row tiles from 64 rows (prefill): a decode batch streams each band once from
   // memory, which the single row tile's step does best.
@@ -226,12 +238,12 @@ at::Tensor linear_amx(const at::Tensor& input, const at::Tensor& packed, int64_t
       const int64_t cols = std::min(kAmxCols, n_size - band * kAmxCols);
       int64_t row = 0;
       for (; paired && row + 2 * kAmxRows <= padded; row += 2 * kAmxRows) {
-        amx_band_pair(x_ptr + row * k_size, k_size, w_ptr + band * band_size, band_bias,
-                      row == 0, std::min(2 * kAmxRows, m_size - row), cols,
+        amx_band_pair(row_tile(row), row_tile(row + kAmxRows), k_size, w_ptr + band * band_size,
+                      band_bias, row == 0, std::min(2 * kAmxRows, m_size - row), cols,
                       out_ptr + row * n_size + band * kAmxCols, n_size);
       }
       for (; row < padded; row += kAmxRows) {
-        amx_band(x_ptr + row * k_size, k_size, w_ptr + band * band_size, band_bias, row == 0,
+        amx_band(row_tile(row), k_size, w_ptr + band * band_size, band_bias, row == 0,
                  std::min(kAmxRows, m_size - row), cols, out_ptr + row * n_size + band * kAmxCols,
                  n_size);
       }

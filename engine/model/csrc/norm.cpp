@@ -3,6 +3,8 @@
 // (the sum, the normalised row, the product with the weight), so that it differs from them
 // only by the order of the float sum of squares.
 
+#include "vec16.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -29,24 +31,44 @@ void rms_norm_rows(
   at::parallel_for(0, rows, kNormRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       scalar_t* res_row = residual + r * width;
-      if (x != nullptr) {
-        const scalar_t* x_row = x + r * width;
-#pragma omp simd
-        for (int64_t i = 0; i < width; ++i) {
+      const scalar_t* x_row = x == nullptr ? nullptr : x + r * width;
+      scalar_t* out_row = out + r * width;
+      float sum_squares = 0.0f;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      using radixserve::load16, radixserve::store16;
+      __m512 squares = _mm512_setzero_ps();
+      for (; i < width; i += 16) {
+        const __mmask16 mask = radixserve::first_lanes(width - i);
+        __m512 value = load16(res_row + i, mask);
+        if (x_row != nullptr) {
+          value = radixserve::round16<scalar_t>(_mm512_add_ps(value, load16(x_row + i, mask)));
+          store16(res_row + i, value, mask);
+        }
+        squares = _mm512_fmadd_ps(value, value, squares);
+      }
+      sum_squares = _mm512_reduce_add_ps(squares);
+#endif
+      for (; i < width; ++i) {
+        if (x_row != nullptr) {
           res_row[i] = static_cast<scalar_t>(static_cast<float>(res_row[i]) +
                                              static_cast<float>(x_row[i]));
         }
-      }
-      float sum_squares = 0.0f;
-#pragma omp simd reduction(+ : sum_squares)
-      for (int64_t i = 0; i < width; ++i) {
         const float value = static_cast<float>(res_row[i]);
         sum_squares += value * value;
       }
       const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(width) + eps);
-      scalar_t* out_row = out + r * width;
-#pragma omp simd
-      for (int64_t i = 0; i < width; ++i) {
+      i = 0;
+#if defined(__AVX512F__)
+      const __m512 scale = _mm512_set1_ps(inv_rms);
+      for (; i < width; i += 16) {
+        const __mmask16 mask = radixserve::first_lanes(width - i);
+        const __m512 normed =
+            radixserve::round16<scalar_t>(_mm512_mul_ps(load16(res_row + i, mask), scale));
+        store16(out_row + i, _mm512_mul_ps(normed, load16(weight + i, mask)), mask);
+      }
+#endif
+      for (; i < width; ++i) {
         const scalar_t normed = static_cast<scalar_t>(static_cast<float>(res_row[i]) * inv_rms);
         out_row[i] = static_cast<scalar_t>(static_cast<float>(normed) *
                                            static_cast<float>(weight[i]));

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.model import layers
+from engine.model import cpu_kernels, layers
 
 
 def compute_inv_freq(
@@ -64,7 +64,8 @@ class RotaryEmbedding(nn.Module):
     """Rotates q and k by their token's position. cos/sin are tabulated once in float32 for
     every position up to `max_position` (one table shared by all layers), gathered once per
     forward for the batch's positions and cast to the activations' dtype, as transformers
-    does; each layer then rotates its q and k heads together, in place."""
+    does; each layer then rotates its q and k heads together, in place: one Triton kernel on
+    CUDA, one C++ op on CPU (`cpu_kernels.rotary`), where torch dispatches four."""
 
     cos_sin_cache: torch.Tensor  # [max_position, 2, head_dim / 2] float32: cos, sin
 
@@ -100,6 +101,9 @@ class RotaryEmbedding(nn.Module):
             from engine.model.layers import triton_ops  # imports Triton: CUDA only
 
             triton_ops.rotary_(qk, cos_sin)
+            return
+        if qk.dtype != torch.float64 and qk.device.type == "cpu" and cpu_kernels.enabled():
+            cpu_kernels.rotary(qk, cos_sin)
             return
         cos, sin = cos_sin.unbind(1)
         rotated = torch.roll(qk, self.head_dim // 2, dims=-1).mul_(sin)

@@ -1,6 +1,6 @@
-"""The CPU layer kernels (`engine/model/csrc/linear.cpp`, `norm.cpp`) against float64 and
-against the torch ops they replace: the AMX and few-rows bf16 matmuls and the fused
-residual add + RMSNorm."""
+"""The CPU layer kernels (`engine/model/csrc/`) against float64 and against the torch ops
+they replace: the AMX and few-rows bf16 matmuls, the fused residual add + RMSNorm, the
+rotary embedding and the gated activation."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ amx = pytest.mark.skipif(
 
 
 @amx
-# Whole and partial 16-row tiles; from 64 rows pairs of them, then a single one.
-@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 64, 70, 100])
+# Whole and partial 16-row tiles; from 64 rows pairs of them, then a single one (50: a pair
+# whose second tile is the partial one).
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40, 50, 64, 70, 100])
 @pytest.mark.parametrize(
     ("out_features", "in_features"),
     [
@@ -145,3 +146,50 @@ def test_rms_norm_matches_the_torch_ops(dtype: torch.dtype, rows: int, with_resi
     two_units = expected.float().abs() * 2.0 ** -(6 if dtype == torch.bfloat16 else 9)
     assert ((out.float() - expected.float()).abs() <= two_units).all()
     assert (out == expected).float().mean() > 0.99
+
+
+def torch_rotary(qk: torch.Tensor, cos_sin: torch.Tensor) -> None:
+    """`RotaryEmbedding.forward`'s torch ops."""
+    cos, sin = cos_sin.unbind(1)
+    rotated = torch.roll(qk, qk.shape[-1] // 2, dims=-1).mul_(sin)
+    qk.mul_(cos).add_(rotated)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# 16: a half of 8 lanes; 48: one whole 16-lane step and a partial one
+@pytest.mark.parametrize("head_dim", [16, 48, 64, 128])
+@pytest.mark.parametrize("tokens", [1, 5, 70])  # 70: more tokens than one thread's share
+def test_rotary_equals_the_torch_ops_bit_for_bit(dtype: torch.dtype, head_dim: int, tokens: int):
+    from engine.model.layers.rotary_embedding import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(head_dim + tokens)
+    rope = RotaryEmbedding(head_dim, 4096, 10000.0)
+    cos_sin = rope.cos_sin(torch.randint(4096, (tokens,), generator=gen), dtype)
+    # q's 6 heads and k's 2 in the fused qkv row, v's 2 after them (left alone)
+    qkv = (torch.randn(tokens, 10, head_dim, generator=gen) * 4).to(dtype)
+    expected = qkv.clone()
+    torch_rotary(expected[:, :8], cos_sin)
+    cpu_kernels.rotary(qkv[:, :8], cos_sin)
+    assert torch.equal(qkv, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (5, 24), (40, 80)])  # 24, 80: tails
+def test_silu_and_mul_matches_the_torch_ops(dtype: torch.dtype, rows: int, width: int):
+    gen = torch.Generator().manual_seed(rows + width)
+    x = (torch.randn(rows, 2 * width, generator=gen) * 6).to(dtype)
+    # exp(-x) overflowing (torch: -0), saturating, signed zeros, infinities and NaN
+    x[0, :9] = torch.tensor([-100.0, -88.0, 30.0, 0.0, -0.0, float("inf"), -float("inf"), 1.0, 2.0])
+    x[0, 8] = float("nan")
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate).mul_(up)
+    out = cpu_kernels.silu_and_mul(x)
+    assert out.shape == (rows, width) and out.dtype == dtype
+    # The sigmoid's exp is a polynomial within a float rounding of libm's: a value may round
+    # one unit apart. Below -87 the kernel gives -0 where torch's value is under 1e-35.
+    unit = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+    close = (out.float() - expected.float()).abs() <= expected.float().abs() * unit + 1e-35
+    same = (out == expected) | (out.isnan() & expected.isnan())
+    assert (close | same).all()
+    assert same.float().mean() > 0.99
+    assert torch.equal(out[0, :6].float().signbit(), expected[0, :6].float().signbit())

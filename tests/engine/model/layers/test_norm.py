@@ -8,7 +8,6 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from engine.model import cpu_kernels
 from engine.model.layers.norm import RMSNorm
 
 DTYPES = [torch.bfloat16, torch.float32, torch.float64]
@@ -24,15 +23,6 @@ def norms(dtype: torch.dtype, hidden: int = 96) -> tuple[RMSNorm, LlamaRMSNorm]:
 def rows(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return (torch.randn(n, 96, generator=gen) * torch.rand(n, 1, generator=gen) * 8).to(dtype)
-
-
-@pytest.fixture(params=["torch-ops", "kernel"])
-def path(request, monkeypatch) -> str:
-    if request.param == "torch-ops":
-        monkeypatch.setattr(cpu_kernels, "enabled", lambda: False)
-    else:
-        assert cpu_kernels.enabled()
-    return str(request.param)
 
 
 def assert_matches(ours: torch.Tensor, theirs: torch.Tensor, path: str) -> None:

@@ -72,8 +72,8 @@ def test_rotation_equals_transformers(rope):
     assert torch.equal(q_ours, q_hf) and torch.equal(k_ours, k_hf)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rotation_rounds_as_transformers_does(dtype: torch.dtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rotation_rounds_as_transformers_does(dtype: torch.dtype, path: str):
     config = hf_config(ROPES["default"])
     ours = RotaryEmbedding(128, 4096, 10000.0)
     positions = torch.tensor([0, 3, 511, 4095])
