@@ -7,10 +7,13 @@
 // pool slot of request r's j-th token, and only the first `seq_lens[r]` of them are read.
 //
 // Built with AVX-512 (the kernel is compiled for the CPU at hand) and float accumulation,
-// keys and values go in blocks of 16 tokens, read from the pool and widened to float in
-// registers: the 16 dot products of a query head share one reduction, and the weighted sums
-// of up to 4 query heads stay in registers across a block of values. Other builds, double and other head sizes take the plain loops, which also
-// score the keys after the last full block.
+// keys and values go in blocks of 16 tokens, read from the pool in place: a query head's 16
+// dot products run as 16 independent chains and share one reduction (bf16 keys as stored,
+// 32 products per AVX512-BF16 instruction; others widened to float in registers), the
+// block's values are fetched into L2 meanwhile, and the weighted sums of up to 4 query heads
+// stay in registers across a block of values. The softmax's max and exp take 16 scores at a
+// time. Other builds, double and other head sizes take the plain loops, which also score the
+// keys after the last full block.
 
 #include "vec16.h"
 
@@ -35,6 +38,16 @@ namespace {
 // How far ahead a task prefetches its keys and values: slots are scattered over the pool,
 // so the hardware prefetcher cannot guess the next row.
 constexpr int64_t kPrefetchDistance = 4;
+
+// The values of a block of keys are fetched into L2 while the keys are scored: the value
+// pass then finds them there, and the two streams overlap their wait for memory.
+template <typename scalar_t>
+inline void prefetch_to_l2(const scalar_t* row, int64_t width) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t byte = 0; byte < width * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) {
+    __builtin_prefetch(bytes + byte, 0, 2);  // locality 2: into L2
+  }
+}
 
 // One task's slice of token j's row of a KV buffer, in place. The slice of token
 // j + kPrefetchDistance is prefetched on the way.
@@ -109,16 +122,31 @@ inline __m512 sum_lanes_16(const __m512* v) {
 template <typename scalar_t>
 inline void score_block_16(
     const float* query, const scalar_t* const* keys, int64_t head_dim, float* scores) {
-  __m512 dots[16];
-  for (int t = 0; t < 16; ++t) {
-    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(query), load16(keys[t]));
-    for (int64_t d = 16; d < head_dim; d += 16) {
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(query + d), load16(keys[t] + d), acc);
-    }
-    dots[t] = acc;
+  __m512 dots[16];  // 16 independent chains: the keys' loads overlap
+  for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    const __m512 q = _mm512_loadu_ps(query + d);
+    for (int t = 0; t < 16; ++t) dots[t] = _mm512_fmadd_ps(q, load16(keys[t] + d), dots[t]);
   }
   _mm512_storeu_ps(scores, sum_lanes_16(dots));
 }
+
+#if defined(__AVX512BF16__)
+// The same for a bf16 query head and bf16 keys (head_dim a multiple of 32), as stored: 32
+// products per instruction, no widening; the scaling applied to the 16 scores.
+inline void score_block_16(const at::BFloat16* query, const at::BFloat16* const* keys,
+                           int64_t head_dim, float scaling, float* scores) {
+  __m512 dots[16];
+  for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 32) {
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(query + d);
+    for (int t = 0; t < 16; ++t) {
+      dots[t] = _mm512_dpbf16_ps(dots[t], q, (__m512bh)_mm512_loadu_si512(keys[t] + d));
+    }
+  }
+  _mm512_storeu_ps(scores, _mm512_mul_ps(sum_lanes_16(dots), _mm512_set1_ps(scaling)));
+}
+#endif
 
 // Adds `scores[g * score_stride + t] * values[t]` over the `count` value rows (head_dim =
 // 16 * CHUNKS floats each, at `offset` in each row) to `sums[g]` for G query heads: the
@@ -219,12 +247,21 @@ void decode_attention_kernel(
             const scalar_t* keys[16];
             for (int t = 0; t < 16; ++t) {
               keys[t] = locate_token(k_ptr + offset, row, scored + t, len, token_stride, task_dim);
+              prefetch_to_l2(v_ptr + offset + row[scored + t] * token_stride, task_dim);
             }
             for (int64_t qh = 0; qh < task_heads; ++qh) {
               const scalar_t* head_keys[16];
               for (int t = 0; t < 16; ++t) head_keys[t] = keys[t] + (qh / group) * head_dim;
-              score_block_16(queries.data() + qh * head_dim, head_keys, head_dim,
-                             scores.data() + qh * max_len + scored);
+              float* head_scores = scores.data() + qh * max_len + scored;
+#if defined(__AVX512BF16__)
+              if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+                if (head_dim % 32 == 0) {
+                  score_block_16(q_row + qh * head_dim, head_keys, head_dim, scaling, head_scores);
+                  continue;
+                }
+              }
+#endif
+              score_block_16(queries.data() + qh * head_dim, head_keys, head_dim, head_scores);
             }
           }
         }
@@ -245,10 +282,20 @@ void decode_attention_kernel(
       for (int64_t qh = 0; qh < task_heads; ++qh) {
         acc_t* score = scores.data() + qh * max_len;
         acc_t top = -std::numeric_limits<acc_t>::infinity();
-#pragma omp simd reduction(max : top)
-        for (int64_t j = 0; j < len; ++j) top = std::max(top, score[j]);
-        acc_t total = 0;
         int64_t j = 0;
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<acc_t, float>) {  // a scalar max is a serial chain
+          __m512 top16 = _mm512_set1_ps(top);
+          for (; j < len; j += 16) {
+            top16 = _mm512_mask_max_ps(top16, radixserve::first_lanes(len - j), top16,
+                                       _mm512_loadu_ps(score + j));
+          }
+          top = _mm512_reduce_max_ps(top16);
+        }
+#endif
+        for (; j < len; ++j) top = std::max(top, score[j]);
+        acc_t total = 0;
+        j = 0;
 #if defined(__AVX512F__)
         if constexpr (std::is_same_v<acc_t, float>) {
           const __m512 top16 = _mm512_set1_ps(top);
