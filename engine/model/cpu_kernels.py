@@ -45,9 +45,16 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [
     CSRC / name
-    for name in ("decode_attention.cpp", "norm.cpp", "linear.cpp", "rotary.cpp", "activation.cpp")
+    for name in (
+        "decode_attention.cpp",
+        "extend_attention.cpp",
+        "norm.cpp",
+        "linear.cpp",
+        "rotary.cpp",
+        "activation.cpp",
+    )
 ]
-HEADERS = [CSRC / "vec16.h"]
+HEADERS = [CSRC / "vec16.h", CSRC / "amx.h"]
 NAME = "radixserve_cpu_kernels"
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 """Set to 0 to keep the CPU decode step on torch ops."""
@@ -133,6 +140,32 @@ def decode_attention(
     of row r of `slots` (`[n, max_len]` int64), the pool buffers `[slots, kv_heads, dim]`."""
     out: torch.Tensor = torch.ops.radixserve_cpu.decode_attention(
         q, k_buffer, v_buffer, slots, seq_lens, scaling
+    )
+    return out
+
+
+@functools.cache
+def extend_attention_available() -> bool:
+    """The kernels are loaded and `extend_attention` may use AMX here."""
+    return available() and bool(torch.ops.radixserve_cpu.extend_attention_supported())
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slots: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    extend_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Causal attention of bf16 multi-token requests `[T, heads, head_dim]` (head_dim a
+    multiple of 64): request r's `extend_lens[r]` queries start at row `q_starts[r]` of `q`
+    and see the first `prefix_lens[r] + i + 1` of its `slots[r]` (int64 `[n, max_len]`: its
+    prefix, then its new tokens). Rows of `q` outside every request come back zero."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.extend_attention(
+        q, k_buffer, v_buffer, slots, prefix_lens, extend_lens, q_starts, scaling
     )
     return out
 

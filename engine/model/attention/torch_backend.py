@@ -25,6 +25,17 @@ class ExtendSeq:
 
 
 @dataclass
+class ExtendGroup:
+    """All multi-token requests of a bf16 batch as the C++ extend kernel reads them, where
+    AMX runs it (`cpu_kernels.extend_attention`)."""
+
+    slots: torch.Tensor  # [n, longest] int64: each request's prefix slots, then its new ones
+    prefix_lens: torch.Tensor  # [n] int64
+    extend_lens: torch.Tensor  # [n] int64
+    q_starts: torch.Tensor  # [n] int64: the row of q where each request's new tokens start
+
+
+@dataclass
 class TorchDecodeRows:
     """What the torch-ops decode reads: keys gathered head-major (row (r, h, j) of the
     gather is KV head h of request r's j-th key), values read in place."""
@@ -52,6 +63,8 @@ class DecodeGroup:
 class ForwardMetadata:
     extend_seqs: list[ExtendSeq]
     decode: DecodeGroup | None
+    extend_group: ExtendGroup | None = None
+    """Set instead of `extend_seqs`' masks when the C++ extend kernel attends."""
     opaque_decode: bool = False
     """Decode through the `radixserve::decode_attention` op, which builds its own group:
     under `torch.compile`, where the group's size (the batch's longest context) must not
@@ -78,7 +91,10 @@ class TorchAttnBackend(AttentionBackend):
     that replay Python (the CPU tests); eager decode pads only to the batch's longest.
 
     On CPU, decode attention runs in a C++ kernel that reads keys and values in place
-    (`cpu_kernels`) where it can be built; `cpu_kernel=False` keeps the torch ops.
+    (`cpu_kernels`) where it can be built, and so does the prefill of a bf16 batch where the
+    CPU has AMX (head_dim a multiple of 64): one call for all its multi-token requests, the
+    products on tiles, where SDPA takes them at float speed. `cpu_kernel=False` keeps the
+    torch ops.
     """
 
     def __init__(
@@ -93,6 +109,9 @@ class TorchAttnBackend(AttentionBackend):
         self.cpu_kernel = (
             cpu_kernel and torch.device(device).type == "cpu" and cpu_kernels.available()
         )
+        self.amx_extend = (
+            self.cpu_kernel and head_dim % 64 == 0 and cpu_kernels.extend_attention_available()
+        )
         self.forward_metadata: ForwardMetadata | None = None
         self.graph_max_seq_len = 0
         self.graph_static_shapes = True
@@ -105,6 +124,7 @@ class TorchAttnBackend(AttentionBackend):
             )
             self.forward_metadata = ForwardMetadata([], group)
             return
+        extend_kernel = self.amx_extend and fb.token_to_kv_pool.dtype == torch.bfloat16
         extend_seqs, single, single_starts, start = [], [], [], 0
         prefix_slots: torch.Tensor | None = None
         for i, (prefix_len, extend_len) in enumerate(zip(fb.prefix_lens_cpu, fb.extend_lens_cpu)):
@@ -116,12 +136,12 @@ class TorchAttnBackend(AttentionBackend):
                 if prefix_slots is None:
                     prefix_slots = self._prefix_slots(fb)
                 kv_indices = torch.cat((prefix_slots[i, :prefix_len], fb.out_cache_loc[start:end]))
-                extend_seqs.append(
-                    ExtendSeq(
-                        start, end, kv_indices, self._prefix_causal_mask(prefix_len, extend_len)
-                    )
-                )
+                mask = None if extend_kernel else self._prefix_causal_mask(prefix_len, extend_len)
+                extend_seqs.append(ExtendSeq(start, end, kv_indices, mask))
             start = end
+        extend_group = None
+        if extend_kernel and extend_seqs:
+            extend_group = self._extend_group(fb, extend_seqs)
         decode = None
         if single:
             req_indices = torch.tensor(single, device=self.device)
@@ -134,7 +154,17 @@ class TorchAttnBackend(AttentionBackend):
                 max(fb.seq_lens_cpu[i] for i in single),
                 token_indices,
             )
-        self.forward_metadata = ForwardMetadata(extend_seqs, decode)
+        self.forward_metadata = ForwardMetadata(extend_seqs, decode, extend_group)
+
+    def _extend_group(self, fb: ForwardBatch, extend_seqs: list[ExtendSeq]) -> ExtendGroup:
+        extend_lens = [seq.end - seq.start for seq in extend_seqs]
+        seq_lens = [len(seq.kv_indices) for seq in extend_seqs]
+        return ExtendGroup(
+            torch.nn.utils.rnn.pad_sequence([seq.kv_indices for seq in extend_seqs], True),
+            torch.tensor([n - e for n, e in zip(seq_lens, extend_lens)], device=self.device),
+            torch.tensor(extend_lens, device=self.device),
+            torch.tensor([seq.start for seq in extend_seqs], device=self.device),
+        )
 
     def init_cuda_graph_state(
         self, max_bs: int, max_context_len: int, static_shapes: bool = True
@@ -187,17 +217,30 @@ class TorchAttnBackend(AttentionBackend):
         md = self.forward_metadata
         assert md is not None, "init_forward_metadata runs before the first layer"
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
-        out = torch.empty_like(q)
-        for seq in md.extend_seqs:
-            out[seq.start : seq.end] = F.scaled_dot_product_attention(
-                q[seq.start : seq.end].transpose(0, 1).unsqueeze(0),
-                k_buffer.index_select(0, seq.kv_indices).transpose(0, 1).unsqueeze(0),
-                v_buffer.index_select(0, seq.kv_indices).transpose(0, 1).unsqueeze(0),
-                attn_mask=seq.mask,
-                is_causal=seq.mask is None,
-                scale=layer.scaling,
-                enable_gqa=True,
-            )[0].transpose(0, 1)
+        extend = md.extend_group
+        if extend is not None:  # the pool is bf16, and so are the activations
+            out = cpu_kernels.extend_attention(
+                q,
+                k_buffer,
+                v_buffer,
+                extend.slots,
+                extend.prefix_lens,
+                extend.extend_lens,
+                extend.q_starts,
+                layer.scaling,
+            )
+        else:
+            out = torch.empty_like(q)
+            for seq in md.extend_seqs:
+                out[seq.start : seq.end] = F.scaled_dot_product_attention(
+                    q[seq.start : seq.end].transpose(0, 1).unsqueeze(0),
+                    k_buffer.index_select(0, seq.kv_indices).transpose(0, 1).unsqueeze(0),
+                    v_buffer.index_select(0, seq.kv_indices).transpose(0, 1).unsqueeze(0),
+                    attn_mask=seq.mask,
+                    is_causal=seq.mask is None,
+                    scale=layer.scaling,
+                    enable_gqa=True,
+                )[0].transpose(0, 1)
         group = md.decode
         if group is not None:
             rows = group.token_indices

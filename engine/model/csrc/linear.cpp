@@ -16,17 +16,14 @@
 // oneDNN: 32 products per AVX512-BF16 instruction, four weight rows at a time with a
 // software prefetch of the next four.
 
+#include "amx.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define RADIXSERVE_AMX 1
-#endif
 #endif
 
 #include <algorithm>
@@ -38,43 +35,16 @@ namespace {
 
 using bf16 = at::BFloat16;
 
+using radixserve::kAmxDepth, radixserve::kAmxRows, radixserve::round_up;
+
 constexpr int64_t kAmxCols = 64;   // output columns of one task step: four 16-column tiles
-constexpr int64_t kAmxDepth = 32;  // bf16 products summed per tile step
-constexpr int64_t kAmxRows = 16;   // rows of x per tile
 constexpr int64_t kPairedRows = 64;  // from this many rows, two row tiles per weight tile
 
-constexpr int64_t round_up(int64_t size, int64_t multiple) {
-  return (size + multiple - 1) / multiple * multiple;
-}
-
 #if defined(RADIXSERVE_AMX)
-// Linux hands out the AMX register state only to a process that asks for it once.
-bool amx_permitted() {
-  constexpr int kArchReqXcompPerm = 0x1023;
-  constexpr int kXfeatureXtiledata = 18;
-  static const bool permitted =
-      syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return permitted;
-}
+using radixserve::amx_permitted, radixserve::configure_tiles, radixserve::zero_accumulators;
 
-// Tiles 0-3: float accumulators (16 x 16); 4: rows of x (16 x 32 bf16); 5-7: weight tiles
-// (16 pairs of depth x 16 columns x 2).
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig config;
-  for (int tile = 0; tile < 8; ++tile) {
-    config.rows[tile] = kAmxRows;
-    config.colsb[tile] = 64;
-  }
-  _tile_loadconfig(&config);
-}
+// Tile 4 holds rows of x (16 x 32 bf16), 5-7 weight tiles (16 pairs of depth x 16 columns x
+// 2), next to the accumulators 0-3.
 
 // `rows` rows of float sums (row stride `stride`) plus `bias` (float, or null), rounded to
 // nearest even as torch does, into `y` (stride `n_size`): the first `cols` columns, the rest
@@ -105,13 +75,6 @@ inline void prefetch_ahead(const bf16* tiles) {
   for (int line = 0; line < 128; line += 8) _mm_prefetch(ahead + line * 64, _MM_HINT_T0);
 }
 
-inline void zero_accumulators() {  // tiles 0-3; tile numbers are immediates
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
-}
-
 // One task step: 16 rows of x (`x`, stride `k_size`) against one 64-column band (`band`:
 // k_size / 32 steps of four 1 KiB weight tiles), plus the band's `bias`, into `y`: the
 // first `rows` rows and `cols` columns kept.
@@ -132,10 +95,7 @@ void amx_band(const bf16* x, int64_t k_size, const bf16* band, const float* bias
     _tile_dpbf16ps(3, 4, 5);
   }
   alignas(64) float sums[kAmxRows * kAmxCols];
-  _tile_stored(0, sums, kAmxCols * sizeof(float));  // tile numbers are immediates
-  _tile_stored(1, sums + 16, kAmxCols * sizeof(float));
-  _tile_stored(2, sums + 32, kAmxCols * sizeof(float));
-  _tile_stored(3, sums + 48, kAmxCols * sizeof(float));
+  radixserve::store_accumulators(sums, kAmxCols);
   store_sums(sums, kAmxCols, rows, cols, bias, y, n_size);
 }
 

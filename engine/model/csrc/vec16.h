@@ -7,14 +7,16 @@
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 namespace radixserve {
 
-// The first `count` of 16 lanes (all of them from 16 up).
+// The first `count` of 16 lanes (all of them from 16 up, none from 0 down).
 inline __mmask16 first_lanes(int64_t count) {
-  return count >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+  return count >= 16 ? __mmask16(0xFFFF)
+                     : static_cast<__mmask16>((1u << std::max<int64_t>(count, 0)) - 1);
 }
 
 template <typename scalar_t>

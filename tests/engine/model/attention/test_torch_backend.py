@@ -1,5 +1,6 @@
 """The torch backend against softmax(QK^T)V written out per request, in float64; its
-decode both through the C++ kernel and through torch ops."""
+decode both through the C++ kernel and through torch ops, and its bf16 prefill through the
+AMX kernel where the CPU has AMX."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def make_batch(
     extend_lens: list[int],
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
+    layer: AttentionLayer = LAYER,
 ):
     """Requests on scattered slots of a pool full of random K/V. Prefix slots are in
     `req_to_token`; the new tokens' entries hold stale slots, as before the scheduler writes
@@ -37,8 +39,8 @@ def make_batch(
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     pool_size = sum(seq_lens) + 11
-    kv_pool = MHATokenToKVPool(pool_size, dtype, NUM_KV_HEADS, HEAD_DIM, 2, "cpu")
-    for buffer in kv_pool.get_kv_buffer(LAYER.layer_id):
+    kv_pool = MHATokenToKVPool(pool_size, dtype, layer.num_kv_heads, layer.head_dim, 2, "cpu")
+    for buffer in kv_pool.get_kv_buffer(layer.layer_id):
         buffer.copy_(torch.randn(buffer.shape, generator=gen, dtype=torch.float64))
     req_pool = ReqToTokenPool(len(seq_lens) + 2, max(seq_lens) + 3, "cpu")
     req_pool.req_to_token.copy_(
@@ -68,18 +70,22 @@ def make_batch(
         token_to_kv_pool=kv_pool,
     )
     q, k, v = (
-        torch.randn(num_tokens, h, HEAD_DIM, generator=gen, dtype=torch.float64).to(dtype)
-        for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)
+        torch.randn(num_tokens, h, layer.head_dim, generator=gen, dtype=torch.float64).to(dtype)
+        for h in (layer.num_heads, layer.num_kv_heads, layer.num_kv_heads)
     )
     return fb, q, k, v
 
 
 def reference_attention(
-    fb: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    fb: ForwardBatch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: AttentionLayer = LAYER,
 ) -> torch.Tensor:
-    k_buffer, v_buffer = (b.double() for b in fb.token_to_kv_pool.get_kv_buffer(LAYER.layer_id))
+    k_buffer, v_buffer = (b.double() for b in fb.token_to_kv_pool.get_kv_buffer(layer.layer_id))
     q, k, v = q.double(), k.double(), v.double()
-    group = NUM_HEADS // NUM_KV_HEADS
+    group = layer.num_heads // layer.num_kv_heads
     outputs, start = [], 0
     for row, prefix_len, extend_len in zip(
         fb.req_pool_indices.tolist(), fb.prefix_lens_cpu, fb.extend_lens_cpu
@@ -88,7 +94,7 @@ def reference_attention(
         prefix_slots = fb.req_to_token_pool.req_to_token[row, :prefix_len].long()
         keys = torch.cat([k_buffer[prefix_slots], k[new]]).repeat_interleave(group, 1)
         values = torch.cat([v_buffer[prefix_slots], v[new]]).repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[new], keys) * LAYER.scaling
+        scores = torch.einsum("qhd,khd->hqk", q[new], keys) * layer.scaling
         visible = (
             torch.arange(prefix_len + extend_len)[None, :]
             <= torch.arange(prefix_len, prefix_len + extend_len)[:, None]
@@ -108,17 +114,18 @@ def run(
     k: torch.Tensor,
     v: torch.Tensor,
     cpu_kernel: bool = True,
+    layer: AttentionLayer = LAYER,
 ) -> torch.Tensor:
     backend = TorchAttnBackend(
-        num_heads=NUM_HEADS,
-        num_kv_heads=NUM_KV_HEADS,
-        head_dim=HEAD_DIM,
+        num_heads=layer.num_heads,
+        num_kv_heads=layer.num_kv_heads,
+        head_dim=layer.head_dim,
         device="cpu",
         cpu_kernel=cpu_kernel,
     )
     assert backend.cpu_kernel == cpu_kernel
     backend.init_forward_metadata(fb)
-    return backend.forward(q, k, v, LAYER, fb)
+    return backend.forward(q, k, v, layer, fb)
 
 
 CASES = {
@@ -208,6 +215,104 @@ def test_decode_kernel_layouts_match_float64(layout, dtype, tolerance, num_reqs)
         scores = torch.einsum("hd,khd->hk", q[r].double(), keys) * LAYER.scaling
         expected = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
         torch.testing.assert_close(out[r].double(), expected, rtol=0, atol=tolerance)
+
+
+amx = pytest.mark.skipif(
+    not cpu_kernels.extend_attention_available(), reason="this CPU (or kernel build) has no AMX"
+)
+EXTEND_LAYOUTS = {
+    "group3_dim64": (9, 3, 64),
+    "group5_dim128": (10, 2, 128),
+    "mha_dim64": (4, 4, 64),
+}
+
+
+def sdpa_bf16(q, keys, values, prefix_len, scaling):
+    """What the torch path computes for one request in bf16: SDPA with the prefix-causal mask."""
+    visible = (
+        torch.arange(keys.shape[0])[None, :]
+        <= torch.arange(prefix_len, prefix_len + q.shape[0])[:, None]
+    )
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=visible,
+        scale=scaling,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
+
+
+@amx
+@pytest.mark.parametrize("layout", list(EXTEND_LAYOUTS))
+def test_extend_kernel_matches_float64_and_sdpa(layout):
+    """The AMX kernel alone: new tokens around the 16-row blocks and prefixes around the
+    64-key bands, queries as strided rows of a wider projection output, starting past rows
+    of no request (left zero); against softmax(QK^T)V in float64 over the same bf16 inputs,
+    and no further from it than SDPA in bf16 (plus one bf16 unit)."""
+    heads, kv_heads, head_dim = EXTEND_LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(3)
+    prefix_lens, extend_lens = [0, 5, 64, 200, 0, 17], [2, 15, 16, 17, 70, 33]
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    pool = sum(seq_lens) + 7
+    k_buffer, v_buffer = (
+        torch.randn(pool, kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2)
+    )
+    rows = 3 + sum(extend_lens)  # rows 0-2 belong to no request
+    qkv = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=gen).bfloat16()
+    q = qkv[:, :heads]
+    slots = torch.randint(0, pool, (len(seq_lens), max(seq_lens) + 2), generator=gen)
+    order, start = torch.randperm(pool, generator=gen), 0
+    for r, n in enumerate(seq_lens):
+        slots[r, :n] = order[start : start + n]
+        start += n
+    q_starts = [3 + sum(extend_lens[:r]) for r in range(len(seq_lens))]
+    scaling = head_dim**-0.5
+    out = cpu_kernels.extend_attention(
+        q,
+        k_buffer,
+        v_buffer,
+        slots,
+        torch.tensor(prefix_lens),
+        torch.tensor(extend_lens),
+        torch.tensor(q_starts),
+        scaling,
+    )
+    assert out.shape == q.shape and not out[:3].any()
+    group = heads // kv_heads
+    for r, (p, e) in enumerate(zip(prefix_lens, extend_lens)):
+        keys, values = (b[slots[r, : p + e]] for b in (k_buffer, v_buffer))
+        queries = q[q_starts[r] : q_starts[r] + e]
+        visible = torch.arange(p + e)[None, :] <= torch.arange(p, p + e)[:, None]
+        scores = torch.einsum(
+            "qhd,khd->hqk", queries.double(), keys.double().repeat_interleave(group, 1)
+        )
+        expected = torch.einsum(
+            "hqk,khd->qhd",
+            (scores * scaling).masked_fill(~visible, float("-inf")).softmax(-1),
+            values.double().repeat_interleave(group, 1),
+        )
+        error = (out[q_starts[r] : q_starts[r] + e].double() - expected).abs()
+        sdpa_error = (sdpa_bf16(queries, keys, values, p, scaling).double() - expected).abs()
+        assert error.max() <= 2e-2
+        assert error.max() <= sdpa_error.max() + expected.abs().max() * 2.0**-8
+
+
+@amx
+def test_a_bf16_prefill_attends_through_the_extend_kernel(monkeypatch):
+    """head_dim 64 on a bf16 pool: the batch's multi-token requests go through one kernel
+    call, its one-token riders through the decode group, and the whole matches float64."""
+    layer = AttentionLayer(layer_id=1, num_heads=9, num_kv_heads=3, head_dim=64, scaling=0.125)
+    fb, q, k, v = make_batch(
+        ForwardMode.MIXED, [0, 20, 7, 50], [30, 12, 1, 1], dtype=torch.bfloat16, layer=layer
+    )
+    calls, kernel = [], cpu_kernels.extend_attention
+    monkeypatch.setattr(
+        cpu_kernels, "extend_attention", lambda *a: calls.append(a[3].shape) or kernel(*a)
+    )
+    out = run(fb, q, k, v, layer=layer).double()
+    assert calls == [(2, 32)]  # the two multi-token requests: 30 and 20 + 12 slots
+    torch.testing.assert_close(out, reference_attention(fb, q, k, v, layer), rtol=0, atol=2e-2)
 
 
 def test_new_kv_lands_in_the_pool_at_out_cache_loc():
