@@ -56,6 +56,21 @@ inline void zero_accumulators() {  // tile numbers are immediates
   _tile_zero(3);
 }
 
+// One tile step: 16 rows x 32 bf16 of A (`a`, rows `a_stride` bytes apart) times four B
+// tiles of 1 KiB (`b`, each `b_step` bytes after the last), into accumulators 0-3.
+inline void multiply_four_tiles(const void* a, int64_t a_stride, const void* b, int64_t b_step) {
+  const char* tiles = static_cast<const char*>(b);
+  _tile_loadd(4, a, a_stride);
+  _tile_loadd(5, tiles, 64);
+  _tile_dpbf16ps(0, 4, 5);
+  _tile_loadd(6, tiles + b_step, 64);
+  _tile_dpbf16ps(1, 4, 6);
+  _tile_loadd(7, tiles + 2 * b_step, 64);
+  _tile_dpbf16ps(2, 4, 7);
+  _tile_loadd(5, tiles + 3 * b_step, 64);
+  _tile_dpbf16ps(3, 4, 5);
+}
+
 // The four accumulators side by side: 16 rows of 64 floats, `stride` floats apart.
 inline void store_accumulators(float* sums, int64_t stride) {
   const int64_t bytes = stride * static_cast<int64_t>(sizeof(float));

@@ -84,15 +84,8 @@ void score_block(const bf16* q, int64_t q_stride, const bf16* packed_keys, int64
     const bf16* tiles = packed_keys + (band / kAmxRows) * key_tile;
     radixserve::zero_accumulators();
     for (int64_t s = 0; s < steps; ++s) {
-      _tile_loadd(4, q + s * kAmxDepth, q_stride * sizeof(bf16));
-      _tile_loadd(5, tiles + s * kTileElements, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, tiles + key_tile + s * kTileElements, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, tiles + 2 * key_tile + s * kTileElements, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, tiles + 3 * key_tile + s * kTileElements, 64);
-      _tile_dpbf16ps(3, 4, 5);
+      radixserve::multiply_four_tiles(q + s * kAmxDepth, q_stride * sizeof(bf16),
+                                      tiles + s * kTileElements, key_tile * sizeof(bf16));
     }
     radixserve::store_accumulators(scores + band, score_stride);
   }
@@ -140,16 +133,10 @@ void weigh_values(const bf16* weights, int64_t depth, const bf16* packed_values,
   for (int64_t band = 0; band < head_dim; band += 64) {
     radixserve::zero_accumulators();
     for (int64_t s = 0; s < depth / kAmxDepth; ++s) {
-      const bf16* tiles = packed_values + (s * dim_tiles + band / kAmxRows) * kTileElements;
-      _tile_loadd(4, weights + s * kAmxDepth, depth * sizeof(bf16));
-      _tile_loadd(5, tiles, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(6, tiles + kTileElements, 64);
-      _tile_dpbf16ps(1, 4, 6);
-      _tile_loadd(7, tiles + 2 * kTileElements, 64);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, tiles + 3 * kTileElements, 64);
-      _tile_dpbf16ps(3, 4, 5);
+      radixserve::multiply_four_tiles(
+          weights + s * kAmxDepth, depth * sizeof(bf16),
+          packed_values + (s * dim_tiles + band / kAmxRows) * kTileElements,
+          kTileElements * sizeof(bf16));
     }
     radixserve::store_accumulators(sums, 64);
     for (int64_t r = 0; r < rows; ++r) {

@@ -84,15 +84,8 @@ void amx_band(const bf16* x, int64_t k_size, const bf16* band, const float* bias
   for (int64_t step = 0; step < k_size / kAmxDepth; ++step) {
     const bf16* tiles = band + step * 4 * kTile;
     if (prefetch) prefetch_ahead(tiles);
-    _tile_loadd(4, x + step * kAmxDepth, k_size * sizeof(bf16));
-    _tile_loadd(5, tiles, 64);
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, tiles + kTile, 64);
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, tiles + 2 * kTile, 64);
-    _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, tiles + 3 * kTile, 64);
-    _tile_dpbf16ps(3, 4, 5);
+    radixserve::multiply_four_tiles(x + step * kAmxDepth, k_size * sizeof(bf16), tiles,
+                                    kTile * sizeof(bf16));
   }
   alignas(64) float sums[kAmxRows * kAmxCols];
   radixserve::store_accumulators(sums, kAmxCols);
