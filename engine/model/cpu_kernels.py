@@ -6,6 +6,9 @@ arithmetic.
   gather every key of the batch into a new tensor before two batched matmuls; the kernel
   reads keys and values in place through each request's slots, one task per request (or
   per KV head of it, when requests are few).
+- `extend_attention` (`csrc/extend_attention.cpp`): the prefill attention of a bf16 batch's
+  multi-token requests in one call, the products on AMX tiles, where SDPA takes them at float
+  speed, one call per request over keys gathered first.
 - `rms_norm` (`csrc/norm.cpp`): the residual add and RMSNorm of 16-bit activations in one
   op, where torch dispatches about eight.
 - `rotary` (`csrc/rotary.cpp`) and `silu_and_mul` (`csrc/activation.cpp`): a layer's
