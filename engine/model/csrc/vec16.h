@@ -33,8 +33,15 @@ inline __m512 load16(const scalar_t* p, __mmask16 mask = 0xFFFF) {
   }
 }
 
-// bf16 rounding as c10::BFloat16 does it: nearest even, any NaN to the quiet 0x7FC0.
+// bf16 rounding as c10::BFloat16 does it: nearest even, any NaN to the quiet 0x7FC0. The
+// AVX512-BF16 instruction rounds the same way but flushes denormals and keeps a NaN's sign
+// and payload: it takes every vector without either (the fpclass test), the integer
+// arithmetic the rest.
 inline __m256i to_bf16(__m512 v) {
+#if defined(__AVX512BF16__)
+  constexpr int kNaNOrDenormal = 0x01 | 0x20 | 0x80;  // quiet NaN, denormal, signalling NaN
+  if (_mm512_fpclass_ps_mask(v, kNaNOrDenormal) == 0) return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i bias = _mm512_add_epi32(
       _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)),
