@@ -11,6 +11,7 @@ the batch's K/V) at that bandwidth. Results: docs/benchmarks/model.md.
     .venv/bin/python benchmarks/model_bench.py
     git worktree add /tmp/rs-main 9130455
     .venv/bin/python benchmarks/model_bench.py --baseline /tmp/rs-main
+    .venv/bin/python benchmarks/model_bench.py --baseline /tmp/rs-main --shapes "8x200" --prefill 96
 """
 
 from __future__ import annotations
@@ -97,6 +98,20 @@ class DecodeBench:
         self.batches[shape] = [ExtendInput(r.req_pool_idx, r.prefix_len + 1, [7]) for r in batch]
         return elapsed
 
+    def prefill_seconds(self, shape: int, new_tokens: int) -> float:
+        """One prefill of `new_tokens` per request of batch `shape` over its context (a turn
+        of a conversation over its cached history), the forward alone; its KV is freed after."""
+        runner = self.runner
+        batch = [
+            ExtendInput(r.req_pool_idx, r.prefix_len, [7] * new_tokens) for r in self.batches[shape]
+        ]
+        forward_batch = runner.build_forward_batch(batch)
+        start = time.perf_counter()
+        runner.forward(forward_batch)
+        elapsed = time.perf_counter() - start
+        runner.token_to_kv_pool_allocator.free(forward_batch.out_cache_loc)
+        return elapsed
+
     def sizes(self) -> dict[str, int]:
         """Bytes a decode step reads: every weight once (the packed copies are not counted:
         a matmul reads one of the two), and per token of context its K and V in all layers."""
@@ -111,25 +126,32 @@ class DecodeBench:
 
 def decode_worker(args: argparse.Namespace) -> None:
     """`--decode-worker`: serve DecodeBench steps over stdin/stdout, one JSON line each way.
-    Request `[shape, steps]`; reply the step times in seconds."""
-    bench = DecodeBench(args.dtypes[0], parse_shapes(args.shapes), args.max_steps)
+    Request `[shape, steps]`; reply the step times in seconds (prefills of `--prefill`
+    tokens per request when it is set)."""
+    shapes = parse_shapes(args.shapes)
+    spare = max(b for b, _ in shapes) * args.prefill
+    bench = DecodeBench(args.dtypes[0], shapes, args.max_steps, spare_tokens=spare)
     print(json.dumps(bench.sizes()), flush=True)
     for line in sys.stdin:
         shape, steps = json.loads(line)
-        bench.step_seconds(shape)  # warm-up
-        print(json.dumps([bench.step_seconds(shape) for _ in range(steps)]), flush=True)
+        if args.prefill:
+            step = partial(bench.prefill_seconds, shape, args.prefill)
+        else:
+            step = partial(bench.step_seconds, shape)
+        step()  # warm-up
+        print(json.dumps([step() for _ in range(steps)]), flush=True)
 
 
 class Worker:
     """A `--decode-worker` subprocess importing `engine` from `tree`; started at once, ready
     (model loaded, contexts prefilled) after `wait_ready`, so that workers load side by side."""
 
-    def __init__(self, tree: Path, dtype: str, shapes: str, max_steps: int):
+    def __init__(self, tree: Path, dtype: str, shapes: str, max_steps: int, prefill: int):
         env = {k: v for k, v in os.environ.items() if k not in engine.OPENMP_SET_HERE}
         env["PYTHONPATH"] = f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--decode-worker", "--dtypes", dtype, "--shapes", shapes]
-            + ["--max-steps", str(max_steps)],
+            + ["--max-steps", str(max_steps), "--prefill", str(prefill)],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -177,7 +199,8 @@ def compare_with_baseline(args: argparse.Namespace) -> None:
     max_steps = args.rounds * (args.steps + 1)
     trees = {"this tree": REPO, "baseline": Path(args.baseline).resolve()}
     workers = {
-        name: Worker(tree, args.dtypes[0], args.shapes, max_steps) for name, tree in trees.items()
+        name: Worker(tree, args.dtypes[0], args.shapes, max_steps, args.prefill)
+        for name, tree in trees.items()
     }
     for worker in workers.values():
         worker.wait_ready()
@@ -200,6 +223,20 @@ def compare_with_baseline(args: argparse.Namespace) -> None:
         f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); baseline {trees['baseline']}; "
         f"{args.rounds} rounds x {args.steps} steps\n"
     )
+    if args.prefill:  # compute-bound: no bandwidth floor
+        print(
+            "| prefill: batch x new tokens over context | this tree (ms) | baseline (ms) "
+            "| this / baseline |"
+        )
+        print("|---|---:|---:|---:|")
+        for shape, (batch, context) in enumerate(shapes):
+            ours = statistics.median(times["this tree", shape]) * 1000
+            base = statistics.median(times["baseline", shape]) * 1000
+            print(
+                f"| {batch} x {args.prefill} over {context} | {ours:.1f} | {base:.1f} "
+                f"| {ours / base:.2f} |"
+            )
+        return
     print(
         "| decode batch x context | floor (ms) | this tree (ms) | x floor "
         "| baseline (ms) | x floor | this / baseline |"
@@ -331,6 +368,13 @@ def main() -> None:
         help="with --baseline: decode shapes, batch x context tokens",
     )
     parser.add_argument("--rounds", type=int, default=6, help="with --baseline: turns each")
+    parser.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="with --baseline: time a prefill of this many new tokens per request over each "
+        "shape's context instead of a decode step",
+    )
     parser.add_argument("--decode-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
