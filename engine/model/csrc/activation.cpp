@@ -28,7 +28,7 @@ void silu_and_mul_rows(const scalar_t* x, scalar_t* out, int64_t rows, int64_t w
       const scalar_t* up = gate + width;
       scalar_t* out_row = out + r * width;
       int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_AVX512)
       // x * sigmoid(x) with the exp taken of -|x| only (never overflowing); below -87 it is
       // -0, where torch's x / (1 + exp(-x)) is under 1e-35 in magnitude (and -0 from -88.8).
       const __m512 one = _mm512_set1_ps(1.0f);

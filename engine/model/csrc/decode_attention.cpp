@@ -22,7 +22,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_AVX512)
 #include <immintrin.h>
 #endif
 
@@ -90,7 +90,7 @@ const acc_t* load_token(
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_AVX512)
 using radixserve::load16;
 
 // Lane i of the result is the sum of the 16 lanes of v[i]: the 16 sums of 16 vectors in
@@ -240,7 +240,7 @@ void decode_attention_kernel(
         queries[i] = static_cast<acc_t>(q_row[i]) * static_cast<acc_t>(scaling);
       }
       int64_t scored = 0;  // keys scored so far
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_AVX512)
       if constexpr (std::is_same_v<acc_t, float>) {
         if (head_dim % 16 == 0) {  // blocks of 16 keys, for every query head at once
           for (; scored + 16 <= len; scored += 16) {
@@ -283,7 +283,7 @@ void decode_attention_kernel(
         acc_t* score = scores.data() + qh * max_len;
         acc_t top = -std::numeric_limits<acc_t>::infinity();
         int64_t j = 0;
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_AVX512)
         if constexpr (std::is_same_v<acc_t, float>) {  // a scalar max is a serial chain
           __m512 top16 = _mm512_set1_ps(top);
           for (; j < len; j += 16) {
@@ -296,7 +296,7 @@ void decode_attention_kernel(
         for (; j < len; ++j) top = std::max(top, score[j]);
         acc_t total = 0;
         j = 0;
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_AVX512)
         if constexpr (std::is_same_v<acc_t, float>) {
           const __m512 top16 = _mm512_set1_ps(top);
           __m512 total16 = _mm512_setzero_ps();
@@ -320,7 +320,7 @@ void decode_attention_kernel(
       }
       std::fill(sums.begin(), sums.end(), acc_t(0));
       int64_t summed = 0;  // values added so far
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_AVX512)
       if constexpr (std::is_same_v<acc_t, float>) {
         if (head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128) {
           // blocks of 16 values, the sums in registers

@@ -35,7 +35,7 @@ void rms_norm_rows(
       scalar_t* out_row = out + r * width;
       float sum_squares = 0.0f;
       int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_AVX512)
       using radixserve::load16, radixserve::store16;
       __m512 squares = _mm512_setzero_ps();
       for (; i < width; i += 16) {
@@ -59,7 +59,7 @@ void rms_norm_rows(
       }
       const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(width) + eps);
       i = 0;
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_AVX512)
       const __m512 scale = _mm512_set1_ps(inv_rms);
       for (; i < width; i += 16) {
         const __mmask16 mask = radixserve::first_lanes(width - i);

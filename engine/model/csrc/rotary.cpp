@@ -31,7 +31,7 @@ void rotate_rows(scalar_t* qk, int64_t tokens, int64_t heads, int64_t head_dim,
       for (int64_t h = 0; h < heads; ++h) {
         scalar_t* x = qk + t * token_stride + h * head_dim;
         int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(RADIXSERVE_AVX512)
         using radixserve::load16, radixserve::round16;
         for (; i < half; i += 16) {
           const __mmask16 mask = radixserve::first_lanes(half - i);

@@ -3,7 +3,13 @@
 // Shared by the kernels that compute in float over 16-bit activations.
 #pragma once
 
-#if defined(__AVX512F__)
+// Every AVX-512 CPU but the Xeon Phi has these four; the kernels' AVX-512 paths need them.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define RADIXSERVE_AVX512 1
+#endif
+
+#if defined(RADIXSERVE_AVX512)
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
