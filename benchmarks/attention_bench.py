@@ -112,19 +112,38 @@ def time_cpu_decode(dtype: torch.dtype, batch_size: int, context: int) -> tuple[
     return best_ms(runs[0], iters), best_ms(runs[1], iters), diff
 
 
+def time_cpu_prefill(
+    dtype: torch.dtype, batch_size: int, prefix: int, new: int
+) -> tuple[float, ...]:
+    """(kernel ms, SDPA ms, max |diff|) of one layer's prefill attention on CPU: the AMX
+    extend kernel where it applies (bf16 on a CPU with AMX), else the same SDPA twice."""
+    layer = AttentionLayer(0, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+    fb, (q, _, _) = make_batch(batch_size, prefix, new, dtype, "cpu")
+    runs = []
+    for kernel in (True, False):
+        backend = TorchAttnBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, "cpu", cpu_kernel=kernel)
+        backend.init_forward_metadata(fb)
+        runs.append(lambda backend=backend: backend.forward_extend(q, layer, fb))
+    diff = (runs[0]().float() - runs[1]().float()).abs().max().item()
+    return best_ms(runs[0], 3), best_ms(runs[1], 3), diff
+
+
 def main_cpu(args: argparse.Namespace) -> None:
     print(
         f"cpu  {torch.get_num_threads()} threads  heads {NUM_HEADS}/{NUM_KV_HEADS}  "
-        f"head_dim {HEAD_DIM}; one layer's decode attention, best of 5 rounds"
+        f"head_dim {HEAD_DIM}; one layer's attention, best of 5 rounds"
     )
-    print(f"{'case':<32}{'kernel ms':>11}{'torch ops ms':>14}{'max |diff|':>12}")
+    print(f"{'case':<36}{'kernel ms':>11}{'torch ops ms':>14}{'max |diff|':>12}")
     for dtype_name in args.dtype:
+        dtype = getattr(torch, dtype_name)
         for batch_size in args.batch_sizes:
-            kernel, torch_ops, diff = time_cpu_decode(
-                getattr(torch, dtype_name), batch_size, args.context
-            )
+            kernel, torch_ops, diff = time_cpu_decode(dtype, batch_size, args.context)
             name = f"{dtype_name} decode b={batch_size} ctx={args.context}"
-            print(f"{name:<32}{kernel:>11.3f}{torch_ops:>14.3f}{diff:>12.2e}", flush=True)
+            print(f"{name:<36}{kernel:>11.3f}{torch_ops:>14.3f}{diff:>12.2e}", flush=True)
+        for batch_size, new, prefix in args.cpu_prefill:
+            kernel, torch_ops, diff = time_cpu_prefill(dtype, batch_size, prefix, new)
+            name = f"{dtype_name} prefill b={batch_size} {new} over {prefix}"
+            print(f"{name:<36}{kernel:>11.3f}{torch_ops:>14.3f}{diff:>12.2e}", flush=True)
 
 
 def main() -> None:
@@ -142,6 +161,14 @@ def main() -> None:
         help="CUDA: the first; CPU: each in turn",
     )
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument(
+        "--cpu-prefill",
+        type=lambda text: tuple(int(n) for n in text.replace("+", "x").split("x")),
+        nargs="*",
+        default=[(8, 96, 200), (1, 512, 0)],
+        metavar="BxNEW+PREFIX",
+        help="CPU: prefill shapes, batch x new tokens + cached prefix per request",
+    )
     args = parser.parse_args()
     if args.device == "cpu":
         main_cpu(args)
