@@ -44,7 +44,9 @@ bool extend_attention_supported() {
 void pack_keys(const bf16* buffer, const int64_t* slots, int64_t len, int64_t padded_len,
                int64_t token_stride, int64_t head_dim, bf16* packed) {
   const int64_t steps = head_dim / kAmxDepth;
-  std::fill_n(packed, padded_len * head_dim, bf16(0));
+  // Only the key tile that holds `len` and those after it have padding to zero.
+  std::fill(packed + len / kAmxRows * kAmxRows * head_dim, packed + padded_len * head_dim,
+            bf16(0));
   const auto* source = reinterpret_cast<const uint32_t*>(buffer);
   auto* target = reinterpret_cast<uint32_t*>(packed);  // a pair of bf16 as one word
   for (int64_t key = 0; key < len; ++key) {
@@ -62,7 +64,9 @@ void pack_keys(const bf16* buffer, const int64_t* slots, int64_t len, int64_t pa
 void pack_values(const bf16* buffer, const int64_t* slots, int64_t len, int64_t padded_len,
                  int64_t token_stride, int64_t head_dim, bf16* packed) {
   const int64_t dim_tiles = head_dim / kAmxRows;
-  std::fill_n(packed, padded_len * head_dim, bf16(0));
+  // Only the key step that holds `len` and those after it have padding to zero.
+  std::fill(packed + len / kAmxDepth * kAmxDepth * head_dim, packed + padded_len * head_dim,
+            bf16(0));
   for (int64_t key = 0; key < len; ++key) {
     const bf16* row = buffer + slots[key] * token_stride;
     bf16* step = packed + (key / kAmxDepth) * dim_tiles * kTileElements;
@@ -188,7 +192,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
     offsets[r + 1] = offsets[r] + kv_heads * padded[r] * head_dim;
   }
   // Reused across calls (a fresh allocation of this size costs page faults every time);
-  // pack_keys and pack_values write every element.
+  // pack_keys and pack_values write every element they read back.
   static thread_local std::vector<bf16> key_buffer, value_buffer;
   key_buffer.resize(std::max<size_t>(key_buffer.size(), offsets[num_reqs]));
   value_buffer.resize(std::max<size_t>(value_buffer.size(), offsets[num_reqs]));
