@@ -57,7 +57,7 @@ SOURCES = [
         "activation.cpp",
     )
 ]
-HEADERS = [CSRC / "vec16.h", CSRC / "amx.h"]
+HEADERS = [CSRC / "vec16.h", CSRC / "amx.h", CSRC / "parallel.h"]
 NAME = "radixserve_cpu_kernels"
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 """Set to 0 to keep the CPU decode step on torch ops."""

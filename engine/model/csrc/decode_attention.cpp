@@ -15,11 +15,11 @@
 // time. Other builds, double and other head sizes take the plain loops, which also score the
 // keys after the last full block.
 
+#include "parallel.h"
 #include "vec16.h"
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #if defined(RADIXSERVE_AVX512)
@@ -226,10 +226,10 @@ void decode_attention_kernel(
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int64_t token_stride = num_kv_heads * head_dim;
 
-  at::parallel_for(0, num_reqs * tasks_per_req, 1, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_claim(num_reqs * tasks_per_req, 1, [&](auto& queue) {
     std::vector<acc_t> queries(task_heads * head_dim), sums(task_heads * head_dim);
     std::vector<acc_t> converted(task_dim), scores(task_heads * max_len);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task, last; queue.claim(task, last);) {  // one task per chunk
       const int64_t r = task / tasks_per_req;
       const int64_t first_head = (task % tasks_per_req) * heads_per_task;
       const int64_t len = std::clamp<int64_t>(len_ptr[r], 0, max_len);

@@ -10,10 +10,10 @@
 // New token i of a request sees its prefix and new tokens 0..i.
 
 #include "amx.h"
+#include "parallel.h"
 #include "vec16.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -199,8 +199,8 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
   bf16* keys = key_buffer.data();  // the calling thread's, for every worker
   bf16* values = value_buffer.data();
   const int64_t token_stride = kv_heads * head_dim;
-  at::parallel_for(0, num_reqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
+  radixserve::parallel_claim(num_reqs * kv_heads, 1, [&](auto& queue) {
+    for (int64_t task, last; queue.claim(task, last);) {  // one task per chunk
       const int64_t r = task / kv_heads, h = task % kv_heads;
       const int64_t at = offsets[r] + h * padded[r] * head_dim;
       const int64_t* row = slot_ptr + r * max_len;
@@ -219,11 +219,11 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
   const int64_t group = heads / kv_heads, q_stride = q.stride(0);
   const bf16* q_ptr = q.const_data_ptr<bf16>();
   bf16* out_ptr = out.data_ptr<bf16>();
-  at::parallel_for(0, first_task[num_reqs], 1, [&](int64_t begin, int64_t end) {
+  radixserve::parallel_claim(first_task[num_reqs], 1, [&](auto& queue) {
     std::vector<float> scores(kAmxRows * longest);
     std::vector<bf16> weights(kAmxRows * longest), q_block(kAmxRows * head_dim);
     radixserve::configure_tiles();
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task, last; queue.claim(task, last);) {  // one task per chunk
       const int64_t r = std::upper_bound(first_task.begin(), first_task.end(), task) -
                         first_task.begin() - 1;
       const int64_t blocks = (extend_ptr[r] + kAmxRows - 1) / kAmxRows;

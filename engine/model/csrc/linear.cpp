@@ -17,9 +17,9 @@
 // software prefetch of the next four.
 
 #include "amx.h"
+#include "parallel.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #if defined(__AVX512BF16__)
@@ -39,6 +39,7 @@ using radixserve::kAmxDepth, radixserve::kAmxRows, radixserve::round_up;
 
 constexpr int64_t kAmxCols = 64;   // output columns of one task step: four 16-column tiles
 constexpr int64_t kPairedRows = 64;  // from this many rows, two row tiles per weight tile
+constexpr int64_t kFewRowsBlock = 64;  // weight rows the few-rows kernel claims as one task
 
 #if defined(RADIXSERVE_AMX)
 using radixserve::amx_permitted, radixserve::configure_tiles, radixserve::zero_accumulators;
@@ -184,25 +185,29 @@ at::Tensor linear_amx(const at::Tensor& input, const at::Tensor& packed, int64_t
   // Pairs of row tiles from 64 rows (prefill): a decode batch streams each band once from
   // memory, which the single row tile's step does best.
   const bool paired = padded >= kPairedRows;
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+  const int64_t bands = packed.size(0);
+  const auto work = [&](auto& queue) {
     configure_tiles();
-    for (int64_t band = begin; band < end; ++band) {
-      const float* band_bias = bias_ptr == nullptr ? nullptr : bias_ptr + band * kAmxCols;
-      const int64_t cols = std::min(kAmxCols, n_size - band * kAmxCols);
-      int64_t row = 0;
-      for (; paired && row + 2 * kAmxRows <= padded; row += 2 * kAmxRows) {
-        amx_band_pair(row_tile(row), row_tile(row + kAmxRows), k_size, w_ptr + band * band_size,
-                      band_bias, row == 0, std::min(2 * kAmxRows, m_size - row), cols,
-                      out_ptr + row * n_size + band * kAmxCols, n_size);
-      }
-      for (; row < padded; row += kAmxRows) {
-        amx_band(row_tile(row), k_size, w_ptr + band * band_size, band_bias, row == 0,
-                 std::min(kAmxRows, m_size - row), cols, out_ptr + row * n_size + band * kAmxCols,
-                 n_size);
+    for (int64_t begin, end; queue.claim(begin, end);) {
+      for (int64_t band = begin; band < end; ++band) {
+        const float* band_bias = bias_ptr == nullptr ? nullptr : bias_ptr + band * kAmxCols;
+        const int64_t cols = std::min(kAmxCols, n_size - band * kAmxCols);
+        int64_t row = 0;
+        for (; paired && row + 2 * kAmxRows <= padded; row += 2 * kAmxRows) {
+          amx_band_pair(row_tile(row), row_tile(row + kAmxRows), k_size, w_ptr + band * band_size,
+                        band_bias, row == 0, std::min(2 * kAmxRows, m_size - row), cols,
+                        out_ptr + row * n_size + band * kAmxCols, n_size);
+        }
+        for (; row < padded; row += kAmxRows) {
+          amx_band(row_tile(row), k_size, w_ptr + band * band_size, band_bias, row == 0,
+                   std::min(kAmxRows, m_size - row), cols,
+                   out_ptr + row * n_size + band * kAmxCols, n_size);
+        }
       }
     }
     _tile_release();
-  });
+  };
+  radixserve::parallel_claim(bands, radixserve::chunk_for(bands), work);
   return out;
 #else
   TORCH_CHECK(false, "built without AMX");
@@ -277,12 +282,18 @@ at::Tensor linear_few_rows(const at::Tensor& input, const at::Tensor& weight) {
   const bf16* x_ptr = x.const_data_ptr<bf16>();
   const bf16* w_ptr = w.const_data_ptr<bf16>();
   bf16* out_ptr = out.data_ptr<bf16>();
-  at::parallel_for(0, n_size, 64, [&](int64_t begin, int64_t end) {
-    int64_t n = begin;
-    for (; n + 4 <= end; n += 4) {
-      dot_rows<4>(x_ptr, m_size, w_ptr + n * k_size, k_size, out_ptr + n, n_size);
+  const int64_t blocks = (n_size + kFewRowsBlock - 1) / kFewRowsBlock;  // of weight rows
+  radixserve::parallel_claim(blocks, radixserve::chunk_for(blocks), [&](auto& queue) {
+    for (int64_t first, last; queue.claim(first, last);) {
+      const int64_t end = std::min(n_size, last * kFewRowsBlock);
+      int64_t n = first * kFewRowsBlock;
+      for (; n + 4 <= end; n += 4) {
+        dot_rows<4>(x_ptr, m_size, w_ptr + n * k_size, k_size, out_ptr + n, n_size);
+      }
+      for (; n < end; ++n) {
+        dot_rows<1>(x_ptr, m_size, w_ptr + n * k_size, k_size, out_ptr + n, n_size);
+      }
     }
-    for (; n < end; ++n) dot_rows<1>(x_ptr, m_size, w_ptr + n * k_size, k_size, out_ptr + n, n_size);
   });
   return out;
 #else

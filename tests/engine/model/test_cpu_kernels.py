@@ -193,3 +193,45 @@ def test_silu_and_mul_matches_the_torch_ops(dtype: torch.dtype, rows: int, width
     assert (close | same).all()
     assert same.float().mean() > 0.99
     assert torch.equal(out[0, :6].float().signbit(), expected[0, :6].float().signbit())
+
+
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_each_task_runs_once_whatever_the_thread_count(restore_threads):
+    """The kernels hand their tasks out in claimed chunks (`csrc/parallel.h`): with one
+    thread, two, or more threads than cores, every output element is computed, once, the
+    same way (outputs start as uninitialised memory, so a chunk left out shows)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 64, generator=gen).bfloat16()
+    # 203 bands of 64 outputs, 13 few-rows blocks of 64 (neither a multiple of the chunk)
+    weight = torch.randn(203 * 64 - 5, 64, generator=gen).bfloat16()
+    few_weight = weight[: 13 * 64 - 7]
+    packed = cpu_kernels.amx_pack(weight) if cpu_kernels.amx_available() else None
+    k_buffer, v_buffer = (torch.randn(400, 2, 64, generator=gen).bfloat16() for _ in range(2))
+    slots = torch.randperm(400, generator=gen)[: 5 * 70].view(5, 70)
+    seq_lens = torch.tensor([70, 1, 33, 64, 17])
+    q = torch.randn(5, 6, 64, generator=gen).bfloat16()
+
+    def run() -> list[torch.Tensor]:
+        outs = [
+            cpu_kernels.linear_few_rows(x[:2], few_weight),
+            cpu_kernels.decode_attention(q, k_buffer, v_buffer, slots, seq_lens, 0.125),
+        ]
+        if packed is not None:
+            outs.append(cpu_kernels.linear_amx(x, packed, weight.shape[0]))
+        return outs
+
+    torch.set_num_threads(1)
+    expected = run()
+    torch.testing.assert_close(
+        expected[0].double(), x[:2].double() @ few_weight.double().T, rtol=BF16_ROUNDING, atol=1e-3
+    )
+    for threads in (2, 3):
+        torch.set_num_threads(threads)
+        for out, reference in zip(run(), expected, strict=True):
+            assert torch.equal(out, reference), f"{threads} threads"

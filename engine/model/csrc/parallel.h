@@ -1,0 +1,53 @@
+// How the kernels share their work between threads: tasks handed out in chunks to whichever
+// thread asks next, not split evenly up front.
+//
+// The server's other processes (tokenizer, detokenizer, HTTP clients) run on the same cores
+// as the forward. at::parallel_for gives each thread an equal share, so when the OS preempts
+// one thread the op waits for that thread's whole share; with claimed chunks the others take
+// the rest of the work, and the op waits only for the chunk the preempted thread holds.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace radixserve {
+
+// Tasks [0, tasks) in chunks of `chunk`, each claimed once.
+class TaskQueue {
+ public:
+  TaskQueue(int64_t tasks, int64_t chunk) : tasks_(tasks), chunk_(std::max<int64_t>(chunk, 1)) {}
+
+  // The next unclaimed chunk [begin, end); false once every task is claimed.
+  bool claim(int64_t& begin, int64_t& end) {
+    begin = next_.fetch_add(chunk_, std::memory_order_relaxed);
+    end = std::min(tasks_, begin + chunk_);
+    return begin < tasks_;
+  }
+
+  int64_t chunks() const { return (tasks_ + chunk_ - 1) / chunk_; }
+
+ private:
+  const int64_t tasks_, chunk_;
+  std::atomic<int64_t> next_{0};
+};
+
+// Runs `worker(queue)` once on each of at::parallel_for's threads (no more threads than
+// chunks); a worker claims chunks from `queue` until none are left, with any per-thread
+// setup around its loop.
+template <typename Worker>
+void parallel_claim(int64_t tasks, int64_t chunk, const Worker& worker) {
+  TaskQueue queue(tasks, chunk);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), queue.chunks());
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) { worker(queue); });
+}
+
+// A chunk that leaves about `per_thread` chunks to each thread: small enough that a
+// preempted thread holds back little, large enough that claiming costs nothing.
+inline int64_t chunk_for(int64_t tasks, int64_t per_thread = 8) {
+  return std::max<int64_t>(1, tasks / (per_thread * at::get_num_threads()));
+}
+
+}  // namespace radixserve
