@@ -12,18 +12,21 @@ the batch's K/V) at that bandwidth. Results: docs/benchmarks/model.md.
     git worktree add /tmp/rs-main 9130455
     .venv/bin/python benchmarks/model_bench.py --baseline /tmp/rs-main
     .venv/bin/python benchmarks/model_bench.py --baseline /tmp/rs-main --shapes "8x200" --prefill 96
+    .venv/bin/python benchmarks/model_bench.py --baseline /tmp/rs-main --background-load 20
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -54,6 +57,45 @@ def copy_bandwidth(repeats: int = 5) -> float:
     src = torch.ones(COPY_BYTES, dtype=torch.uint8)
     dst = torch.empty_like(src)
     return 2 * COPY_BYTES / median_seconds(partial(dst.copy_, src), repeats)
+
+
+BURN_LOOP = """
+import sys, time
+busy, idle = float(sys.argv[1]), float(sys.argv[2])
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+    time.sleep(idle)
+"""
+
+
+class BackgroundLoad:
+    """A process that keeps one core busy `percent` % of the time in 0.5 ms bursts, as the
+    server's tokenizer, detokenizer and HTTP clients take turns on the cores of a forward.
+    Stopped (SIGSTOP) except inside `running()`, so that the bandwidth copies see an idle
+    machine."""
+
+    BURST = 0.5e-3
+
+    def __init__(self, percent: float):
+        idle = self.BURST * (100 - percent) / percent
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", BURN_LOOP, str(self.BURST), str(idle)]
+        )
+        self.process.send_signal(signal.SIGSTOP)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        self.process.send_signal(signal.SIGCONT)
+        try:
+            yield
+        finally:
+            self.process.send_signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
 
 class DecodeBench:
@@ -208,12 +250,16 @@ def compare_with_baseline(args: argparse.Namespace) -> None:
         (n, s): [] for n in workers for s in range(len(shapes))
     }
     bandwidths = []
+    load = BackgroundLoad(args.background_load) if args.background_load else None
     for round_ in range(args.rounds):
         bandwidths.append(copy_bandwidth(3))
         order = list(workers) if round_ % 2 == 0 else list(reversed(workers))
-        for shape in range(len(shapes)):
-            for name in order:
-                times[name, shape] += workers[name].steps(shape, args.steps)
+        with load.running() if load else contextlib.nullcontext():
+            for shape in range(len(shapes)):
+                for name in order:
+                    times[name, shape] += workers[name].steps(shape, args.steps)
+    if load:
+        load.close()
     for worker in workers.values():
         worker.close()
     bandwidth = statistics.median(bandwidths)
@@ -221,7 +267,9 @@ def compare_with_baseline(args: argparse.Namespace) -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtypes[0]}; "
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (median of {len(bandwidths)}, "
         f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); baseline {trees['baseline']}; "
-        f"{args.rounds} rounds x {args.steps} steps\n"
+        f"{args.rounds} rounds x {args.steps} steps"
+        + (f"; a background load of {args.background_load:g} % of one core" if load else "")
+        + "\n"
     )
     if args.prefill:  # compute-bound: no bandwidth floor
         print(
@@ -374,6 +422,13 @@ def main() -> None:
         default=0,
         help="with --baseline: time a prefill of this many new tokens per request over each "
         "shape's context instead of a decode step",
+    )
+    parser.add_argument(
+        "--background-load",
+        type=float,
+        default=0,
+        help="with --baseline: percent of one core that another process keeps busy while "
+        "the trees step, in 0.5 ms bursts (a server's other processes on the same cores)",
     )
     parser.add_argument("--decode-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--max-steps", type=int, default=0, help=argparse.SUPPRESS)
