@@ -19,6 +19,9 @@ arithmetic.
   the one or two rows (`FEW_ROWS`) of the smallest decode batches. oneDNN's packed kernels
   pay a fixed cost per call and read small weights well below the bandwidth
   (docs/benchmarks/model.md).
+- `decode_layer` (`csrc/decode_layer.cpp`): a whole Llama layer of a decode batch, the
+  kernels above called from C++ in the modules' order: one Python dispatch per layer where
+  the modules make about fifteen, which on two cores cost about a seventh of the step.
 
 They are compiled with `torch.utils.cpp_extension` the first time one is needed (a CPU
 attention backend, a bf16 layer; about 15 s on two cores) into
@@ -55,6 +58,7 @@ SOURCES = [
         "linear.cpp",
         "rotary.cpp",
         "activation.cpp",
+        "decode_layer.cpp",
     )
 ]
 HEADERS = [CSRC / "vec16.h", CSRC / "amx.h", CSRC / "parallel.h"]
@@ -228,4 +232,41 @@ def linear_amx(
 def linear_few_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight.T` for bf16 `x` `[rows, in]` (rows up to `FEW_ROWS`), float32 sums."""
     out: torch.Tensor = torch.ops.radixserve_cpu.linear_few_rows(x, weight)
+    return out
+
+
+def decode_layer(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    weights: list[torch.Tensor],
+    cos_sin: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    scaling: float,
+    eps: float,
+) -> torch.Tensor:
+    """One bf16 Llama layer of a decode batch (`LlamaDecoderLayer.decode_weights` lists its
+    weights): the MLP output; the attention output is added to the residual stream in place
+    (to `hidden` itself when `residual` is None), the new K/V written at `out_cache_loc`."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.decode_layer(
+        hidden,
+        residual,
+        weights,
+        cos_sin,
+        k_buffer,
+        v_buffer,
+        out_cache_loc,
+        slots,
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        scaling,
+        eps,
+        FEW_ROWS,
+    )
     return out

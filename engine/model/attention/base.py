@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,18 @@ class AttentionLayer:
     num_kv_heads: int
     head_dim: int
     scaling: float
+
+
+class CpuDecodeInputs(NamedTuple):
+    """What a layer run as one C++ op (`cpu_kernels.decode_layer`) needs to write its new K/V
+    and attend: the layer's pool buffers, the new tokens' slots, and each request's slots and
+    length as the CPU decode kernel reads them."""
+
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    out_cache_loc: torch.Tensor
+    slots: torch.Tensor
+    seq_lens: torch.Tensor
 
 
 class AttentionBackend(ABC):
@@ -63,6 +76,13 @@ class AttentionBackend(ABC):
         every step: device ops with static shapes only (no host values, no `*_cpu` lists, no
         data-dependent sizes), writing into the buffers of `init_cuda_graph_state`.
         Computing the metadata inside the graph leaves replay no host-side pass to make."""
+
+    def cpu_decode_inputs(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> CpuDecodeInputs | None:
+        """For a batch whose every request decodes, where this backend would attend with the
+        CPU decode kernel: what lets the model run the layer as one op. None otherwise."""
+        return None
 
     def forward(
         self,

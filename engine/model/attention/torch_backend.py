@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model import cpu_kernels
-from engine.model.attention.base import AttentionBackend, AttentionLayer
+from engine.model.attention.base import AttentionBackend, AttentionLayer, CpuDecodeInputs
 from engine.model.forward_batch import ForwardBatch
 
 
@@ -69,6 +69,9 @@ class ForwardMetadata:
     """Decode through the `radixserve::decode_attention` op, which builds its own group:
     under `torch.compile`, where the group's size (the batch's longest context) must not
     reach the compiled graph."""
+    captured: bool = False
+    """Built for a captured graph (`init_forward_metadata_graph`): its layers go through
+    `forward`, which the graph backend records."""
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -180,7 +183,19 @@ class TorchAttnBackend(AttentionBackend):
         decode = self._decode_group(
             fb, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc, self.graph_max_seq_len
         )
-        self.forward_metadata = ForwardMetadata([], decode)
+        self.forward_metadata = ForwardMetadata([], decode, captured=True)
+
+    def cpu_decode_inputs(
+        self, layer: AttentionLayer, forward_batch: ForwardBatch
+    ) -> CpuDecodeInputs | None:
+        md = self.forward_metadata
+        decode = None if md is None or md.captured or md.extend_seqs else md.decode
+        if decode is None or decode.rows is not None or decode.token_indices is not None:
+            return None
+        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        return CpuDecodeInputs(
+            k_buffer, v_buffer, forward_batch.out_cache_loc, decode.slots, decode.seq_lens
+        )
 
     def forward(
         self,

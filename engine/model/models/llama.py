@@ -13,13 +13,15 @@ import torch
 from torch import nn
 
 from engine.distributed import get_tp_group
-from engine.model.attention.base import AttentionBackend, AttentionLayer
+from engine.model import cpu_kernels
+from engine.model.attention.base import AttentionBackend, AttentionLayer, CpuDecodeInputs
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.layers.activation import SiluAndMul
 from engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.model.layers.linear import (
     CheckpointTensor,
+    Linear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
@@ -107,6 +109,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._decode_weights: list[torch.Tensor] | None = None
 
     def forward(
         self,
@@ -117,6 +120,10 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next
         layer's norm adds the two (in place into the residual)."""
+        weights = self.decode_weights() if hidden_states.dtype == torch.bfloat16 else None
+        inputs = None if weights is None else self.self_attn.attn.cpu_decode_inputs(forward_batch)
+        if weights is not None and inputs is not None:
+            return self._forward_decode_op(weights, inputs, cos_sin, hidden_states, residual)
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -125,6 +132,62 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states = self.self_attn(cos_sin, hidden_states, forward_batch)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+    def decode_weights(self) -> list[torch.Tensor] | None:
+        """This layer's weights in `cpu_kernels.decode_layer`'s order, where that op can run
+        the layer: eagerly on a CPU with the kernels, bf16 projections packed for AMX (as
+        the runner packs them after loading), without biases, q/k norms or LoRA, on one
+        rank. Anything else, the modules run it."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not cpu_kernels.enabled() or any(p.lora is not None for p in projections):
+            return None
+        if self._decode_weights is None:
+            self._decode_weights = self._decode_op_weights(projections)
+        return self._decode_weights
+
+    def _decode_op_weights(self, projections: tuple[Linear, ...]) -> list[torch.Tensor] | None:
+        if self.self_attn.q_norm is not None or get_tp_group().size != 1:
+            return None
+        weights = []
+        for p in projections:
+            packed = p.packed_weight
+            if (
+                p.bias is not None
+                or p.weight.dtype != torch.bfloat16
+                or p.weight.device.type != "cpu"
+                or packed is None
+                or not cpu_kernels.is_amx_packed(packed)
+            ):
+                return None
+            weights += [p.weight, packed]
+        qkv, o, gate_up, down = (weights[i : i + 2] for i in range(0, 8, 2))
+        norms = self.input_layernorm.weight, self.post_attention_layernorm.weight
+        return [norms[0], *qkv, *o, norms[1], *gate_up, *down]
+
+    def _forward_decode_op(
+        self,
+        weights: list[torch.Tensor],
+        inputs: CpuDecodeInputs,
+        cos_sin: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a decode batch as one C++ op: the same kernels in the same order,
+        without a Python dispatch for each."""
+        attn = self.self_attn.attn.layer
+        out = cpu_kernels.decode_layer(
+            hidden_states,
+            residual,
+            weights,
+            cos_sin,
+            *inputs,
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.scaling,
+            self.input_layernorm.variance_epsilon,
+        )
+        return out, hidden_states if residual is None else residual
 
 
 class LlamaModel(nn.Module):

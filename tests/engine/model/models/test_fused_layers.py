@@ -1,6 +1,7 @@
 """The decoder's fused steps: the Triton kernels give the torch path's logits (run on CPU
-under Triton's interpreter), and the torch path stays short per layer on CPU, where every
-op costs its dispatch at decode sizes."""
+under Triton's interpreter), the torch path stays short per layer on CPU, where every op
+costs its dispatch at decode sizes, and a bf16 decode layer runs as one C++ op
+(`cpu_kernels.decode_layer`) with the modules' results."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.model import layers
+from engine.model import cpu_kernels, layers
 from engine.model.layers.radix_attention import RadixAttention
+from engine.model.models.llama import LlamaDecoderLayer
 from engine.model.runner import ExtendInput, ModelRunner
 
 MAX_OPS_PER_LAYER = 22
@@ -68,3 +70,73 @@ def test_a_decode_layer_dispatches_few_ops_besides_attention(
     with torch.inference_mode(), counter:
         model.layers[1](cos_sin, hidden, residual, None)
     assert sum(counter.counts.values()) <= MAX_OPS_PER_LAYER, counter.counts
+
+
+one_op_layers = pytest.mark.skipif(
+    not (cpu_kernels.available() and cpu_kernels.amx_available()),
+    reason="the one-op decode layer takes the AMX matmul, which this CPU lacks",
+)
+
+
+def count_decode_layer_calls(monkeypatch) -> list[int]:
+    """Counts calls of the real `cpu_kernels.decode_layer` (each call's batch size)."""
+    calls: list[int] = []
+    real = cpu_kernels.decode_layer
+
+    def counted(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls.append(hidden.shape[0])
+        return real(hidden, *args)
+
+    monkeypatch.setattr(cpu_kernels, "decode_layer", counted)
+    return calls
+
+
+@one_op_layers
+def test_a_bf16_decode_layer_runs_as_one_op_with_the_modules_results(
+    hf_model_factory, runner_factory, prompts_factory, greedy, tmp_path, monkeypatch
+):
+    """Same kernels in the same order: greedy tokens and every step's logits are equal,
+    bit for bit, to the modules' (the K/V the op writes is what later steps attend to);
+    batch 1 takes the few-rows matmul, batch 3 the AMX one."""
+    hf_model_factory("llama").save_pretrained(tmp_path)
+    runner = runner_factory(tmp_path, dtype="bfloat16")
+    calls = count_decode_layer_calls(monkeypatch)
+    layers_per_step = runner.model_config.num_hidden_layers
+    for prompts in (prompts_factory([7]), prompts_factory([6, 1, 9])):
+        calls.clear()
+        ours = greedy(runner, prompts, 4)
+        assert calls == [len(prompts)] * 3 * layers_per_step  # the three decode steps
+        with monkeypatch.context() as modules_only:
+            modules_only.setattr(LlamaDecoderLayer, "decode_weights", lambda self: None)
+            theirs = greedy(runner, prompts, 4)
+        assert ours.tokens == theirs.tokens
+        for our_steps, their_steps in zip(ours.logits, theirs.logits, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(our_steps, their_steps, strict=True))
+
+
+@one_op_layers
+def test_the_modules_run_what_the_one_op_layer_does_not_cover(
+    hf_model_factory, runner_factory, prompts_factory, tmp_path, monkeypatch
+):
+    """Prefill and mixed batches, q/k norms (Qwen3), projection biases (Qwen2), float32 and
+    layers with LoRA go through the modules."""
+    calls = count_decode_layer_calls(monkeypatch)
+    for arch, dtype in (("qwen3", "bfloat16"), ("qwen2", "bfloat16"), ("llama", "float32")):
+        path = tmp_path / f"{arch}-{dtype}"
+        hf_model_factory(arch).save_pretrained(path)
+        prefill_then_decode(runner_factory(path, dtype=dtype), prompts_factory([6, 1]))
+    assert calls == []
+    hf_model_factory("llama").save_pretrained(tmp_path / "llama")
+    runner = runner_factory(tmp_path / "llama", dtype="bfloat16")
+    prefill_then_decode(runner, prompts_factory([6, 1]))
+    assert len(calls) == runner.model_config.num_hidden_layers  # the decode step only
+    calls.clear()
+    rows = runner.req_to_token_pool.alloc(2)
+    first, second = prompts_factory([3, 4])
+    runner.forward(runner.build_forward_batch([ExtendInput(rows[0], 0, first)]))
+    mixed = [ExtendInput(rows[0], len(first), [5]), ExtendInput(rows[1], 0, second)]
+    runner.forward(runner.build_forward_batch(mixed))
+    assert calls == []
+    layer = runner.model.model.layers[0]
+    monkeypatch.setattr(layer.mlp.down_proj, "lora", lambda x, y: y)
+    assert layer.decode_weights() is None

@@ -1,0 +1,130 @@
+// One Llama decoder layer of a decode batch on CPU as a single op: the layer's kernels (the
+// other files here) called from C++ in the order the Python modules call them
+// (engine/model/models/llama.py), so that a decode step pays one Python dispatch per layer
+// instead of about fifteen; on two cores those dispatches were about a seventh of the step.
+// Same kernels in the same order on the same tensors: the output equals the modules'.
+//
+// The layer: residual add + RMSNorm, the qkv projection, rotary on q and k in place, the new
+// K/V written to the pool at `out_cache_loc`, decode attention over each request's slots,
+// the o projection, residual add + RMSNorm, gate_up, SiLU-and-mul, down. Every projection is
+// bias-free, the few-rows matmul for up to `few_rows` rows, else the AMX one.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <optional>
+
+namespace {
+
+using Tensor = at::Tensor;
+
+template <typename Signature>
+c10::TypedOperatorHandle<Signature> kernel(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// The layer's weights, in the order `decode_layer` takes them.
+enum Weight { kInputNorm, kQkv, kQkvPacked, kO, kOPacked, kPostNorm, kGateUp, kGateUpPacked,
+              kDown, kDownPacked, kWeights };
+
+class Kernels {
+ public:
+  Kernels()
+      : rms_norm_(kernel<Tensor(const Tensor&, const std::optional<Tensor>&, const Tensor&,
+                                double)>("radixserve_cpu::rms_norm")),
+        linear_amx_(kernel<Tensor(const Tensor&, const Tensor&, int64_t,
+                                  const std::optional<Tensor>&)>("radixserve_cpu::linear_amx")),
+        linear_few_rows_(
+            kernel<Tensor(const Tensor&, const Tensor&)>("radixserve_cpu::linear_few_rows")),
+        rotary_(kernel<void(Tensor&, const Tensor&)>("radixserve_cpu::rotary")),
+        silu_and_mul_(kernel<Tensor(const Tensor&)>("radixserve_cpu::silu_and_mul")),
+        decode_attention_(kernel<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                        const Tensor&, double)>(
+            "radixserve_cpu::decode_attention")) {}
+
+  Tensor rms_norm(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight,
+                  double eps) const {
+    return rms_norm_.call(x, residual, weight, eps);
+  }
+
+  // x W^T as engine/model/layers/linear.py's `linear` chooses for bias-free bf16 rows.
+  Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& packed,
+                int64_t few_rows) const {
+    if (x.size(0) <= few_rows) return linear_few_rows_.call(x, weight);
+    return linear_amx_.call(x, packed, weight.size(0), std::nullopt);
+  }
+
+  void rotary(Tensor& qk, const Tensor& cos_sin) const { rotary_.call(qk, cos_sin); }
+
+  Tensor silu_and_mul(const Tensor& x) const { return silu_and_mul_.call(x); }
+
+  Tensor decode_attention(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
+                          const Tensor& slots, const Tensor& seq_lens, double scaling) const {
+    return decode_attention_.call(q, k_buffer, v_buffer, slots, seq_lens, scaling);
+  }
+
+ private:
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const std::optional<Tensor>&, const Tensor&,
+                                  double)>
+      rms_norm_;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t,
+                                  const std::optional<Tensor>&)>
+      linear_amx_;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> linear_few_rows_;
+  c10::TypedOperatorHandle<void(Tensor&, const Tensor&)> rotary_;
+  c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul_;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                                  const Tensor&, double)>
+      decode_attention_;
+};
+
+// Returns the layer's MLP output. The residual stream (`residual`, or for the first layer,
+// which has none, `hidden` itself) gets the attention output added in place, as
+// LlamaDecoderLayer's norms add it.
+Tensor decode_layer(
+    const Tensor& hidden, const std::optional<Tensor>& residual, at::TensorList weights,
+    const Tensor& cos_sin, const Tensor& k_buffer, const Tensor& v_buffer,
+    const Tensor& out_cache_loc, const Tensor& slots, const Tensor& seq_lens, int64_t num_heads,
+    int64_t num_kv_heads, double scaling, double eps, int64_t few_rows) {
+  TORCH_CHECK(weights.size() == kWeights, "the layer's ", static_cast<int>(kWeights), " weights");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kBFloat16,
+              "bf16 hidden states [n, hidden]");
+  TORCH_CHECK(k_buffer.scalar_type() == at::kBFloat16 && v_buffer.scalar_type() == at::kBFloat16,
+              "a bf16 KV pool");
+  static const Kernels kernels;
+  const int64_t tokens = hidden.size(0), head_dim = k_buffer.size(2);
+  Tensor stream = residual.has_value() ? *residual : hidden;
+  Tensor h = kernels.rms_norm(hidden.contiguous(), residual, weights[kInputNorm], eps);
+
+  Tensor qkv = kernels.linear(h, weights[kQkv], weights[kQkvPacked], few_rows)
+                   .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
+  Tensor qk = qkv.narrow(1, 0, num_heads + num_kv_heads);
+  kernels.rotary(qk, cos_sin);
+  const Tensor q = qkv.narrow(1, 0, num_heads);
+  k_buffer.index_copy_(0, out_cache_loc, qkv.narrow(1, num_heads, num_kv_heads));
+  v_buffer.index_copy_(0, out_cache_loc, qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads));
+  const Tensor attn =
+      kernels.decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scaling)
+          .view({tokens, num_heads * head_dim});
+
+  const Tensor o = kernels.linear(attn, weights[kO], weights[kOPacked], few_rows);
+  h = kernels.rms_norm(o, stream, weights[kPostNorm], eps);
+  const Tensor gate_up = kernels.linear(h, weights[kGateUp], weights[kGateUpPacked], few_rows);
+  return kernels.linear(kernels.silu_and_mul(gate_up), weights[kDown], weights[kDownPacked],
+                        few_rows);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def(
+      "decode_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor[] weights, Tensor cos_sin, "
+      "Tensor(c!) k_buffer, Tensor(d!) v_buffer, Tensor out_cache_loc, Tensor slots, "
+      "Tensor seq_lens, int num_heads, int num_kv_heads, float scaling, float eps, "
+      "int few_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
+  m.impl("decode_layer", &decode_layer);
+}
