@@ -40,40 +40,63 @@ bool extend_attention_supported() {
 #if defined(RADIXSERVE_AMX)
 // Keys [len, head_dim] of one KV head -> [key tile][depth step][16 pairs][16 keys][2]: tile
 // (t, s) holds dims 32s..32s+31 of keys 16t..16t+15, pairs of dims side by side. Keys past
-// `len` (up to `padded_len`) are zero.
+// `len` (up to `padded_len`) are zero. A tile row (one pair of dims of 16 keys) is two
+// gathers of the keys' words, the keys' rows being wherever their slots put them.
 void pack_keys(const bf16* buffer, const int64_t* slots, int64_t len, int64_t padded_len,
                int64_t token_stride, int64_t head_dim, bf16* packed) {
   const int64_t steps = head_dim / kAmxDepth;
-  // Only the key tile that holds `len` and those after it have padding to zero.
-  std::fill(packed + len / kAmxRows * kAmxRows * head_dim, packed + padded_len * head_dim,
-            bf16(0));
-  const auto* source = reinterpret_cast<const uint32_t*>(buffer);
+  const char* bytes = reinterpret_cast<const char*>(buffer);
   auto* target = reinterpret_cast<uint32_t*>(packed);  // a pair of bf16 as one word
-  for (int64_t key = 0; key < len; ++key) {
-    const uint32_t* row = source + slots[key] * token_stride / 2;
-    uint32_t* tile = target + (key / kAmxRows) * steps * kTileElements / 2 + key % kAmxRows;
+  for (int64_t first = 0; first < padded_len; first += kAmxRows) {
+    const int64_t count = std::clamp<int64_t>(len - first, 0, kAmxRows);
+    alignas(64) int64_t offsets[kAmxRows] = {};  // of each key's row, in bytes
+    for (int64_t k = 0; k < count; ++k) {
+      offsets[k] = slots[first + k] * token_stride * static_cast<int64_t>(sizeof(bf16));
+    }
+    const __m512i low = _mm512_load_si512(offsets), high = _mm512_load_si512(offsets + 8);
+    const auto low_keys = static_cast<__mmask8>(radixserve::first_lanes(count));
+    const auto high_keys = static_cast<__mmask8>(radixserve::first_lanes(count - 8));
+    uint32_t* tiles = target + first / kAmxRows * steps * kTileElements / 2;
     for (int64_t pair = 0; pair < head_dim / 2; ++pair) {
-      tile[(pair / kAmxRows) * kTileElements / 2 + (pair % kAmxRows) * kAmxRows] = row[pair];
+      const char* words = bytes + pair * sizeof(uint32_t);
+      const __m256i a = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), low_keys, low, words, 1);
+      const __m256i b =
+          _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), high_keys, high, words, 1);
+      _mm512_storeu_si512(
+          tiles + (pair / kAmxRows) * kTileElements / 2 + (pair % kAmxRows) * kAmxRows,
+          _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
     }
   }
 }
 
 // Values [len, head_dim] of one KV head -> [key step][dim tile][16 pairs][16 dims][2]: tile
 // (s, d) holds dims 16d..16d+15 of keys 32s..32s+31, pairs of keys side by side. Keys past
-// `len` are zero (their weight is zero, and zero times a stale value must not be NaN).
+// `len` are zero (their weight is zero, and zero times a stale value must not be NaN). Two
+// keys' 32 dims become two tile rows by one interleaving permute each.
 void pack_values(const bf16* buffer, const int64_t* slots, int64_t len, int64_t padded_len,
                  int64_t token_stride, int64_t head_dim, bf16* packed) {
   const int64_t dim_tiles = head_dim / kAmxRows;
-  // Only the key step that holds `len` and those after it have padding to zero.
-  std::fill(packed + len / kAmxDepth * kAmxDepth * head_dim, packed + padded_len * head_dim,
-            bf16(0));
-  for (int64_t key = 0; key < len; ++key) {
-    const bf16* row = buffer + slots[key] * token_stride;
-    bf16* step = packed + (key / kAmxDepth) * dim_tiles * kTileElements;
-    const int64_t pair = (key % kAmxDepth) / 2, half = key % 2;
-    for (int64_t dim = 0; dim < head_dim; ++dim) {
-      step[(dim / kAmxRows) * kTileElements + pair * kAmxDepth + (dim % kAmxRows) * 2 + half] =
-          row[dim];
+  alignas(64) uint16_t interleave[2][32];  // words of (a, b): a[i], b[i] for i in each half
+  for (int i = 0; i < 16; ++i) {
+    for (int half = 0; half < 2; ++half) {
+      interleave[half][2 * i] = static_cast<uint16_t>(16 * half + i);
+      interleave[half][2 * i + 1] = static_cast<uint16_t>(32 + 16 * half + i);
+    }
+  }
+  const __m512i first_dims = _mm512_load_si512(interleave[0]);
+  const __m512i last_dims = _mm512_load_si512(interleave[1]);
+  const auto row = [&](int64_t key, int64_t dim) {
+    return key < len ? _mm512_loadu_si512(buffer + slots[key] * token_stride + dim)
+                     : _mm512_setzero_si512();
+  };
+  for (int64_t key = 0; key < padded_len; key += 2) {
+    bf16* step = packed + (key / kAmxDepth) * dim_tiles * kTileElements +
+                 (key % kAmxDepth) / 2 * kAmxDepth;  // the pair's row in each dim tile
+    for (int64_t dim = 0; dim < head_dim; dim += 2 * kAmxRows) {
+      const __m512i a = row(key, dim), b = row(key + 1, dim);
+      bf16* tile = step + (dim / kAmxRows) * kTileElements;
+      _mm512_storeu_si512(tile, _mm512_permutex2var_epi16(a, first_dims, b));
+      _mm512_storeu_si512(tile + kTileElements, _mm512_permutex2var_epi16(a, last_dims, b));
     }
   }
 }
