@@ -69,6 +69,22 @@ void pack_keys(const bf16* buffer, const int64_t* slots, int64_t len, int64_t pa
   }
 }
 
+// Word indices for _mm512_permutex2var_epi16 over two rows a and b (32 dims each):
+// a[i], b[i] side by side for dims 0-15, then for dims 16-31.
+struct Interleave {
+  alignas(64) uint16_t words[2][32];
+  constexpr Interleave() : words{} {
+    for (int half = 0; half < 2; ++half) {
+      for (int i = 0; i < 16; ++i) {
+        words[half][2 * i] = static_cast<uint16_t>(16 * half + i);
+        words[half][2 * i + 1] = static_cast<uint16_t>(32 + 16 * half + i);
+      }
+    }
+  }
+};
+constexpr Interleave kInterleaveTable;
+constexpr const uint16_t (&kInterleave)[2][32] = kInterleaveTable.words;
+
 // Values [len, head_dim] of one KV head -> [key step][dim tile][16 pairs][16 dims][2]: tile
 // (s, d) holds dims 16d..16d+15 of keys 32s..32s+31, pairs of keys side by side. Keys past
 // `len` are zero (their weight is zero, and zero times a stale value must not be NaN). Two
@@ -76,15 +92,8 @@ void pack_keys(const bf16* buffer, const int64_t* slots, int64_t len, int64_t pa
 void pack_values(const bf16* buffer, const int64_t* slots, int64_t len, int64_t padded_len,
                  int64_t token_stride, int64_t head_dim, bf16* packed) {
   const int64_t dim_tiles = head_dim / kAmxRows;
-  alignas(64) uint16_t interleave[2][32];  // words of (a, b): a[i], b[i] for i in each half
-  for (int i = 0; i < 16; ++i) {
-    for (int half = 0; half < 2; ++half) {
-      interleave[half][2 * i] = static_cast<uint16_t>(16 * half + i);
-      interleave[half][2 * i + 1] = static_cast<uint16_t>(32 + 16 * half + i);
-    }
-  }
-  const __m512i first_dims = _mm512_load_si512(interleave[0]);
-  const __m512i last_dims = _mm512_load_si512(interleave[1]);
+  const __m512i first_dims = _mm512_load_si512(kInterleave[0]);
+  const __m512i last_dims = _mm512_load_si512(kInterleave[1]);
   const auto row = [&](int64_t key, int64_t dim) {
     return key < len ? _mm512_loadu_si512(buffer + slots[key] * token_stride + dim)
                      : _mm512_setzero_si512();

@@ -110,6 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._decode_weights: list[torch.Tensor] | None = None
+        self._decode_weights_checked = False
 
     def forward(
         self,
@@ -142,8 +143,9 @@ class LlamaDecoderLayer(nn.Module):
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not cpu_kernels.enabled() or any(p.lora is not None for p in projections):
             return None
-        if self._decode_weights is None:
+        if not self._decode_weights_checked:  # the runner packs the weights before a forward
             self._decode_weights = self._decode_op_weights(projections)
+            self._decode_weights_checked = True
         return self._decode_weights
 
     def _decode_op_weights(self, projections: tuple[Linear, ...]) -> list[torch.Tensor] | None:
