@@ -30,6 +30,8 @@ from engine.model.runner import ExtendInput, ModelRunner
 class CallAgain:
     """A graph backend for CPU runs of this script: replay calls the step again."""
 
+    static_shapes = True
+
     def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         return fn
 
@@ -126,7 +128,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     if args.smoke:
-        args.batch_sizes, args.context, args.steps, args.greedy_steps = [1, 3], 8, 2, 3
+        args.batch_sizes, args.context, args.steps, args.greedy_steps = [3, 6], 8, 2, 3
     device = torch.device(args.device)
     result: dict[str, Any] = {"device": str(device), "dtype": args.dtype, "context": args.context}
     if device.type == "cuda":
