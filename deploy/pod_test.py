@@ -8,8 +8,9 @@
 3. Checks every httpGet probe of the manifest against the running container (podman cannot
    run them itself: it turns them into `curl` health checks scheduled by systemd), that each
    container runs as the chart's user on a read-only root, asks the tokenizer for a chat
-   completion with `podman exec` (podman 4.3's kube play has no --publish), then runs the
-   image once with `--read-only` and only the chart's writable mounts.
+   completion with `podman exec` (podman 4.3's kube play has no --publish) and checks that the
+   worker built its CPU kernels, then runs the image once with `--read-only` and only the
+   chart's writable mounts.
 
 Needs root, podman, buildah, debootstrap, runc and catatonit (`make pod-test` installs them
 with deploy/system_deps.sh), and the project's .venv with helm (`helm-binary`). Everything podman
@@ -37,7 +38,7 @@ CHART = REPO / "charts" / "radixserve"
 WORK = Path(os.environ.get("POD_TEST_DIR", "/var/tmp/radixserve-pod-test"))
 BIN = Path(sys.executable).parent
 HELM = str(BIN / "helm")
-BASE_IMAGE = "localhost/radixserve-base:bookworm"
+BASE_IMAGE = "localhost/radixserve-base:bookworm-gxx"
 IMAGE_REPOSITORY = "localhost/radixserve"
 IMAGE_TAG = "pod-test"
 RELEASE = "pod-test"
@@ -104,7 +105,8 @@ def configure_podman() -> None:
 
 
 def ensure_base_image() -> None:
-    """Python 3.11 and venv from Debian bookworm: what the CPU torch wheel on this disk needs."""
+    """Python 3.11 and venv from Debian bookworm, what the CPU torch wheel on this disk needs,
+    and g++, which the Dockerfile would otherwise fetch (the build has no network)."""
     if podman("image", "exists", BASE_IMAGE, check=False).returncode == 0:
         print(f"{BASE_IMAGE} is already there")
         return
@@ -113,7 +115,7 @@ def ensure_base_image() -> None:
     run(
         "debootstrap",
         "--variant=minbase",
-        "--include=python3.11,python3-venv",
+        "--include=python3.11,python3-venv,g++",
         "bookworm",
         str(rootfs),
         "http://deb.debian.org/debian",
@@ -329,6 +331,22 @@ def check_security_context(deployment: dict) -> list[str]:
     return failed
 
 
+def check_cpu_kernels(container: str) -> list[str]:
+    """The worker built the CPU decode step's C++ kernels for this CPU at its start and loaded
+    them (the image carries the compiler; without it decode runs on torch ops)."""
+    listing = podman(
+        "exec",
+        container,
+        "sh",
+        "-c",
+        'ls "$XDG_CACHE_HOME"/radixserve/cpu_kernels/*/*.so',
+        capture=True,
+        check=False,
+    )
+    print(f"worker CPU kernels: {listing.stdout.strip() or listing.stderr.strip()}")
+    return [] if listing.returncode == 0 else ["the worker built no CPU kernels"]
+
+
 def dump_logs(deployment: dict) -> None:
     for container in deployment["spec"]["template"]["spec"]["containers"]:
         name = pod_container(deployment, container["name"])
@@ -352,6 +370,7 @@ def play_pod(deployment: dict) -> None:
             if status != 200:
                 failed.append(f"{name} {kind} :{port}{path} -> {status}")
         failed += check_security_context(deployment)
+        failed += check_cpu_kernels(pod_container(deployment, "worker"))
         with step("chat completion through the pod"):
             chat_completion(tokenizer, readiness[2])
         if failed:
