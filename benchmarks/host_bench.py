@@ -70,7 +70,7 @@ def child(options: argparse.Namespace) -> None:
     max_new = warmup + steps * windows + 8
     eng = Engine(
         options.model,
-        dtype="float32",
+        dtype=options.dtype,
         device="cpu",
         skip_tokenizer_init=True,
         max_running_requests=batch,
@@ -88,6 +88,7 @@ def child(options: argparse.Namespace) -> None:
     wall: list[float] = []
     cpu: list[float] = []
     run_batch_ms: list[float] = []
+    run_batch_cpu_ms: list[float] = []
     if options.child == "forward":
         step = scheduler.get_next_batch_to_run()
         assert step is not None
@@ -100,30 +101,37 @@ def child(options: argparse.Namespace) -> None:
             wall.append((time.perf_counter() - start) / steps * 1e3)
             cpu.append((time.process_time() - start_cpu) / steps * 1e3)
     else:
-        forward_side: list[float] = []  # run_batch's seconds, on whichever thread runs it
+        # run_batch's seconds on whichever thread runs it, wall and that thread's CPU time:
+        # the difference is time it waited (for the GIL, under the overlap loop's thread).
+        forward_side: list[float] = []
+        forward_side_cpu: list[float] = []
         run_batch = scheduler.run_batch
 
         def timed_run_batch(step: Any) -> Any:
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.thread_time()
             try:
                 return run_batch(step)
             finally:
                 forward_side.append(time.perf_counter() - started)
+                forward_side_cpu.append(time.thread_time() - started_cpu)
 
         scheduler.run_batch = timed_run_batch  # type: ignore[method-assign]
         for _ in range(windows):
             forward_side.clear()
+            forward_side_cpu.clear()
             start, start_cpu = time.perf_counter(), time.process_time()
             scheduler.run_event_loop(after_turns(steps))
             wall.append((time.perf_counter() - start) / steps * 1e3)
             cpu.append((time.process_time() - start_cpu) / steps * 1e3)
             run_batch_ms.append(sum(forward_side) / len(forward_side) * 1e3)
+            run_batch_cpu_ms.append(sum(forward_side_cpu) / len(forward_side_cpu) * 1e3)
     print(
         json.dumps(
             {
                 "wall_ms": wall,
                 "cpu_ms": cpu,
                 "run_batch_ms": run_batch_ms,
+                "run_batch_cpu_ms": run_batch_cpu_ms,
                 "engine": engine.__file__,
             }
         )
@@ -131,11 +139,19 @@ def child(options: argparse.Namespace) -> None:
     os._exit(0)  # skip shutdown: the forward thread may hold the last batch
 
 
-def measure(tree: Path, model: Path, batch: int, loop: str, options: argparse.Namespace) -> dict:
+def measure(
+    tree: Path,
+    model: Path,
+    batch: int,
+    loop: str,
+    options: argparse.Namespace,
+    dtype: str = "float32",
+) -> dict:
     """One subprocess on `tree`: medians of its timing windows."""
     cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--child", loop]
     cmd += ["--model", str(model), "--batch", str(batch)]
     cmd += ["--steps", str(options.steps), "--windows", str(options.windows)]
+    cmd += ["--dtype", dtype]
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, env=env, cwd=tree, check=True, capture_output=True, text=True)
     data = json.loads(out.stdout.strip().splitlines()[-1])
@@ -170,6 +186,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 128, 256])
     parser.add_argument("--overlap-batch", type=int, default=128)
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="part 2's real model (bfloat16: the CPU kernels' one-op decode layer)",
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--windows", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
@@ -216,14 +238,16 @@ def main() -> None:
         if options.skip_overlap:
             return
         batch = options.overlap_batch
-        print(f"\nPart 2: overlap, real model {REAL}, batch {batch}, this tree")
+        print(f"\nPart 2: overlap, real model {REAL} in {options.dtype}, batch {batch}, this tree")
         overlap_runs: dict[str, list[dict]] = {}
         for _ in range(options.repeats):
             overlap_runs.setdefault("host", []).append(
                 measure(REPO, free, batch, "normal", options)
             )
             for loop in ("forward", "normal", "overlap"):
-                overlap_runs.setdefault(loop, []).append(measure(REPO, real, batch, loop, options))
+                overlap_runs.setdefault(loop, []).append(
+                    measure(REPO, real, batch, loop, options, options.dtype)
+                )
         host = median_of(overlap_runs["host"], "wall_ms")
         forward = median_of(overlap_runs["forward"], "wall_ms")
         print("\n| measured | ms per step | / forward alone |")
@@ -243,14 +267,18 @@ def main() -> None:
         print("sampling, on the forward thread under the overlap loop), the rest is the")
         print("scheduler's own work the overlap loop can hide; the last column divides by the")
         print("normal loop's forward side.")
-        print("\n| loop | step ms | forward side ms | step - forward side ms | step / forward |")
+        print(
+            "\n| loop | step ms | forward side ms (its thread's cpu ms) "
+            "| step - forward side ms | step / forward |"
+        )
         print("|---|---:|---:|---:|---:|")
         normal_forward = median_of(overlap_runs["normal"], "run_batch_ms")
         for loop in ("normal", "overlap"):
             step = median_of(overlap_runs[loop], "wall_ms")
             side = median_of(overlap_runs[loop], "run_batch_ms")
+            side_cpu = median_of(overlap_runs[loop], "run_batch_cpu_ms")
             print(
-                f"| {loop} | {step:.2f} | {side:.2f} | {step - side:.2f} | "
+                f"| {loop} | {step:.2f} | {side:.2f} ({side_cpu:.2f}) | {step - side:.2f} | "
                 f"{step / normal_forward:.2f} |"
             )
 
