@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,9 @@ class ForwardBatch:
     lora_slots: torch.Tensor | None = None
     """[batch] int64 on the device: each request's LoRA adapter slot id (0: none); None
     when no request of the batch has an adapter (the scheduler sets it)."""
+    on_layers_start: Callable[[], None] | None = None
+    """Called by the model as its forward enters the layers (the CPU overlap loop's forward
+    thread sets it: engine/sched/forward_thread.py)."""
 
     @classmethod
     def build(

@@ -8,7 +8,8 @@ loop launches batch N, then processes N−1's result and builds N+1 while N runs
 decode inputs are futures in the FutureMap. On CUDA the launch is asynchronous: the
 forward runs on its own stream and the sampled tokens come back through pinned memory and
 an event (`batch_result`), all from this one thread. On CPU, where every op runs as it is
-called, the forward runs on a thread of its own. Whoever runs a loop (the worker, the
+called, the forward runs on a thread of its own, and N−1 is processed once N's forward has
+entered its layers (`forward_thread`). Whoever runs a loop (the worker, the
 offline Engine) hands it its message poll, its output sink and when to stop.
 """
 
@@ -19,7 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -44,6 +45,7 @@ from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.sched.batch import ScheduleBatch
 from engine.sched.batch_result import BatchResult, PendingResult
 from engine.sched.cache_manager import CacheManager
+from engine.sched.forward_thread import ForwardThread
 from engine.sched.future_map import FutureMap
 from engine.sched.new_token_ratio import NewTokenRatioTracker
 from engine.sched.policy import SchedulePolicy
@@ -189,9 +191,7 @@ class Scheduler:
             torch.cuda.Stream(self.device) if self.overlap and self.device.type == "cuda" else None
         )
         self.forward_thread = (
-            ThreadPoolExecutor(1, thread_name_prefix="forward")
-            if self.overlap and self.forward_stream is None
-            else None
+            ForwardThread() if self.overlap and self.forward_stream is None else None
         )
         self.in_flight: tuple[ScheduleBatch, Future[PendingResult]] | None = None
         self.tp_group = get_tp_group()
@@ -361,6 +361,8 @@ class Scheduler:
             if self.has_work():
                 batch = self.get_next_batch_to_run()
                 launched = (batch, self.launch_batch(batch)) if batch is not None else None
+                if launched is not None and self.forward_thread is not None:
+                    self.forward_thread.wait_in_layers()  # see engine/sched/forward_thread.py
                 self.resolve_in_flight()
                 self.in_flight = launched
                 if launched is None:
@@ -430,7 +432,7 @@ class Scheduler:
         if self.input_sync is not None:
             self.input_sync.stop()
         if self.forward_thread is not None:
-            self.forward_thread.shutdown(wait=True)
+            self.forward_thread.shutdown()
         if self.grammar_backend is not None:
             self.grammar_backend.shutdown()
 

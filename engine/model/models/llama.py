@@ -215,6 +215,8 @@ class LlamaModel(nn.Module):
         hidden_states, residual = self.embed_tokens(input_ids), None
         # Every layer rotates by the same positions: gathered once, as transformers does.
         cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        if forward_batch.on_layers_start is not None:
+            forward_batch.on_layers_start()
         for layer in self.layers:
             hidden_states, residual = layer(cos_sin, hidden_states, residual, forward_batch)
         hidden_states, _ = self.norm(hidden_states, residual)
