@@ -42,15 +42,21 @@ NEARLY_FREE: dict[str, Any] = dict(
     num_key_value_heads=1,
 )
 """Two layers of one 16-wide head: the forward is a few dozen tiny ops."""
-REAL: dict[str, Any] = dict(
-    vocab_size=512,
-    hidden_size=160,
-    intermediate_size=640,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-"""Wide enough that the forward's time is mostly in matmuls, which release the GIL."""
+
+
+def real_model(hidden_size: int) -> dict[str, Any]:
+    """Wide enough that the forward's time is mostly in matmuls, which release the GIL:
+    160 makes the float32 forward about 3x the host work, 256 the bf16 one about 1.8x."""
+    return dict(
+        vocab_size=512,
+        hidden_size=hidden_size,
+        intermediate_size=4 * hidden_size,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+
+
 PROMPT_LEN = 4
 
 
@@ -166,12 +172,12 @@ def ensure_worktree(path: Path, commit: str) -> None:
         )
 
 
-def save_models(root: Path) -> tuple[Path, Path]:
+def save_models(root: Path, real_hidden_size: int) -> tuple[Path, Path]:
     from benchmarks.support.models import save_tiny_model
 
     free, real = root / "nearly-free", root / "real"
     save_tiny_model(free, **NEARLY_FREE)
-    save_tiny_model(real, **REAL)
+    save_tiny_model(real, **real_model(real_hidden_size))
     return free, real
 
 
@@ -192,6 +198,7 @@ def main() -> None:
         default="float32",
         help="part 2's real model (bfloat16: the CPU kernels' one-op decode layer)",
     )
+    parser.add_argument("--hidden-size", type=int, default=160, help="part 2's real model")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--windows", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=3)
@@ -211,76 +218,79 @@ def main() -> None:
         ensure_worktree(options.baseline_tree, options.baseline_commit)
         trees[f"main {options.baseline_commit}"] = options.baseline_tree
     with tempfile.TemporaryDirectory() as tmp:
-        free, real = save_models(Path(tmp))
+        free, real = save_models(Path(tmp), options.hidden_size)
         print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; one torch thread")
         if not options.only_overlap:
-            print(f"\nPart 1: whole decode step, nearly-free model {NEARLY_FREE}, normal loop")
-            runs: dict[tuple[str, int], list[dict]] = {}
-            for _ in range(options.repeats):
-                for batch in options.batch_sizes:
-                    for name, tree in trees.items():
-                        runs.setdefault((name, batch), []).append(
-                            measure(tree, free, batch, "normal", options)
-                        )
-            print(
-                "\n| batch | " + " | ".join(f"{n} ms (cpu ms)" for n in trees) + " | this / last |"
-            )
-            print("|---:|" + "---:|" * (len(trees) + 1))
-            for batch in options.batch_sizes:
-                cells = [
-                    f"{median_of(r, 'wall_ms'):.2f} ({median_of(r, 'cpu_ms'):.2f})"
-                    for r in (runs[n, batch] for n in trees)
-                ]
-                walls = [median_of(runs[n, batch], "wall_ms") for n in trees]
-                ratio = f"{walls[0] / walls[-1]:.2f}" if len(walls) > 1 else "-"
-                print(f"| {batch} | " + " | ".join(cells) + f" | {ratio} |")
+            host_part(options, trees, free)
+        if not options.skip_overlap:
+            overlap_part(options, free, real)
 
-        if options.skip_overlap:
-            return
-        batch = options.overlap_batch
-        print(f"\nPart 2: overlap, real model {REAL} in {options.dtype}, batch {batch}, this tree")
-        overlap_runs: dict[str, list[dict]] = {}
-        for _ in range(options.repeats):
-            overlap_runs.setdefault("host", []).append(
-                measure(REPO, free, batch, "normal", options)
-            )
-            for loop in ("forward", "normal", "overlap"):
-                overlap_runs.setdefault(loop, []).append(
-                    measure(REPO, real, batch, loop, options, options.dtype)
+
+def host_part(options: argparse.Namespace, trees: dict[str, Path], free: Path) -> None:
+    """Part 1: the nearly-free model's whole step on each tree."""
+    print(f"\nPart 1: whole decode step, nearly-free model {NEARLY_FREE}, normal loop")
+    runs: dict[tuple[str, int], list[dict]] = {}
+    for _ in range(options.repeats):
+        for batch in options.batch_sizes:
+            for name, tree in trees.items():
+                runs.setdefault((name, batch), []).append(
+                    measure(tree, free, batch, "normal", options)
                 )
-        host = median_of(overlap_runs["host"], "wall_ms")
-        forward = median_of(overlap_runs["forward"], "wall_ms")
-        print("\n| measured | ms per step | / forward alone |")
-        print("|---|---:|---:|")
-        rows = [
-            ("host work (nearly-free model, normal loop)", host),
-            ("forward alone (real model, run_batch)", forward),
-            ("normal loop step (real model)", median_of(overlap_runs["normal"], "wall_ms")),
-            ("overlap loop step (real model)", median_of(overlap_runs["overlap"], "wall_ms")),
+    print("\n| batch | " + " | ".join(f"{n} ms (cpu ms)" for n in trees) + " | this / last |")
+    print("|---:|" + "---:|" * (len(trees) + 1))
+    for batch in options.batch_sizes:
+        cells = [
+            f"{median_of(r, 'wall_ms'):.2f} ({median_of(r, 'cpu_ms'):.2f})"
+            for r in (runs[n, batch] for n in trees)
         ]
-        for label, ms in rows:
-            print(f"| {label} | {ms:.2f} | {ms / forward:.2f} |")
-        print(
-            f"\nforward / host work = {forward / host:.2f}; forward + host = {forward + host:.2f}"
-        )
-        print("\nInside the loops (the same runs): the forward side is `run_batch` (forward and")
-        print("sampling, on the forward thread under the overlap loop), the rest is the")
-        print("scheduler's own work the overlap loop can hide; the last column divides by the")
-        print("normal loop's forward side.")
-        print(
-            "\n| loop | step ms | forward side ms (its thread's cpu ms) "
-            "| step - forward side ms | step / forward |"
-        )
-        print("|---|---:|---:|---:|---:|")
-        normal_forward = median_of(overlap_runs["normal"], "run_batch_ms")
-        for loop in ("normal", "overlap"):
-            step = median_of(overlap_runs[loop], "wall_ms")
-            side = median_of(overlap_runs[loop], "run_batch_ms")
-            side_cpu = median_of(overlap_runs[loop], "run_batch_cpu_ms")
-            print(
-                f"| {loop} | {step:.2f} | {side:.2f} ({side_cpu:.2f}) | {step - side:.2f} | "
-                f"{step / normal_forward:.2f} |"
+        walls = [median_of(runs[n, batch], "wall_ms") for n in trees]
+        ratio = f"{walls[0] / walls[-1]:.2f}" if len(walls) > 1 else "-"
+        print(f"| {batch} | " + " | ".join(cells) + f" | {ratio} |")
+
+
+def overlap_part(options: argparse.Namespace, free: Path, real: Path) -> None:
+    """Part 2: the real model's forward alone, and both loops' steps, on this tree."""
+    batch = options.overlap_batch
+    config = real_model(options.hidden_size)
+    print(f"\nPart 2: overlap, real model {config} in {options.dtype}, batch {batch}, this tree")
+    overlap_runs: dict[str, list[dict]] = {}
+    for _ in range(options.repeats):
+        overlap_runs.setdefault("host", []).append(measure(REPO, free, batch, "normal", options))
+        for loop in ("forward", "normal", "overlap"):
+            overlap_runs.setdefault(loop, []).append(
+                measure(REPO, real, batch, loop, options, options.dtype)
             )
+    host = median_of(overlap_runs["host"], "wall_ms")
+    forward = median_of(overlap_runs["forward"], "wall_ms")
+    print("\n| measured | ms per step | / forward alone |")
+    print("|---|---:|---:|")
+    rows = [
+        ("host work (nearly-free model, normal loop)", host),
+        ("forward alone (real model, run_batch, contexts of the loops' first step)", forward),
+        ("normal loop step (real model)", median_of(overlap_runs["normal"], "wall_ms")),
+        ("overlap loop step (real model)", median_of(overlap_runs["overlap"], "wall_ms")),
+    ]
+    for label, ms in rows:
+        print(f"| {label} | {ms:.2f} | {ms / forward:.2f} |")
+    print(f"\nforward / host work = {forward / host:.2f}; forward + host = {forward + host:.2f}")
+    print("\nInside the loops (the same runs): the forward side is `run_batch` (forward and")
+    print("sampling, on the forward thread under the overlap loop), the rest is the")
+    print("scheduler's own work the overlap loop can hide; the last column divides by the")
+    print("normal loop's forward side.")
+    print(
+        "\n| loop | step ms | forward side ms (its thread's cpu ms) "
+        "| step - forward side ms | step / forward |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    normal_forward = median_of(overlap_runs["normal"], "run_batch_ms")
+    for loop in ("normal", "overlap"):
+        step = median_of(overlap_runs[loop], "wall_ms")
+        side = median_of(overlap_runs[loop], "run_batch_ms")
+        side_cpu = median_of(overlap_runs[loop], "run_batch_cpu_ms")
+        print(
+            f"| {loop} | {step:.2f} | {side:.2f} ({side_cpu:.2f}) | {step - side:.2f} | "
+            f"{step / normal_forward:.2f} |"
+        )
 
 
 if __name__ == "__main__":
