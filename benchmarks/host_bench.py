@@ -7,9 +7,11 @@ runs on this tree and on another (a `git worktree` of an older commit, created i
 in fresh subprocesses whose PYTHONPATH points at the tree, interleaved, in one run.
 
 Part 2: with a real test model whose forward is one to two times the host work (wider,
-still one torch thread), the forward alone (`run_batch` on one batch, repeated), the normal
-loop's step and the overlap loop's step. The overlap loop should cost about the forward
-alone; the normal loop about the forward plus the host work.
+still one torch thread), the forward (`run_batch`, timed inside the normal loop, so at the
+contexts both loops run at), the normal loop's step and the overlap loop's step. The
+overlap loop should cost about the forward; the normal loop the forward plus the
+scheduler's own work. Inside each loop `run_batch` is timed in wall and in its thread's CPU
+time: under the overlap loop, wall minus CPU is time the forward thread waited.
 
 Each figure is the median over `--repeats` subprocesses of the median over timing windows
 of `--steps` decode steps, wall clock (and the process's CPU time, which other load on a
@@ -95,42 +97,30 @@ def child(options: argparse.Namespace) -> None:
     cpu: list[float] = []
     run_batch_ms: list[float] = []
     run_batch_cpu_ms: list[float] = []
-    if options.child == "forward":
-        step = scheduler.get_next_batch_to_run()
-        assert step is not None
-        for _ in range(windows):
-            start, start_cpu = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                pending = scheduler.run_batch(step)
-                if hasattr(pending, "result"):  # this tree's: the tokens' copy to the host
-                    pending.result()
-            wall.append((time.perf_counter() - start) / steps * 1e3)
-            cpu.append((time.process_time() - start_cpu) / steps * 1e3)
-    else:
-        # run_batch's seconds on whichever thread runs it, wall and that thread's CPU time:
-        # the difference is time it waited (for the GIL, under the overlap loop's thread).
-        forward_side: list[float] = []
-        forward_side_cpu: list[float] = []
-        run_batch = scheduler.run_batch
+    # run_batch's seconds on whichever thread runs it, wall and that thread's CPU time:
+    # the difference is time it waited (for the GIL, under the overlap loop's thread).
+    forward_side: list[float] = []
+    forward_side_cpu: list[float] = []
+    run_batch = scheduler.run_batch
 
-        def timed_run_batch(step: Any) -> Any:
-            started, started_cpu = time.perf_counter(), time.thread_time()
-            try:
-                return run_batch(step)
-            finally:
-                forward_side.append(time.perf_counter() - started)
-                forward_side_cpu.append(time.thread_time() - started_cpu)
+    def timed_run_batch(step: Any) -> Any:
+        started, started_cpu = time.perf_counter(), time.thread_time()
+        try:
+            return run_batch(step)
+        finally:
+            forward_side.append(time.perf_counter() - started)
+            forward_side_cpu.append(time.thread_time() - started_cpu)
 
-        scheduler.run_batch = timed_run_batch  # type: ignore[method-assign]
-        for _ in range(windows):
-            forward_side.clear()
-            forward_side_cpu.clear()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            scheduler.run_event_loop(after_turns(steps))
-            wall.append((time.perf_counter() - start) / steps * 1e3)
-            cpu.append((time.process_time() - start_cpu) / steps * 1e3)
-            run_batch_ms.append(sum(forward_side) / len(forward_side) * 1e3)
-            run_batch_cpu_ms.append(sum(forward_side_cpu) / len(forward_side_cpu) * 1e3)
+    scheduler.run_batch = timed_run_batch  # type: ignore[method-assign]
+    for _ in range(windows):
+        forward_side.clear()
+        forward_side_cpu.clear()
+        start, start_cpu = time.perf_counter(), time.process_time()
+        scheduler.run_event_loop(after_turns(steps))
+        wall.append((time.perf_counter() - start) / steps * 1e3)
+        cpu.append((time.process_time() - start_cpu) / steps * 1e3)
+        run_batch_ms.append(sum(forward_side) / len(forward_side) * 1e3)
+        run_batch_cpu_ms.append(sum(forward_side_cpu) / len(forward_side_cpu) * 1e3)
     print(
         json.dumps(
             {
@@ -187,7 +177,7 @@ def median_of(runs: list[dict], key: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--child", choices=["normal", "overlap", "forward"])
+    parser.add_argument("--child", choices=["normal", "overlap"])
     parser.add_argument("--model")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[32, 128, 256])
@@ -249,24 +239,24 @@ def host_part(options: argparse.Namespace, trees: dict[str, Path], free: Path) -
 
 
 def overlap_part(options: argparse.Namespace, free: Path, real: Path) -> None:
-    """Part 2: the real model's forward alone, and both loops' steps, on this tree."""
+    """Part 2: the real model's forward, and both loops' steps, on this tree."""
     batch = options.overlap_batch
     config = real_model(options.hidden_size)
     print(f"\nPart 2: overlap, real model {config} in {options.dtype}, batch {batch}, this tree")
     overlap_runs: dict[str, list[dict]] = {}
     for _ in range(options.repeats):
         overlap_runs.setdefault("host", []).append(measure(REPO, free, batch, "normal", options))
-        for loop in ("forward", "normal", "overlap"):
+        for loop in ("normal", "overlap"):
             overlap_runs.setdefault(loop, []).append(
                 measure(REPO, real, batch, loop, options, options.dtype)
             )
     host = median_of(overlap_runs["host"], "wall_ms")
-    forward = median_of(overlap_runs["forward"], "wall_ms")
-    print("\n| measured | ms per step | / forward alone |")
+    forward = median_of(overlap_runs["normal"], "run_batch_ms")
+    print("\n| measured | ms per step | / forward |")
     print("|---|---:|---:|")
     rows = [
         ("host work (nearly-free model, normal loop)", host),
-        ("forward alone (real model, run_batch, contexts of the loops' first step)", forward),
+        ("forward (real model, run_batch inside the normal loop)", forward),
         ("normal loop step (real model)", median_of(overlap_runs["normal"], "wall_ms")),
         ("overlap loop step (real model)", median_of(overlap_runs["overlap"], "wall_ms")),
     ]
@@ -276,20 +266,19 @@ def overlap_part(options: argparse.Namespace, free: Path, real: Path) -> None:
     print("\nInside the loops (the same runs): the forward side is `run_batch` (forward and")
     print("sampling, on the forward thread under the overlap loop), the rest is the")
     print("scheduler's own work the overlap loop can hide; the last column divides by the")
-    print("normal loop's forward side.")
+    print("forward above (the normal loop's forward side).")
     print(
         "\n| loop | step ms | forward side ms (its thread's cpu ms) "
         "| step - forward side ms | step / forward |"
     )
     print("|---|---:|---:|---:|---:|")
-    normal_forward = median_of(overlap_runs["normal"], "run_batch_ms")
     for loop in ("normal", "overlap"):
         step = median_of(overlap_runs[loop], "wall_ms")
         side = median_of(overlap_runs[loop], "run_batch_ms")
         side_cpu = median_of(overlap_runs[loop], "run_batch_cpu_ms")
         print(
             f"| {loop} | {step:.2f} | {side:.2f} ({side_cpu:.2f}) | {step - side:.2f} | "
-            f"{step / normal_forward:.2f} |"
+            f"{step / forward:.2f} |"
         )
 
 
