@@ -6,8 +6,9 @@
 #   benchmarks/gpu_checks.sh serving OUT   the serving comparison with the triton backend
 #   benchmarks/gpu_checks.sh graph   OUT   CUDA graphs, within 6 minutes: graph-tests, then
 #                                          graph-bench
-#   benchmarks/gpu_checks.sh graph-tests OUT   the CUDA tests of the graph runner, the Triton
-#                                          kernels, the runner and LoRA (no embedded model needed)
+#   benchmarks/gpu_checks.sh graph-tests OUT   the graph runner's tests (CPU fake), the CUDA
+#                                          tests of the Triton kernels, the runner and LoRA
+#                                          graphs (no embedded model needed)
 #   benchmarks/gpu_checks.sh graph-bench OUT   launch cost, eager vs graph decode step (batch
 #                                          1/8/32/128 x 512), greedy graph == eager, then
 #                                          shared-prefix and random at concurrency 32, overlap

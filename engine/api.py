@@ -103,6 +103,7 @@ class Engine:
             disable_cuda_graph=args.disable_cuda_graph,
             enable_torch_compile=args.enable_torch_compile,
             torch_compile_max_bs=args.torch_compile_max_bs,
+            capture_graphs=False,  # the scheduler captures them, with its future lookup
             enable_lora=args.enable_lora,
             max_loras_per_batch=args.max_loras_per_batch,
             max_lora_rank=args.max_lora_rank,

@@ -66,6 +66,8 @@ class ModelRunner:
     on any device when a `graph_backend` is given (the CPU tests inject a fake). On CPU,
     `enable_torch_compile` compiles the decode step of batches up to `torch_compile_max_bs`
     instead (off by default: minutes of compiling at start, docs/benchmarks/model.md).
+    `capture_graphs=False` leaves the capture to the caller: the scheduler captures once,
+    with its FutureMap's lookup baked in, rather than twice.
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class ModelRunner:
         enable_torch_compile: bool = False,
         torch_compile_max_bs: int = 8,
         graph_backend: GraphBackend | None = None,
+        capture_graphs: bool = True,
         enable_lora: bool = False,
         max_loras_per_batch: int = 4,
         max_lora_rank: int = 16,
@@ -137,7 +140,8 @@ class ModelRunner:
         )
         if graph_backend is not None:
             self.graph_runner = self._graph_runner(self.token_to_kv_pool, graph_backend)
-            self.graph_runner.capture()
+            if capture_graphs:
+                self.graph_runner.capture()
 
     def init_memory_pool(
         self,

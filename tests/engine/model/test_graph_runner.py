@@ -14,10 +14,12 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from engine.args import EngineArgs
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.model.graph_runner import PADDING, capture_batch_sizes
 from engine.model.runner import ExtendInput, ModelRunner
 from engine.sched.future_map import FutureMap
+from engine.sched.scheduler import Scheduler
 
 aten = torch.ops.aten
 
@@ -245,6 +247,20 @@ def test_future_input_ids_are_resolved_inside_the_graph(llama_dir, runner_factor
     torch.testing.assert_close(logits, expected)
     graphed.forward_output(fb, resolve_input_ids=future_map.resolve)
     assert len(backend.captured) == 2 * captured  # the same resolver: no recapture
+
+
+def test_the_scheduler_captures_once_with_its_future_lookup(llama_dir, runner_factory):
+    """A runner built with `capture_graphs=False` (as the engine builds its own) leaves the
+    capture to the scheduler, so every bucket is captured once, with the FutureMap's lookup
+    in, and the first decode batch recaptures nothing."""
+    backend = FakeGraphBackend()
+    runner = runner_factory(llama_dir, graph_backend=backend, capture_graphs=False)
+    assert backend.captured == []
+    scheduler = Scheduler(EngineArgs(model=str(llama_dir), device="cpu"), runner)
+    assert backend.captured == [16, 8, 4, 2, 1]
+    graph_runner = runner.graph_runner
+    assert graph_runner is not None
+    assert graph_runner.resolve_input_ids == scheduler.future_map.resolve
 
 
 def test_eager_forward_resolves_futures_too(llama_dir, runner_factory, prompts_factory):
