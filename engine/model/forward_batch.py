@@ -112,9 +112,8 @@ class ForwardBatch:
         token_to_kv_pool: MHATokenToKVPool,
     ) -> ForwardBatch:
         """Lay out per-request host vectors (int64) on the pool's device, positions
-        included, in a fixed number of tensor ops whatever the batch size (copies are
-        non-blocking: the vectors stay on the host as the `*_cpu` mirrors)."""
-        device = token_to_kv_pool.device
+        included, in a fixed number of tensor ops whatever the batch size; the vectors stay
+        on the host as the `*_cpu` mirrors."""
         seq_lens = prefix_lens + extend_lens
         if forward_mode.is_decode():
             positions = prefix_lens
@@ -126,18 +125,18 @@ class ForwardBatch:
                 prefix_lens - starts, extend_lens, output_size=num_tokens
             )
             positions = torch.arange(num_tokens, dtype=torch.int64) + offsets
-
-        def to_device(values: torch.Tensor) -> torch.Tensor:
-            return values.to(device, non_blocking=True)
-
+        host = [input_ids, positions, req_pool_indices, seq_lens, prefix_lens, extend_lens]
+        device_ids, device_positions, device_rows, device_seq_lens, device_prefix, device_extend = (
+            _to_device(host, token_to_kv_pool.device)
+        )
         return cls(
             forward_mode=forward_mode,
-            input_ids=to_device(input_ids),
-            positions=to_device(positions),
-            req_pool_indices=to_device(req_pool_indices),
-            seq_lens=to_device(seq_lens),
-            prefix_lens=to_device(prefix_lens),
-            extend_lens=to_device(extend_lens),
+            input_ids=device_ids,
+            positions=device_positions,
+            req_pool_indices=device_rows,
+            seq_lens=device_seq_lens,
+            prefix_lens=device_prefix,
+            extend_lens=device_extend,
             out_cache_loc=out_cache_loc,
             seq_lens_cpu=seq_lens.tolist(),
             prefix_lens_cpu=prefix_lens.tolist(),
@@ -149,3 +148,15 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+def _to_device(vectors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """`vectors` on `device`. On CUDA they are packed into one pinned buffer and sent in one
+    non-blocking copy, so the scheduler never waits for the device here; torch's caching
+    host allocator keeps that buffer from reuse until the copy has run."""
+    if device.type != "cuda":
+        return [v.to(device) for v in vectors]
+    sizes = [len(v) for v in vectors]
+    staged = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+    torch.cat(vectors, out=staged)
+    return list(staged.to(device, non_blocking=True).split(sizes))

@@ -125,29 +125,6 @@ class DecodeInputs:
         self.extend_lens = torch.ones(max_bs, dtype=torch.int64, device=device)
 
 
-class HostStaging:
-    """Double-buffered pinned host memory for inputs that arrive on the host: a source is
-    copied into pinned memory, then to the device without blocking, on the forward stream.
-    Batch N+1 fills the other half while batch N's copies may still be queued, and a half
-    is refilled only once the copies that read it two batches ago are done."""
-
-    def __init__(self, num_inputs: int, max_bs: int):
-        self.halves = [
-            torch.empty((num_inputs, max_bs), dtype=torch.int64, pin_memory=True) for _ in range(2)
-        ]
-        self.copied = [torch.cuda.Event(), torch.cuda.Event()]
-        self.turn = 0
-
-    def begin(self) -> torch.Tensor:
-        """The half this batch fills."""
-        self.copied[self.turn].synchronize()
-        return self.halves[self.turn]
-
-    def end(self) -> None:
-        self.copied[self.turn].record()
-        self.turn ^= 1
-
-
 class GraphRunner:
     """Decode batches of up to `max_bs` requests through captured graphs, padded to the
     next bucket. Built by `ModelRunner`, which decides when a batch can use it
@@ -175,9 +152,6 @@ class GraphRunner:
         self.max_bs = self.batch_sizes[-1]
         device = token_to_kv_pool.device
         self.inputs = DecodeInputs(self.max_bs, device, lora is not None)
-        self.staging = (
-            HostStaging(len(self.inputs.buffers), self.max_bs) if device.type == "cuda" else None
-        )
         attn_backend.init_cuda_graph_state(
             self.max_bs, req_to_token_pool.max_context_len, backend.static_shapes
         )
@@ -221,22 +195,19 @@ class GraphRunner:
 
     def fill(self, forward_batch: ForwardBatch) -> int:
         """Copy the batch into the static inputs and pad them to its bucket; return the
-        bucket. Only `copy_` and `fill_` into existing buffers: nothing here allocates."""
+        bucket. Only `copy_` and `fill_` into existing buffers, device to device (the batch's
+        inputs came over in one pinned copy: `ForwardBatch.from_host`): nothing here
+        allocates or waits."""
         batch_size = forward_batch.batch_size
         bs = self.bucket(batch_size)
-        staging = None if self.staging is None else self.staging.begin()
         padding = self.inputs.padding
-        for i, (name, buffer) in enumerate(self.inputs.buffers.items()):
+        for name, buffer in self.inputs.buffers.items():
             source: torch.Tensor | None = getattr(forward_batch, name)
             if source is None:  # lora_slots of a batch without adapters
                 buffer[:bs].fill_(padding[name])
                 continue
-            if staging is not None and source.device.type == "cpu":
-                source = staging[i, :batch_size].copy_(source)
             buffer[:batch_size].copy_(source, non_blocking=True)
             buffer[batch_size:bs].fill_(padding[name])
-        if self.staging is not None:
-            self.staging.end()
         return bs
 
     def _forward_fn(
