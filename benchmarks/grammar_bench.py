@@ -12,7 +12,15 @@ warmed up with one batch first; the rows are measured in alternation.
 Mask overhead per token: every constrained output is replayed through a fresh matcher,
 timing the bitmask fill, the token accept, and applying the bitmask to a logits row.
 
+Length-bounded strings (`--length-bounds`): mask time per token inside a string with
+minLength 50 and maxLength 64, 1,024 and 32,767, next to xgrammar's own rule for the same
+schema (which lets raw control characters through), over the first and the last 10 tokens
+of a 40-token string body; then one request of 40 tokens under maxLength 32,767 against the
+same schema without bounds. `--base DIR` runs the same measurement on the checkout in DIR
+(a `git worktree` of the commit before) first, in a subprocess, so both print side by side.
+
 Run from the repository root: .venv/bin/python -m benchmarks.grammar_bench [--dtype bfloat16]
+[--length-bounds [--base /tmp/base]]
 Results are recorded in docs/benchmarks/grammar.md.
 """
 
@@ -20,8 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from typing import NamedTuple
 
@@ -96,8 +107,73 @@ def mask_overhead_us(
     }
 
 
+LENGTH_BOUNDS = (64, 1024, 32767)
+BODY = "The quick brown fox jumps over the lazy dog, and then it runs away. " * 40
+
+
+def bounded_schema(max_length: int | None) -> dict:
+    string: dict = {"type": "string"}
+    if max_length is not None:
+        string.update(minLength=50, maxLength=max_length)
+    return {"type": "object", "properties": {"a": string}, "required": ["a"]}
+
+
+def length_bound_masks(dtype: str) -> None:
+    """Mask time per token in a length-bounded string, ours against xgrammar's own rule;
+    then one request's end-to-end time with and without the bounds."""
+    from engine.grammar.strict_json import json_schema_grammar
+
+    engine = Engine(dtype=dtype, max_total_tokens=4096, disable_overlap_schedule=True)
+    backend = engine.scheduler.grammar_backend
+    assert backend is not None, "the embedded model has a tokenizer"
+    tokenizer = backend.tokenizer
+    all_ids = tokenizer.encode('{"a": "' + BODY, add_special_tokens=False)
+    mask = xgr.allocate_token_bitmask(1, backend.vocab_size)
+    print("| maxLength | rule | compile ms | tokens in the string | mask ms, first 10 | last 10 |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for max_length in LENGTH_BOUNDS:
+        ids = all_ids[:44]  # '{"a": "' is 4 tokens, then up to 40 inside the string
+        while len(tokenizer.decode(ids[4:])) > max_length:
+            ids = ids[:-1]
+        source = json.dumps(bounded_schema(max_length))
+        grammars = {
+            "radixserve": json_schema_grammar(source),
+            "xgrammar's own": xgr.Grammar.from_json_schema(source, any_whitespace=False),
+        }
+        for rule, grammar in grammars.items():
+            start = time.perf_counter()
+            compiled = backend.compiler.compile_grammar(grammar)
+            compile_ms = (time.perf_counter() - start) * 1e3
+            matcher = xgr.GrammarMatcher(compiled)
+            times = []
+            for token in ids:
+                t0 = time.perf_counter()
+                matcher.fill_next_token_bitmask(mask, 0)
+                times.append(time.perf_counter() - t0)
+                assert matcher.accept_token(token)
+            first, last = (statistics.mean(t) * 1e3 for t in (times[4:14], times[-10:]))
+            print(
+                f"| {max_length} | {rule} | {compile_ms:.0f} | {len(ids) - 4} | "
+                f"{first:.2f} | {last:.2f} |"
+            )
+    print("\n| schema | output tokens | seconds |")
+    print("|---|---:|---:|")
+    for bound in (32767, None):
+        params = {"temperature": 0, "max_new_tokens": 40, "json_schema": bounded_schema(bound)}
+        engine.generate("Write a long sentence as JSON.", params)  # compile and warm up
+        start = time.perf_counter()
+        result = engine.generate("Write a long sentence as JSON.", params)[0]
+        label = "no bounds" if bound is None else f"minLength 50, maxLength {bound}"
+        print(f"| {label} | {len(result.output_ids)} | {time.perf_counter() - start:.2f} |")
+    engine.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--length-bounds", action="store_true", help="mask cost in length-bounded strings"
+    )
+    parser.add_argument("--base", help="with --length-bounds: also measure this checkout, first")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument(
@@ -107,6 +183,15 @@ def main() -> None:
         "--overlap", action="store_true", help="overlap loop (default: the normal loop)"
     )
     args = parser.parse_args()
+    if args.length_bounds:
+        if args.base:
+            print(f"## before: {args.base}", flush=True)
+            env = {**os.environ, "PYTHONPATH": os.path.abspath(args.base)}
+            command = [sys.executable, os.path.abspath(__file__), "--length-bounds"]
+            subprocess.run([*command, "--dtype", args.dtype], env=env, check=True)
+            print("\n## after: this checkout", flush=True)
+        length_bound_masks(args.dtype)
+        return
 
     names = list(SCHEMAS)
     prompts = [SCHEMAS[n][0] for n in names]

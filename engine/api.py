@@ -84,12 +84,16 @@ class Engine:
         self, args: EngineArgs, rank: int, addr: str | None, ranks: RankProcesses | None
     ) -> None:
         """Join the group (at TP > 1), then load this rank's shard of the model and build
-        the scheduler: every rank builds the same one over its own pools."""
+        the scheduler: every rank builds the same one over its own pools. Start-up waits
+        for the other ranks up to `dist_init_timeout`; serving, the group's timeout."""
         self.args = args
         self.ranks = ranks
         device = rank_device(args, rank)
         if addr is not None:
-            init_distributed(ParallelConfig(args.tp_size, rank, addr), torch.device(device))
+            config = ParallelConfig(args.tp_size, rank, addr, init_timeout_s=args.dist_init_timeout)
+            init_distributed(config, torch.device(device), ranks.check if ranks else None)
+            if ranks is not None:
+                ranks.joined()
         self.model_runner = ModelRunner(
             args.model,
             device=device,
@@ -130,6 +134,7 @@ class Engine:
             self._matched_stop_string if self.tokenizer else None,
             grammar_backend,
         )
+        get_tp_group().start_serving()
         self._rids = itertools.count()
 
     def generate(

@@ -42,7 +42,9 @@ class EngineArgs:
     max_running_requests: int = _opt(256, "cap on the running batch (rows of req_to_token)")
     max_prefill_tokens: int = _opt(16384, "cap on the new tokens of one prefill batch")
     chunked_prefill_size: int | None = _opt(
-        4096, "split prefills longer than this into chunks (None: off)"
+        0,
+        "split prefills longer than this into chunks; 0: the device's default (CPU: 256, a "
+        "turn of about a second at an 8k context; CUDA: 4096); none: off",
     )
     enable_mixed_chunk: bool = _opt(False, "let running decodes ride along in prefill batches")
     schedule_policy: str = _opt("fcfs", "queue order", choices=constants.SCHEDULE_POLICIES)
@@ -125,6 +127,12 @@ class EngineArgs:
         "host:port where rank 0 serves the rendezvous (default: 127.0.0.1 and a free port, "
         "on one node); required when nnodes > 1",
     )
+    dist_init_timeout: float = _opt(
+        1800.0,
+        "seconds tensor-parallel start-up waits for every rank to join the group and load "
+        "its shard (a local rank that dies fails the start at once); once serving, a "
+        "collective waits 60 s",
+    )
     lora_paths: str | None = _opt(
         None,
         "LoRA adapters (PEFT directories) loaded at start, as name=path entries separated "
@@ -146,6 +154,11 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
+            raise ValueError(
+                "chunked_prefill_size must be >= 0 (0: derived at start; none: off), "
+                f"got {self.chunked_prefill_size}"
+            )
         self.check_parallel()
         self.lora_entries()
 
@@ -170,6 +183,8 @@ class EngineArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
                 raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        if not self.dist_init_timeout > 0:
+            raise ValueError(f"dist_init_timeout must be > 0 seconds, got {self.dist_init_timeout}")
 
     @property
     def enable_lora(self) -> bool:

@@ -1,11 +1,11 @@
 """ZMQ sockets between the three processes (see `services.protocol`), and peer liveness.
 
-Each PULL socket binds 127.0.0.1 and its PUSH peer connects, so startup order is free
-(ZMQ reconnects). With `WireKeys` the wire is authenticated both ways: each PULL socket is
-a CURVE server and each PUSH socket a CURVE client with its role's keypair, and a
-`WireAuthenticator` (ZAP) in each binding process admits only the pod's own client keys,
-so a local process without them cannot connect, let alone inject, abort or retire
-anything (CURVE alone would authenticate only the server).
+Each PULL socket binds (an ipc:// socket, or a port of 127.0.0.1) and its PUSH peer
+connects, so startup order is free (ZMQ reconnects). With `WireKeys` the wire is
+authenticated both ways: each PULL socket is a CURVE server and each PUSH socket a CURVE
+client with its role's keypair, and a `WireAuthenticator` (ZAP) in each binding process
+admits only the pod's own client keys, so a local process without them cannot connect, let
+alone inject, abort or retire anything (CURVE alone would authenticate only the server).
 
 Sends never block a loop: a PUSH socket only queues for a connected peer
 (`zmq.IMMEDIATE`) and up to its high-water mark; past that `Sender.send` returns
@@ -19,8 +19,10 @@ epoch), and rejects messages from a restarted peer's previous life.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import socket
 import stat
 import threading
 import time
@@ -34,6 +36,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 import zmq.auth
+import zmq.utils.monitor as zmq_monitor
 from zmq.utils import z85
 
 from services.protocol import Heartbeat, Hello, Message, ProtocolError, decode, encode
@@ -182,13 +185,25 @@ class WireAuthenticator(zmq.auth.Authenticator):
             loop.close()
 
 
+Address = int | str
+"""Where a PULL socket binds: a port of tcp://127.0.0.1 (0: a free one), or a ZMQ endpoint,
+such as the ipc:// sockets `radixserve serve` puts in a private directory by default."""
+
+
+def endpoint(address: Address) -> str:
+    """The ZMQ endpoint of `address`."""
+    if isinstance(address, int):
+        return f"tcp://{LOCALHOST}:{address or '*'}"
+    return address
+
+
 def bind_pull(
-    ctx: zmq.Context, port: int, hwm: int = DEFAULT_HWM, keys: WireKeys | None = None
+    ctx: zmq.Context, address: Address, hwm: int = DEFAULT_HWM, keys: WireKeys | None = None
 ) -> zmq.Socket:
-    """A PULL socket on tcp://127.0.0.1:`port` (never all interfaces: the processes share a
-    pod or a host, and nothing else may inject requests). Port 0 picks a free port; read it
-    back with `bound_port`. With `keys` it is a CURVE server that admits only the clients
-    `ctx`'s `WireAuthenticator` admits."""
+    """A PULL socket on `address`: loopback TCP (never all interfaces: the processes share a
+    pod or a host, and nothing else may inject requests) or ipc://. Port 0 picks a free port;
+    read it back with `bound_port`. With `keys` it is a CURVE server that admits only the
+    clients `ctx`'s `WireAuthenticator` admits."""
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.RCVHWM, hwm)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -199,17 +214,35 @@ def bind_pull(
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
         sock.setsockopt_string(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-    endpoint = f"tcp://{LOCALHOST}:{port or '*'}"
+    where = endpoint(address)
     try:
-        sock.bind(endpoint)
+        if where.startswith("ipc://"):
+            _refuse_live_ipc(where.removeprefix("ipc://"))
+        sock.bind(where)
     except zmq.ZMQError as e:
         sock.close()
         raise OSError(
             e.errno,
-            f"cannot bind {endpoint}: {e.strerror} (another process holds the port? "
+            f"cannot bind {where}: {e.strerror} (another process holds the port? "
             "each port has a --*-port flag)",
         ) from e
+    except OSError:
+        sock.close()
+        raise
     return sock
+
+
+def _refuse_live_ipc(path: str) -> None:
+    """OSError if a socket listens on the Unix socket `path`: binding an ipc:// endpoint
+    replaces the file, which would silently cut its owner off instead of failing."""
+    if not os.path.exists(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return  # a file left by a process that is gone: binding replaces it
+    raise OSError(errno.EADDRINUSE, f"cannot bind ipc://{path}: a socket already listens on it")
 
 
 def bound_port(sock: zmq.Socket) -> int:
@@ -218,16 +251,17 @@ def bound_port(sock: zmq.Socket) -> int:
 
 def connect_push(
     ctx: zmq.Context,
-    port: int,
+    address: Address,
     hwm: int = DEFAULT_HWM,
     linger_ms: int = DEFAULT_LINGER_MS,
     keys: WireKeys | None = None,
     server: str = "",
 ) -> zmq.Socket:
-    """A PUSH socket to tcp://127.0.0.1:`port` that queues only while the peer is connected
-    (`IMMEDIATE`): messages for an absent peer are refused at once, not delivered to a
-    restarted peer long after their requests were failed. With `keys` it is a CURVE client
-    that talks only to the role `server` (its public key) and proves it is `keys.role`."""
+    """A PUSH socket to `address` (as `bind_pull` takes it) that queues only while the peer
+    is connected (`IMMEDIATE`): messages for an absent peer are refused at once, not
+    delivered to a restarted peer long after their requests were failed. With `keys` it is
+    a CURVE client that talks only to the role `server` (its public key) and proves it is
+    `keys.role`."""
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.SNDHWM, hwm)
@@ -236,7 +270,7 @@ def connect_push(
         sock.setsockopt(zmq.CURVE_SERVERKEY, keys.publics[server])
         sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, keys.secret)
-    sock.connect(f"tcp://{LOCALHOST}:{port}")
+    sock.connect(endpoint(address))
     return sock
 
 
@@ -398,6 +432,30 @@ class Receiver:
         return messages
 
 
+class Connections:
+    """The connections open into a bound socket, from ZMQ's socket monitor: a peer whose
+    process exits drops them at once (the kernel closes its sockets); a busy one never
+    does. Works for asyncio sockets too: the events are read on a plain socket of the same
+    libzmq context. `close` it before that context is destroyed."""
+
+    def __init__(self, sock: zmq.Socket):
+        address = f"inproc://connections-{id(self):x}"
+        sock.monitor(address, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
+        self.events: zmq.Socket = zmq.Context.shadow(sock.context.underlying).socket(zmq.PAIR)
+        self.events.connect(address)
+        self.open = 0
+
+    def count(self) -> int:
+        """Connections open now (the events since the last call applied)."""
+        while self.events.poll(0):
+            event = zmq_monitor.parse_monitor_message(self.events.recv_multipart())
+            self.open += 1 if event["event"] == zmq.EVENT_ACCEPTED else -1
+        return self.open
+
+    def close(self) -> None:
+        self.events.close(linger=0)
+
+
 class AsyncReceiver:
     """The tokenizer's side: `await recv()` yields the next valid message from a
     `zmq.asyncio` PULL socket, dropping malformed ones."""
@@ -428,20 +486,33 @@ class _Peer:
     alive: bool = True
     retired: set[str] = field(default_factory=set)
     """Epochs this peer has had before: their messages are stale."""
+    connected: bool = True
+    """It has a connection into this process (as far as `connections` was told)."""
 
 
 class PeerMonitor:
     """Liveness and epochs of the peers a process receives from, keyed by sender role.
 
     Any stamped message counts as a sign of life (Hello and Heartbeat carry nothing else).
+    A peer is judged dead on evidence that it stopped, not on one late heartbeat (a busy
+    host delays a beat by seconds): silent for `misses` intervals with no connection into
+    this process (`connections`: its process exited, and the kernel closed its sockets), or
+    silent for `timeout` whatever its connections say (frozen, or its host gone).
     Epochs are compared for identity, not order: an epoch seen before the current one is
     retired, and its messages are rejected."""
 
-    def __init__(self, interval: float = 1.0, misses: int = 3):
+    def __init__(self, interval: float = 1.0, misses: int = 3, timeout: float | None = None):
         self.interval = interval
         self.misses = misses
+        self.timeout = max(misses * interval, timeout if timeout is not None else 0.0)
         self._peers: dict[str, _Peer] = {}
         self._events: list[PeerEvent] = []
+
+    def connections(self, count: int, peer: str | None = None) -> None:
+        """`peer` (None: every peer) has `count` connections into this process now."""
+        for name, state in self._peers.items():
+            if peer is None or name == peer:
+                state.connected = count > 0
 
     def accept(self, msg: Message) -> bool:
         """Record `msg`'s sender as alive; False if it comes from a retired epoch (drop it).
@@ -469,11 +540,12 @@ class PeerMonitor:
         return True
 
     def is_alive(self, peer: str) -> bool:
-        """Heard from within `misses` heartbeat intervals (never heard from: False)."""
+        """Not yet silent for the limit that applies (never heard from: False)."""
         state = self._peers.get(peer)
-        return (
-            state is not None and time.monotonic() - state.last_seen <= self.misses * self.interval
-        )
+        if state is None:
+            return False
+        silent = time.monotonic() - state.last_seen
+        return silent <= (self.timeout if state.connected else self.misses * self.interval)
 
     def epoch(self, peer: str) -> str | None:
         state = self._peers.get(peer)

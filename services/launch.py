@@ -1,21 +1,29 @@
 """The `radixserve` command line; `radixserve serve` runs the three processes on one host.
 
-`serve` validates the settings once, then starts `python -m services.worker|detokenizer|
-tokenizer` with the same flags (and the same RADIXSERVE_* environment), so all three
-agree. Without `--ipc-keys-dir` it makes a private directory of fresh wire keys for them,
-removed at exit. The group lives and dies together: a child that exits takes the others
-down and the launcher exits non-zero, as a pod would restart. SIGTERM drains: the
-tokenizer stops accepting and finishes its requests (`--graceful-shutdown-timeout`) while
-the worker and detokenizer still serve them; only then are those two stopped.
+`serve` validates the settings once and checks that the ports it was given are free (one
+line naming the port and its flag, before anything starts), then starts `python -m
+services.worker|detokenizer|tokenizer` with the same flags (and the same RADIXSERVE_*
+environment), so all three agree. Whatever could collide with another server on the same
+host it makes private to this run, in a runtime directory (0700) removed at exit: the ZMQ
+sockets not given a port are ipc:// sockets there, as SGLang and vLLM do; fresh wire keys
+unless `--ipc-keys-dir`; free metrics ports unless given. It reports "serving" once
+`/health` answers 200 with its own launch id (`--launch-id`), not some other server on the
+port. The group lives and dies together: a child that exits takes the others down and the
+launcher exits non-zero, as a pod would restart. SIGTERM drains: the tokenizer stops
+accepting and finishes its requests (`--graceful-shutdown-timeout`) while the worker and
+detokenizer still serve them; only then are those two stopped.
 `radixserve keys DIR` makes a keys directory (the chart's init container runs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -23,7 +31,13 @@ import time
 import types
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from importlib.metadata import version
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from services.settings import Settings
 
 ROLES = ("worker", "detokenizer", "tokenizer")
 """Start order: the worker loads the model, the slowest step, so it starts first."""
@@ -32,7 +46,11 @@ STOP_TIMEOUT_S = 5.0
 """How long a child gets to exit after SIGTERM (past its drain) before it is killed."""
 DRAIN_FIRST = ("tokenizer",)
 """Stopped first, and waited for: the process that holds the clients' connections."""
-KEYS_ENV = "RADIXSERVE_IPC_KEYS_DIR"
+METRICS_PORTS = ("worker_metrics_port", "detokenizer_metrics_port")
+"""The HTTP ports of the worker and the detokenizer: free ones are chosen when unset."""
+PROBE_TIMEOUT_S = 2.0
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+"""The readiness probe goes to this host, never through an HTTP proxy of the environment."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,8 +88,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def serve(argv: list[str]) -> int:
-    """Run the three processes until a signal (exit 0) or until one of them exits (exit 1)."""
+    """Run the three processes until a signal (exit 0) or until one of them exits (exit 1);
+    exit 1 at once, with one line, when a port it was given is taken."""
     from services.settings import Settings
+    from services.tokenizer.worker_metrics_proxy import loopback_host
 
     settings = Settings.from_cli(argv, prog="radixserve serve")
     if settings.node_rank > 0:
@@ -81,8 +101,14 @@ def serve(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    keys_dir = None if settings.ipc_keys_dir else _make_wire_keys()
-    children = ServiceGroup(argv, keys_dir)
+    problem = taken_port(settings)
+    if problem is not None:
+        print(f"radixserve serve: error: {problem}", file=sys.stderr)
+        return 1
+    started = time.monotonic()
+    runtime_dir = tempfile.mkdtemp(prefix="radixserve-")
+    launch_id = settings.launch_id or secrets.token_hex(8)
+    children = ServiceGroup(argv, child_environment(settings, runtime_dir, launch_id))
     stop_signal: list[int] = []
 
     def on_signal(signum: int, frame: types.FrameType | None) -> None:
@@ -92,11 +118,11 @@ def serve(argv: list[str]) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    children.start()
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    base_url = f"http://{host}:{settings.port}"
+    host = loopback_host(settings.host)
+    base_url = f"http://{f'[{host}]' if ':' in host else host}:{settings.port}"
     ready = False
     try:
+        children.start()
         while not stop_signal:
             dead = children.first_exited()
             if dead is not None:
@@ -108,10 +134,12 @@ def serve(argv: list[str]) -> int:
                     flush=True,
                 )
                 return 1
-            if not ready and _is_ready(base_url):
+            if not ready and _answers_as(base_url, launch_id):
                 ready = True
                 print(
-                    f"radixserve: serving {settings.served_model_name} at {base_url}/v1", flush=True
+                    f"radixserve: serving {settings.served_model_name} at {base_url}/v1 "
+                    f"(ready in {time.monotonic() - started:.1f} s)",
+                    flush=True,
                 )
             time.sleep(POLL_INTERVAL_S)
         print(
@@ -122,25 +150,86 @@ def serve(argv: list[str]) -> int:
         return 0
     finally:
         children.stop(settings.graceful_shutdown_timeout)
-        if keys_dir is not None:
-            shutil.rmtree(keys_dir, ignore_errors=True)
+        shutil.rmtree(runtime_dir, ignore_errors=True)
 
 
-def _make_wire_keys() -> str:
-    """A fresh private (0700) directory of wire keys for this run's three processes."""
+def taken_port(settings: Settings) -> str | None:
+    """One line naming the first port given to this server (`--port`, and any other port
+    flag set) that cannot be bound, and its flag; None when all can. Bound as the servers
+    will bind them: ZMQ on 127.0.0.1, HTTP on --host, with SO_REUSEADDR (so only a port
+    another socket listens on fails, not one a previous run left in TIME_WAIT)."""
+    from services.settings import PORT_FIELDS, ZMQ_PORT_ROLES
+
+    for name in PORT_FIELDS:
+        port = getattr(settings, name)
+        if port is None:
+            continue
+        host = "127.0.0.1" if name in ZMQ_PORT_ROLES else settings.host
+        flag = "--" + name.replace("_", "-")
+        try:
+            with _bound(host, port):
+                pass
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return (
+                    f"port {port} ({flag}) is already in use on {host}: stop what holds it, "
+                    f"or pick another {flag}"
+                )
+            return f"cannot bind port {port} ({flag}) on {host}: {e.strerror or e}"
+    return None
+
+
+def child_environment(settings: Settings, runtime_dir: str, launch_id: str) -> dict[str, str]:
+    """The RADIXSERVE_* variables `serve` adds for its children (below any flag): the launch
+    id, and for what the settings leave unset, private to this run: wire keys and the ipc://
+    sockets in `runtime_dir`, and free metrics ports (on --host, where they will be bound)."""
     from services.ipc import create_wire_keys
+    from services.settings import ENV_PREFIX, ZMQ_PORT_ROLES
 
-    return str(create_wire_keys(tempfile.mkdtemp(prefix="radixserve-keys-")))
+    values: dict[str, str] = {"launch_id": launch_id}
+    if settings.ipc_keys_dir is None:
+        values["ipc_keys_dir"] = str(create_wire_keys(Path(runtime_dir) / "keys"))
+    if settings.ipc_dir is None and any(getattr(settings, n) is None for n in ZMQ_PORT_ROLES):
+        values["ipc_dir"] = runtime_dir
+    unset = [name for name in METRICS_PORTS if getattr(settings, name) is None]
+    for name, port in zip(unset, _free_ports(settings.host, len(unset)), strict=True):
+        values[name] = str(port)
+    return {ENV_PREFIX + name.upper(): value for name, value in values.items()}
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (`host`, `port`), as a server would bind it (not listening)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _free_ports(host: str, n: int) -> list[int]:
+    """`n` distinct ports free on `host` now: each socket stays bound until all are chosen."""
+    sockets = [_bound(host, 0) for _ in range(n)]
+    try:
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 class ServiceGroup:
-    """The three child processes. Each runs in its own session, so a terminal's Ctrl-C
-    reaches them once, through the launcher, rather than twice. `keys_dir`, when given,
-    reaches them as RADIXSERVE_IPC_KEYS_DIR."""
+    """The three child processes, with `argv` and this environment plus `env`. Each runs in
+    its own session, so a terminal's Ctrl-C reaches them once, through the launcher, rather
+    than twice."""
 
-    def __init__(self, argv: list[str], keys_dir: str | None = None):
+    def __init__(self, argv: list[str], env: Mapping[str, str] | None = None):
         self.argv = argv
-        self.env = {**os.environ, **({KEYS_ENV: keys_dir} if keys_dir else {})}
+        self.env = {**os.environ, **(env or {})}
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self) -> None:
@@ -190,10 +279,16 @@ class ServiceGroup:
                 proc.wait()
 
 
-def _is_ready(base_url: str) -> bool:
+def _answers_as(base_url: str, launch_id: str) -> bool:
+    """`/health` answers 200 with `launch_id`: this run's tokenizer is up and ready, not
+    another server that holds the port."""
+    from services.settings import LAUNCH_ID_HEADER
+
     try:
-        with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
-            return response.status == 200
+        with _NO_PROXY.open(f"{base_url}/health", timeout=PROBE_TIMEOUT_S) as response:
+            return bool(
+                response.status == 200 and response.headers.get(LAUNCH_ID_HEADER) == launch_id
+            )
     except (urllib.error.URLError, OSError):
         return False
 

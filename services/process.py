@@ -11,7 +11,8 @@ have died. Each service also serves `/metrics` and `/healthz` on its metrics por
 
 Heartbeats go out from a thread of their own, so that a long scheduler round (a big
 prefill on a CPU) is not mistaken for a death; that thread's watchdog ends a process whose
-loop has stopped turning, so that its peers do see a death and Kubernetes restarts it.
+loop has stopped making progress (a turn, or a layer of a long forward), so that its peers
+do see a death and Kubernetes restarts it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from prometheus_client import CollectorRegistry
 from observability.metrics_server import MetricsServer, start_metrics_server
 from observability.tracing import setup_tracing
 from services.ipc import (
+    Address,
+    Connections,
     Outbox,
     PeerEvent,
     PeerMonitor,
@@ -67,22 +70,25 @@ def configure_logging(level: str, role: str) -> None:
 
 
 class Service(ABC):
-    """A process on the wire: receives on `in_port`, sends through `connect(port)`."""
+    """A process on the wire: receives on `in_address`, sends through `connect(address)`
+    (a loopback port, or an endpoint such as `Settings.zmq_address` gives)."""
 
     role: str = ""
 
-    def __init__(self, settings: Settings, in_port: int):
+    def __init__(self, settings: Settings, in_address: Address):
         self.settings = settings
         self.epoch = new_epoch()
         self.keys = load_wire_keys(settings.ipc_keys_dir, self.role)
         self.ctx = zmq.Context()
         if self.keys is not None:
             WireAuthenticator(self.ctx, self.keys).start()
-        self.receiver = Receiver(bind_pull(self.ctx, in_port, keys=self.keys), name=self.role)
-        self.monitor = PeerMonitor(settings.heartbeat_interval)
+        self.receiver = Receiver(bind_pull(self.ctx, in_address, keys=self.keys), name=self.role)
+        self.connections = Connections(self.receiver.sock)
+        """Of the one role that sends to this process (`Settings.zmq_role` of its address)."""
+        self.monitor = PeerMonitor(settings.heartbeat_interval, timeout=settings.peer_timeout)
         self.senders: list[Sender] = []
         self.outboxes: list[Outbox] = []
-        self.peer_ports: list[int] = []
+        self.peer_addresses: list[Address] = []
         self.heartbeats = threading.Thread(
             target=self._heartbeat_loop, name="heartbeats", daemon=True
         )
@@ -91,38 +97,52 @@ class Service(ABC):
         self.metrics_server: MetricsServer | None = None
         self.tracing = setup_tracing(self.role)
         self.last_turn = time.monotonic()
-        """When the loop last polled (once a turn); /healthz fails once it is too long ago."""
+        """When the loop last polled (once a turn)."""
+        self.last_progress = self.last_turn
+        """When the loop last showed progress: a turn, or a layer of a long forward
+        (`mark_progress`); /healthz and the watchdog judge by it."""
         # Half an interval: a peer's death is noticed within 3.5 intervals of its last beat.
         self.idle_timeout_ms = max(1, int(settings.heartbeat_interval * 500))
 
-    def serve_metrics(self, port: int) -> None:
-        """Start `/metrics` (of `self.registry`) and `/healthz` on `settings.host`."""
+    def serve_metrics(self, port: int | None) -> None:
+        """Start `/metrics` (of `self.registry`) and `/healthz` on `settings.host` (port
+        None: a free one, logged)."""
         self.metrics_server = start_metrics_server(
-            self.settings.host, port, self.registry, self.stalled
+            self.settings.host, port or 0, self.registry, self.stalled
         )
 
     def stalled(self) -> str | None:
-        """Why the loop looks stuck, or None while it turns."""
-        idle = time.monotonic() - self.last_turn
+        """Why the loop looks stuck, or None while it turns or computes."""
+        idle = self.idle()
         if idle < self.settings.stall_timeout:
             return None
-        return f"the {self.role} loop has not finished a turn for {idle:.0f} s"
+        return f"the {self.role} loop has made no progress for {idle:.0f} s"
 
-    def connect(self, port: int) -> Sender:
+    def idle(self) -> float:
+        """Seconds since the loop last showed progress."""
+        return time.monotonic() - max(self.last_turn, self.last_progress)
+
+    def mark_progress(self) -> None:
+        """The loop computes: a long forward finished one more layer (any thread)."""
+        self.last_progress = time.monotonic()
+
+    def connect(self, address: Address) -> Sender:
         sender = Sender(
-            self._connect_push(port), self.role, self.epoch, self.settings.heartbeat_interval
+            self._connect_push(address), self.role, self.epoch, self.settings.heartbeat_interval
         )
         self.senders.append(sender)
-        self.peer_ports.append(port)
+        self.peer_addresses.append(address)
         return sender
 
-    def _connect_push(self, port: int) -> zmq.Socket:
-        """A PUSH socket to the peer that binds `port`, authenticated as this role."""
-        return connect_push(self.ctx, port, keys=self.keys, server=peer_role(self.settings, port))
+    def _connect_push(self, address: Address) -> zmq.Socket:
+        """A PUSH socket to the peer that binds `address`, authenticated as this role."""
+        return connect_push(
+            self.ctx, address, keys=self.keys, server=self.settings.zmq_role(address)
+        )
 
-    def outbox(self, port: int) -> Outbox:
-        """`connect(port)` for messages that must not be lost to a short disconnection."""
-        outbox = Outbox(self.connect(port))
+    def outbox(self, address: Address) -> Outbox:
+        """`connect(address)` for messages that must not be lost to a short disconnection."""
+        outbox = Outbox(self.connect(address))
         self.outboxes.append(outbox)
         return outbox
 
@@ -190,6 +210,7 @@ class Service(ABC):
                     self.handle(msg)
                 except Exception:  # a message must never take the process down
                     logger.exception("dropped %s after an error handling it", type(msg).__name__)
+        self.monitor.connections(self.connections.count())
         self._dispatch_peer_events(self.monitor.poll())
         self.last_turn = time.monotonic()
 
@@ -206,21 +227,21 @@ class Service(ABC):
         thread); exit the process once the loop has not turned for `watchdog_timeout`."""
         senders = [
             Sender(
-                self._connect_push(port),
+                self._connect_push(address),
                 self.role,
                 self.epoch,
                 self.settings.heartbeat_interval,
             )
-            for port in self.peer_ports
+            for address in self.peer_addresses
         ]
         try:
             while not self.stopping:
                 for sender in senders:
                     sender.heartbeat_if_due()
-                idle = time.monotonic() - self.last_turn
+                idle = self.idle()
                 if idle > self.settings.watchdog_timeout:
                     logger.critical(
-                        "watchdog: the %s loop has not finished a turn for %.0f s "
+                        "watchdog: the %s loop has made no progress for %.0f s "
                         "(--watchdog-timeout %g); exiting",
                         self.role,
                         idle,
@@ -241,22 +262,12 @@ class Service(ABC):
             self.metrics_server.close()
         if self.tracing is not None:
             self.tracing.shutdown()
+        self.connections.close()
         self.ctx.destroy(linger=100)
 
     def _request_stop(self, signum: int, frame: types.FrameType | None) -> None:
         logger.info("%s received %s; stopping", self.role, signal.Signals(signum).name)
         self.stopping = True
-
-
-def peer_role(settings: Settings, port: int) -> str:
-    """The role whose PULL socket binds ZMQ port `port`."""
-    roles = {
-        settings.worker_port: "worker",
-        settings.detokenizer_port: "detokenizer",
-        settings.tokenizer_port: "tokenizer",
-        settings.tokenizer_control_port: "tokenizer",
-    }
-    return roles[port]
 
 
 class ServiceClass(Protocol):
@@ -270,6 +281,6 @@ class ServiceClass(Protocol):
 def run_service(service_cls: ServiceClass) -> None:
     """`python -m services.<role>`: settings from flags and RADIXSERVE_* variables, logging,
     then the service's loop until SIGTERM/SIGINT."""
-    settings = Settings.from_cli(prog=f"python -m services.{service_cls.role}")
+    settings = Settings.from_cli(prog=f"python -m services.{service_cls.role}", wire=True)
     configure_logging(settings.log_level, service_cls.role)
     service_cls(settings).serve_forever()

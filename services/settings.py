@@ -29,6 +29,21 @@ def _opt(default: Any, help: str, **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help, **kwargs})
 
 
+_ZMQ_PORT_HELP = " on tcp://127.0.0.1:PORT (none: an ipc:// socket in --ipc-dir)"
+_METRICS_PORT_HELP = " (none: a free port, chosen at start; /get_server_info shows it)"
+ZMQ_PORT_ROLES = {
+    "worker_port": "worker",
+    "detokenizer_port": "detokenizer",
+    "tokenizer_port": "tokenizer",
+    "tokenizer_control_port": "tokenizer",
+}
+"""Each ZMQ port field and the role whose PULL socket binds it."""
+MAX_IPC_PATH = 107
+"""Bytes of a Unix socket's path at most (sun_path, less its terminating NUL)."""
+LAUNCH_ID_HEADER = "x-radixserve-launch-id"
+"""The header of the tokenizer's /health answer that carries `--launch-id`."""
+
+
 @dataclass
 class Settings(EngineArgs):
     """Every engine option plus what the three processes need to find each other and serve."""
@@ -38,23 +53,43 @@ class Settings(EngineArgs):
         "how tool calls are read from the model's text (vLLM's names)",
         choices=tuple(TOOL_PARSERS),
     )
-    host: str = _opt("0.0.0.0", "HTTP bind address (the ZMQ sockets always bind 127.0.0.1)")
+    host: str = _opt(
+        "0.0.0.0", "HTTP bind address (the ZMQ sockets never leave the host: ipc:// or 127.0.0.1)"
+    )
     port: int = _opt(30000, "HTTP port of the OpenAI-compatible API")
     served_model_name: str | None = _opt(None, "model id in the API (default: --model)")
-    worker_port: int = _opt(30010, "ZMQ tokenizer → worker")
-    detokenizer_port: int = _opt(30011, "ZMQ worker → detokenizer")
-    tokenizer_port: int = _opt(30012, "ZMQ detokenizer → tokenizer")
-    tokenizer_control_port: int = _opt(
-        30013, "ZMQ worker → tokenizer (ready, control replies, heartbeats)"
+    worker_port: int | None = _opt(None, f"ZMQ tokenizer → worker{_ZMQ_PORT_HELP}")
+    detokenizer_port: int | None = _opt(None, f"ZMQ worker → detokenizer{_ZMQ_PORT_HELP}")
+    tokenizer_port: int | None = _opt(None, f"ZMQ detokenizer → tokenizer{_ZMQ_PORT_HELP}")
+    tokenizer_control_port: int | None = _opt(
+        None,
+        f"ZMQ worker → tokenizer (ready, control replies, heartbeats){_ZMQ_PORT_HELP}",
     )
-    worker_metrics_port: int = _opt(30001, "worker /metrics and /healthz (bound on --host)")
-    detokenizer_metrics_port: int = _opt(
-        30002, "detokenizer /metrics and /healthz (bound on --host)"
+    ipc_dir: str | None = _opt(
+        None,
+        "directory of the ipc:// sockets of the ZMQ ports left unset (radixserve serve makes a "
+        "private one, removed at exit; processes started alone need the same one)",
+    )
+    worker_metrics_port: int | None = _opt(
+        None, f"worker /metrics and /healthz (bound on --host){_METRICS_PORT_HELP}"
+    )
+    detokenizer_metrics_port: int | None = _opt(
+        None, f"detokenizer /metrics and /healthz (bound on --host){_METRICS_PORT_HELP}"
+    )
+    launch_id: str | None = _opt(
+        None,
+        "set by radixserve serve for its children: the tokenizer's /health answers it in the "
+        f"{LAUNCH_ID_HEADER} header, so that serve knows it reached its own server",
+    )
+    log_probe_requests: bool = _opt(
+        False,
+        "access-log lines for /health, /healthz and /metrics too (kubelet probes and "
+        "Prometheus scrapes; left out by default)",
     )
     stall_timeout: float = _opt(
         60.0,
-        "worker and detokenizer /healthz answer 503 once their loop has not finished a turn "
-        "for this long (s)",
+        "worker and detokenizer /healthz answer 503 once their loop has made no progress (a "
+        "turn, or a layer of a prefill's forward) for this long (s)",
     )
     graceful_shutdown_timeout: float = _opt(
         30.0,
@@ -63,8 +98,8 @@ class Settings(EngineArgs):
     )
     watchdog_timeout: float = _opt(
         300.0,
-        "worker and detokenizer exit (status 3) once their loop has not finished a turn "
-        "for this long (s)",
+        "worker and detokenizer exit (status 3) once their loop has made no progress (a turn, "
+        "or a layer of a prefill's forward) for this long (s)",
     )
     # repr=False: settings get logged at startup, the key must not be.
     api_key: str | None = field(
@@ -104,6 +139,9 @@ class Settings(EngineArgs):
         "tokenize user and tool content with its special tokens parsed (trusted callers only: "
         "such text can forge turns)",
     )
+    disable_openapi: bool = _opt(
+        False, "serve no OpenAPI document (/openapi.json) and no API explorer (/docs)"
+    )
     http_header_timeout: float = _opt(
         10.0, "close an HTTP connection whose request headers take longer than this (s)"
     )
@@ -125,12 +163,23 @@ class Settings(EngineArgs):
         "characters of prompt text (all messages, or all prompts of a batch) at most, checked "
         "before tokenizing",
     )
+    max_n: int = _opt(128, "samples per prompt (n) at most (OpenAI's limit)")
+    max_sequences_per_request: int = _opt(
+        1024, "sequences of one request (prompts of a batch × n) at most"
+    )
     log_level: str = _opt("info", "logging level", choices=LOG_LEVELS)
     max_tokens_cap: int = _opt(
         4096, "server-side cap on a request's max_tokens, protecting the KV pool"
     )
     heartbeat_interval: float = _opt(
-        1.0, "seconds between heartbeats; a peer silent for 3 intervals is dead"
+        1.0,
+        "seconds between heartbeats; a peer whose connection dropped (its process exited) "
+        "and then stays silent for 3 intervals is dead",
+    )
+    peer_timeout: float = _opt(
+        30.0,
+        "a peer silent this long is dead even while its connections stay up (frozen, or its "
+        "host gone); a late heartbeat from a busy peer is no death (s)",
     )
     max_queued_requests: int | None = _opt(
         None,
@@ -163,6 +212,8 @@ class Settings(EngineArgs):
         by_port: dict[int, list[str]] = {}
         for name in PORT_FIELDS:
             port = getattr(self, name)
+            if port is None:
+                continue
             if not 1 <= port <= 65535:
                 raise ValueError(f"{name} must be in [1, 65535], got {port}")
             by_port.setdefault(port, []).append(name)
@@ -173,6 +224,8 @@ class Settings(EngineArgs):
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if not self.heartbeat_interval > 0:
             raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
+        if not self.peer_timeout > 0:
+            raise ValueError(f"peer_timeout must be > 0, got {self.peer_timeout}")
         if not self.stall_timeout > 0:
             raise ValueError(f"stall_timeout must be > 0, got {self.stall_timeout}")
         if not self.graceful_shutdown_timeout >= 0:
@@ -198,6 +251,38 @@ class Settings(EngineArgs):
         if self.kv_events_block_size < 1:
             raise ValueError(f"kv_events_block_size must be >= 1, got {self.kv_events_block_size}")
         self.kv_events()  # a bad --kv-events-config fails here, before any process starts
+        if self.ipc_dir is not None:
+            longest = self.zmq_address("tokenizer_control_port").removeprefix("ipc://")
+            if len(longest.encode()) > MAX_IPC_PATH:
+                raise ValueError(
+                    f"ipc_dir {self.ipc_dir!r} is too long for a Unix socket path "
+                    f"({longest!r} exceeds {MAX_IPC_PATH} bytes); pick a shorter directory"
+                )
+
+    def zmq_address(self, name: str) -> str:
+        """The ZMQ endpoint of port field `name` (one of `ZMQ_PORT_ROLES`): loopback TCP when
+        the port is set, else an ipc:// socket in `ipc_dir`. ValueError when neither is."""
+        port = getattr(self, name)
+        if port is not None:
+            return f"tcp://127.0.0.1:{port}"
+        if self.ipc_dir is None:
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{flag} is unset and so is --ipc-dir: give the three processes the same "
+                "--ipc-dir (or every ZMQ --*-port), or start them with radixserve serve"
+            )
+        return f"ipc://{os.path.join(self.ipc_dir, name.removesuffix('_port'))}"
+
+    def zmq_role(self, address: int | str) -> str:
+        """The role whose PULL socket binds `address` (a loopback TCP port or an endpoint)."""
+        wanted = f"tcp://127.0.0.1:{address}" if isinstance(address, int) else address
+        for name, role in ZMQ_PORT_ROLES.items():
+            try:
+                if self.zmq_address(name) == wanted:
+                    return role
+            except ValueError:  # a port with no address is not the one asked for
+                continue
+        raise KeyError(f"no ZMQ port of these settings is {wanted}")
 
     def kv_events(self) -> KVEventsConfig | None:
         """The parsed `--kv-events-config`, or None when events are off."""
@@ -215,15 +300,21 @@ class Settings(EngineArgs):
         argv: Sequence[str] | None = None,
         env: Mapping[str, str] | None = None,
         prog: str | None = None,
+        wire: bool = False,
     ) -> Settings:
         """Parse flags (default: sys.argv[1:]) over `RADIXSERVE_*` variables (default:
-        os.environ). Bad values exit with status 2 and a message naming the flag or variable."""
+        os.environ). Bad values exit with status 2 and a message naming the flag or variable;
+        with `wire` (a service process), so do ZMQ ports that have no address."""
         parser = build_parser(os.environ if env is None else env, prog)
         namespace = parser.parse_args(argv)
         try:
-            return cls(**vars(namespace))
+            settings = cls(**vars(namespace))
+            if wire and settings.node_rank == 0:  # node K > 0 runs ranks, with no sockets
+                for name in ZMQ_PORT_ROLES:
+                    settings.zmq_address(name)
         except ValueError as e:
             parser.error(str(e))
+        return settings
 
 
 SIZE_LIMIT_FIELDS = (
@@ -234,6 +325,8 @@ SIZE_LIMIT_FIELDS = (
     "max_logit_bias",
     "max_top_logprobs",
     "max_prompt_chars",
+    "max_n",
+    "max_sequences_per_request",
 )
 
 PORT_FIELDS = (

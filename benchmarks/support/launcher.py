@@ -50,6 +50,17 @@ def start_serve(flags: list[str], stderr_path: Path) -> subprocess.Popen[str]:
         )
 
 
+def serving_url(serve: subprocess.Popen[str], stderr_path: Path) -> str:
+    """The OpenAI base URL that `serve` (from `start_serve`) prints once its own server is
+    ready; an assertion error with its children's log if it exits first."""
+    assert serve.stdout is not None
+    for line in serve.stdout:
+        if match := SERVING_LINE.match(line):
+            return match[1]
+    log = stderr_path.read_text(errors="replace")[-6000:]
+    raise AssertionError(f"radixserve serve exited ({serve.wait()}) before serving:\n{log}")
+
+
 def server_ports() -> dict[str, int]:
     """A distinct free port for each of SERVER_PORTS."""
     return dict(zip(SERVER_PORTS, free_ports(len(SERVER_PORTS))))

@@ -2,6 +2,7 @@
 `parallel_state` for the process groups and their collectives."""
 
 from engine.distributed.parallel_state import (
+    DEFAULT_INIT_TIMEOUT_S,
     DEFAULT_TIMEOUT_S,
     ParallelConfig,
     TPGroup,
@@ -11,6 +12,7 @@ from engine.distributed.parallel_state import (
 )
 
 __all__ = [
+    "DEFAULT_INIT_TIMEOUT_S",
     "DEFAULT_TIMEOUT_S",
     "ParallelConfig",
     "TPGroup",

@@ -40,6 +40,7 @@ import logging
 import os
 import platform
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -78,14 +79,24 @@ def available() -> bool:
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
     library = cache_root() / "cpu_kernels" / _build_key() / f"{NAME}.so"
+    started = time.perf_counter()
     try:
         if library.exists():
             torch.ops.load_library(str(library))
+            done = "loaded (built for this CPU before)"
         else:
+            # The one long silent step of a first start: say so before it begins.
+            logger.info(
+                "CPU kernels: compiling for this CPU (first start on this CPU, about a minute; "
+                "kept in %s)",
+                library.parent,
+            )
             _build(library)
+            done = "compiled"
     except Exception as e:  # no compiler, no headers, an unwritable cache: keep torch ops
         logger.warning("CPU kernels unavailable, using torch ops: %s", e)
         return False
+    logger.info("CPU kernels: %s in %.1f s", done, time.perf_counter() - started)
     return True
 
 

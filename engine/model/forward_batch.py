@@ -70,6 +70,9 @@ class ForwardBatch:
     on_layers_start: Callable[[], None] | None = None
     """Called by the model as its forward enters the layers (the CPU overlap loop's forward
     thread sets it: engine/sched/forward_thread.py)."""
+    on_layer_end: Callable[[], None] | None = None
+    """Called by the model after each layer of a prefill: a long forward shows progress to
+    a watchdog that would otherwise see only a turn that has not ended."""
 
     @classmethod
     def build(

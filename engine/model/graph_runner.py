@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -174,13 +175,18 @@ class GraphRunner:
         """Capture every bucket, largest first, with `resolve_input_ids` baked in. The
         static inputs hold padding while capturing, so capture reads and writes only the
         padding row and slot."""
+        started = time.perf_counter()
         self.graphs.clear()
         self.resolve_input_ids = resolve_input_ids
         for name, buffer in self.inputs.buffers.items():
             buffer.fill_(self.inputs.padding[name])
         for bs in reversed(self.batch_sizes):
             self.graphs[bs] = self.backend.capture(self._forward_fn(bs, resolve_input_ids))
-        logger.info("captured decode graphs for batch sizes %s", self.batch_sizes)
+        logger.info(
+            "decode graphs: captured for batch sizes %s in %.1f s",
+            self.batch_sizes,
+            time.perf_counter() - started,
+        )
 
     def replay(
         self, forward_batch: ForwardBatch, resolve_input_ids: ResolveInputIds | None = None

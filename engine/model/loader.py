@@ -9,7 +9,10 @@ Both formats yield tensors under Hugging Face names, so the models load one way.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from engine.distributed import get_tp_group
 from engine.model.attention.base import AttentionBackend
@@ -34,6 +38,8 @@ from engine.model.tokenizer_cache import load_gguf_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
 
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt"]
 # Mistral repos also hold consolidated.safetensors, the same weights under other names.
@@ -117,6 +123,10 @@ class Checkpoint(ABC):
     @abstractmethod
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
+    @abstractmethod
+    def num_tensors(self) -> int:
+        """How many tensors `weights` yields (the length of the loading progress bar)."""
+
     def lazy_weights(self) -> Iterator[tuple[str, CheckpointTensor]]:
         """The same stream for the model's loaders, which `narrow` each tensor to their
         rank's slice: formats that can read a slice alone read only that."""
@@ -142,6 +152,13 @@ class HFCheckpoint(Checkpoint):
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
+
+    def num_tensors(self) -> int:
+        total = 0
+        for file in self.files:  # each file's header only
+            with safe_open(file, framework="pt") as f:
+                total += len(f.keys())
+        return total
 
     def lazy_weights(self) -> Iterator[tuple[str, CheckpointTensor]]:
         for file in self.files:
@@ -212,6 +229,9 @@ class GGUFCheckpoint(Checkpoint):
                 weight = unpermute_rotary(weight, config.num_key_value_heads)
             yield name, weight
 
+    def num_tensors(self) -> int:
+        return sum(1 for t in self.reader.tensors if hf_tensor_name(t.name) is not None)
+
 
 def hf_tensor_name(gguf_name: str) -> str | None:
     """The Hugging Face name of a llama.cpp tensor; None for tensors that are config."""
@@ -249,24 +269,49 @@ def load_model(
     attn_backend: AttentionBackend,
 ) -> LlamaForCausalLM:
     """Build this rank's shard of the network for `checkpoint.config` straight on `device`
-    in `dtype` and fill it; refuse a tensor-parallel size the model cannot be split over."""
-    checkpoint.config.verify_tp_size(get_tp_group().size)
+    in `dtype` and fill it; refuse a tensor-parallel size the model cannot be split over.
+    Rank 0 shows a progress bar over the tensors on stderr, and each rank logs the time."""
+    started = time.perf_counter()
+    tp_group = get_tp_group()
+    checkpoint.config.verify_tp_size(tp_group.size)
     model_cls = get_model_class(checkpoint.config.architecture)
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(checkpoint.config, attn_backend)
-    model.load_weights(checkpoint.lazy_weights())
+    total = checkpoint.num_tensors()
+    with tqdm(
+        checkpoint.lazy_weights(),
+        total=total,
+        desc="Loading weights",
+        unit="tensor",
+        file=sys.stderr,
+        mininterval=0.5,
+        disable=not tp_group.is_first_rank,
+    ) as weights:
+        model.load_weights(weights)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info(
+        "weights: %d tensors, %.2f GiB on %s, loaded in %.1f s",
+        total,
+        size / (1 << 30),
+        device,
+        time.perf_counter() - started,
+    )
     return model.eval()
 
 
 def load_tokenizer(model: str | os.PathLike | ModelSource) -> PreTrainedTokenizerBase:
     """The model's tokenizer; from a GGUF file, transformers builds it from the metadata
     (vocabulary, merges, special ids and chat template), once per file (`tokenizer_cache`)."""
-    from transformers import AutoTokenizer
+    started = time.perf_counter()
+    from transformers import AutoTokenizer  # seconds of imports, the first time
 
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     if source.is_gguf:
-        return load_gguf_tokenizer(source.path)
-    return AutoTokenizer.from_pretrained(source.path)
+        tokenizer = load_gguf_tokenizer(source.path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
+    logger.info("tokenizer: loaded in %.1f s", time.perf_counter() - started)
+    return tokenizer
 
 
 @contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -142,6 +143,8 @@ class ModelRunner:
             self.graph_runner = self._graph_runner(self.token_to_kv_pool, graph_backend)
             if capture_graphs:
                 self.graph_runner.capture()
+        else:
+            logger.info("decode graphs: none to capture (decode runs eagerly on %s)", self.device)
 
     def init_memory_pool(
         self,
@@ -155,6 +158,7 @@ class ModelRunner:
         what is left; the graphs are captured over the pool afterwards. The pool holds this
         rank's KV heads only; under tensor parallelism every rank sizes it alike (the
         smallest size any rank can afford), since their schedulers allocate in step."""
+        started = time.perf_counter()
         config = self.model_config
         kv_heads = config.get_num_kv_heads(self.tp_size)
         kv_shape = (kv_heads, config.head_dim, config.num_hidden_layers)
@@ -178,9 +182,10 @@ class ModelRunner:
             max_total_tokens, self.dtype, *kv_shape, self.device
         )
         logger.info(
-            "KV cache: %d tokens, %.2f GiB",
+            "KV cache: %d tokens, %.2f GiB, sized in %.1f s",
             max_total_tokens,
             max_total_tokens * MHATokenToKVPool.cell_size(*kv_shape, self.dtype) / (1 << 30),
+            time.perf_counter() - started,
         )
 
     def _graph_runner(

@@ -45,6 +45,7 @@ from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.sched.batch import ScheduleBatch
 from engine.sched.batch_result import BatchResult, PendingResult
 from engine.sched.cache_manager import CacheManager
+from engine.sched.chunk_size import resolve_chunked_prefill_size
 from engine.sched.forward_thread import ForwardThread
 from engine.sched.future_map import FutureMap
 from engine.sched.new_token_ratio import NewTokenRatioTracker
@@ -96,6 +97,10 @@ class SchedulerObserver(Protocol):
 
     def on_forward(self, mode: str, batch_size: int, seconds: float) -> None:
         """A forward pass and its sampling took `seconds`; heard when its result is read."""
+
+    def on_progress(self) -> None:
+        """A prefill's forward finished one more layer: the loop computes, it is not stuck
+        (heard on the forward's thread; decode steps, short, report nothing)."""
 
 
 @dataclass
@@ -181,6 +186,12 @@ class Scheduler:
                 logger.warning(
                     "jump-forward is off: this tokenizer's pieces do not decode independently"
                 )
+        self.chunked_prefill_size = resolve_chunked_prefill_size(
+            args.chunked_prefill_size, self.device
+        )
+        """Prefill tokens per turn at most (None: unchunked); 0 asks for the device's."""
+        self.last_was_chunk = False
+        """The last batch cut a prompt short: running decodes get the next turn."""
         if args.disable_overlap_schedule is None:
             self.overlap = self.device.type == "cuda"
         else:
@@ -439,7 +450,12 @@ class Scheduler:
     # ----- building batches -------------------------------------------------------------
 
     def get_next_batch_to_run(self) -> ScheduleBatch | None:
-        batch = self.get_new_batch_prefill()
+        """A prefill batch if one can be built, else the running decodes; but while a long
+        prompt is prefilled chunk by chunk, its turns alternate with decode turns, so that
+        running requests keep going meanwhile (unless they ride in its batches: mixed)."""
+        interleave = self.last_was_chunk and bool(self.running) and not self.args.enable_mixed_chunk
+        batch = None if interleave else self.get_new_batch_prefill()
+        self.last_was_chunk = batch is not None and bool(batch.chunked)
         if batch is None and self.running:
             batch = self.update_running_batch()
         return batch
@@ -450,10 +466,13 @@ class Scheduler:
         if len(self.running) >= self.max_running_requests:
             return None
         in_flight_prefill = self.in_flight[0].reqs if self.in_flight is not None else []
+        chunk = self.chunked_prefill_size
         deferred = self.policy.calc_priority(self.waiting_queue, self.running, in_flight_prefill)
         mixed = (
             self.args.enable_mixed_chunk
             and bool(self.running)
+            # half the turn's tokens at least stay the prefill's
+            and 2 * len(self.running) <= (chunk or self.args.max_prefill_tokens)
             and self._decode_fits_without_eviction()
         )
         adder = PrefillAdder(
@@ -462,7 +481,7 @@ class Scheduler:
             self.ratio.new_token_ratio,
             self.args.clip_max_new_tokens,
             self.args.max_prefill_tokens,
-            self.args.chunked_prefill_size,
+            chunk,
             mixed_with_decode_tokens=len(self.running) if mixed else 0,
         )
         if self.chunked_req is not None:
@@ -733,6 +752,8 @@ class Scheduler:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         forward_batch = batch.forward_batch
+        if self.stats.observer is not None and not forward_batch.forward_mode.is_decode():
+            forward_batch.on_layer_end = self.stats.observer.on_progress
         if self.future_map.debug:  # its poison check syncs: not for a graph
             forward_batch.input_ids = self.future_map.resolve(forward_batch.input_ids)
             logits_output = self.model_runner.forward_output(forward_batch)

@@ -3,8 +3,11 @@
 The calling process runs the node's first rank (on node 0: rank 0, the one that talks to
 the other services); the node's other ranks are its children, spawned processes that each
 join the group, build the same engine on their own device and follow rank 0. A child that
-dies leaves the group unable to run a single collective, so its parent ends at once with a
-log line that names the rank, rather than waiting out the group's timeout.
+dies before the group has formed fails the start (`check`, called while the parent waits
+for the ranks to join), naming the rank and its exit status. One that dies after leaves the
+group unable to run a single collective, and a collective cannot be interrupted, so its
+parent ends at once with a log line that names the rank, rather than waiting out the
+group's timeout.
 """
 
 from __future__ import annotations
@@ -76,8 +79,32 @@ class RankProcesses:
             self.procs[rank] = proc
             logger.info("started tensor-parallel rank %d (pid %d)", rank, proc.pid)
         self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._joined = False
+        self.died: dict[int, int | None] = {}
+        """Exit status of each child that exited before the group formed."""
         self.watcher = threading.Thread(target=self._watch, name="tp-ranks", daemon=True)
         self.watcher.start()
+
+    def check(self) -> None:
+        """Raise, naming it, if a child exited before the group formed: the start cannot
+        succeed without it (called while waiting for the ranks to join)."""
+        with self._lock:
+            self._raise_if_died()
+
+    def joined(self) -> None:
+        """The group formed: from now on a child's death ends this process (`_die`)."""
+        with self._lock:
+            self._raise_if_died()
+            self._joined = True
+
+    def _raise_if_died(self) -> None:
+        if self.died:
+            rank, code = min(self.died.items())
+            raise RuntimeError(
+                f"tensor-parallel rank {rank} (pid {self.procs[rank].pid}) exited with "
+                f"{_describe_exit(code)} before joining the group; see its log above"
+            )
 
     def expect_exit(self) -> None:
         """The group is stopping: a child that exits now is not a death."""
@@ -100,16 +127,21 @@ class RankProcesses:
         self.watcher.join()
 
     def _watch(self) -> None:
-        """End this process as soon as a child dies while the group serves. A child that
-        exits 0 left because rank 0 stopped the group, as this process is about to."""
+        """Note a child that exits before the group formed (for `check`); end this process
+        as soon as one dies after. A child that exits 0 once the group formed left because
+        rank 0 stopped the group, as this process is about to."""
         waiting = {proc.sentinel: rank for rank, proc in self.procs.items()}
         while waiting:
             for sentinel in multiprocessing.connection.wait(list(waiting)):
                 rank = waiting.pop(sentinel)  # type: ignore[arg-type]  # a sentinel is an int
                 proc = self.procs[rank]
                 proc.join()
-                if proc.exitcode != 0 and not self.stopping.is_set():
-                    self._die(rank, proc)
+                if not self.stopping.is_set():
+                    with self._lock:
+                        if not self._joined:
+                            self.died[rank] = proc.exitcode
+                        elif proc.exitcode != 0:
+                            self._die(rank, proc)
                 logger.info(
                     "tensor-parallel rank %d exited with %s", rank, _describe_exit(proc.exitcode)
                 )

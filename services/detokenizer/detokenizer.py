@@ -142,8 +142,8 @@ class Detokenizer(Service):
             if settings.skip_tokenizer_init
             else load_tokenizer(settings.tokenizer or settings.model)
         )
-        super().__init__(settings, settings.detokenizer_port)
-        self.to_tokenizer = self.outbox(settings.tokenizer_port)
+        super().__init__(settings, settings.zmq_address("detokenizer_port"))
+        self.to_tokenizer = self.outbox(settings.zmq_address("tokenizer_port"))
         self.max_output_bytes = MAX_MESSAGE_BYTES - FRAME_HEADROOM_BYTES
         """An output batch encoding to more is split by rows (`split_batch`)."""
         self.first_seen: dict[str, float] = {}

@@ -1,6 +1,8 @@
 """`python -m services.tokenizer [flags]`: the HTTP API on --host/--port; flags and
 RADIXSERVE_* variables as in `Settings`."""
 
+import logging
+
 import uvicorn
 
 from engine.model.loader import load_tokenizer
@@ -9,10 +11,27 @@ from services.settings import Settings
 from services.tokenizer.middleware import ApiKeyFileError
 from services.tokenizer.server import EdgeProtocol, create_app
 
+PROBE_PATHS = frozenset({"/health", "/healthz", "/metrics"})
+"""Asked every few seconds by kubelets, scrapers and `radixserve serve` while it waits: one
+access-log line each would bury the requests (`--log-probe-requests` keeps them)."""
+
+
+class ProbeFilter(logging.Filter):
+    """Drops uvicorn's access-log records of `PROBE_PATHS` (their args are client, method,
+    path with query, HTTP version, status)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].split("?", 1)[0] not in PROBE_PATHS
+        return True
+
 
 def main() -> None:
-    settings = Settings.from_cli(prog="python -m services.tokenizer")
+    settings = Settings.from_cli(prog="python -m services.tokenizer", wire=True)
     configure_logging(settings.log_level, "tokenizer")
+    if not settings.log_probe_requests:
+        logging.getLogger("uvicorn.access").addFilter(ProbeFilter())
     tokenizer = (
         None
         if settings.skip_tokenizer_init

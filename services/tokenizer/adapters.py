@@ -7,6 +7,7 @@ a 4xx is decided, and tested, here.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import fields
@@ -141,7 +142,12 @@ def check_chat_request(request: ChatCompletionRequest) -> None:
             f"the tools {names}",
             param="tool_choice",
         )
-    if request.continue_final_message and request.add_generation_prompt:
+    check_continuation(request.add_generation_prompt, request.continue_final_message)
+
+
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """A continued final message opens no new turn (chat and `/tokenize` alike)."""
+    if continue_final_message and add_generation_prompt:
         raise RequestError(
             "continue_final_message needs add_generation_prompt: false",
             param="continue_final_message",
@@ -238,7 +244,13 @@ def to_sampling_params(
     if params.grammar is not None:
         kind, source = params.grammar
         try:
-            validate_grammar(kind, source, grammar_max_bytes, grammar_max_nesting_depth)
+            validate_grammar(
+                kind,
+                source,
+                grammar_max_bytes,
+                grammar_max_nesting_depth,
+                best_effort=request.json_schema_best_effort,
+            )
         except GrammarError as exc:
             param = names.get(kind, prefix + kind)
             raise RequestError(str(exc).replace(kind, param, 1), param=param) from None
@@ -503,3 +515,30 @@ def tokenize_prompts(
             message = f"token id {bad} in {param}[{i}] is outside the vocabulary [0, {vocab_size})"
             raise RequestError(message, param=param)
     return [list(ids) for ids in prompts]
+
+
+_SPECIAL_TOKENS_PROBE = "radixserve"
+
+
+def with_special_tokens(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:
+    """`ids` with the special tokens the tokenizer adds around one sequence (a BOS, an EOS),
+    as `tokenizer(text, add_special_tokens=True)` would add them to the text of `ids`."""
+    before, after = _special_tokens_around(tokenizer)
+    return [*before, *ids, *after]
+
+
+@functools.lru_cache(maxsize=8)
+def _special_tokens_around(
+    tokenizer: PreTrainedTokenizerBase,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Read off one encoding with and without special tokens, so that it holds for any
+    post-processor and any transformers version (transformers 5 dropped
+    `build_inputs_with_special_tokens` from its tokenizers)."""
+    plain = tokenizer.encode(_SPECIAL_TOKENS_PROBE, add_special_tokens=False)
+    full = tokenizer.encode(_SPECIAL_TOKENS_PROBE, add_special_tokens=True)
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return tuple(full[:start]), tuple(full[start + len(plain) :])
+    raise ValueError(
+        f"{type(tokenizer).__name__} changes a text's own ids when it adds special tokens"
+    )

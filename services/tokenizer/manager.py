@@ -30,6 +30,7 @@ from observability.metrics import RequestTimer, TokenizerMetrics
 from observability.tracing import Tracing
 from services.ipc import (
     AsyncReceiver,
+    Connections,
     PeerEvent,
     PeerMonitor,
     Sender,
@@ -173,16 +174,28 @@ class TokenizerManager:
         if self.keys is not None:
             WireAuthenticator(self.actx, self.keys).start()
         self.to_worker = Sender(
-            connect_push(self.ctx, settings.worker_port, keys=self.keys, server="worker"),
+            connect_push(
+                self.ctx, settings.zmq_address("worker_port"), keys=self.keys, server="worker"
+            ),
             "tokenizer",
             self.epoch,
             settings.heartbeat_interval,
         )
         self.receivers = [
-            AsyncReceiver(self._bind_pull(settings.tokenizer_port), "tokenizer-outputs"),
-            AsyncReceiver(self._bind_pull(settings.tokenizer_control_port), "tokenizer-control"),
+            AsyncReceiver(
+                self._bind_pull(settings.zmq_address("tokenizer_port")), "tokenizer-outputs"
+            ),
+            AsyncReceiver(
+                self._bind_pull(settings.zmq_address("tokenizer_control_port")),
+                "tokenizer-control",
+            ),
         ]
-        self.monitor = PeerMonitor(settings.heartbeat_interval)
+        self.connections = {
+            peer: Connections(receiver.sock)
+            for peer, receiver in zip(("detokenizer", "worker"), self.receivers)
+        }
+        """Each peer's connections into its PULL socket: none left is the sign it exited."""
+        self.monitor = PeerMonitor(settings.heartbeat_interval, timeout=settings.peer_timeout)
         self.live_peers: set[str] = set()
         """Peers heard from and not since judged dead (`_on_peer_event`): requests are admitted
         on this verdict, never on the time since a peer's last message, which a busy event
@@ -200,9 +213,9 @@ class TokenizerManager:
         self.control: dict[str, asyncio.Future[ControlReply]] = {}
         self.tasks: list[asyncio.Task[None]] = []
 
-    def _bind_pull(self, port: int) -> zmq.asyncio.Socket:
+    def _bind_pull(self, address: str) -> zmq.asyncio.Socket:
         # `bind_pull` is typed for any context; on an asyncio one it makes an asyncio socket.
-        return cast(zmq.asyncio.Socket, bind_pull(self.actx, port, keys=self.keys))
+        return cast(zmq.asyncio.Socket, bind_pull(self.actx, address, keys=self.keys))
 
     # ----- lifecycle ---------------------------------------------------------------------
 
@@ -215,6 +228,8 @@ class TokenizerManager:
         for task in self.tasks:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        for connections in self.connections.values():
+            connections.close()
         self.ctx.destroy(linger=100)
         self.actx.destroy(linger=0)
 
@@ -566,6 +581,8 @@ class TokenizerManager:
             if now - last_tick > interval:
                 self.responsive_since = now
             last_tick = now
+            for peer, connections in self.connections.items():
+                self.monitor.connections(connections.count(), peer)
             for event in self.monitor.poll(check_deaths=self._can_judge_deaths(now)):
                 self._on_peer_event(event)
             await asyncio.sleep(interval / 2)

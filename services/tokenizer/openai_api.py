@@ -16,6 +16,7 @@ the field instead of one error per union member.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from pydantic import (
@@ -27,10 +28,12 @@ from pydantic import (
     PrivateAttr,
     SerializeAsAny,
     ValidatorFunctionWrapHandler,
+    WithJsonSchema,
     model_serializer,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic.json_schema import GetJsonSchemaHandler, JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError
 
 # ---------------------------------------------------------------------------- requests
 
@@ -88,9 +91,40 @@ def _prompt_batch(prompt: object) -> object:
     )
 
 
-TextContent = Annotated[str | None, BeforeValidator(_join_text_parts)]
-StopList = Annotated[list[str] | None, BeforeValidator(_stop_list)]
-PromptBatch = Annotated[list[str] | list[list[int]], BeforeValidator(_prompt_batch)]
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_TEXT = {"type": "string", "minLength": 1}
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+TextContent = Annotated[
+    str | None,
+    BeforeValidator(_join_text_parts),
+    WithJsonSchema(
+        {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}
+    ),
+]
+StopList = Annotated[
+    list[str] | None,
+    BeforeValidator(_stop_list),
+    WithJsonSchema({"anyOf": [_TEXT, {"type": "array", "items": _TEXT}, {"type": "null"}]}),
+]
+PromptBatch = Annotated[
+    list[str] | list[list[int]],
+    BeforeValidator(_prompt_batch),
+    WithJsonSchema(
+        {
+            "anyOf": [
+                _TEXT,
+                {"type": "array", "items": _TEXT, "minItems": 1},
+                _TOKEN_IDS,
+                {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+            ]
+        }
+    ),
+]
+"""The four prompt forms as the JSON schema shows them; held as a batch."""
 
 
 def _same(value: object, default: object) -> bool:
@@ -98,6 +132,18 @@ def _same(value: object, default: object) -> bool:
     if isinstance(value, bool) or isinstance(default, bool):
         return value is default
     return value == default
+
+
+@dataclass(frozen=True, slots=True)
+class _Refusal(AfterValidator):
+    """`refused_unless`' check, documented as what it accepts: one of `defaults`."""
+
+    defaults: tuple[object, ...] = ()
+
+    def __get_pydantic_json_schema__(
+        self, schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        return {"enum": list(self.defaults), "description": "Not supported by this server."}
 
 
 def refused_unless(*defaults: object, hint: str = "") -> AfterValidator:
@@ -114,7 +160,7 @@ def refused_unless(*defaults: object, hint: str = "") -> AfterValidator:
             )
         return value
 
-    return AfterValidator(check)
+    return _Refusal(check, defaults)
 
 
 Refused = Annotated[object, refused_unless(None)]
@@ -142,7 +188,27 @@ class ToolCallParam(_Request):
     function: FunctionCall
 
 
+_NO_CALLS = {"tool_calls": {"type": "null"}}
+_ROLE_FIELDS: dict[str, Any] = {
+    "anyOf": [
+        {"properties": {"role": {"enum": ["system", "developer", "user"]}, **_NO_CALLS}},
+        {"properties": {"role": {"const": "assistant"}}},
+        {
+            "properties": {
+                "role": {"const": "tool"},
+                "tool_call_id": {"type": "string"},
+                **_NO_CALLS,
+            },
+            "required": ["tool_call_id"],
+        },
+    ]
+}
+"""`_tool_fields_on_their_roles` in the JSON schema: what each role may carry."""
+
+
 class ChatCompletionMessageParam(_Request):
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_ROLE_FIELDS)
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: TextContent = None
     """A string, or a list of text parts joined into one string."""
@@ -161,8 +227,12 @@ class ChatCompletionMessageParam(_Request):
         return self
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
+"""What a function's name may be (OpenAI's rule)."""
+
+
 class FunctionDefinition(_Request):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     """A JSON schema of the arguments object; omitted: any object."""
@@ -243,6 +313,17 @@ class ResponseFormat(_Request):
         return None
 
 
+def _given(name: str) -> dict[str, Any]:
+    """Holds when `name` is set to something `_one_constraint` counts (not empty, not false)."""
+    return {"required": [name], "properties": {name: {"not": {"enum": [None, False, "", [], {}]}}}}
+
+
+_ONE_CONSTRAINT: dict[str, Any] = {
+    "oneOf": [_given(k) for k in ("json", "regex", "choice", "grammar", "json_object")]
+}
+"""`_one_constraint` in the JSON schema."""
+
+
 class StructuredOutputs(_Request):
     """vLLM's `structured_outputs`: one constraint, mapped onto the same grammars as
     `response_format`, `regex` and `ebnf`."""
@@ -257,7 +338,12 @@ class StructuredOutputs(_Request):
     disable_any_whitespace: bool | None = None
     """Ignored on purpose: JSON is always generated without free whitespace."""
 
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(
+        strict=True,
+        extra="ignore",
+        populate_by_name=True,
+        json_schema_extra=_ONE_CONSTRAINT,
+    )
 
     @model_validator(mode="after")
     def _one_constraint(self) -> StructuredOutputs:
@@ -308,6 +394,10 @@ class SamplingRequest(_Request):
     ebnf: str | None = None
     """Constrain the output to this EBNF grammar (xgrammar's GBNF dialect, `root` first)."""
     structured_outputs: StructuredOutputs | None = None
+    json_schema_best_effort: bool = False
+    """Serve a JSON schema (`response_format`, a forced tool, `structured_outputs`) even where
+    it uses keywords the grammar does not enforce, which are then ignored; without it such a
+    schema is a 400 naming the keyword."""
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -427,11 +517,27 @@ class DetokenizeRequest(_Request):
 class GenerateRequest(_Request):
     """SGLang's native `/generate`: `sampling_params` uses the engine's own names."""
 
-    text: Annotated[list[str], BeforeValidator(_prompt_batch)] | None = None
+    model_config = ConfigDict(
+        strict=True,
+        extra="ignore",
+        json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},
+    )
+
+    text: Annotated[
+        Annotated[list[str], BeforeValidator(_prompt_batch)] | None,
+        WithJsonSchema({"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "minItems": 1}]}),
+    ] = None
     """One text or a batch; held as a batch."""
-    input_ids: Annotated[list[list[int]], BeforeValidator(_prompt_batch)] | None = None
+    input_ids: Annotated[
+        Annotated[list[list[int]], BeforeValidator(_prompt_batch)] | None,
+        WithJsonSchema(
+            {"anyOf": [_TOKEN_IDS, {"type": "array", "items": _TOKEN_IDS, "minItems": 1}]}
+        ),
+    ] = None
     """One token-id list or a batch; held as a batch."""
     sampling_params: dict[str, Any] = Field(default_factory=dict)
+    json_schema_best_effort: bool = False
+    """As chat's: serve `sampling_params.json_schema` even with keywords it cannot enforce."""
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from services.tokenizer.adapters import RequestError
+from services.tokenizer.openai_api import FUNCTION_NAME
 
 # ----------------------------------------------------------------------------- request
 
@@ -113,7 +114,8 @@ class FunctionTool(_Request):
     """A Responses function tool: flat, where chat nests the function under `function`."""
 
     type: Literal["function"]
-    name: str
+    name: str = Field(json_schema_extra={"pattern": FUNCTION_NAME})
+    """Checked as chat checks it, once translated (`to_chat_request`)."""
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -272,7 +274,11 @@ class ResponsesRequest(_Request):
     top_logprobs: int | None = None
     truncation: str | None = None
 
-    @field_validator("input", mode="plain")
+    @field_validator(
+        "input",
+        mode="plain",
+        json_schema_input_type=str | Annotated[list[InputItem], Field(min_length=1)],
+    )
     @classmethod
     def _input_items(cls, value: object) -> list[InputItem]:
         if isinstance(value, str):
@@ -296,7 +302,7 @@ class ResponsesRequest(_Request):
             items.append(_parse(model, raw, f"input[{i}]"))
         return items
 
-    @field_validator("tools", mode="plain")
+    @field_validator("tools", mode="plain", json_schema_input_type=list[FunctionTool] | None)
     @classmethod
     def _function_tools(cls, value: object) -> list[FunctionTool]:
         if value is None:
@@ -316,7 +322,7 @@ class ResponsesRequest(_Request):
             _check_defaults(tool, _TOOL_DEFAULTS, f"tools[{i}].")
         return tools
 
-    @field_validator("tool_choice", mode="plain")
+    @field_validator("tool_choice", mode="plain", json_schema_input_type=ToolChoice | None)
     @classmethod
     def _tool_choice(cls, value: object) -> ToolChoice | None:
         if value is None:
@@ -337,7 +343,7 @@ class ResponsesRequest(_Request):
             )
         return _parse(FunctionChoice, value, "tool_choice")
 
-    @field_validator("text", mode="plain")
+    @field_validator("text", mode="plain", json_schema_input_type=TextConfig | None)
     @classmethod
     def _text_config(cls, value: object) -> TextConfig | None:
         return None if value is None else _parse(TextConfig, value, "text")

@@ -12,19 +12,28 @@ from typing import Any
 
 import pydantic_core
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling.sampling_params import SamplingParams
 from services.protocol import LoRAAdapterReqOutput, TokenizedGenerateReqInput
-from services.tokenizer.adapters import RequestError, check_model, error_body
+from services.settings import LAUNCH_ID_HEADER
+from services.tokenizer.adapters import (
+    RequestError,
+    check_continuation,
+    check_model,
+    error_body,
+    with_special_tokens,
+)
 from services.tokenizer.chat_template import render_chat
 from services.tokenizer.manager import unavailable
 from services.tokenizer.middleware import require_admin
 from services.tokenizer.openai_api import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
     GenerateRequest,
@@ -33,6 +42,7 @@ from services.tokenizer.openai_api import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from services.tokenizer.openapi import ERROR_RESPONSES, answers, request_body
 from services.tokenizer.responses import model_list
 from services.tokenizer.responses_api import ResponsesRequest, responses_error
 from services.tokenizer.serving import (
@@ -43,6 +53,7 @@ from services.tokenizer.serving import (
     GenerateEndpoint,
     ResponsesEndpoint,
     app_state,
+    chat_prompt_chars,
     check_prompt_chars,
     json_body,
     off_loop,
@@ -55,31 +66,48 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 SECRET_SETTINGS = ("api_key", "admin_api_key")
 """Settings `/get_server_info` never shows."""
 
-router = APIRouter()
+router = APIRouter(responses=ERROR_RESPONSES)
 
 
 class AbortRequestInput(BaseModel):
     """SGLang's `/abort_request`: one rid (an OpenAI response id aborts all its choices)."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(
+        strict=True,
+        extra="ignore",
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["rid"], "properties": {"rid": {"minLength": 1}}},
+                {"required": ["abort_all"], "properties": {"abort_all": {"const": True}}},
+            ]
+        },
+    )
     rid: str = ""
     abort_all: bool = False
 
 
-@router.post("/v1/chat/completions")
+@router.post(
+    "/v1/chat/completions",
+    openapi_extra=request_body(ChatCompletionRequest),
+    responses=answers(ChatCompletionResponse, "A chat completion, or its chunks as events"),
+)
 async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     state = app_state(request)
     return await serve(request, ChatEndpoint(body, state.model, state.chat_parsers))
 
 
-@router.post("/v1/completions")
+@router.post(
+    "/v1/completions",
+    openapi_extra=request_body(CompletionRequest),
+    responses=answers(CompletionResponse, "A completion, or its chunks as events"),
+)
 async def completions(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     return await serve(request, CompletionsEndpoint(body, app_state(request).model))
 
 
-@router.post("/v1/chat/completions/render")
+@router.post("/v1/chat/completions/render", openapi_extra=request_body(ChatCompletionRequest))
 async def chat_completions_render(request: Request) -> dict[str, Any]:
     """vLLM's chat render: the ids chat would send the worker (template, tools and reasoning
     as chat applies them) and their sampling parameters; nothing reaches the worker."""
@@ -89,7 +117,7 @@ async def chat_completions_render(request: Request) -> dict[str, Any]:
     return rendered.model_dump()
 
 
-@router.post("/v1/completions/render")
+@router.post("/v1/completions/render", openapi_extra=request_body(CompletionRequest))
 async def completions_render(request: Request) -> list[dict[str, Any]]:
     """vLLM's completions render: one rendered request per prompt of the batch."""
     body = await parse_body(request, CompletionRequest)
@@ -97,7 +125,11 @@ async def completions_render(request: Request) -> list[dict[str, Any]]:
     return [r.model_dump() for r in await render(request, CompletionsEndpoint(body, state.model))]
 
 
-@router.post("/v1/responses")
+@router.post(
+    "/v1/responses",
+    openapi_extra=request_body(ResponsesRequest),
+    responses=answers(None, "A Response, or its events"),
+)
 async def responses(request: Request) -> Response:
     body = await parse_body(request, ResponsesRequest)
     state = app_state(request)
@@ -130,7 +162,7 @@ class LoadLoRAAdapterInput(BaseModel):
     """SGLang's `/load_lora_adapter` (vLLM's `/v1/load_lora_adapter` has the same fields)."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
-    lora_name: str
+    lora_name: str = Field(json_schema_extra={"minLength": 1})
     lora_path: str
 
 
@@ -139,8 +171,8 @@ class UnloadLoRAAdapterInput(BaseModel):
     lora_name: str
 
 
-@router.post("/load_lora_adapter")
-@router.post("/v1/load_lora_adapter")
+@router.post("/load_lora_adapter", openapi_extra=request_body(LoadLoRAAdapterInput))
+@router.post("/v1/load_lora_adapter", openapi_extra=request_body(LoadLoRAAdapterInput))
 async def load_lora_adapter(request: Request) -> dict[str, Any]:
     """Load a PEFT adapter at run time (`--enable-lora-runtime-update`, an operator's); a
     400 for a bad adapter or path, leaving what serves untouched."""
@@ -152,8 +184,8 @@ async def load_lora_adapter(request: Request) -> dict[str, Any]:
     return _lora_answer(reply)
 
 
-@router.post("/unload_lora_adapter")
-@router.post("/v1/unload_lora_adapter")
+@router.post("/unload_lora_adapter", openapi_extra=request_body(UnloadLoRAAdapterInput))
+@router.post("/v1/unload_lora_adapter", openapi_extra=request_body(UnloadLoRAAdapterInput))
 async def unload_lora_adapter(request: Request) -> dict[str, Any]:
     """Unload an adapter; a 409 while requests use it, a 404 for one not loaded."""
     require_admin(request, "/unload_lora_adapter")
@@ -184,8 +216,12 @@ def _lora_answer(reply: LoRAAdapterReqOutput) -> dict[str, Any]:
     return {"success": True, "message": reply.message}
 
 
-@router.post("/tokenize")
-@router.post("/v1/tokenize")
+TOKENIZE_BODY = request_body(TokenizeCompletionRequest, TokenizeChatRequest)
+"""A conversation when the body has `messages`, else a prompt."""
+
+
+@router.post("/tokenize", openapi_extra=TOKENIZE_BODY)
+@router.post("/v1/tokenize", openapi_extra=TOKENIZE_BODY)
 async def tokenize(request: Request) -> dict[str, Any]:
     """vLLM's `/tokenize`: a prompt's ids, or a conversation's as chat would send them."""
     state = app_state(request)
@@ -201,16 +237,20 @@ async def tokenize(request: Request) -> dict[str, Any]:
         else TokenizeCompletionRequest.model_validate_json(raw)
     )
     check_model(body.model, state.model, state.manager.lora_adapters)
+    if isinstance(body, TokenizeChatRequest):
+        check_continuation(body.add_generation_prompt, body.continue_final_message)
     param = "messages" if chat else "prompt"
     tokenizer = state.require_tokenizer(param)
     chars = (
-        sum(len(m.content or "") for m in body.messages)
+        chat_prompt_chars(body.messages)
         if isinstance(body, TokenizeChatRequest)
         else len(body.prompt)
     )
     check_prompt_chars(chars, state.settings.max_prompt_chars, param)
 
     def token_ids() -> list[int]:
+        """As chat and completions tokenize; `add_special_tokens` on a conversation adds
+        the tokenizer's own (a BOS) on top of what the template wrote, as vLLM's does."""
         if isinstance(body, TokenizeChatRequest):
             ids = render_chat(
                 tokenizer,
@@ -221,9 +261,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
                 continue_final_message=body.continue_final_message,
                 special_tokens_in_content=state.settings.allow_special_tokens_in_content,
             ).ids
-            if body.add_special_tokens:
-                ids = tokenizer.build_inputs_with_special_tokens(ids)
-            return list(ids)
+            return with_special_tokens(tokenizer, ids) if body.add_special_tokens else ids
         return list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
 
     ids = await off_loop(token_ids, inline=len(raw) <= INLINE_BODY_BYTES)
@@ -234,8 +272,8 @@ async def tokenize(request: Request) -> dict[str, Any]:
     ).model_dump()
 
 
-@router.post("/detokenize")
-@router.post("/v1/detokenize")
+@router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
+@router.post("/v1/detokenize", openapi_extra=request_body(DetokenizeRequest))
 async def detokenize(request: Request) -> dict[str, Any]:
     state = app_state(request)
     body = await parse_body(request, DetokenizeRequest)
@@ -271,22 +309,28 @@ async def tokenizer_info(request: Request) -> dict[str, Any]:
     }
 
 
-@router.post("/generate")
+@router.post(
+    "/generate",
+    openapi_extra=request_body(GenerateRequest),
+    responses=answers(None, "One answer (a list for a batch), or each prompt's progress as events"),
+)
 async def generate(request: Request) -> Response:
     body = await parse_body(request, GenerateRequest)
     return await serve(request, GenerateEndpoint(body, app_state(request).model))
 
 
-@router.get("/health")
+@router.get("/health", response_class=Response)
 async def health(request: Request) -> Response:
+    state = app_state(request)
     try:
-        app_state(request).manager.require_ready()
+        state.manager.require_ready()
     except RequestError as err:
         return JSONResponse(error_body(err), err.status)
-    return Response(status_code=200)
+    launch_id = state.settings.launch_id  # `radixserve serve` knows its own server by it
+    return Response(status_code=200, headers={LAUNCH_ID_HEADER: launch_id} if launch_id else None)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def prometheus_metrics(request: Request) -> Response:
     """The tokenizer's series and the worker's (`worker_metrics_proxy`), so that a scraper
     of the API port alone sees the queue and KV gauges. The worker is asked first, so a
@@ -297,13 +341,13 @@ async def prometheus_metrics(request: Request) -> Response:
     return Response(state.worker_metrics.merged(own, worker), media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/healthz")
+@router.get("/healthz", response_class=Response)
 async def healthz() -> Response:
     """Liveness of this process alone: a dead peer must not get it restarted too."""
     return Response(status_code=200)
 
 
-@router.get("/health_generate")
+@router.get("/health_generate", response_class=Response)
 async def health_generate(request: Request) -> Response:
     """Readiness proven end to end: one token through worker and detokenizer."""
     manager = app_state(request).manager
@@ -374,7 +418,7 @@ async def flush_cache(request: Request) -> Response:
     return JSONResponse({"message": reply.message})
 
 
-@router.post("/abort_request")
+@router.post("/abort_request", openapi_extra=request_body(AbortRequestInput))
 async def abort_request(request: Request) -> dict[str, int]:
     """One request (any API key: its id is unguessable), or every one (`abort_all`: an
     operator's). The aborted request ends with finish reason "abort" (a stream) or a 499

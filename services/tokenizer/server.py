@@ -30,6 +30,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from observability.metrics import TokenizerMetrics
 from observability.tracing import setup_tracing
 from services.settings import Settings
+from services.tokenizer import openapi
 from services.tokenizer.adapters import RequestError, error_body, validation_error_body
 from services.tokenizer.manager import running_manager
 from services.tokenizer.middleware import (
@@ -88,11 +89,12 @@ def create_app(
     app = FastAPI(
         title="radixserve",
         lifespan=lifespan,
-        docs_url=None,
+        docs_url=None if settings.disable_openapi else "/docs",
         redoc_url=None,
-        openapi_url=None,
+        openapi_url=None if settings.disable_openapi else "/openapi.json",
         exception_handlers=EXCEPTION_HANDLERS,
     )
+    app.openapi = lambda: openapi.document(app)  # type: ignore[method-assign]
     app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(BodyReadTimeout, timeout=settings.http_body_timeout)

@@ -3,8 +3,9 @@ small `Endpoint` adapters that say how each differs (endpoints and fields: docs/
 
 `serve` takes every generation request through the same steps:
 
-1. refuse what is wrong before the prompt is tokenized: another model, too many sequences,
-   more prompt text than `--max-prompt-chars`;
+1. refuse what is wrong before the prompt is tokenized: another model, `n` above `--max-n`,
+   more sequences than `--max-sequences-per-request`, more prompt text than
+   `--max-prompt-chars`;
 2. tokenize, and map the body onto one `SamplingParams` per prompt (`adapters`), in a
    worker thread unless the request is small (`off_loop`);
 3. fan out `n` requests per prompt, refuse them with a 429 while the server sheds load,
@@ -57,6 +58,7 @@ from services.tokenizer.chat_template import render_chat
 from services.tokenizer.manager import ReqOutput, TokenizerManager
 from services.tokenizer.middleware import tenant_namespace
 from services.tokenizer.openai_api import (
+    ChatCompletionMessageParam,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
@@ -92,11 +94,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-MAX_SEQUENCES_PER_REQUEST = 1024
-"""Prompts × n of one HTTP request. Past it the request is refused (400) before it is
-tokenized or fanned out, so one body cannot become millions of requests (OpenAI caps n at
-128)."""
 
 INLINE_BODY_BYTES = 4096
 """Requests with a body up to this size are tokenized on the event loop: measured on the
@@ -200,7 +197,7 @@ class Endpoint(ABC):
     prompt_param: str
     """The field named when a request has too many prompts."""
     n_param: str
-    """The field named when prompts × n is too many."""
+    """The field named when `n`, or prompts × n, is too many."""
 
     def __init__(self, body: GenerationBody, num_prompts: int, n: int | None = None):
         self.body = body
@@ -323,10 +320,7 @@ class ChatEndpoint(_OpenAIEndpoint):
         check_chat_request(self.body)
 
     def prompt_chars(self) -> int:
-        return sum(
-            len(m.content or "") + sum(len(c.function.arguments) for c in m.tool_calls or ())
-            for m in self.body.messages
-        )
+        return chat_prompt_chars(self.body.messages)
 
     def tokenize(self, state: AppState, vocab_size: int) -> list[list[int]]:
         tokenizer = state.require_tokenizer(self.prompt_param)
@@ -468,6 +462,14 @@ class CompletionsEndpoint(_OpenAIEndpoint):
         return completion_response(self.header, choices, self.body.n, vllm_prompt).model_dump()
 
 
+def chat_prompt_chars(messages: Sequence[ChatCompletionMessageParam]) -> int:
+    """The characters of a conversation's text: its contents and earlier calls' arguments."""
+    return sum(
+        len(m.content or "") + sum(len(c.function.arguments) for c in m.tool_calls or ())
+        for m in messages
+    )
+
+
 def _text_chars(prompts: Sequence[str | list[int]]) -> int:
     """The characters of a batch's text prompts; the caller writes their markup, so their
     special tokens are parsed (as OpenAI's completions do)."""
@@ -493,7 +495,9 @@ class GenerateEndpoint(Endpoint):
     body: GenerateRequest
 
     def __init__(self, body: GenerateRequest, model: str):
-        super().__init__(body, len(body.prompts))
+        n = body.sampling_params.get("n")
+        stated = isinstance(n, int) and not isinstance(n, bool)
+        super().__init__(body, len(body.prompts), n if stated else None)
         self.prompt_param = body.prompt_field
         self.model = model
 
@@ -553,13 +557,13 @@ async def prepare(request: Request, endpoint: Endpoint) -> PreparedPrompts:
         endpoint.prompt_chars(), state.settings.max_prompt_chars, endpoint.prompt_param
     )
     info = state.manager.require_ready()
-    check_fan_out(endpoint.num_prompts, endpoint.prompt_param)
+    check_fan_out(endpoint.num_prompts, 1, endpoint, state.settings)
     if endpoint.n is not None:
-        check_fan_out(endpoint.num_prompts * endpoint.n, endpoint.n_param)
+        check_fan_out(endpoint.num_prompts, endpoint.n, endpoint, state.settings)
     inline = len(await request.body()) <= INLINE_BODY_BYTES
     with maybe_span(state.tracing, "tokenize"):
         prepared = await off_loop(lambda: _tokenized(state, endpoint, info), inline)
-    check_fan_out(len(prepared.ids) * prepared.params[0].n, endpoint.n_param)
+    check_fan_out(len(prepared.ids), prepared.params[0].n, endpoint, state.settings)
     return prepared
 
 
@@ -678,11 +682,23 @@ def vllm_sampling_params(params: SamplingParams) -> RenderedSamplingParams:
     )
 
 
-def check_fan_out(num_sequences: int, param: str) -> None:
-    if num_sequences > MAX_SEQUENCES_PER_REQUEST:
+def check_fan_out(num_prompts: int, n: int, endpoint: Endpoint, settings: Settings) -> None:
+    """`--max-n` and `--max-sequences-per-request`, before the prompts are tokenized where
+    the body states `n` itself: the work of one request grows with prompts × n, and one
+    body must not hold the worker past `--request-timeout` or become millions of requests."""
+    if n > settings.max_n:
         raise RequestError(
-            f"this request asks for {num_sequences} sequences (prompts × n); "
-            f"at most {MAX_SEQUENCES_PER_REQUEST} are served per request",
+            f"{endpoint.n_param} is {n}; at most {settings.max_n} samples per prompt are "
+            "served (--max-n)",
+            param=endpoint.n_param,
+            code="integer_above_max_value",
+        )
+    limit = settings.max_sequences_per_request
+    if num_prompts * n > limit:
+        param = endpoint.prompt_param if n == 1 else endpoint.n_param
+        raise RequestError(
+            f"this request asks for {num_prompts * n} sequences (prompts × n); at most "
+            f"{limit} are served per request (--max-sequences-per-request)",
             param=param,
         )
 

@@ -6,7 +6,9 @@ picker, llm-d's router) then sees the queue and KV gauges beside the tokenizer's
 Nothing is cached: each scrape shows the worker's copy of the scheduler's counters as it is
 then. When the worker does not answer within `WORKER_SCRAPE_TIMEOUT_S` (loading, dead,
 stuck), the tokenizer still answers with its own series and counts the miss in
-`radixserve_worker_metrics_scrape_failures_total`.
+`radixserve_worker_metrics_scrape_failures_total`. Without `--worker-metrics-port` (a
+tokenizer started alone; `radixserve serve` always passes the port it chose) there is no
+worker port to read, and the API port serves the tokenizer's series alone.
 
 The fetch is the standard library's urllib on a thread: one short GET per scrape needs no
 HTTP client dependency.
@@ -44,7 +46,7 @@ class WorkerMetricsProxy:
     def __init__(
         self,
         host: str,
-        port: int,
+        port: int | None,
         metrics: TokenizerMetrics,
         timeout: float = WORKER_SCRAPE_TIMEOUT_S,
     ):
@@ -53,9 +55,15 @@ class WorkerMetricsProxy:
         self.metrics = metrics
         self.timeout = timeout
         self._collisions_logged: set[str] = set()
+        if port is None:
+            logger.warning(
+                "no --worker-metrics-port: the API port's /metrics leaves out the worker's series"
+            )
 
     async def scrape(self) -> bytes:
         """The worker's exposition, or b"" (counted, logged at debug) when it cannot be had."""
+        if self.port is None:
+            return b""
         try:
             async with asyncio.timeout(self.timeout):
                 return await self._get("/metrics")

@@ -10,7 +10,7 @@ from services.worker.worker import Worker
 
 
 def main() -> None:
-    settings = Settings.from_cli(prog="python -m services.worker")
+    settings = Settings.from_cli(prog="python -m services.worker", wire=True)
     configure_logging(settings.log_level, Worker.role)
     if settings.node_rank > 0:
         serve_node(settings.to_engine_args())

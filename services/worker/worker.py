@@ -99,11 +99,13 @@ class Worker(Service):
         # heartbeats, and a tokenizer pushing requests meanwhile gets a clear refusal
         # (IMMEDIATE) instead of a queue that nobody drains.
         engine_args = dataclasses.asdict(settings.to_engine_args())
+        started = time.monotonic()
         self.engine = Engine(**engine_args)
         self.scheduler = self.engine.scheduler
         logger.info(
-            "loaded %s: max_total_tokens=%d context_length=%d max_running_requests=%d "
-            "device=%s tp_size=%d",
+            "engine ready in %.1f s: %s, max_total_tokens=%d context_length=%d "
+            "max_running_requests=%d device=%s tp_size=%d",
+            time.monotonic() - started,
             settings.model,
             self.scheduler.max_total_tokens,
             self.scheduler.context_len,
@@ -111,11 +113,11 @@ class Worker(Service):
             self.scheduler.device,
             settings.tp_size,
         )
-        super().__init__(settings, settings.worker_port)
-        self.to_detokenizer = self.outbox(settings.detokenizer_port)
+        super().__init__(settings, settings.zmq_address("worker_port"))
+        self.to_detokenizer = self.outbox(settings.zmq_address("detokenizer_port"))
         self.max_output_bytes = MAX_MESSAGE_BYTES - FRAME_HEADROOM_BYTES
         """An output batch encoding to more is split by rows (`split_batch`)."""
-        self.to_tokenizer = self.connect(settings.tokenizer_control_port)
+        self.to_tokenizer = self.connect(settings.zmq_address("tokenizer_control_port"))
         self.live: dict[str, _ReqState] = {}
         """rid → state of each request queued or running in the scheduler."""
         self.rejected: list[Req] = []
@@ -230,6 +232,9 @@ class Worker(Service):
 
     def on_forward(self, mode: str, batch_size: int, seconds: float) -> None:
         self.metrics.observe_forward(mode, batch_size, seconds)
+
+    def on_progress(self) -> None:
+        self.mark_progress()
 
     def on_peer_event(self, event: PeerEvent) -> None:
         if event.peer != "tokenizer" or event.kind == "dead":
@@ -476,6 +481,7 @@ class Worker(Service):
             "max_total_tokens": sched.max_total_tokens,
             "context_length": sched.context_len,
             "max_running_requests": sched.max_running_requests,
+            "chunked_prefill_size": sched.chunked_prefill_size,
             "tp_size": sched.tp_group.size,
             "available_kv_tokens": cache.allocator.available_size(),
             "evictable_kv_tokens": cache.tree_cache.evictable_size(),
@@ -485,6 +491,10 @@ class Worker(Service):
             "new_token_ratio": sched.ratio.new_token_ratio,
             "scheduler_stats": sched.stats.counters(),
             "lora_adapters": sched.lora_adapters(),
+            # The port it bound: the one given, or the free one it chose.
+            "worker_metrics_port": (
+                None if self.metrics_server is None else self.metrics_server.port
+            ),
         }
 
     def check_integrity(self) -> str:

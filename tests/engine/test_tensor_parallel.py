@@ -145,6 +145,7 @@ def test_a_follower_out_of_step_stops_naming_what_differs():
         (dict(tp_size=2, nnodes=2), "nnodes > 1 needs dist_init_addr"),
         (dict(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "node_rank must be in"),
         (dict(tp_size=2, dist_init_addr="nohost"), "dist_init_addr must be host:port"),
+        (dict(tp_size=2, dist_init_timeout=0), "dist_init_timeout must be > 0 seconds"),
     ],
 )
 def test_a_bad_rank_layout_is_refused_before_anything_starts(options: dict, message: str):

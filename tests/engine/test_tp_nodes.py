@@ -1,6 +1,7 @@
 """Two nodes of one tensor-parallel rank each, on one machine: node 1 is `python -m
 services.worker --node-rank 1` (ranks only, no sockets), node 0 the offline Engine. They
-generate what tp_size=1 does, and rank 0's shutdown stops node 1 cleanly."""
+generate what tp_size=1 does, and rank 0's shutdown stops node 1 cleanly; without node 1,
+node 0 fails its start naming rank 1 once the start-up timeout has passed."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from benchmarks.support.launcher import REPO_ROOT
 from benchmarks.support.net import free_port
 from engine.api import Engine
+from engine.distributed import get_tp_group
 
 OPTIONS = dict(dtype="float32", device="cpu", max_total_tokens=512, chunked_prefill_size=16)
 PROMPTS = [list(range(100, 140)), list(range(7, 12))]
@@ -39,3 +41,14 @@ def test_two_nodes_of_one_rank_each_generate_what_tp1_does(tiny_llama_dir: Path)
         if node1.poll() is None:
             node1.kill()
             node1.wait()
+
+
+def test_an_engine_whose_other_node_never_joins_fails_the_start_naming_the_rank(
+    tiny_llama_dir: Path,
+):
+    layout = dict(tp_size=2, nnodes=2, dist_init_addr=f"127.0.0.1:{free_port()}")
+    with pytest.raises(
+        TimeoutError, match=r"rank\(s\) 1 of 2 did not join .* timeout of 1 s \(dist_init_timeout\)"
+    ):
+        Engine(str(tiny_llama_dir), dist_init_timeout=1, **OPTIONS, **layout)
+    assert get_tp_group().size == 1

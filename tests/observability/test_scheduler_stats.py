@@ -20,6 +20,7 @@ class Recorder:
     def __init__(self) -> None:
         self.admitted: list[str] = []
         self.forwards: Counter[str] = Counter()
+        self.layers_done = 0
 
     def on_admit(self, req: Req) -> None:
         self.admitted.append(req.rid)
@@ -27,6 +28,9 @@ class Recorder:
     def on_forward(self, mode: str, batch_size: int, seconds: float) -> None:
         assert batch_size >= 1 and seconds >= 0
         self.forwards[mode] += 1
+
+    def on_progress(self) -> None:
+        self.layers_done += 1
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
@@ -50,6 +54,8 @@ def test_hits_count_once_per_request_through_chunks_and_retractions(
         stats.observer = recorder = Recorder()
         results = engine.generate(prompts[:1], params)
         assert recorder.forwards["extend"] == 2  # its 50 prompt tokens went in chunks of 32
+        layers = engine.model_runner.model_config.num_hidden_layers
+        assert recorder.layers_done == 2 * layers  # each chunk's layers showed progress
         results += engine.generate(prompts[1:], params)
     assert stats.num_retractions > 0
     assert (

@@ -196,11 +196,14 @@ def test_worker_serves_metrics_and_a_healthz_that_fails_when_the_loop_stalls(wor
         in httpx2.get(f"{url}/metrics").text
     )
     assert httpx2.get(f"{url}/healthz").status_code == 200
-    turned = worker.last_turn
+    turned, progressed = worker.last_turn, worker.last_progress
     worker.last_turn -= worker.settings.stall_timeout + 1
+    worker.last_progress = worker.last_turn
     try:
         reply = httpx2.get(f"{url}/healthz")
-        assert reply.status_code == 503 and "has not finished a turn" in reply.text
+        assert reply.status_code == 503 and "has made no progress" in reply.text
+        worker.mark_progress()  # a layer of a long prefill: computing, not stuck
+        assert httpx2.get(f"{url}/healthz").status_code == 200
     finally:
-        worker.last_turn = turned
+        worker.last_turn, worker.last_progress = turned, progressed
     assert httpx2.get(f"{url}/nothing").status_code == 404

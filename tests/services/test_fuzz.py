@@ -5,8 +5,9 @@ bad headers. Whatever comes in, the server answers within the client's timeout, 
 a 5xx, never with a stack trace, always in the shape the endpoint promises; and it still
 serves afterwards with every KV slot back.
 
-The app has no OpenAPI document (`openapi_url=None`), so the field lists below are taken
-from `services/tokenizer/openai_api.py` and `SamplingParams`.
+The field lists below are taken from `services/tokenizer/openai_api.py` and
+`SamplingParams`, and mix junk into the values; schemathesis fuzzes the valid side from the
+OpenAPI document (`benchmarks/api_fuzz.py`).
 """
 
 from __future__ import annotations

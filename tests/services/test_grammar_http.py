@@ -216,3 +216,90 @@ def test_native_generate_returns_the_final_ids_after_jump_forward_rollbacks(
     jsonschema.validate(json.loads(answer["text"]), schema)
     assert tokenizer.decode(answer["output_ids"], skip_special_tokens=True) == answer["text"]
     assert answer["meta_info"]["completion_tokens"] == len(answer["output_ids"])
+
+
+IF_THEN = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["a", "b"]}, "n": {"type": "integer"}},
+    "required": ["kind"],
+    "allOf": [{"if": {"properties": {"kind": {"const": "a"}}}, "then": {"required": ["n"]}}],
+}
+"""The shape of JSONSchemaStore's saucectl schema: an `allOf` of `if`/`then` branches."""
+TOOL = {"type": "function", "function": {"name": "pick", "parameters": IF_THEN}}
+CHAT = {
+    "model": "embedded",
+    "messages": [{"role": "user", "content": "Pick one."}],
+    "max_tokens": 24,
+}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "where"),
+    [
+        (
+            "/v1/chat/completions",
+            {**CHAT, "response_format": json_schema_format(IF_THEN, "x")},
+            "response_format",
+            "#/allOf/0/if",
+        ),
+        (
+            "/v1/chat/completions",
+            {**CHAT, "tools": [TOOL], "tool_choice": "required"},
+            "tool_choice",
+            "/allOf/0/if",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 24, "structured_outputs": {"json": IF_THEN}},
+            "structured_outputs",
+            "#/allOf/0/if",
+        ),
+        (
+            "/generate",
+            {"text": "x", "sampling_params": {"max_new_tokens": 24, "json_schema": IF_THEN}},
+            "sampling_params.json_schema",
+            "#/allOf/0/if",
+        ),
+    ],
+    ids=["response_format", "forced tool", "structured_outputs", "generate"],
+)
+def test_an_unenforced_keyword_is_refused_on_every_path_unless_best_effort(
+    base_url: str, path, body, param, where
+):
+    response = httpx2.post(base_url + path, json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    assert f"{param} uses 'if' at " in error["message"] and where in error["message"]
+    assert "json_schema_best_effort" in error["message"]
+    served = httpx2.post(
+        base_url + path, json={**body, "json_schema_best_effort": True}, timeout=120
+    )
+    assert served.status_code == 200, served.text
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "array", "minItems": 1, "maxItems": 3},
+        {
+            "type": "object",
+            "properties": {"choice": {"oneOf": [{"type": "integer"}, {"type": "null"}]}},
+            "required": ["choice"],
+        },
+    ],
+    ids=["minItems without items", "oneOf of disjoint types"],
+)
+def test_satisfiable_schemas_of_enforced_keywords_are_served_and_validate(
+    client: openai.OpenAI, schema
+):
+    answer = client.chat.completions.create(
+        model="embedded",
+        messages=[{"role": "user", "content": "Answer as JSON."}],
+        temperature=0,
+        max_tokens=48,
+        response_format=json_schema_format(schema, "answer"),
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content), schema)

@@ -351,3 +351,47 @@ def test_a_curve_server_without_an_authenticator_admits_nobody(tmp_path):
     finally:
         client_ctx.destroy(linger=0)
         server_ctx.destroy(linger=0)
+
+
+# ----- ipc:// endpoints (radixserve serve's default) ------------------------------------------
+
+
+def test_an_ipc_endpoint_carries_the_authenticated_wire_and_refuses_plain_zmq(tmp_path):
+    keys_dir = create_wire_keys(tmp_path / "keys")
+    worker, tokenizer = (WireKeys.load(keys_dir, role) for role in ("worker", "tokenizer"))
+    address = f"ipc://{tmp_path}/worker"
+    server_ctx, client_ctx = zmq.Context(), zmq.Context()
+    WireAuthenticator(server_ctx, worker).start()
+    receiver = Receiver(bind_pull(server_ctx, address, keys=worker))
+    try:
+        plain = Sender(connect_push(client_ctx, address), "tokenizer", new_epoch())
+        member = Sender(
+            connect_push(client_ctx, address, keys=tokenizer, server="worker"),
+            "tokenizer",
+            new_epoch(),
+        )
+        _send_when_connected(member, AbortReq(rid="over ipc"))
+        assert _recv_one(receiver).rid == "over ipc"
+        assert not plain.send(AbortReq(rid="spoofed"))
+        assert receiver.recv_all(timeout_ms=300) == []
+    finally:
+        client_ctx.destroy(linger=0)
+        server_ctx.destroy(linger=0)
+
+
+def test_an_ipc_socket_in_use_is_refused_and_a_stale_one_replaced(ctx, tmp_path):
+    live = f"ipc://{tmp_path}/live"
+    listening = bind_pull(ctx, live)
+    # zmq would replace the file and silently cut the first socket off.
+    with pytest.raises(OSError, match=f"cannot bind {live}: a socket already listens on it"):
+        bind_pull(ctx, live)
+    assert not listening.closed
+    stale = tmp_path / "stale"
+    with socket.socket(socket.AF_UNIX) as left_behind:  # bound, never listening, then gone
+        left_behind.bind(str(stale))
+    assert stale.exists()
+    receiver = Receiver(bind_pull(ctx, f"ipc://{stale}"))
+    _send_when_connected(
+        Sender(connect_push(ctx, f"ipc://{stale}"), "tokenizer", new_epoch()), AbortReq("r1")
+    )
+    assert _recv_one(receiver).rid == "r1"

@@ -19,12 +19,14 @@ import pytest
 
 from benchmarks.support.launcher import (
     SERVING_LINE,
+    ServiceLauncher,
     cpu_flags,
     port_flags,
     server_ports,
+    serving_url,
     start_serve,
 )
-from benchmarks.support.net import http_status, wait_until
+from benchmarks.support.net import free_port, free_ports, http_status, server_info, wait_until
 from engine.api import Engine
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -184,3 +186,87 @@ def test_sigterm_drains_16_streams_in_flight_to_their_full_output_then_exits_0(
         finishes = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
         assert finishes == ["length"], finishes
         assert events[-1]["usage"]["completion_tokens"] == DRAIN_TOKENS
+
+
+# ----- side by side, and a start a person can follow -----------------------------------------
+
+STARTUP_LINES = (
+    r"worker \w+ engine\.model\.cpu_kernels: CPU kernels(: \w+.* in \d+\.\d s| unavailable)",
+    r"Loading weights: 100%",
+    r"worker INFO engine\.model\.loader: weights: \d+ tensors, .* loaded in \d+\.\d s",
+    r"worker INFO engine\.model\.runner: KV cache: 4096 tokens, .* sized in \d+\.\d s",
+    r"worker INFO engine\.model\.runner: decode graphs: ",
+    r"worker INFO services\.worker\.worker: engine ready in \d+\.\d s",
+)
+"""The worker's start-up phases, in order, each with its duration (a progress bar for the
+weights); the tokenizer's own load is `TOKENIZER_LINE`."""
+TOKENIZER_LINE = r"tokenizer INFO engine\.model\.loader: tokenizer: loaded in \d+\.\d s"
+
+
+@pytest.mark.timeout(300)
+def test_two_servers_with_default_flags_but_the_port_serve_side_by_side(
+    tiny_llama_dir: Path, tmp_path: Path
+):
+    ports = free_ports(2)
+    logs = [tmp_path / f"server-{port}.log" for port in ports]
+    servers = [
+        start_serve([*cpu_flags(4096, tiny_llama_dir), "--port", str(port)], log)
+        for port, log in zip(ports, logs)
+    ]
+    infos = []
+    try:
+        for server, log, port in zip(servers, logs, ports):
+            url = serving_url(server, log)
+            assert url == f"http://127.0.0.1:{port}/v1"
+            client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+            answer = client.completions.create(model=str(tiny_llama_dir), prompt="Hi", max_tokens=4)
+            assert answer.usage.completion_tokens == 4
+            with httpx2.Client(base_url=f"http://127.0.0.1:{port}", trust_env=False) as http:
+                info = server_info(http)
+                # The API port's /metrics carries the worker's series: the tokenizer found
+                # the metrics port the launcher chose for the worker.
+                assert "radixserve_num_requests_running{" in http.get("/metrics").text
+            for role in ("worker", "detokenizer"):
+                healthz = f"http://127.0.0.1:{info[f'{role}_metrics_port']}/healthz"
+                assert http_status(healthz) == 200
+            infos.append(info)
+    finally:
+        for server in servers:
+            server.send_signal(signal.SIGTERM)
+        codes = [server.wait(60) for server in servers]
+    assert codes == [0, 0]
+    assert infos[0]["worker_port"] is None and infos[0]["tokenizer_control_port"] is None
+    for key in ("ipc_dir", "ipc_keys_dir", "launch_id", "worker_metrics_port"):
+        assert infos[0][key] != infos[1][key], key
+    assert not any(Path(info["ipc_dir"]).exists() for info in infos)  # removed at exit
+
+    log = logs[0].read_text(errors="replace")
+    found = [re.search(pattern, log) for pattern in STARTUP_LINES]
+    assert all(found), [p for p, m in zip(STARTUP_LINES, found) if m is None]
+    starts = [match.start() for match in found if match is not None]
+    assert starts == sorted(starts), "start-up phases out of order"
+    assert re.search(TOKENIZER_LINE, log)
+    # The launcher's own /health probes, and every other probe, stay out of the access log.
+    assert '"GET /health HTTP/1.1"' not in log and '"GET /metrics HTTP/1.1"' not in log
+    assert '"POST /v1/completions HTTP/1.1" 200' in log
+
+
+@pytest.mark.timeout(180)
+def test_log_probe_requests_brings_the_probes_back_into_the_access_log(
+    tiny_llama_dir: Path, tmp_path: Path
+):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    launcher = ServiceLauncher(tmp_path, heartbeat_interval=None, show_logs=False)
+    flags = ["--model", str(tiny_llama_dir), "--host", "127.0.0.1", "--port", str(port)]
+    # The tokenizer alone: its ZMQ sockets in a directory of its own, no worker behind it.
+    launcher.start("tokenizer", [*flags, "--ipc-dir", str(tmp_path), "--log-probe-requests"])
+    try:
+        wait_until(lambda: http_status(f"{url}/healthz") == 200, 120, "the tokenizer to listen")
+        assert http_status(f"{url}/health") == 503  # no worker
+        assert http_status(f"{url}/metrics") == 200
+    finally:
+        launcher.stop_all()
+    log = launcher.log("tokenizer")
+    for path, status in (("/healthz", 200), ("/health", 503), ("/metrics", 200)):
+        assert f'"GET {path} HTTP/1.1" {status}' in log, log

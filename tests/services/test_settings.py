@@ -19,15 +19,15 @@ def test_defaults_without_flags_or_environment():
         s.detokenizer_port,
         s.tokenizer_port,
         s.tokenizer_control_port,
-    ) == ("0.0.0.0", 30000, 30010, 30011, 30012, 30013)
-    assert (s.worker_metrics_port, s.detokenizer_metrics_port) == (30001, 30002)
+    ) == ("0.0.0.0", 30000, None, None, None, None)  # ipc:// sockets in --ipc-dir
+    assert (s.worker_metrics_port, s.detokenizer_metrics_port) == (None, None)  # chosen free
     assert (s.grammar_backend, s.log_level, s.heartbeat_interval, s.api_key) == (
         "xgrammar",
         "info",
         1.0,
         None,
     )
-    assert s.max_total_tokens is None and s.chunked_prefill_size == 4096
+    assert s.max_total_tokens is None and s.chunked_prefill_size == 0
     assert s.disable_overlap_schedule is None  # auto, decided by the device
     assert s.served_model_name == s.model == "embedded"
 
@@ -152,7 +152,7 @@ def test_reads_the_process_environment_by_default(monkeypatch, capsys):
         ),
         ([], {"RADIXSERVE_PORT": "tcp://10.0.0.1:30000"}, "enableServiceLinks: false"),
         (
-            ["--worker-port", "30011"],
+            ["--worker-port", "30011", "--detokenizer-port", "30011"],
             {},
             "ports must differ; these share one: [['worker_port', 'detokenizer_port']]",
         ),

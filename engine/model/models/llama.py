@@ -219,6 +219,8 @@ class LlamaModel(nn.Module):
             forward_batch.on_layers_start()
         for layer in self.layers:
             hidden_states, residual = layer(cos_sin, hidden_states, residual, forward_batch)
+            if forward_batch.on_layer_end is not None:
+                forward_batch.on_layer_end()
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 

@@ -29,7 +29,8 @@ def free_port() -> int:
 def _serve_rank(rank: int, size: int, addr: str, tasks: Any, results: Any) -> None:
     """One rank: join the group, then run each task `(fn, args)` until None arrives."""
     torch.set_num_threads(1)
-    init_distributed(ParallelConfig(size, rank, addr, timeout_s=60), torch.device("cpu"))
+    group = init_distributed(ParallelConfig(size, rank, addr, timeout_s=60), torch.device("cpu"))
+    group.start_serving()  # the tasks' collectives wait 60 s, not the start-up timeout
     try:
         while (task := tasks.get()) is not None:
             fn, args = task

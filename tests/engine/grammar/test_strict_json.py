@@ -61,6 +61,27 @@ CASES = [
         {"type": "string", "minLength": 2}, ['"ab"', r'"\"\""'], ['"a"'], "{}", id="minLength"
     ),
     pytest.param(
+        {"type": "string", "minLength": 63, "maxLength": 64},
+        ['"' + "a" * 63 + '"', '"' + "\\n" * 64 + '"', '"' + "é" * 62 + r'\ud83d\ude00"'],
+        ['"' + "a" * 62 + '"', '"' + "a" * 65 + '"', '"' + "\\n" * 62 + '"'],
+        "a" * 63 + "{}",
+        id="bounds-64-ebnf",
+    ),
+    pytest.param(
+        {"type": "string", "minLength": 200, "maxLength": 32767},
+        ['"' + "a" * 200 + '"', '"' + "\\t" * 200 + '"', '"' + "€" * 199 + r'\u00e9"'],
+        ['"' + "a" * 199 + '"', '"' + "\\t" * 199 + '"', '"' + "a" * 199 + r'\ud83d"'],
+        "a" * 200 + "{}",
+        id="bounds-32767-counted",
+    ),
+    pytest.param(
+        {"type": "string", "minLength": 130},
+        ['"' + "ab" * 65 + '"', '"' + r"\/" * 130 + '"'],
+        ['"' + "a" * 129 + '"'],
+        "a" * 130 + "{}",
+        id="minLength-130-counted",
+    ),
+    pytest.param(
         {"type": "string", "maxLength": 0}, ['""'], ['"a"', r'"\n"'], "{}", id="maxLength-0"
     ),
     pytest.param(
@@ -160,16 +181,24 @@ def test_a_pattern_only_an_unescaped_string_matches_is_refused_before_and_at_com
         compiled(backend, json.loads(schema))
 
 
-def test_a_length_bounded_string_refuses_a_utf8_encoded_surrogate(backend):
-    """Byte tokens spell what no text can: U+D800 as UTF-8 is not UTF-8."""
-    grammar = compiled(backend, {"type": "string", "maxLength": 3})
+@pytest.mark.parametrize("max_length", [3, 64, 32767], ids=["unrolled", "ebnf", "counted"])
+@pytest.mark.parametrize(
+    ("lead", "refused", "accepted"),
+    [(0xED, 0xA0, 0x9F), (0xE0, 0x9F, 0xA0), (0xF0, 0x8F, 0x90), (0xF4, 0x90, 0x8F)],
+    ids=["surrogate", "overlong-3", "overlong-4", "above-U+10FFFF"],
+)
+def test_a_length_bounded_string_refuses_bytes_that_are_not_utf8(
+    backend, max_length, lead, refused, accepted
+):
+    """Byte tokens spell what no text can: U+D800, or U+0800 in four bytes, is not UTF-8."""
+    grammar = compiled(backend, {"type": "string", "maxLength": max_length})
     byte_token = {
         b[0]: i for i, b in enumerate(grammar.tokenizer_info.decoded_vocab) if len(b) == 1
     }
     matcher = xgr.GrammarMatcher(grammar)
-    assert matcher.accept_token(byte_token[ord('"')]) and matcher.accept_token(byte_token[0xED])
-    assert not matcher.accept_token(byte_token[0xA0])  # ED A0..BF lead to surrogates
-    assert matcher.accept_token(byte_token[0x9F])  # ED 80..9F do not (U+D000-U+D7FF)
+    assert matcher.accept_token(byte_token[ord('"')]) and matcher.accept_token(byte_token[lead])
+    assert not matcher.accept_token(byte_token[refused])
+    assert matcher.accept_token(byte_token[accepted])
 
 
 def test_a_pattern_on_a_schema_that_is_not_a_string_is_left_to_xgrammar(backend):

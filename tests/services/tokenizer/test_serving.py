@@ -4,91 +4,19 @@ adapter is checked against the same outputs."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
-import httpx2
 import pytest
 
-from services.protocol import FinishReason, TokenizedGenerateReqInput, WorkerReady
 from services.settings import Settings
-from services.tokenizer import server
-from services.tokenizer.manager import ReqOutput, unavailable
-
-ABORTED = 13
-"""A prompt holding this token id is aborted by the scripted worker (a 400 refusal)."""
-FAILS = 14
-"""A prompt holding this token id loses its worker after the first output (a 503)."""
-
-
-class ScriptedManager:
-    """Answers every request with two outputs: "a" then "b" (its last, or its abort)."""
-
-    def __init__(self) -> None:
-        self.worker_info = WorkerReady(
-            model_path="m",
-            served_model_name="m",
-            max_total_tokens=4096,
-            context_length=64,
-            vocab_size=100,
-            eos_token_ids=[2],
-            max_running_requests=8,
-        )
-        self.submitted: list[TokenizedGenerateReqInput] = []
-        self.lora_adapters: dict[str, str] = {}
-
-    def require_ready(self, peers: Sequence[str] = ()) -> WorkerReady:
-        return self.worker_info
-
-    def check_capacity(self, num_reqs: int) -> None:
-        pass
-
-    async def generate(
-        self, reqs: Sequence[TokenizedGenerateReqInput], observed: bool = True
-    ) -> AsyncGenerator[ReqOutput, None]:
-        self.submitted.extend(reqs)
-        for step, text in enumerate("ab"):
-            for i, req in enumerate(reqs):
-                if FAILS in req.input_ids and step == 1:
-                    raise unavailable("the worker process stopped responding; retry it")
-                reason = None
-                if step == 1:
-                    aborted = ABORTED in req.input_ids
-                    reason = (
-                        FinishReason("abort", message="refused", status_code=400)
-                        if aborted
-                        else FinishReason("length")
-                    )
-                yield ReqOutput(i, req.rid, text, [10 + step], reason, 3, step + 1, 0)
+from tests.services.tokenizer.conftest import ABORTED, FAILS, ScriptedManager
 
 
 @pytest.fixture
-def manager() -> ScriptedManager:
-    return ScriptedManager()
-
-
-@pytest.fixture
-def post(manager: ScriptedManager, monkeypatch: pytest.MonkeyPatch) -> Any:
+def post(make_app: Any) -> Any:
     """`post(path, body)` → (status, body text) from an app served by `manager`."""
-
-    @contextlib.asynccontextmanager
-    async def running(*args: Any) -> AsyncIterator[ScriptedManager]:
-        yield manager
-
-    monkeypatch.setattr(server, "running_manager", running)
-    app = server.create_app(Settings(model="m"), tokenizer=None)
-
-    async def call(path: str, body: dict[str, Any]) -> tuple[int, str]:
-        async with app.router.lifespan_context(app):
-            transport = httpx2.ASGITransport(app=app)
-            async with httpx2.AsyncClient(transport=transport, base_url="http://t") as client:
-                response = await client.post(path, json=body)
-                return response.status_code, response.text
-
-    return lambda path, body: asyncio.run(call(path, body))
+    return make_app(Settings(model="m")).post
 
 
 def events(text: str) -> list[Any]:
@@ -173,3 +101,54 @@ def test_the_requests_of_one_answer_are_named_after_its_id(post: Any, manager: S
     assert [r.rid for r in manager.submitted] == [f"{answer['id']}-{i}" for i in range(4)]
     assert [r.sampling_params.seed for r in manager.submitted] == [7, 8, 7, 8]
     assert [c["text"] for c in answer["choices"]] == ["ab"] * 4
+
+
+N_FIELDS = [
+    ("/v1/completions", {"prompt": [1]}, "n"),
+    ("/v1/completions/render", {"prompt": [1]}, "n"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "n"),
+    ("/generate", {"text": "hi"}, "sampling_params.n"),
+]
+"""A body per endpoint that fans out, and the field that carries its `n`."""
+
+
+def _with_n(body: dict[str, Any], param: str, n: int) -> dict[str, Any]:
+    if param == "sampling_params.n":
+        return {**body, "sampling_params": {"n": n}}
+    return {**body, "n": n}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), N_FIELDS)
+def test_n_above_max_n_is_refused_naming_the_limit_and_the_flag_before_tokenizing(
+    post: Any, manager: ScriptedManager, path: str, body: dict[str, Any], param: str
+):
+    # The server has no tokenizer: a text prompt would be refused for that otherwise.
+    status, text = post(path, _with_n(body, param, 129))
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == param, text
+    assert "at most 128" in error["message"] and "--max-n" in error["message"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "integer_above_max_value"
+    assert manager.submitted == []
+
+
+def test_n_up_to_max_n_is_served_and_the_flag_moves_the_limit(
+    make_app: Any, manager: ScriptedManager
+):
+    status, _ = make_app(Settings(model="m")).post("/v1/completions", {"prompt": [1], "n": 128})
+    assert status == 200 and len(manager.submitted) == 128
+    app = make_app(Settings(model="m", max_n=2))
+    status, text = app.post("/generate", {"input_ids": [1], "sampling_params": {"n": 3}})
+    assert status == 400 and "at most 2 samples" in json.loads(text)["error"]["message"]
+    status, _ = app.post("/generate", {"input_ids": [1], "sampling_params": {"n": 2}})
+    assert status == 200 and len(manager.submitted) == 130
+
+
+def test_max_sequences_per_request_bounds_prompts_times_n(make_app: Any):
+    app = make_app(Settings(model="m", max_sequences_per_request=4))
+    status, text = app.post("/v1/completions", {"prompt": [[1]] * 5})
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == "prompt"
+    assert "--max-sequences-per-request" in error["message"]
+    status, text = app.post("/v1/completions", {"prompt": [[1]] * 3, "n": 2})
+    assert status == 400 and json.loads(text)["error"]["param"] == "n"
+    assert app.post("/v1/completions", {"prompt": [[1]] * 2, "n": 2})[0] == 200
