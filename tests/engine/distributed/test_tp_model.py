@@ -177,7 +177,9 @@ def test_tp2_decode_graphs_capture_the_all_reduces(tp2: RankPool, tiny_dirs: dic
     graphs = tp2.run(graph_replays, path)
     assert graphs[0] == graphs[1] and graphs[0] == [4] * 3  # three decode steps of bucket 4
     for step, want in enumerate(expected):
-        assert (logits[step] - want).abs().max() <= 1e-5
+        assert (
+            logits[step] - want
+        ).abs().max() <= 2e-5  # two ranks sum the all-reduce in another order
 
 
 def test_a_tp_size_that_does_not_divide_the_kv_heads_is_refused_at_load(
