@@ -156,7 +156,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
             raise ValueError(
-                "chunked_prefill_size must be >= 0 (0: derived at start; none: off), "
+                "chunked_prefill_size must be >= 0 (0: the device's default; none: off), "
                 f"got {self.chunked_prefill_size}"
             )
         self.check_parallel()

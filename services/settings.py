@@ -18,6 +18,7 @@ from typing import Any
 
 from engine.args import EngineArgs
 from engine.cache.kv_events import DEFAULT_BLOCK_SIZE
+from services.ipc import endpoint
 from services.tokenizer.parsers.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 from services.worker.kv_event_publisher import KVEventsConfig
 
@@ -264,7 +265,7 @@ class Settings(EngineArgs):
         the port is set, else an ipc:// socket in `ipc_dir`. ValueError when neither is."""
         port = getattr(self, name)
         if port is not None:
-            return f"tcp://127.0.0.1:{port}"
+            return endpoint(port)
         if self.ipc_dir is None:
             flag = "--" + name.replace("_", "-")
             raise ValueError(
@@ -275,7 +276,7 @@ class Settings(EngineArgs):
 
     def zmq_role(self, address: int | str) -> str:
         """The role whose PULL socket binds `address` (a loopback TCP port or an endpoint)."""
-        wanted = f"tcp://127.0.0.1:{address}" if isinstance(address, int) else address
+        wanted = endpoint(address)
         for name, role in ZMQ_PORT_ROLES.items():
             try:
                 if self.zmq_address(name) == wanted:

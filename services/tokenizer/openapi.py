@@ -16,7 +16,9 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from services.settings import Settings
 from services.tokenizer.openai_api import ErrorResponse
+from services.tokenizer.serving import served_model
 
 _COMPONENTS = "#/components/schemas/{model}"
 _REQUEST_MODELS: dict[str, type[BaseModel]] = {}
@@ -50,8 +52,19 @@ def request_body(*models: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
-def document(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document of `app` with the request bodies' schemas added (built once)."""
+LORA_UPDATE_PATHS = (
+    "/load_lora_adapter",
+    "/v1/load_lora_adapter",
+    "/unload_lora_adapter",
+    "/v1/unload_lora_adapter",
+)
+"""Served only with `--enable-lora-runtime-update`; without it they refuse every body."""
+
+
+def document(app: FastAPI, settings: Settings) -> dict[str, Any]:
+    """FastAPI's document of `app` with the request bodies' schemas added (built once),
+    describing this server as configured: without run-time LoRA updates their routes are
+    left out, and the model ids are the fixed set it serves."""
     if app.openapi_schema is None:
         openapi = get_openapi(
             title=app.title,
@@ -63,5 +76,11 @@ def document(app: FastAPI) -> dict[str, Any]:
         _, defs = models_json_schema(models, ref_template=_COMPONENTS)  # type: ignore[arg-type]
         schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
         schemas.update(defs.get("$defs", {}))
+        if not settings.enable_lora_runtime_update:
+            for path in LORA_UPDATE_PATHS:
+                openapi["paths"].pop(path, None)
+            card = openapi["paths"]["/v1/models/{model_id}"]["get"]
+            (model_id,) = card["parameters"]
+            model_id["schema"]["enum"] = [served_model(settings), *settings.lora_entries()]
         app.openapi_schema = openapi
     return app.openapi_schema

@@ -94,7 +94,7 @@ def create_app(
         openapi_url=None if settings.disable_openapi else "/openapi.json",
         exception_handlers=EXCEPTION_HANDLERS,
     )
-    app.openapi = lambda: openapi.document(app)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi.document(app, settings)  # type: ignore[method-assign]
     app.include_router(router)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(BodyReadTimeout, timeout=settings.http_body_timeout)

@@ -17,7 +17,8 @@ from tests.services.tokenizer.conftest import InProcessApp
 
 @pytest.fixture
 def app(make_app: Any) -> InProcessApp:
-    return make_app(Settings(model="m"))
+    """A server that serves every route, run-time LoRA updates included."""
+    return make_app(Settings(model="m", enable_lora_runtime_update=True))
 
 
 @pytest.fixture
@@ -97,3 +98,21 @@ def test_disable_openapi_serves_neither(make_app: Any):
     for path in ("/openapi.json", "/docs"):
         response = app.request("GET", path)
         assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+
+
+def test_the_document_describes_this_server_lora_routes_and_model_ids_as_configured(
+    make_app: Any,
+):
+    static = make_app(Settings(model="m", served_model_name="smol", lora_paths="a=/x/a"))
+    document = static.request("GET", "/openapi.json").json()
+    assert not {"/load_lora_adapter", "/v1/unload_lora_adapter"} & set(document["paths"])
+    (model_id,) = document["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
+    assert model_id["schema"]["enum"] == ["smol", "a"]
+
+
+def test_with_run_time_lora_updates_their_routes_are_declared_and_model_ids_open(
+    document: dict[str, Any],
+):
+    assert {"/load_lora_adapter", "/v1/unload_lora_adapter"} <= set(document["paths"])
+    (model_id,) = document["paths"]["/v1/models/{model_id}"]["get"]["parameters"]
+    assert "enum" not in model_id["schema"]
