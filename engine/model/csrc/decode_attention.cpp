@@ -287,8 +287,11 @@ void decode_attention_kernel(
         if constexpr (std::is_same_v<acc_t, float>) {  // a scalar max is a serial chain
           __m512 top16 = _mm512_set1_ps(top);
           for (; j < len; j += 16) {
-            top16 = _mm512_mask_max_ps(top16, radixserve::first_lanes(len - j), top16,
-                                       _mm512_loadu_ps(score + j));
+            // A masked load: the last block's lanes past `len` may lie past the end of
+            // `scores`, on a page that is not mapped (a masked max of a full load would
+            // still read them).
+            const __mmask16 mask = radixserve::first_lanes(len - j);
+            top16 = _mm512_mask_max_ps(top16, mask, top16, _mm512_maskz_loadu_ps(mask, score + j));
           }
           top = _mm512_reduce_max_ps(top16);
         }

@@ -397,3 +397,51 @@ def test_without_a_compiler_decode_stays_on_torch_ops(tmp_path):
     assert done.stdout.split() == ["False"]
     assert "CPU kernels unavailable, using torch ops" in done.stderr
     assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.o"))
+
+
+GUARDED_SWEEP = """
+import threading, torch
+from engine.model import cpu_kernels
+assert cpu_kernels.available()
+torch.set_num_threads(1)  # the kernel runs on the calling thread, its scratch on its heap
+gen = torch.Generator().manual_seed(0)
+k_buffer, v_buffer = (torch.randn(4097, 1, 16, generator=gen) for _ in range(2))
+slots = torch.randint(1, 4097, (1, 6000), generator=gen)
+release = threading.Event()
+def sweep(heads, swept):
+    try:
+        q = torch.randn(1, heads, 16, generator=gen)
+        for n in range(1, slots.shape[1]):
+            out = cpu_kernels.decode_attention(
+                q, k_buffer, v_buffer, slots[:, :n], torch.tensor([n]), 1.0
+            )
+            assert out.isfinite().all()
+        print(heads, flush=True)
+    finally:
+        swept.set()
+    release.wait()  # alive, so that the next thread gets a heap of its own
+threads = []
+for heads in (3, 5, 7):
+    swept = threading.Event()
+    threads.append(threading.Thread(target=sweep, args=(heads, swept)))
+    threads[-1].start()
+    swept.wait()
+release.set()
+for thread in threads:
+    thread.join()
+"""
+
+
+def test_decode_kernel_reads_no_score_past_the_last_key():
+    """The softmax's max read the scores in whole blocks of 16, past the last key and past
+    the end of its scratch buffer: a worker segfaulted where a thread's heap ended right
+    after that buffer. Without glibc's top pad a thread's heap ends at the page after its
+    highest allocation, so each growth of the scores puts their end at the heap's end: a
+    sweep of lengths for 3, 5 and 7 query heads per KV head (each thread on a heap of its
+    own) meets an over-read that crosses it: before the fix it crashed whichever offset of
+    a page (86 tried, 48 bytes apart) an allocation in front had moved the heap to."""
+    env = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.top_pad=0"}
+    done = subprocess.run(
+        [sys.executable, "-c", GUARDED_SWEEP], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["3", "5", "7"], done.stderr[-2000:]
