@@ -90,7 +90,9 @@ class SchedulePolicy:
     ) -> set[str]:
         """Match every waiting request against the tree; defer those that hit little in the
         tree but share a long prefix with an earlier queue-mate or an in-flight prefill, so
-        that one representative prefills it and the rest hit next round."""
+        that one representative prefills it and the rest hit next round. A request that hits
+        more is deferred only while an in-flight prefill (a chunked prompt among them) is
+        computing a long stretch of its prefix beyond that hit."""
         sim = self.waiting_queue_radix_tree
         sim.reset()
         for req in in_flight_prefill:
@@ -98,11 +100,14 @@ class SchedulePolicy:
         deferred = set()
         for req in waiting_queue:
             self.cache_manager.match_req(req)
-            if len(req.prefix_indices) > constants.IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
-                continue
+            hit = len(req.prefix_indices)
             key = RadixKey(req.all_token_ids(), req.extra_key)
             # What it could reuse next round: a request computing prompt logprobs may not.
             shared = min(len(sim.match_prefix(key).device_indices), req.max_prefix_len)
+            if hit > constants.IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
+                if shared - hit >= constants.IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
+                    deferred.add(req.rid)
+                continue
             if shared >= constants.IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD:
                 deferred.add(req.rid)
             else:

@@ -466,6 +466,8 @@ class Scheduler:
         if len(self.running) >= self.max_running_requests:
             return None
         in_flight_prefill = self.in_flight[0].reqs if self.in_flight is not None else []
+        if self.chunked_req is not None:  # its later chunks are computing its prompt too
+            in_flight_prefill = [*in_flight_prefill, self.chunked_req]
         chunk = self.chunked_prefill_size
         deferred = self.policy.calc_priority(self.waiting_queue, self.running, in_flight_prefill)
         mixed = (

@@ -266,7 +266,7 @@ def test_a_malformed_key_file_stops_the_tokenizer_at_start(tiny_llama_dir: Path,
     key_file.write_text("sk-fine acme\nsk-secret acme extra-field\n")
     started = subprocess.run(
         [sys.executable, "-m", "services.tokenizer", "--model", str(tiny_llama_dir)]
-        + ["--api-key-file", str(key_file), "--port", "1"],
+        + ["--api-key-file", str(key_file), "--port", "1", "--ipc-dir", str(tmp_path)],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -137,7 +137,9 @@ def test_model_forward_through_the_kernel_equals_the_torch_path(
         with monkeypatch.context() as patch:
             patch.setattr(layers, "uses_triton", lambda x: True)
             kernel_logits = runner.forward(batch)  # rewrites the same KV
-        torch.testing.assert_close(kernel_logits, torch_logits, rtol=1e-5, atol=1e-5)
+        # float32 through the model, the kernel summing each LoRA product in its own order
+        # (and the CPU's GEMM in its own per ISA: 2.7e-5 apart on AVX-512)
+        torch.testing.assert_close(kernel_logits, torch_logits, rtol=1e-4, atol=5e-5)
         return torch_logits
 
     logits = both_paths([ExtendInput(r, 0, p) for r, p in zip(rows, prompts)], ForwardMode.EXTEND)
