@@ -23,6 +23,7 @@ from engine.distributed import (
     init_distributed,
 )
 from engine.grammar import GrammarBackend
+from engine.model.dtype import resolve_dtype
 from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
 from engine.outputs import GenerateMeta, GenerateResult, StreamChunk
@@ -97,7 +98,9 @@ class Engine:
         self.model_runner = ModelRunner(
             args.model,
             device=device,
-            dtype="bfloat16" if args.dtype == "auto" else args.dtype,
+            dtype=resolve_dtype(args.dtype, torch.device(device)),
+            quantization=args.quantization,
+            quantized_activations=args.quantized_activations,
             attention_backend=args.attention_backend,
             max_total_tokens=args.max_total_tokens,
             mem_fraction_static=args.mem_fraction_static,

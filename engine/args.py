@@ -31,7 +31,24 @@ class EngineArgs:
     skip_tokenizer_init: bool = _opt(False, "token ids in and out only; no tokenizer is loaded")
     device: str = _opt("auto", "cuda when available, else cpu")
     dtype: str = _opt(
-        "auto", "auto is bfloat16", choices=("auto", "bfloat16", "float16", "float32", "float64")
+        "auto",
+        "auto: on CUDA bfloat16; on CPU the fastest for this CPU's kernel path "
+        "(docs/benchmarks/cpu-paths.md): bfloat16 with AVX512-BF16 or AMX, float32 otherwise",
+        choices=("auto", "bfloat16", "float16", "float32", "float64"),
+    )
+    quantization: str = _opt(
+        "auto",
+        "how weights are held: gguf (a GGUF file's Q4_0/Q4_1/Q8_0 blocks as stored), int8 "
+        "(int8 rows quantized at load), none (the dtype); auto: gguf for a GGUF file on CPU "
+        "at --tp-size 1, else none",
+        choices=constants.QUANTIZATION_METHODS,
+    )
+    quantized_activations: str = _opt(
+        "float",
+        "decode rows over quantized weights: float (each weight widened exactly: the "
+        "dequantized model's results) or int8 (rounded per block of 32 for integer dot "
+        "products, as llama.cpp does: faster, docs/benchmarks/quantization.md)",
+        choices=("float", "int8"),
     )
     context_length: int | None = _opt(None, "override the model's context length")
     max_total_tokens: int | None = _opt(

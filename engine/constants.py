@@ -33,6 +33,10 @@ IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD: int = _env(
     "IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD", 32
 )
 """...and defers those sharing at least this many tokens with a queue-mate."""
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8")
+"""`--quantization`; `auto`: `gguf` for a GGUF file on CPU at one rank, else none
+(engine/model/layers/quantization.py)."""
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
 """Queue orders of engine/sched/policy.py."""
 GRAMMAR_BACKENDS = ("xgrammar", "none")

@@ -14,6 +14,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -115,6 +116,16 @@ class WorkerSample:
         return min(1.0, max(0.0, used / self.total_tokens))
 
 
+class CpuInfo(NamedTuple):
+    """What runs the model: the `radixserve_cpu_info` gauge's labels."""
+
+    isa: str
+    """The CPU kernel path (`cpu_isa`: none, avx2, avx512, amx), or the accelerator ("cuda")."""
+    dtype: str
+    weights: str
+    """How the weights are held: the dtype's name or the quantized format (`gguf:Q4_1`)."""
+
+
 class _Rolling:
     """Hit rate and generation throughput over the last ROLLING_WINDOW_S of samples."""
 
@@ -148,14 +159,22 @@ class _Rolling:
 
 class WorkerMetrics(Collector):
     """Every worker metric, on `registry`, labelled `model_name` and `tp_rank`.
-    `max_lora` > 0 (LoRA serving on) adds the adapter metrics."""
+    `max_lora` > 0 (LoRA serving on) adds the adapter metrics; `cpu_info`, the info gauge of
+    what runs the model."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, max_lora: int = 0):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        model_name: str,
+        max_lora: int = 0,
+        cpu_info: CpuInfo | None = None,
+    ):
         self.labels = {"model_name": model_name, "tp_rank": TP_RANK}
         self.lock = threading.Lock()
         self.latest: WorkerSample | None = None
         self.rolling = _Rolling()
         self.max_lora = max_lora
+        self.cpu_info = cpu_info
         self.lora_updated = time.time()
         """Unix time the running or waiting adapter set last changed (the info gauge's value)."""
         names, values = list(self.labels), list(self.labels.values())
@@ -234,6 +253,8 @@ class WorkerMetrics(Collector):
         with self.lock:
             s, hit_rate, throughput = self.latest, self.rolling.hit_rate, self.rolling.throughput()
             lora_updated = self.lora_updated
+        if self.cpu_info is not None:
+            yield self._cpu_info(self.cpu_info)
         if s is None:
             return
         if self.max_lora > 0:
@@ -341,6 +362,16 @@ class WorkerMetrics(Collector):
             [*self.labels.values(), str(PAGE_SIZE), str(s.total_tokens // PAGE_SIZE)], 1
         )
         yield info
+
+    def _cpu_info(self, cpu: CpuInfo) -> Metric:
+        info = GaugeMetricFamily(
+            "radixserve_cpu_info",
+            "What runs the model (value 1): the CPU kernel path (or the accelerator), the "
+            "dtype, and the weights' format",
+            labels=[*self.labels, *CpuInfo._fields],
+        )
+        info.add_metric([*self.labels.values(), *cpu], 1)
+        return info
 
     def _lora_info(self, s: WorkerSample, updated: float) -> Metric:
         """The Gateway API Inference Extension's adapter gauge (vLLM's layout): the adapter

@@ -144,6 +144,17 @@ def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | No
 
 
 FORWARD_TIME = "radixserve_forward_time_seconds"
+CPU_INFO = "radixserve_cpu_info"
+
+
+def cpu_info(metrics_text: str) -> dict[str, str] | None:
+    """The labels of the worker's `radixserve_cpu_info` gauge (`isa`, `dtype`, `weights`:
+    what the model runs as, after `auto` was resolved), or None when it does not export it."""
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name == CPU_INFO:
+            for sample in family.samples:
+                return dict(sample.labels)
+    return None
 
 
 @dataclass(frozen=True)

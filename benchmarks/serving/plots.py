@@ -21,7 +21,7 @@ def _panels(count: int) -> tuple[Figure, list[Axes]]:
 
 def plot_all(record: dict[str, Any], out: Path) -> None:
     """throughput.png: output tokens/s against concurrency, one panel per workload;
-    ttft.png: TTFT distribution (empirical CDF) at the highest concurrency."""
+    ttft.png: TTFT distribution (empirical CDF) at each workload's highest concurrency."""
     cells = grouped(record)
     workloads, levels, peers = record["workloads"], record["concurrency"], list(record["peers"])
 
@@ -43,9 +43,9 @@ def plot_all(record: dict[str, Any], out: Path) -> None:
     axes[0].legend(fontsize=8)
     fig.savefig(out / "throughput.png", dpi=110)
 
-    top = max(levels)
     fig, axes = _panels(len(workloads))
     for ax, workload in zip(axes, workloads):
+        top = max((c for _, w, c in cells if w == workload), default=max(levels))
         for peer in peers:
             ttfts = sorted(t for e in cells.get((peer, workload, top), []) for t in e["ttft_ms"])
             if ttfts:

@@ -21,6 +21,7 @@ NOTES_MARKER = "<!-- Notes below this line are kept when compare.py rewrites thi
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HF_REFERENCE = "hf-bf16"
 LLAMA_SERVER = "llama-server"
+VLLM_CPU = "vllm-cpu"
 RADIX_OFF = "rs-radix-off"
 OVERLAP_ON, OVERLAP_OFF = "rs-all-on", "rs-overlap-off"
 RADIX_ON_PEERS = (OVERLAP_ON, OVERLAP_OFF)
@@ -33,6 +34,8 @@ THREAD_ENV = (
 )
 """Variables that change how torch's CPU threads behave: recorded, since on a busy two-core
 machine they move small ops from microseconds to milliseconds."""
+ISA_ENV = ("RADIXSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+"""Variables that force lower kernel paths (radixserve's, PyTorch's, oneDNN's)."""
 
 METHOD = """\
 - Client (`benchmarks/serving/client.py`): streaming `/v1/completions` with token-id
@@ -53,6 +56,12 @@ METHOD = """\
   decode steps. No HTTP, no tokenizer, no scheduler: what a server adds has to pay for itself.
 - radixserve peers: a fresh `radixserve serve` per peer, `/flush_cache` before every cell
   and one short unrelated warm-up request; client and server share the machine's cores.
+  Each peer's kernel path (`cpu_isa` in `/get_server_info`), dtype and weight format (the
+  `radixserve_cpu_info` gauge) are read from the running server.
+- llama.cpp's `llama-server` (`benchmarks/serving/llama_peer.py`): a fresh server per cell
+  (it has no cache flush), the same warm-up request.
+- vLLM's CPU build (`benchmarks/serving/vllm_peer.py`): one server per peer (a start takes
+  about a minute), `/reset_prefix_cache` before every cell, the same warm-up request.
 - Decode: *batch* unique prompts of *context* tokens at concurrency *batch*; decode tokens/s
   = batch / ITL p50 (the steady-state step time; TPOT also counts the waits while other
   requests of the wave prefill, and ITL would undercount if chunks carried several tokens:
@@ -90,8 +99,11 @@ def _git(*args: str) -> str:
 def machine_info() -> dict[str, Any]:
     import torch
 
+    from engine.model.cpu_isa import ISA_FLAGS
+
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    flags = set(_cpuinfo_field(cpuinfo, "flags").split())
+    all_flags = _cpuinfo_field(cpuinfo, "flags").split()
+    flags = set(all_flags)
     meminfo = Path("/proc/meminfo").read_text() if Path("/proc/meminfo").exists() else ""
     mem_kib = _cpuinfo_field(meminfo, "MemTotal").split()
     return {
@@ -100,6 +112,9 @@ def machine_info() -> dict[str, Any]:
         "usable_cpus": len(os.sched_getaffinity(0)),
         "amx_bf16": "amx_bf16" in flags,
         "avx512_bf16": "avx512_bf16" in flags,
+        "isa_flags": [name for name in ISA_FLAGS if name in flags],
+        "cpu_flags": all_flags,
+        "isa_env": {name: os.environ[name] for name in ISA_ENV if name in os.environ},
         "memory_gib": round(int(mem_kib[0]) / 2**20, 1) if mem_kib else None,
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
@@ -168,6 +183,8 @@ def workload_table(record: dict[str, Any], workload: str) -> list[str]:
 
 def decode_rates(record: dict[str, Any]) -> dict[str, float]:
     """Decode tokens/s per peer: batch over the median inter-token gap."""
+    if not record.get("decode"):
+        return {}
     batch = record["decode"]["batch"]
     rates = {}
     for (peer, workload, _), entries in grouped(record).items():
@@ -233,34 +250,52 @@ def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or not b else f"{a / b:.2f}x"
 
 
+def base_peer(label: str) -> tuple[str, str]:
+    """A peer label split into the peer and its kernel-path suffix: `rs-all-on@avx2` ->
+    (`rs-all-on`, `@avx2`)."""
+    peer, at, path = label.partition("@")
+    return peer, at + path
+
+
+TARGETS = [
+    ("single-stream out tok/s", "single-stream", LLAMA_SERVER, "out", ">= 1x"),
+    ("single-stream out tok/s", "single-stream", VLLM_CPU, "out", ">= 2x"),
+    ("shared-prefix out tok/s", "shared-prefix", HF_REFERENCE, "out", ">= 3x"),
+    ("shared-prefix out tok/s", "shared-prefix", LLAMA_SERVER, "out", ">= 3x"),
+    ("shared-prefix out tok/s", "shared-prefix", VLLM_CPU, "out", ">= 3x"),
+    ("shared-prefix out tok/s", "shared-prefix", RADIX_OFF, "out", ">= 2x"),
+    ("shared-prefix TTFT p50", "shared-prefix", RADIX_OFF, "ttft", "<= 0.33x"),
+    ("random out tok/s", "random", RADIX_OFF, "out", ">= 1x"),
+    ("multi-turn out tok/s", "multi-turn", HF_REFERENCE, "out", ">= 2x"),
+    ("multi-turn out tok/s", "multi-turn", LLAMA_SERVER, "out", ">= 1.5x"),
+    ("multi-turn out tok/s", "multi-turn", VLLM_CPU, "out", ">= 2x"),
+]
+"""(figure, workload, the other peer, "out" (output tok/s) or "ttft" (TTFT p50), goal). A
+radixserve peer on a forced kernel path is set against `rs-radix-off` on the same path."""
+
+
 def target_rows(record: dict[str, Any]) -> Iterable[str]:
     """The serving targets (e.g. shared-prefix output >= 3x transformers') as ratios between
-    peers of this run, for each radix-on peer."""
+    peers of this run, for each radix-on peer (on each kernel path run)."""
     cells = grouped(record)
+    figures: dict[str, Callable[[dict[str, Any]], float | None]] = {
+        "out": lambda s: s["output_throughput"],
+        "ttft": lambda s: s["ttft_ms"]["p50"],
+    }
 
-    def figure(
-        peer: str, workload: str, c: int, get: Callable[[dict[str, Any]], float | None]
-    ) -> float | None:
-        return median(cells[peer, workload, c], get) if (peer, workload, c) in cells else None
+    def figure(peer: str, workload: str, c: int, kind: str) -> float | None:
+        entries = cells.get((peer, workload, c))
+        return median(entries, figures[kind]) if entries else None
 
-    def out(s: dict[str, Any]) -> float:
-        return s["output_throughput"]
-
-    def ttft(s: dict[str, Any]) -> float | None:
-        return s["ttft_ms"]["p50"]
-
-    checks = [
-        ("shared-prefix out tok/s", "shared-prefix", HF_REFERENCE, out, ">= 3x"),
-        ("shared-prefix out tok/s", "shared-prefix", RADIX_OFF, out, ">= 2x"),
-        ("shared-prefix TTFT p50", "shared-prefix", RADIX_OFF, ttft, "<= 0.33x"),
-        ("random out tok/s", "random", RADIX_OFF, out, ">= 1x"),
-        ("multi-turn out tok/s", "multi-turn", HF_REFERENCE, out, ">= 2x"),
-        ("multi-turn out tok/s", "multi-turn", LLAMA_SERVER, out, ">= 1.5x"),
-    ]
-    for peer in RADIX_ON_PEERS:
-        for what, workload, other, get, goal in checks:
+    rates = decode_rates(record)
+    for peer in record["peers"]:
+        base, path = base_peer(peer)
+        if base not in RADIX_ON_PEERS:
+            continue
+        for what, workload, other, kind, goal in TARGETS:
+            other = other + path if other == RADIX_OFF else other
             for c in record["concurrency"]:
-                ours, theirs = figure(peer, workload, c, get), figure(other, workload, c, get)
+                ours, theirs = figure(peer, workload, c, kind), figure(other, workload, c, kind)
                 if ours is not None and theirs:
                     ratio, bound = ours / theirs, float(goal.split()[1].rstrip("x"))
                     met = ratio >= bound if goal.startswith(">=") else ratio <= bound
@@ -268,7 +303,6 @@ def target_rows(record: dict[str, Any]) -> Iterable[str]:
                         f"| {what} | {peer} vs {other} | {c} | {ratio:.2f}x | {goal} | "
                         f"{'yes' if met else 'no'} |"
                     )
-        rates = decode_rates(record)
         if peer in rates and HF_REFERENCE in rates:
             ratio = rates[peer] / rates[HF_REFERENCE]
             yield (
@@ -276,20 +310,59 @@ def target_rows(record: dict[str, Any]) -> Iterable[str]:
                 f"{record['decode']['batch']} | {ratio:.2f}x | >= 2x (aim) | "
                 f"{'yes' if ratio >= 2 else 'no'} |"
             )
-    for workload in record["workloads"]:
-        for c in record["concurrency"]:
-            on, off = figure(OVERLAP_ON, workload, c, out), figure(OVERLAP_OFF, workload, c, out)
-            if on is not None and off:
-                yield (
-                    f"| {workload} out tok/s | {OVERLAP_ON} vs {OVERLAP_OFF} (overlap loop) | "
-                    f"{c} | {on / off:.2f}x | - | - |"
-                )
+    for peer in record["peers"]:
+        base, path = base_peer(peer)
+        if base != OVERLAP_ON:
+            continue
+        on_peer, off_peer = peer, OVERLAP_OFF + path
+        for workload in record["workloads"]:
+            for c in record["concurrency"]:
+                on, off = figure(on_peer, workload, c, "out"), figure(off_peer, workload, c, "out")
+                if on is not None and off:
+                    yield (
+                        f"| {workload} out tok/s | {on_peer} vs {off_peer} (overlap loop) | "
+                        f"{c} | {on / off:.2f}x | - | - |"
+                    )
+
+
+def kernel_lines(kernels: dict[str, dict[str, Any]]) -> list[str]:
+    """What each radixserve peer ran as, read from its server."""
+    if not kernels:
+        return []
+    lines = [
+        "",
+        "radixserve's kernel path, dtype and weights, as each server reported them:",
+        "",
+        "| peer | kernel path | RADIXSERVE_CPU_ISA | dtype | weights | settings |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label, k in kernels.items():
+        lines.append(
+            f"| {label} | {k.get('cpu_isa') or '-'} | {k.get('RADIXSERVE_CPU_ISA') or '-'} | "
+            f"{k.get('dtype') or '-'} | {k.get('weights') or '-'} | "
+            f"`--dtype {k.get('dtype_setting')} --quantization {k.get('quantization_setting')}` |"
+        )
+    return lines
+
+
+def stream_lines(cfg: dict[str, Any]) -> list[str]:
+    """The concurrency-1 workloads (absent from records made before them)."""
+    if "stream_requests" not in cfg:
+        return []
+    return [
+        f"- `single-stream` (concurrency 1): {cfg['stream_requests']} unique prompts of "
+        f"{cfg['stream_prompt_len']} tokens, {cfg['stream_output_len']} output tokens each, "
+        "one after the other.",
+        f"- `long-prompt` (concurrency 1): {cfg['long_prompt_repeats']} unique prompts of "
+        f"{cfg['long_prompt_len']} tokens, 1 output token each: TTFT is the prefill.",
+    ]
 
 
 def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
     m = record["machine"]
     cfg = record["workload_config"]
     isa = ", ".join(name for name in ("amx_bf16", "avx512_bf16") if m.get(name)) or "neither"
+    isa_env = ", ".join(f"{k}={v}" for k, v in m.get("isa_env", {}).items()) or "none set"
     thread_env = (
         ", ".join(f"{k}={v}" for k, v in m.get("thread_env", {}).items())
         or "no OMP/MKL variables set"
@@ -297,7 +370,8 @@ def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
     duration = f"{record['duration_s'] / 60:.1f} min" if "duration_s" in record else "unfinished"
     gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
     lines = [
-        "# Serving benchmark: radixserve beside transformers `generate` and llama.cpp's server",
+        "# Serving benchmark: radixserve beside transformers `generate`, llama.cpp's server "
+        "and vLLM's CPU build",
         "",
         f"Generated by `benchmarks/serving/compare.py` ({duration}, started "
         f"{record['started']}); rerun the command to refresh it. Raw figures: "
@@ -316,9 +390,13 @@ def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
         f"{m.get('load_average_end', '-')}: anything above ~0.5 means other jobs shared the "
         "cores, and single figures move by tens of percent; read ratios within one run.",
         "",
+        f"CPU instruction sets (/proc/cpuinfo): {' '.join(m.get('isa_flags', [])) or '-'}; "
+        f"kernel-path variables in the environment: {isa_env}.",
+        "",
         "## Peers",
         "",
         *(f"- `{name}`: {desc}" for name, desc in record["peers"].items()),
+        *kernel_lines(record.get("kernels") or {}),
         "",
         "## Workloads (`benchmarks/serving/workloads.py`, seed "
         f"{cfg['seed']}, {cfg['output_len']} output tokens per request)",
@@ -333,6 +411,7 @@ def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
         f"{cfg['shot_len']}-token exemplar block, then a {cfg['question_len']}-token question.",
         f"- `random`: {cfg['requests']} unique prompts of "
         f"{cfg['random_len'] // 2}-{cfg['random_len']} tokens.",
+        *stream_lines(cfg),
         "",
         "## Method",
         "",
@@ -354,13 +433,13 @@ def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
             "",
             *path,
         ]
-    decode = record["decode"]
-    lines += [
-        "",
-        f"### Decode at batch {decode['batch']} with {decode['context']}-token contexts",
-        "",
-        *decode_table(record),
-    ]
+    if decode := record.get("decode"):
+        lines += [
+            "",
+            f"### Decode at batch {decode['batch']} with {decode['context']}-token contexts",
+            "",
+            *decode_table(record),
+        ]
     targets = list(target_rows(record))
     if targets:
         lines += [

@@ -8,11 +8,14 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx2
 
+from benchmarks.serving.metrics import cpu_info
 from benchmarks.support.launcher import port_flags, server_ports
 from benchmarks.support.server_process import ServerProcess
 
@@ -23,7 +26,7 @@ FLUSH_TIMEOUT_S = 120.0
 class ServerPeer:
     name: str
     flags: tuple[str, ...]
-    """Besides --model and --dtype, which every radixserve peer shares."""
+    """Besides the flags every radixserve peer shares (`compare.COMMON_SERVER_FLAGS`)."""
 
 
 class RadixServer(ServerProcess):
@@ -33,17 +36,27 @@ class RadixServer(ServerProcess):
 
     name = "radixserve"
 
-    def __init__(self, flags: list[str], log_dir: Path | None = None, cwd: Path | None = None):
+    def __init__(
+        self,
+        flags: list[str],
+        log_dir: Path | None = None,
+        cwd: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ):
         """`cwd`: the checkout whose code serves (another `git worktree`, to compare two
         commits with the same interpreter: `python -m` imports from the working directory
-        first)."""
+        first). `env`: variables set for this server only, on top of this process's
+        (`RADIXSERVE_CPU_ISA=avx2` to run the AVX2 kernel path)."""
         ports = server_ports()
         base_url = f"http://127.0.0.1:{ports['port']}"
         self.metrics_urls = [
             f"{base_url}/metrics",
             f"http://127.0.0.1:{ports['worker-metrics-port']}/metrics",
         ]
+        # `env` sets the variables and execs the launcher: the pid stays the launcher's.
+        prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
         argv = [
+            *prefix,
             sys.executable,
             "-m",
             "services.launch",
@@ -55,6 +68,25 @@ class RadixServer(ServerProcess):
         ]
         log_path = Path(log_dir or tempfile.mkdtemp(prefix="radixserve-bench-")) / "server.log"
         super().__init__(argv, base_url, log_path, cwd)
+
+    def kernel(self) -> dict[str, Any]:
+        """What this server runs the model as: the kernel path (`cpu_isa`) and the CPU flags
+        it was chosen from, from `/get_server_info`; the dtype and the weights' format as
+        resolved (the `radixserve_cpu_info` gauge on the worker's /metrics); and the
+        `--dtype` / `--quantization` settings they were resolved from."""
+        info = httpx2.get(f"{self.base_url}/get_server_info", timeout=30.0, trust_env=False)
+        info.raise_for_status()
+        settings = info.json()
+        metrics = httpx2.get(self.metrics_urls[1], timeout=30.0, trust_env=False).text
+        resolved = cpu_info(metrics) or {}
+        return {
+            "cpu_isa": settings.get("cpu_isa"),
+            "cpu_flags": settings.get("cpu_flags"),
+            "dtype": resolved.get("dtype"),
+            "weights": resolved.get("weights"),
+            "dtype_setting": settings.get("dtype"),
+            "quantization_setting": settings.get("quantization"),
+        }
 
     def flush_cache(self) -> None:
         """Empties the radix tree, so no cell of the matrix inherits the previous one's

@@ -18,8 +18,14 @@ is what a prefix cache can reuse.
   request, then a question of `question_len` tokens.
 - `random`: unique prompts of `random_len / 2` to `random_len` tokens; nothing shared
   beyond chance.
+- `single-stream`: `stream_requests` unique prompts of `stream_prompt_len` tokens, each
+  asking for `stream_output_len` tokens, one at a time (`FIXED_CONCURRENCY`): one user's
+  speed, where batching cannot help.
+- `long-prompt`: `long_prompt_repeats` unique prompts of `long_prompt_len` tokens asking for
+  one token, one at a time: the TTFT of a long prompt's prefill, never served from a cache.
 
-Every request asks for exactly `output_len` tokens (`ignore_eos`).
+Every request asks for exactly its output length (`ignore_eos`): `output_len` tokens, except
+in the last two.
 """
 
 from __future__ import annotations
@@ -61,6 +67,11 @@ class WorkloadConfig:
     shots: int = 8
     shot_len: int = 64
     random_len: int = 512
+    stream_requests: int = 8
+    stream_prompt_len: int = 256
+    stream_output_len: int = 128
+    long_prompt_len: int = 2048
+    long_prompt_repeats: int = 3
 
     def add_flags(self, parser: argparse.ArgumentParser) -> None:
         for f in fields(self):
@@ -124,6 +135,20 @@ def random_unique(cfg: WorkloadConfig, rng: random.Random) -> list[BenchRequest]
     ]
 
 
+def single_stream(cfg: WorkloadConfig, rng: random.Random) -> list[BenchRequest]:
+    return [
+        BenchRequest(_tokens(rng, cfg.stream_prompt_len, cfg.vocab_size), cfg.stream_output_len)
+        for _ in range(cfg.stream_requests)
+    ]
+
+
+def long_prompt(cfg: WorkloadConfig, rng: random.Random) -> list[BenchRequest]:
+    return [
+        BenchRequest(_tokens(rng, cfg.long_prompt_len, cfg.vocab_size), 1)
+        for _ in range(cfg.long_prompt_repeats)
+    ]
+
+
 def fixed_length(cfg: WorkloadConfig, n: int, length: int) -> list[BenchRequest]:
     """`n` unique prompts of exactly `length` tokens: a decode batch whose every request
     holds the same context (the decode-ceiling measurement)."""
@@ -136,7 +161,11 @@ WORKLOADS: dict[str, Callable[[WorkloadConfig, random.Random], list[BenchRequest
     "multi-turn": multi_turn,
     "few-shot": few_shot,
     "random": random_unique,
+    "single-stream": single_stream,
+    "long-prompt": long_prompt,
 }
+FIXED_CONCURRENCY = {"single-stream": 1, "long-prompt": 1}
+"""Workloads that run at this concurrency whatever concurrencies a comparison asks for."""
 
 
 def build(name: str, cfg: WorkloadConfig) -> list[BenchRequest]:

@@ -76,8 +76,11 @@ class LoRALayer:
         self.num_slots, self.max_rank, self.batch = num_slots, max_rank, batch
         self.slot_width = len(self.outputs) * max_rank
         width = num_slots * self.slot_width
-        self.lora_a = torch.zeros(width, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        self.lora_b = torch.zeros(weight.shape[0], width, dtype=weight.dtype, device=weight.device)
+        # in the activations' dtype: a quantized base holds uint8 blocks
+        dtype = weight.dtype if weight.is_floating_point() else batch.scalings.dtype
+        in_size, out_size = base.input_size, base.output_size
+        self.lora_a = torch.zeros(width, in_size, dtype=dtype, device=weight.device)
+        self.lora_b = torch.zeros(out_size, width, dtype=dtype, device=weight.device)
         self.repack()
 
     packed_a: torch.Tensor | None = None

@@ -30,7 +30,8 @@ class LoRAManager:
         if max_loras_per_batch < 1 or max_lora_rank < 1:
             raise ValueError("max_loras_per_batch and max_lora_rank must be >= 1")
         self.num_slots, self.max_rank = max_loras_per_batch, max_lora_rank
-        weight = next(model.parameters())
+        # the model's dtype: quantized layers hold uint8 blocks, its norms the dtype
+        weight = next(p for p in model.parameters() if p.is_floating_point())
         self.batch = LoRABatchInfo(
             scalings=torch.zeros(max_loras_per_batch + 1, dtype=weight.dtype, device=weight.device)
         )

@@ -19,15 +19,20 @@ arithmetic.
   the one or two rows (`FEW_ROWS`) of the smallest decode batches. oneDNN's packed kernels
   pay a fixed cost per call and read small weights well below the bandwidth
   (docs/benchmarks/model.md).
+- `quant_linear` (`csrc/quant_linear.cpp`): matmuls over weights kept quantized (GGUF's
+  Q4_0/Q4_1/Q8_0 blocks, int8 rows), widened in registers for decode rows and per band
+  for a prefill's GEMM: a decode step reads 4.5-8.5 bits a weight instead of 16.
 - `decode_layer` (`csrc/decode_layer.cpp`): a whole Llama layer of a decode batch, the
   kernels above called from C++ in the modules' order: one Python dispatch per layer where
   the modules make about fifteen, which on two cores cost about a seventh of the step.
 
 They are compiled with `torch.utils.cpp_extension` the first time one is needed (a CPU
 attention backend, a bf16 layer; about 15 s on two cores) into
-`<cache dir>/cpu_kernels/<key>`, keyed by the sources, the torch version and this CPU's
-instruction-set flags (they are built for the CPU at hand), and loaded from there
-afterwards. Never at `pip install` time: pip's isolated build
+`<cache dir>/cpu_kernels/<machine>-<path>-<digest>`, for the kernel path `cpu_isa` chose (the
+machine's highest, or a lower one forced by RADIXSERVE_CPU_ISA) with that path's compiler
+flags only (an avx2 build holds no AVX-512 instruction, whichever CPU builds it), keyed by the
+path, its flags, the sources, the torch version and this CPU's instruction-set flags, and
+loaded from there afterwards. Never at `pip install` time: pip's isolated build
 environment would pull a CUDA torch. Without a compiler, or with
 `RADIXSERVE_CPU_KERNELS=0`, every one of these steps stays on torch ops.
 """
@@ -45,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from engine.model import cpu_isa
 from engine.model.tokenizer_cache import cache_root
 
 logger = logging.getLogger(__name__)
@@ -60,9 +66,10 @@ SOURCES = [
         "rotary.cpp",
         "activation.cpp",
         "decode_layer.cpp",
+        "quant_linear.cpp",
     )
 ]
-HEADERS = [CSRC / "vec16.h", CSRC / "amx.h", CSRC / "parallel.h"]
+HEADERS = [CSRC / "vec16.h", CSRC / "simd.h", CSRC / "amx.h", CSRC / "parallel.h"]
 NAME = "radixserve_cpu_kernels"
 DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
 """Set to 0 to keep the CPU decode step on torch ops."""
@@ -109,7 +116,9 @@ def enabled() -> bool:
 def _build(library: Path) -> None:
     """Compile into a directory of this process's own and load it from there, then move the
     library into place: processes that build at once never share a lock (torch's build
-    lock would outlive a process killed while holding it, and hang every later start)."""
+    lock would outlive a process killed while holding it, and hang every later start).
+    Built for `cpu_isa`'s path: its `csrc/` code paths are chosen by the macros those flags
+    define (`__AVX2__`, `RADIXSERVE_AVX512`, `RADIXSERVE_AMX`)."""
     from torch.utils import cpp_extension
 
     library.parent.mkdir(parents=True, exist_ok=True)
@@ -120,7 +129,12 @@ def _build(library: Path) -> None:
             build_directory=build_dir,
             # No fused multiply-adds where the source has a product and a sum: the kernels
             # that mirror torch's ops round as those ops do (explicit FMA intrinsics stay).
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
+            extra_cflags=[
+                "-O3",
+                *cpu_isa.compile_flags(cpu_isa.cpu_isa().path),
+                "-fopenmp",
+                "-ffp-contract=off",
+            ],
             is_python_module=False,
             verbose=False,
         )
@@ -128,8 +142,10 @@ def _build(library: Path) -> None:
 
 
 def _build_key() -> str:
-    """Sources, headers, torch version and the CPU's flags: a cache shared by different machines
-    never hands one a kernel built for another's instructions."""
+    """The kernel path, then a digest of its compiler flags, the sources, headers, torch version
+    and the CPU's flags: each path's build is kept apart, and a cache shared by different
+    machines never hands one a kernel built for another's instructions."""
+    path = cpu_isa.cpu_isa().path
     flags = ""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
@@ -140,10 +156,11 @@ def _build_key() -> str:
     for part in (
         *(source.read_bytes() for source in (*SOURCES, *HEADERS)),
         torch.__version__.encode(),
+        " ".join(cpu_isa.compile_flags(path)).encode(),
         flags.encode(),
     ):
         digest.update(part)
-    return f"{platform.machine()}-{digest.hexdigest()[:16]}"
+    return f"{platform.machine()}-{path}-{digest.hexdigest()[:16]}"
 
 
 def decode_attention(
@@ -260,10 +277,13 @@ def decode_layer(
     num_kv_heads: int,
     scaling: float,
     eps: float,
+    formats: list[int],
+    int8_activations: bool,
 ) -> torch.Tensor:
-    """One bf16 Llama layer of a decode batch (`LlamaDecoderLayer.decode_weights` lists its
-    weights): the MLP output; the attention output is added to the residual stream in place
-    (to `hidden` itself when `residual` is None), the new K/V written at `out_cache_loc`."""
+    """One Llama layer of a decode batch (`LlamaDecoderLayer.decode_weights` lists its
+    weights and the projections' `formats`), bf16 or, over quantized projections, float32:
+    the MLP output; the attention output is added to the residual stream in place (to
+    `hidden` itself when `residual` is None), the new K/V written at `out_cache_loc`."""
     out: torch.Tensor = torch.ops.radixserve_cpu.decode_layer(
         hidden,
         residual,
@@ -278,6 +298,30 @@ def decode_layer(
         num_kv_heads,
         scaling,
         eps,
+        formats,
+        int8_activations,
         FEW_ROWS,
     )
+    return out
+
+
+def quant_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    format: int,
+    bias: torch.Tensor | None = None,
+    int8_activations: bool = False,
+) -> torch.Tensor:
+    """`x @ W^T + bias` for float/bf16/half `x` `[rows, K]` over `weight` held quantized
+    (`engine/model/layers/quantization.py`: uint8 rows of `format`), in `x`'s dtype; decode
+    rows rounded to int8 per block of 32 first if `int8_activations`."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.quant_linear(
+        x, weight, format, bias, int8_activations
+    )
+    return out
+
+
+def quant_dequantize(weight: torch.Tensor, format: int, in_features: int) -> torch.Tensor:
+    """The float32 `[N, in_features]` weights of quantized rows `weight`."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.quant_dequantize(weight, format, in_features)
     return out

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +25,22 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from safetensors import safe_open
+from torch import nn
 from tqdm import tqdm
 
+from engine.constants import QUANTIZATION_METHODS
 from engine.distributed import get_tp_group
 from engine.model.attention.base import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.embedded import EMBEDDED_MODEL, embedded_model_path
-from engine.model.layers.linear import CheckpointTensor
+from engine.model.layers.embedding import VocabParallelEmbedding
+from engine.model.layers.linear import CheckpointTensor, Linear
+from engine.model.layers.quantization import (
+    BLOCK,
+    gguf_format,
+    hold_blocks,
+    quantize_module_int8,
+)
 from engine.model.models import get_model_class
 from engine.model.models.llama import LlamaForCausalLM
 from engine.model.tokenizer_cache import load_gguf_tokenizer
@@ -215,14 +224,28 @@ class GGUFCheckpoint(Checkpoint):
             self.reader.fields[gguf.Keys.General.ARCHITECTURE].contents() == "llama"
         )
 
-    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensor_types(self) -> dict[str, gguf.GGMLQuantizationType]:
+        """Each weight's type in the file, under its Hugging Face name."""
+        return {
+            name: tensor.tensor_type
+            for tensor in self.reader.tensors
+            if (name := hf_tensor_name(tensor.name)) is not None
+        }
+
+    def weights(self, blocks: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """Dequantized to float32, except the tensors named in `blocks`: those come as the
+        file stores them, uint8 rows of blocks (`quantization.hold_blocks`)."""
         config = self.config
         for tensor in self.reader.tensors:
             name = hf_tensor_name(tensor.name)
             if name is None:
                 continue
-            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            weight = torch.from_numpy(array if array.flags.writeable else array.copy())
+            if name in blocks:
+                rows = int(np.prod(tensor.shape[1:]))
+                weight = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
+            else:
+                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+                weight = torch.from_numpy(array if array.flags.writeable else array.copy())
             if self.rotary_permuted and ".q_proj." in name:
                 weight = unpermute_rotary(weight, config.num_attention_heads)
             elif self.rotary_permuted and ".k_proj." in name:
@@ -267,9 +290,12 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device,
     attn_backend: AttentionBackend,
+    quantization: str = "none",
+    quantized_activations: str = "float",
 ) -> LlamaForCausalLM:
     """Build this rank's shard of the network for `checkpoint.config` straight on `device`
-    in `dtype` and fill it; refuse a tensor-parallel size the model cannot be split over.
+    in `dtype` and fill it, with weights held as `quantization` says (see
+    `resolve_quantization`); refuse a tensor-parallel size the model cannot be split over.
     Rank 0 shows a progress bar over the tensors on stderr, and each rank logs the time."""
     started = time.perf_counter()
     tp_group = get_tp_group()
@@ -277,9 +303,21 @@ def load_model(
     model_cls = get_model_class(checkpoint.config.architecture)
     with torch.device(device), _default_dtype(dtype):
         model = model_cls(checkpoint.config, attn_backend)
+    blocks: set[str] = set()
+    if quantization == "gguf":
+        if not isinstance(checkpoint, GGUFCheckpoint):
+            raise ValueError(
+                "--quantization gguf serves a GGUF file's blocks; this model is not one"
+            )
+        blocks = hold_gguf_blocks(model, checkpoint.tensor_types(), quantized_activations == "int8")
     total = checkpoint.num_tensors()
+    weights = (
+        checkpoint.weights(blocks)
+        if isinstance(checkpoint, GGUFCheckpoint)
+        else checkpoint.lazy_weights()
+    )
     with tqdm(
-        checkpoint.lazy_weights(),
+        weights,
         total=total,
         desc="Loading weights",
         unit="tensor",
@@ -288,6 +326,10 @@ def load_model(
         disable=not tp_group.is_first_rank,
     ) as weights:
         model.load_weights(weights)
+    if quantization == "int8":
+        for module in model.modules():
+            if isinstance(module, Linear) and module.input_size % BLOCK == 0:
+                quantize_module_int8(module, quantized_activations == "int8")
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info(
         "weights: %d tensors, %.2f GiB on %s, loaded in %.1f s",
@@ -297,6 +339,57 @@ def load_model(
         time.perf_counter() - started,
     )
     return model.eval()
+
+
+def resolve_quantization(
+    quantization: str, checkpoint: Checkpoint, device: torch.device, tp_size: int
+) -> str:
+    """`auto`: a GGUF file's blocks as stored where the kernels run them (CPU, one rank),
+    else none. An explicit method the device or group cannot serve is refused."""
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"--quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}"
+        )
+    servable = device.type == "cpu" and tp_size == 1
+    if quantization == "auto":
+        return "gguf" if servable and isinstance(checkpoint, GGUFCheckpoint) else "none"
+    if quantization != "none" and not servable:
+        raise ValueError(
+            f"--quantization {quantization} runs on CPU with --tp-size 1 "
+            f"(here: {device.type}, tp {tp_size}); use --quantization none"
+        )
+    return quantization
+
+
+def hold_gguf_blocks(
+    model: nn.Module,
+    tensor_types: dict[str, gguf.GGMLQuantizationType],
+    int8_activations: bool,
+) -> set[str]:
+    """Switch every linear layer and embedding whose checkpoint tensors all share a format
+    the kernels serve (`quantization.gguf_format`) to hold that format's blocks; the names
+    of those tensors, which the checkpoint then yields as stored. A fused layer whose
+    parts differ in type (K-quant files mix them) stays in the model's dtype."""
+    parts: dict[str, list[tuple[str, gguf.GGMLQuantizationType]]] = {}
+    for name, tensor_type in tensor_types.items():
+        for fused, original, _ in getattr(model, "stacked_params_mapping", ()):
+            if original in name:
+                name_in_model = name.replace(original, fused)
+                break
+        else:
+            name_in_model = name
+        parts.setdefault(name_in_model, []).append((name, tensor_type))
+    blocks: set[str] = set()
+    for param_name, tensors in parts.items():
+        module_name, _, attr = param_name.rpartition(".")
+        formats = {gguf_format(tensor_type) for _, tensor_type in tensors}
+        if attr != "weight" or len(formats) != 1 or None in formats:
+            continue
+        module = model.get_submodule(module_name)
+        if isinstance(module, (Linear, VocabParallelEmbedding)):
+            hold_blocks(module, formats.pop(), int8_activations)  # type: ignore[arg-type]
+            blocks.update(name for name, _ in tensors)
+    return blocks
 
 
 def load_tokenizer(model: str | os.PathLike | ModelSource) -> PreTrainedTokenizerBase:

@@ -28,7 +28,8 @@ from engine.model.graph_runner import (
 )
 from engine.model.layers.linear import Linear
 from engine.model.layers.logits_processor import LogitsProcessorOutput
-from engine.model.loader import load_model, open_checkpoint
+from engine.model.layers.quantization import weights_format
+from engine.model.loader import load_model, open_checkpoint, resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class ModelRunner:
         enable_lora: bool = False,
         max_loras_per_batch: int = 4,
         max_lora_rank: int = 16,
+        quantization: str = "none",
+        quantized_activations: str = "float",
     ):
         self.device = torch.device(device)
         if enable_torch_compile and self.device.type != "cpu":
@@ -112,13 +115,24 @@ class ModelRunner:
             head_dim=config.head_dim,
             device=self.device,
         )
+        self.quantization = resolve_quantization(
+            quantization, checkpoint, self.device, self.tp_size
+        )
         self.model = load_model(
-            checkpoint, dtype=self.dtype, device=self.device, attn_backend=self.attn_backend
+            checkpoint,
+            dtype=self.dtype,
+            device=self.device,
+            attn_backend=self.attn_backend,
+            quantization=self.quantization,
+            quantized_activations=quantized_activations,
         )
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.pack_weight()
         self.model.logits_processor.pack_lm_head(self.model.lm_head)
+        self.weights_format = weights_format(self.model, self.dtype)
+        """How the linear layers' weights are held: the dtype's name, or the quantized
+        format (`gguf:Q4_1`, `int8`); shown in /get_server_info and the cpu_info metric."""
         self.lora_manager: LoRAManager | None = None
         if enable_lora:
             self.lora_manager = LoRAManager(self.model, max_loras_per_batch, max_lora_rank)

@@ -3,10 +3,16 @@
 With `--node-rank K` (K > 0) it runs node K's tensor-parallel ranks only: they follow rank
 0, on node 0, and have no sockets to the tokenizer or the detokenizer."""
 
-from engine.api import serve_node
-from services.process import configure_logging
-from services.settings import Settings
-from services.worker.worker import Worker
+# isort: off
+from engine.model.cpu_isa import apply_forced_isa
+
+apply_forced_isa()  # before torch first dispatches: a forced kernel path caps ATen and oneDNN
+from engine.api import serve_node  # noqa: E402
+from services.process import configure_logging  # noqa: E402
+from services.settings import Settings  # noqa: E402
+from services.worker.worker import Worker  # noqa: E402
+
+# isort: on
 
 
 def main() -> None:

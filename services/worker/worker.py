@@ -9,6 +9,11 @@ several, and a request whose own row is too large fails alone), and control repl
 server info) go straight back to the tokenizer on the control socket. Once the model is
 loaded the worker serves `/metrics` and `/healthz` on its metrics port, and a traced
 request gets its queue-wait, prefill and decode spans when it finishes.
+
+On a CPU device the worker says once at start which instruction sets the CPU has and which
+kernel path runs (`cpu_isa`), with the dtype and the weights' format; the same shows as
+`radixserve_cpu_info` and in `/get_server_info` (`cpu_isa`, `cpu_flags`). On CUDA the path is
+reported as "cuda" and no CPU flags: the CPU's instruction sets do not run the model there.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from engine.api import Engine
 from engine.cache.kv_events import AllBlocksCleared, BlockEventRecorder
 from engine.cache.radix_cache import RadixCache
 from engine.lora import LoRAError
+from engine.model.cpu_isa import CpuIsa, cpu_isa
 from engine.sched.req import FinishReason, Req
-from observability.worker_metrics import WorkerMetrics, WorkerSample
+from observability.worker_metrics import CpuInfo, WorkerMetrics, WorkerSample
 from services import protocol
 from services.ipc import MAX_MESSAGE_BYTES, PeerEvent
 from services.process import Service
@@ -113,6 +119,21 @@ class Worker(Service):
             self.scheduler.device,
             settings.tp_size,
         )
+        runner = self.engine.model_runner
+        self.cpu_isa: CpuIsa | None = cpu_isa() if runner.device.type == "cpu" else None
+        """The CPU's instruction sets and kernel path; None on an accelerator."""
+        self.cpu_info = CpuInfo(
+            isa=runner.device.type if self.cpu_isa is None else self.cpu_isa.path,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            weights=runner.weights_format,
+        )
+        if self.cpu_isa is not None:
+            logger.info(
+                "CPU: %s, dtype %s, weights %s",
+                self.cpu_isa.describe(),
+                self.cpu_info.dtype,
+                self.cpu_info.weights,
+            )
         super().__init__(settings, settings.zmq_address("worker_port"))
         self.to_detokenizer = self.outbox(settings.zmq_address("detokenizer_port"))
         self.max_output_bytes = MAX_MESSAGE_BYTES - FRAME_HEADROOM_BYTES
@@ -129,7 +150,7 @@ class Worker(Service):
         )
         """The model id of the API (`Settings` fills `served_model_name` in from `model`)."""
         max_lora = settings.max_loras_per_batch if settings.enable_lora else 0
-        self.metrics = WorkerMetrics(self.registry, self.model_name, max_lora)
+        self.metrics = WorkerMetrics(self.registry, self.model_name, max_lora, self.cpu_info)
         self.scheduler.stats.observer = self
         if self.scheduler.grammar_backend is not None:
             self.scheduler.grammar_backend.on_compile = self.metrics.observe_grammar_compile
@@ -491,6 +512,8 @@ class Worker(Service):
             "new_token_ratio": sched.ratio.new_token_ratio,
             "scheduler_stats": sched.stats.counters(),
             "lora_adapters": sched.lora_adapters(),
+            "cpu_isa": self.cpu_info.isa,
+            "cpu_flags": [] if self.cpu_isa is None else list(self.cpu_isa.flags),
             # The port it bound: the one given, or the free one it chose.
             "worker_metrics_port": (
                 None if self.metrics_server is None else self.metrics_server.port

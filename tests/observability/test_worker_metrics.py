@@ -12,11 +12,13 @@ from pathlib import Path
 import httpx2
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.support.net import free_ports
+from engine.model.cpu_isa import ISA_FLAGS, PATHS
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.scheduler import after_turns
-from observability.worker_metrics import ROLLING_WINDOW_S, WorkerMetrics, WorkerSample
+from observability.worker_metrics import ROLLING_WINDOW_S, CpuInfo, WorkerMetrics, WorkerSample
 from services.protocol import TokenizedGenerateReqInput
 from services.settings import PORT_FIELDS, Settings
 from services.worker.worker import METRICS_SAMPLE_INTERVAL_S, Worker
@@ -121,6 +123,16 @@ def test_grammar_compiles_and_refusals_are_counted_apart():
     assert value(registry, "radixserve_grammar_compile_failures_total") == 1
 
 
+def test_cpu_info_labels_what_runs_the_model_and_is_there_before_any_sample():
+    registry = CollectorRegistry()
+    WorkerMetrics(registry, "m", cpu_info=CpuInfo("avx2", "float32", "gguf:Q4_1"))
+    assert (
+        value(registry, "radixserve_cpu_info", isa="avx2", dtype="float32", weights="gguf:Q4_1")
+        == 1
+    )
+    assert b"radixserve_cpu_info" not in generate_latest(metrics()[0])  # none given: none shown
+
+
 # ----- a real Worker ----------------------------------------------------------------------
 
 
@@ -207,3 +219,30 @@ def test_worker_serves_metrics_and_a_healthz_that_fails_when_the_loop_stalls(wor
     finally:
         worker.last_turn, worker.last_progress = turned, progressed
     assert httpx2.get(f"{url}/nothing").status_code == 404
+
+
+def test_worker_reports_its_cpu_kernel_path_in_metrics_and_server_info(worker: Worker):
+    info = worker.server_info()
+    assert info["cpu_isa"] in PATHS
+    assert set(info["cpu_flags"]) <= set(ISA_FLAGS)
+    if info["cpu_isa"] != "none":
+        assert {"avx2", "fma", "f16c"} <= set(info["cpu_flags"])
+    url = f"http://127.0.0.1:{worker.settings.worker_metrics_port}"
+    samples = [
+        sample
+        for family in text_string_to_metric_families(httpx2.get(f"{url}/metrics").text)
+        for sample in family.samples
+        if sample.name == "radixserve_cpu_info"
+    ]
+    assert [(s.labels, s.value) for s in samples] == [
+        (
+            {
+                "model_name": "m",
+                "tp_rank": "0",
+                "isa": info["cpu_isa"],
+                "dtype": "float32",
+                "weights": "float32",
+            },
+            1,
+        )
+    ]

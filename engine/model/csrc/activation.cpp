@@ -65,7 +65,7 @@ at::Tensor silu_and_mul(const at::Tensor& input) {
   TORCH_CHECK(input.dim() == 2 && input.size(1) % 2 == 0 && input.is_contiguous(),
               "input is a contiguous [T, 2 * d]: gate, then up");
   at::Tensor out = at::empty({input.size(0), input.size(1) / 2}, input.options());
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(input.scalar_type(), "radixserve_silu_and_mul", [&] {
+  RADIXSERVE_DISPATCH_FLOAT_16(input.scalar_type(), "radixserve_silu_and_mul", [&] {
     silu_and_mul_rows<scalar_t>(input.const_data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
                                 out.size(0), out.size(1));
   });

@@ -13,9 +13,11 @@
 // block's values are fetched into L2 meanwhile, and the weighted sums of up to 4 query heads
 // stay in registers across a block of values. The softmax's max and exp take 16 scores at a
 // time. Other builds, double and other head sizes take the plain loops, which also score the
-// keys after the last full block.
+// keys after the last full block: their dot products and weighted sums vectorize (omp simd),
+// and an AVX2 build takes the softmax's max and exp eight scores at a time (simd.h).
 
 #include "parallel.h"
+#include "simd.h"
 #include "vec16.h"
 
 #include <ATen/ATen.h>
@@ -295,6 +297,15 @@ void decode_attention_kernel(
           }
           top = _mm512_reduce_max_ps(top16);
         }
+#elif defined(RADIXSERVE_SIMD)
+        if constexpr (std::is_same_v<acc_t, float>) {  // whole vectors; the tail below
+          namespace simd = radixserve::simd;
+          simd::fvec top_lanes = simd::set1(top);
+          for (; j + simd::kLanes <= len; j += simd::kLanes) {
+            top_lanes = simd::max(top_lanes, simd::load(score + j));
+          }
+          top = simd::max_lane(top_lanes);
+        }
 #endif
         for (; j < len; ++j) top = std::max(top, score[j]);
         acc_t total = 0;
@@ -311,6 +322,19 @@ void decode_attention_kernel(
             total16 = _mm512_add_ps(total16, _mm512_maskz_mov_ps(mask, weight));
           }
           total = _mm512_reduce_add_ps(total16);
+        }
+#elif defined(RADIXSERVE_SIMD)
+        if constexpr (std::is_same_v<acc_t, float>) {
+          namespace simd = radixserve::simd;
+          const simd::fvec top_lanes = simd::set1(top);
+          simd::fvec total_lanes = simd::zero();
+          for (; j + simd::kLanes <= len; j += simd::kLanes) {
+            const simd::fvec weight =
+                simd::exp_nonpositive(simd::sub(simd::load(score + j), top_lanes));
+            simd::store(score + j, weight);
+            total_lanes = simd::add(total_lanes, weight);
+          }
+          total = simd::sum(total_lanes);
         }
 #endif
         for (; j < len; ++j) {

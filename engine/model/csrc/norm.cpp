@@ -83,8 +83,9 @@ at::Tensor rms_norm(
     const at::Tensor& weight,
     double eps) {
   TORCH_CHECK(input.dim() == 2 && input.is_contiguous(), "input is a contiguous [T, hidden]");
-  TORCH_CHECK(input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kHalf,
-              "bf16 or half activations");
+  TORCH_CHECK(input.scalar_type() == at::kBFloat16 || input.scalar_type() == at::kHalf ||
+                  input.scalar_type() == at::kFloat,
+              "bf16, half or float activations");
   TORCH_CHECK(weight.dim() == 1 && weight.size(0) == input.size(1) && weight.is_contiguous() &&
                   weight.scalar_type() == input.scalar_type(),
               "one weight per hidden unit, in the input's dtype");
@@ -94,7 +95,7 @@ at::Tensor rms_norm(
                 "the residual is shaped and typed like the input");
   }
   at::Tensor out = at::empty_like(input);
-  AT_DISPATCH_REDUCED_FLOATING_TYPES(input.scalar_type(), "radixserve_rms_norm", [&] {
+  RADIXSERVE_DISPATCH_FLOAT_16(input.scalar_type(), "radixserve_rms_norm", [&] {
     const scalar_t* x = residual.has_value() ? input.const_data_ptr<scalar_t>() : nullptr;
     scalar_t* sums = residual.has_value() ? residual->data_ptr<scalar_t>()
                                           : const_cast<scalar_t*>(input.const_data_ptr<scalar_t>());

@@ -9,6 +9,12 @@
 #define RADIXSERVE_AVX512 1
 #endif
 
+// Dispatch over float, bf16 and half (the dtypes load16/store16 take; never double).
+#define RADIXSERVE_DISPATCH_FLOAT_16(TYPE, NAME, ...)                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)        \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
+
 #if defined(RADIXSERVE_AVX512)
 #include <ATen/ATen.h>
 #include <immintrin.h>

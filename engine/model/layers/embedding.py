@@ -14,11 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_group
+from engine.model import cpu_kernels
 from engine.model.layers.linear import CheckpointTensor, copy_shard, set_weight_loader
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token id -> hidden vector, from this rank's rows `[vocab_start, vocab_end)`."""
+
+    quant_format: int | None = None
+    """Set when `weight` holds quantized rows (`quantization.hold_blocks`)."""
+    int8_activations = False
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
@@ -28,6 +33,8 @@ class VocabParallelEmbedding(nn.Module):
         rows_per_rank = -(-num_embeddings // group.size)
         self.vocab_start = min(group.rank * rows_per_rank, num_embeddings)
         self.vocab_end = min(self.vocab_start + rows_per_rank, num_embeddings)
+        self.embedding_dim = embedding_dim
+        self.dtype = torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(rows_per_rank, embedding_dim))
         set_weight_loader(self.weight, self.weight_loader)
 
@@ -41,6 +48,10 @@ class VocabParallelEmbedding(nn.Module):
         return param.numel()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_format is not None:  # one rank (quantization.py): widen the rows looked up
+            rows = self.weight.index_select(0, input_ids.reshape(-1))
+            out = cpu_kernels.quant_dequantize(rows, self.quant_format, self.embedding_dim)
+            return out.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)

@@ -119,10 +119,17 @@ def linear(
     weight: torch.Tensor,
     packed: torch.Tensor | None,
     bias: torch.Tensor | None = None,
+    quant_format: int | None = None,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
-    """F.linear through the CPU's faster kernels where they apply: for the few rows of a
-    small bf16 decode batch `cpu_kernels.linear_few_rows`, else the packed copy of `weight`
-    (AMX or oneDNN). Under `torch.compile`, torch's own matmul."""
+    """F.linear through the CPU's faster kernels where they apply: over a quantized weight
+    (`quant_format`, engine/model/layers/quantization.py) `cpu_kernels.quant_linear`; for
+    the few rows of a small bf16 decode batch `cpu_kernels.linear_few_rows`, else the packed
+    copy of `weight` (AMX or oneDNN). Under `torch.compile`, torch's own matmul."""
+    if quant_format is not None:
+        rows = x.reshape(-1, x.shape[-1])
+        out = cpu_kernels.quant_linear(rows, weight, quant_format, bias, int8_activations)
+        return out.view(*x.shape[:-1], out.shape[-1])
     kernels = x.device.type == "cpu" and cpu_kernels.enabled()
     if (
         kernels
@@ -149,6 +156,9 @@ class Linear(nn.Module):
     layers below hold a slice. Packing (`pack_weight`) applies to whatever slice is held."""
 
     packed_weight: torch.Tensor | None = None
+    quant_format: int | None = None
+    """Set when `weight` holds quantized rows (`quantization.hold_blocks`)."""
+    int8_activations = False
     lora: LoRAHook | None = None
     """Set on the layers adapters target when LoRA is on (engine/lora)."""
 
@@ -170,10 +180,14 @@ class Linear(nn.Module):
 
     def pack_weight(self) -> None:
         """Once the weights are loaded. The plain `weight` stays, for loading and inspection."""
-        self.packed_weight = pack_weight(self.weight)
+        if self.quant_format is None:
+            self.packed_weight = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.with_lora(x, linear(x, self.weight, self.packed_weight, self.bias))
+        y = linear(
+            x, self.weight, self.packed_weight, self.bias, self.quant_format, self.int8_activations
+        )
+        return self.with_lora(x, y)
 
     def with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` plus the LoRA term of `x`, when adapters target this layer."""
@@ -264,12 +278,15 @@ class RowParallelLinear(Linear):
     def weight_loader(
         self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | None = None
     ) -> int:
-        if param is self.bias:
+        if param is self.bias or self.quant_format is not None:  # quantized: one rank
             return default_weight_loader(param, loaded)
         shard = self.input_shard
         return copy_shard(param.data, loaded, 1, shard.start, shard.full_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        partial = self.with_lora(x, linear(x, self.weight, self.packed_weight, bias))
+        y = linear(
+            x, self.weight, self.packed_weight, bias, self.quant_format, self.int8_activations
+        )
+        partial = self.with_lora(x, y)
         return get_tp_group().all_reduce(partial)

@@ -43,7 +43,8 @@ class LogitsProcessor(nn.Module):
     def pack_lm_head(self, lm_head: VocabParallelEmbedding) -> None:
         """Once the weights are loaded (see `pack_weight`): the vocabulary projection is the
         largest matmul of a decode step."""
-        self.packed_lm_head = pack_weight(lm_head.weight)
+        if lm_head.quant_format is None:
+            self.packed_lm_head = pack_weight(lm_head.weight)
 
     def forward(
         self,
@@ -66,7 +67,13 @@ class LogitsProcessor(nn.Module):
     ) -> torch.Tensor:
         """Every rank's slice of the logits, gathered along the vocabulary, without the
         padding rows of a vocabulary that does not split evenly."""
-        logits = linear(hidden_states, lm_head.weight, self.packed_lm_head)
+        logits = linear(
+            hidden_states,
+            lm_head.weight,
+            self.packed_lm_head,
+            quant_format=lm_head.quant_format,
+            int8_activations=lm_head.int8_activations,
+        )
         logits = get_tp_group().all_gather(logits, dim=-1)[:, : lm_head.num_embeddings]
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 

@@ -8,6 +8,7 @@ embedding one. Per-head q/k norms and the q/k/v biases follow their heads' rows.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -31,6 +32,15 @@ from engine.model.layers.logits_processor import LogitsProcessor, LogitsProcesso
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.radix_attention import RadixAttention
 from engine.model.layers.rotary_embedding import RotaryEmbedding
+
+
+class DecodeOpWeights(NamedTuple):
+    """A layer's weights as `cpu_kernels.decode_layer` takes them, and each projection's
+    format: a quantized one (`quantization.WeightFormat`), or -1 for bf16 packed for AMX."""
+
+    tensors: list[torch.Tensor]
+    formats: list[int]
+    int8_activations: bool
 
 
 class LlamaMLP(nn.Module):
@@ -109,7 +119,7 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._decode_weights: list[torch.Tensor] | None = None
+        self._decode_weights: DecodeOpWeights | None = None
         self._decode_weights_checked = False
 
     def forward(
@@ -121,7 +131,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next
         layer's norm adds the two (in place into the residual)."""
-        weights = self.decode_weights() if hidden_states.dtype == torch.bfloat16 else None
+        weights = self.decode_weights(hidden_states.dtype)
         inputs = None if weights is None else self.self_attn.attn.cpu_decode_inputs(forward_batch)
         if weights is not None and inputs is not None:
             return self._forward_decode_op(weights, inputs, cos_sin, hidden_states, residual)
@@ -134,11 +144,12 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
-    def decode_weights(self) -> list[torch.Tensor] | None:
+    def decode_weights(self, dtype: torch.dtype) -> DecodeOpWeights | None:
         """This layer's weights in `cpu_kernels.decode_layer`'s order, where that op can run
-        the layer: eagerly on a CPU with the kernels, bf16 projections packed for AMX (as
-        the runner packs them after loading), without biases, q/k norms or LoRA, on one
-        rank. Anything else, the modules run it."""
+        the layer's `dtype` hidden states: eagerly on a CPU with the kernels, each projection
+        quantized, or bf16 packed for AMX (as the runner packs them after loading) under
+        bf16 hidden states; without biases, q/k norms or LoRA, on one rank. Anything else,
+        the modules run it."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not cpu_kernels.enabled() or any(p.lora is not None for p in projections):
@@ -146,30 +157,42 @@ class LlamaDecoderLayer(nn.Module):
         if not self._decode_weights_checked:  # the runner packs the weights before a forward
             self._decode_weights = self._decode_op_weights(projections)
             self._decode_weights_checked = True
-        return self._decode_weights
+        weights = self._decode_weights
+        if weights is None or (dtype != torch.bfloat16 and min(weights.formats) < 0):
+            return None
+        return weights if dtype in (torch.bfloat16, torch.float32) else None
 
-    def _decode_op_weights(self, projections: tuple[Linear, ...]) -> list[torch.Tensor] | None:
+    def _decode_op_weights(self, projections: tuple[Linear, ...]) -> DecodeOpWeights | None:
         if self.self_attn.q_norm is not None or get_tp_group().size != 1:
             return None
-        weights = []
+        weights: list[torch.Tensor] = []
+        formats: list[int] = []
+        int8_activations = False
         for p in projections:
             packed = p.packed_weight
-            if (
-                p.bias is not None
-                or p.weight.dtype != torch.bfloat16
-                or p.weight.device.type != "cpu"
-                or packed is None
-                or not cpu_kernels.is_amx_packed(packed)
-            ):
+            if p.bias is not None or p.weight.device.type != "cpu":
                 return None
-            weights += [p.weight, packed]
+            if p.quant_format is not None:
+                weights += [p.weight, p.weight]
+                formats.append(p.quant_format)
+                int8_activations = p.int8_activations
+            elif (
+                p.weight.dtype == torch.bfloat16
+                and packed is not None
+                and cpu_kernels.is_amx_packed(packed)
+            ):
+                weights += [p.weight, packed]
+                formats.append(-1)
+            else:
+                return None
         qkv, o, gate_up, down = (weights[i : i + 2] for i in range(0, 8, 2))
         norms = self.input_layernorm.weight, self.post_attention_layernorm.weight
-        return [norms[0], *qkv, *o, norms[1], *gate_up, *down]
+        tensors = [norms[0], *qkv, *o, norms[1], *gate_up, *down]
+        return DecodeOpWeights(tensors, formats, int8_activations)
 
     def _forward_decode_op(
         self,
-        weights: list[torch.Tensor],
+        weights: DecodeOpWeights,
         inputs: CpuDecodeInputs,
         cos_sin: torch.Tensor,
         hidden_states: torch.Tensor,
@@ -181,13 +204,15 @@ class LlamaDecoderLayer(nn.Module):
         out = cpu_kernels.decode_layer(
             hidden_states,
             residual,
-            weights,
+            weights.tensors,
             cos_sin,
             *inputs,
             attn.num_heads,
             attn.num_kv_heads,
             attn.scaling,
             self.input_layernorm.variance_epsilon,
+            weights.formats,
+            weights.int8_activations,
         )
         return out, hidden_states if residual is None else residual
 

@@ -13,6 +13,7 @@ from benchmarks.serving.metrics import (
     LatencyStats,
     RequestResult,
     cache_counters,
+    cpu_info,
     hit_rate,
     percentile,
     summarize,
@@ -133,3 +134,13 @@ def test_forward_time_is_read_per_mode_and_its_quantile_interpolated_within_buck
     assert delta.quantile(0.5) == pytest.approx(0.005)  # half-way into the (0, 10 ms] bucket
     assert before.quantile(0.5) == pytest.approx(0.01 + 0.015 * 2 / 2)  # 2 of the 2 in (10, 25]
     assert forward_time("") is None
+
+
+def test_cpu_info_reads_the_gauges_labels_and_none_from_another_server():
+    text = (
+        "# HELP radixserve_cpu_info What runs the model\n"
+        "# TYPE radixserve_cpu_info gauge\n"
+        'radixserve_cpu_info{dtype="float32",isa="avx2",weights="gguf:Q4_1"} 1.0\n'
+    )
+    assert cpu_info(text) == {"dtype": "float32", "isa": "avx2", "weights": "gguf:Q4_1"}
+    assert cpu_info("# TYPE other gauge\nother 1.0\n") is None

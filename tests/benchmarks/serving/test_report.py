@@ -167,3 +167,73 @@ def test_the_path_table_sets_client_itl_against_the_workers_decode_forward():
     ours["decode_forward_ms"] = {"p50": 24.0, "mean": 25.0, "steps": 120}
     rows = report.path_table(record([ours, cell("hf-bf16", "multi-turn", 8, 100, 1.0)], []))
     assert rows[2:] == ["| multi-turn | 8 | rs-overlap-off | 30.0 | 24.0 (25.0) | 6.0 |"]
+
+
+def test_single_stream_and_multi_turn_are_set_against_llama_server_and_vllm():
+    results = [
+        cell("llama-server", "single-stream", 1, 40, 1.0),
+        cell("vllm-cpu", "single-stream", 1, 20, 1.0),
+        cell("rs-overlap-off", "single-stream", 1, 50, 1.0),
+        cell("vllm-cpu", "multi-turn", 8, 100, 1.0),
+        cell("rs-overlap-off", "multi-turn", 8, 150, 1.0),
+    ]
+    data = record(results, ["single-stream", "multi-turn"])
+    data["concurrency"] = [1, 8]
+    rows = list(report.target_rows(data))
+    assert (
+        "| single-stream out tok/s | rs-overlap-off vs llama-server | 1 | 1.25x | >= 1x | yes |"
+        in rows
+    )
+    assert (
+        "| single-stream out tok/s | rs-overlap-off vs vllm-cpu | 1 | 2.50x | >= 2x | yes |" in rows
+    )
+    assert "| multi-turn out tok/s | rs-overlap-off vs vllm-cpu | 8 | 1.50x | >= 2x | no |" in rows
+
+
+def test_a_peer_on_a_forced_kernel_path_is_set_against_the_cache_off_peer_on_that_path():
+    results = [
+        cell("rs-all-on@avx2", "shared-prefix", 8, 300, 0.5),
+        cell("rs-radix-off@avx2", "shared-prefix", 8, 100, 2.0),
+        cell("rs-radix-off", "shared-prefix", 8, 600, 2.0),
+    ]
+    data = record(results, ["shared-prefix"])
+    data["peers"] = {e["peer"]: "radixserve" for e in results}
+    rows = list(report.target_rows(data))
+    assert (
+        "| shared-prefix out tok/s | rs-all-on@avx2 vs rs-radix-off@avx2 | 8 | 3.00x | >= 2x "
+        "| yes |" in rows
+    )
+    assert not any("rs-all-on@avx2 vs rs-radix-off |" in row for row in rows)
+
+
+def test_the_header_shows_the_cpu_flags_and_each_servers_kernel_path_dtype_and_weights():
+    data = record(RESULTS, ["shared-prefix"])
+    data["machine"] = {
+        **MACHINE,
+        "isa_flags": ["avx2", "fma", "f16c"],
+        "isa_env": {"RADIXSERVE_CPU_ISA": "avx2"},
+    }
+    data["kernels"] = {
+        "rs-all-on": {
+            "cpu_isa": "avx2",
+            "RADIXSERVE_CPU_ISA": "avx2",
+            "dtype": "float32",
+            "weights": "gguf:Q4_1",
+            "dtype_setting": "auto",
+            "quantization_setting": "auto",
+        }
+    }
+    text = report.markdown(data, "serving", notes="")
+    assert "CPU instruction sets (/proc/cpuinfo): avx2 fma f16c" in text
+    assert "environment: RADIXSERVE_CPU_ISA=avx2." in text
+    assert (
+        "| rs-all-on | avx2 | avx2 | float32 | gguf:Q4_1 | `--dtype auto --quantization auto` |"
+        in text
+    )
+
+
+def test_a_run_without_a_decode_cell_has_no_decode_section():
+    data = record(RESULTS[:4], ["shared-prefix"])
+    data["decode"] = None
+    text = report.markdown(data, "serving", notes="")
+    assert "### Decode" not in text and "### shared-prefix" in text

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from benchmarks.serving import client
 from benchmarks.serving.server_peer import RadixServer
 from benchmarks.serving.workloads import BenchRequest
@@ -43,3 +45,18 @@ def test_the_client_measures_radixserve_and_a_flush_starts_the_next_cell_cold(
         server.flush_cache()
         assert run(server, requests).results[0].cached_tokens == 0
     assert server.proc is not None and server.proc.poll() is not None
+
+
+def test_a_forced_kernel_path_reaches_the_server_and_its_kernel_reads_what_it_runs_as(
+    tiny_llama_dir: Path, tmp_path: Path
+):
+    from engine.model.cpu_isa import PATHS, machine_path, read_flags
+
+    if PATHS.index(machine_path(read_flags())) < PATHS.index("avx2"):
+        pytest.skip("this CPU has no AVX2 kernel path to force")
+    env = {"RADIXSERVE_CPU_ISA": "avx2"}
+    with RadixServer(cpu_flags(4096, tiny_llama_dir), log_dir=tmp_path, env=env) as server:
+        kernel = server.kernel()
+    assert kernel["cpu_isa"] == "avx2", server.log_tail()
+    assert kernel["dtype"] == kernel["dtype_setting"] == "float32"
+    assert "avx2" in kernel["cpu_flags"] and kernel["weights"]

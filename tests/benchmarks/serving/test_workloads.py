@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.serving.workloads import (
     FIRST_TOKEN_ID,
+    FIXED_CONCURRENCY,
     WORKLOADS,
     WorkloadConfig,
     build,
@@ -27,7 +28,14 @@ SMALL = WorkloadConfig(
     shots=4,
     shot_len=5,
     random_len=30,
+    stream_requests=3,
+    stream_prompt_len=20,
+    stream_output_len=9,
+    long_prompt_len=50,
+    long_prompt_repeats=2,
 )
+OUTPUT_LEN = {"single-stream": 9, "long-prompt": 1}
+"""The workloads whose output length is their own, not `output_len`."""
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -47,9 +55,9 @@ def test_the_same_config_builds_the_same_requests_whatever_was_built_before(name
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))
-def test_every_request_asks_for_output_len_tokens_from_ordinary_ids(name: str):
+def test_every_request_asks_for_its_workloads_output_len_from_ordinary_ids(name: str):
     for request in build(name, SMALL):
-        assert request.output_len == SMALL.output_len
+        assert request.output_len == OUTPUT_LEN.get(name, SMALL.output_len)
         assert all(FIRST_TOKEN_ID <= t < SMALL.vocab_size for t in request.prompt)
 
 
@@ -100,6 +108,22 @@ def test_random_prompts_have_lengths_in_range_and_share_nothing_long():
     assert (
         max(common_prefix(a.prompt, b.prompt) for a in requests for b in requests if a is not b) < 3
     )
+
+
+def test_single_stream_sends_unique_prompts_of_one_length_one_at_a_time():
+    requests = build("single-stream", SMALL)
+    assert [len(r.prompt) for r in requests] == [20] * 3
+    assert (
+        max(common_prefix(a.prompt, b.prompt) for a in requests for b in requests if a is not b) < 3
+    )
+    assert FIXED_CONCURRENCY["single-stream"] == 1
+
+
+def test_long_prompt_asks_one_token_of_prompts_no_cache_can_serve():
+    requests = build("long-prompt", SMALL)
+    assert [(len(r.prompt), r.output_len) for r in requests] == [(50, 1)] * 2
+    assert common_prefix(requests[0].prompt, requests[1].prompt) < 3
+    assert FIXED_CONCURRENCY["long-prompt"] == 1
 
 
 def test_fixed_length_prompts_are_unique_and_exactly_that_long():

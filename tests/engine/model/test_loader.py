@@ -65,17 +65,32 @@ def llama_cpp_rope_factors(head_dim: int, rope: dict) -> np.ndarray:
     return np.array(factors, dtype=np.float32)
 
 
-def write_gguf(hf_model, path: Path, *, with_vocab_size: bool = True) -> None:
-    """Write `hf_model` as llama.cpp's converter would: F32 tensors (the embedding in Q8_0),
-    tensor names from gguf's own name map, Q/K permuted in `llama` files, llama3 scaling as
-    a `rope_freqs` tensor. The model's weights (and rotary frequencies) are first set in
-    place to what the file holds, so that it stays the oracle for the file."""
+def write_gguf(
+    hf_model,
+    path: Path,
+    *,
+    with_vocab_size: bool = True,
+    quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
+) -> None:
+    """Write `hf_model` as llama.cpp's converter would: F32 tensors (the embedding in Q8_0,
+    and each tensor whose name contains a key of `quantize` in that type), tensor names from
+    gguf's own name map, Q/K permuted in `llama` files, llama3 scaling as a `rope_freqs`
+    tensor. The model's weights (and rotary frequencies) are first set in place to what the
+    file holds, so that it stays the oracle for the file."""
+    quantize = quantize or {}
+
+    def tensor_type(name: str) -> gguf.GGMLQuantizationType | None:
+        return next((t for key, t in quantize.items() if key in name), None)
+
     config = hf_model.config
     arch = GGUF_ARCHS[config.model_type]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     with torch.no_grad():
-        for param in hf_model.parameters():
+        for name, param in hf_model.named_parameters():
             param.copy_(param.float())
+            if (kind := tensor_type(name)) is not None:
+                blocks = gguf.quants.quantize(param.float().numpy(), kind)
+                param.copy_(torch.from_numpy(gguf.quants.dequantize(blocks, kind)))
         embed = hf_model.model.embed_tokens.weight
         quantized_embed = gguf.quants.quantize(
             embed.float().numpy(), gguf.GGMLQuantizationType.Q8_0
@@ -117,6 +132,8 @@ def write_gguf(hf_model, path: Path, *, with_vocab_size: bool = True) -> None:
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if name == "model.embed_tokens.weight":
             writer.add_tensor(gguf_name, quantized_embed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        elif (kind := tensor_type(name)) is not None:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(data, kind), raw_dtype=kind)
         else:
             writer.add_tensor(gguf_name, data)
     if config.rope_parameters["rope_type"] == "llama3":

@@ -1,0 +1,170 @@
+"""Decode and prefill speed of the embedded model per CPU kernel path, activation dtype and
+weight format, each configuration in a fresh process (`RADIXSERVE_CPU_ISA` forces the
+path, and with it ATen's and oneDNN's ISA), side by side in one run. The table behind
+`--dtype auto` and `--quantization auto` (docs/benchmarks/cpu-paths.md).
+
+A decode step is the forward alone of a batch whose requests hold `context` tokens of KV
+(benchmarks/model_bench.py's DecodeBench), reported beside its memory floor: the bytes
+it reads (every weight once as held, packed blocks included, plus the batch's K/V) at the
+machine's copy bandwidth.
+
+    flock /tmp/radixserve-bench.lock .venv/bin/python -m benchmarks.cpu_paths
+    .venv/bin/python -m benchmarks.cpu_paths --paths avx2 --configs float32:gguf bfloat16:none
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIGS = [
+    "float32:gguf:int8",
+    "float32:gguf:float",
+    "bfloat16:gguf:int8",
+    "float32:none",
+    "bfloat16:none",
+]
+SHAPES = [(1, 256), (8, 512)]
+
+
+def measure(
+    dtype: str,
+    quantization: str,
+    activations: str,
+    shapes: list[tuple[int, int]],
+    steps: int,
+    prefill: int,
+) -> dict[str, object]:
+    """In this process (its path already forced): step times and sizes."""
+    import statistics
+
+    import torch
+
+    from benchmarks.model_bench import DecodeBench, copy_bandwidth
+    from engine.model.cpu_isa import cpu_isa
+
+    bench = DecodeBench(
+        dtype,
+        shapes,
+        steps + 2,
+        spare_tokens=prefill,
+        quantization=quantization,
+        quantized_activations=activations,
+    )
+    runner = bench.runner
+    sizes = bench.sizes()
+    bandwidth = copy_bandwidth()
+    decode = []
+    for index, (batch, context) in enumerate(shapes):
+        bench.step_seconds(index)
+        step = statistics.median(bench.step_seconds(index) for _ in range(steps))
+        floor = (sizes["weight_bytes"] + batch * context * sizes["kv_token_bytes"]) / bandwidth
+        decode.append(
+            {"batch": batch, "context": context, "step_ms": step * 1e3, "floor_ms": floor * 1e3}
+        )
+    prefill_tps = 0.0
+    if prefill:
+        bench.prefill_seconds(0, prefill)
+        prefill_tps = prefill / min(bench.prefill_seconds(0, prefill) for _ in range(2))
+    return {
+        "path": cpu_isa().path,
+        "aten": torch.backends.cpu.get_cpu_capability(),
+        "dtype": dtype,
+        "weights": runner.weights_format
+        + (f" ({activations} act.)" if quantization != "none" else ""),
+        "weight_mib": sizes["weight_bytes"] / (1 << 20),
+        "bandwidth_gbs": bandwidth / 1e9,
+        "decode": decode,
+        "prefill_tps": prefill_tps,
+    }
+
+
+def run_config(path: str, config: str, steps: int, prefill: int) -> dict[str, object]:
+    env = {**os.environ, "RADIXSERVE_CPU_ISA": path}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.cpu_paths",
+            "--child",
+            config,
+            "--steps",
+            str(steps),
+            "--prefill",
+            str(prefill),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        return {"path": path, "config": config, "error": out.stderr.strip().splitlines()[-1:]}
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--paths", nargs="+", help="default: every path this machine allows")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=DEFAULT_CONFIGS,
+        help="dtype:quantization[:int8|float activations]",
+    )
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: skip)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        dtype, quantization, activations = (args.child + ":int8").split(":")[:3]
+        apply_first()
+        print(
+            json.dumps(measure(dtype, quantization, activations, SHAPES, args.steps, args.prefill))
+        )
+        return
+    from engine.model.cpu_isa import FORCEABLE, PATHS, cpu_isa
+
+    machine = cpu_isa()
+    paths = args.paths or [p for p in FORCEABLE if PATHS.index(p) <= PATHS.index(machine.path)]
+    print(f"CPU flags: {' '.join(machine.flags)}; load average {os.getloadavg()}")
+    header = (
+        "| path | ATen | dtype | weights | MiB | "
+        + " | ".join(f"decode {b}x{c} ms (floor)" for b, c in SHAPES)
+        + " | prefill tok/s |"
+    )
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    for path in paths:
+        for config in args.configs:
+            r = run_config(path, config, args.steps, args.prefill)
+            if "error" in r:
+                print(f"| {path} | | {config} | error: {r['error']} |", flush=True)
+                continue
+            cells = " | ".join(
+                f"{d['step_ms']:.1f} ({d['floor_ms']:.1f}, {d['step_ms'] / d['floor_ms']:.2f}x)"
+                for d in r["decode"]  # type: ignore[union-attr]
+            )
+            print(
+                f"| {r['path']} | {r['aten']} | {r['dtype']} | {r['weights']} | "
+                f"{r['weight_mib']:.0f} | {cells} | {r['prefill_tps']:.0f} |",
+                flush=True,
+            )
+
+
+def apply_first() -> None:
+    """Apply the forced path before torch's first dispatch in this process."""
+    from engine.model.cpu_isa import apply_forced_isa
+
+    apply_forced_isa()
+
+
+if __name__ == "__main__":
+    main()

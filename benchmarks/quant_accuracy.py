@@ -1,0 +1,81 @@
+"""How far each weight format and activation mode moves the embedded model's predictions,
+measured the way llama.cpp checks its own quantizations: per-token log-probabilities of
+held text against a float32 reference, reported as the mean |delta logprob| of the text's
+tokens and the top-1 agreement (the same most likely next token).
+
+The text is fed one token per decode step (teacher forcing), so the decode path's matmuls
+(where `--quantized-activations int8` applies) produce every prediction. The reference is
+the float32 model with the GGUF dequantized at load: the weights as shipped, without the
+format's kernels. Results: docs/benchmarks/quantization.md.
+
+    flock /tmp/radixserve-bench.lock .venv/bin/python -m benchmarks.quant_accuracy
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from engine.model.cpu_isa import cpu_isa
+from engine.model.loader import load_tokenizer
+from engine.model.runner import ExtendInput, ModelRunner
+
+HELD_TEXT = Path(__file__).with_name("data") / "held_text.txt"
+CONFIGS = [
+    ("float32", "gguf", "float"),
+    ("float32", "gguf", "int8"),
+    ("bfloat16", "gguf", "int8"),
+    ("float32", "int8", "float"),
+    ("float32", "int8", "int8"),
+    ("bfloat16", "none", "int8"),
+]
+"""(dtype, quantization, activations) against float32 with quantization none."""
+
+
+def teacher_forced_logprobs(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
+    """[len - 1, vocab] float64 log-probabilities of each next token, one decode step each."""
+    (row,) = runner.req_to_token_pool.alloc(1)
+    out = []
+    for position, token in enumerate(tokens[:-1]):
+        batch = runner.build_forward_batch([ExtendInput(row, position, [token])])
+        out.append(torch.log_softmax(runner.forward(batch)[0].double(), dim=-1))
+    return torch.stack(out)
+
+
+def runner_for(dtype: str, quantization: str, activations: str, context: int) -> ModelRunner:
+    return ModelRunner(
+        "embedded",
+        dtype=dtype,
+        max_total_tokens=context + 16,
+        max_running_requests=2,
+        quantization=quantization,
+        quantized_activations=activations,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=512, help="tokens of the held text fed")
+    args = parser.parse_args()
+    tokens = load_tokenizer("embedded").encode(HELD_TEXT.read_text())[: args.tokens]
+    targets = torch.tensor(tokens[1:])
+    reference = teacher_forced_logprobs(runner_for("float32", "none", "float", len(tokens)), tokens)
+    isa = cpu_isa()
+    print(f"kernel path {isa.path}; CPU flags {' '.join(isa.flags)}; load {os.getloadavg()}")
+    print(f"{len(tokens)} tokens of {HELD_TEXT.name}; reference: float32, GGUF dequantized at load")
+    print("| dtype | weights | decode activations | mean abs delta logprob | top-1 agreement |")
+    print("|---|---|---|---|---|")
+    for dtype, quantization, activations in CONFIGS:
+        runner = runner_for(dtype, quantization, activations, len(tokens))
+        logprobs = teacher_forced_logprobs(runner, tokens)
+        picked = (logprobs - reference).gather(1, targets[:, None]).abs().mean().item()
+        agree = (logprobs.argmax(-1) == reference.argmax(-1)).double().mean().item()
+        act = activations if quantization != "none" else "-"
+        print(f"| {dtype} | {runner.weights_format} | {act} | {picked:.4f} | {agree:.1%} |")
+
+
+if __name__ == "__main__":
+    main()

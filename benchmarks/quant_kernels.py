@@ -1,0 +1,90 @@
+"""The quantized matmul kernels side by side on the embedded model's shapes: PyTorch's own
+(`_weight_int4pack_mm_for_cpu`, which holds Q4_0/Q4_1 exactly per group of 32 with zero
+point m + 8d; `_weight_int8pack_mm`, int8 rows with one scale each, as `--quantization
+int8` holds them) against radixserve's `quant_linear` over the same weights, with float and
+with int8 activations. Both libraries are asked for the activation dtype they are fastest
+at on this path (PyTorch's CPU kernels: bf16). Median microseconds per call over weights
+that stay in cache (each call reads its weight from L2/L3): the kernels' own speed.
+Results: docs/benchmarks/quantization.md.
+
+    flock /tmp/radixserve-bench.lock .venv/bin/python -m benchmarks.quant_kernels
+    RADIXSERVE_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m benchmarks.quant_kernels
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import gguf
+import numpy as np
+import torch
+
+from engine.model import cpu_kernels
+from engine.model.cpu_isa import cpu_isa
+from engine.model.layers.quantization import WeightFormat, quantize_int8_rows
+
+SHAPES = [(960, 576, "qkv"), (3072, 576, "gate_up"), (576, 1536, "down"), (49152, 576, "lm_head")]
+ROWS = [1, 8]
+
+
+def micros(fn: Callable[[], object], calls: int = 50) -> float:
+    fn()
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def main() -> None:
+    assert cpu_kernels.available(), "the kernels need a compiler"
+    isa = cpu_isa()
+    print(
+        f"kernel path {isa.path}, ATen {torch.backends.cpu.get_cpu_capability()}, "
+        f"{torch.get_num_threads()} threads; CPU flags {' '.join(isa.flags)}; "
+        f"load {os.getloadavg()}"
+    )
+    print(
+        "| shape | rows | torch int4pack (bf16) | ours Q4_1 float | ours Q4_1 int8 act. "
+        "| torch int8pack (bf16) | ours int8 float | ours int8 int8 act. |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    rng = np.random.default_rng(0)
+    for n, k, name in SHAPES:
+        weight = rng.standard_normal((n, k)).astype(np.float32)
+        q41 = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1)
+        blocks = torch.from_numpy(q41.view(np.uint8).reshape(n, -1).copy())
+        int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            torch.randint(0, 16, (n, k), dtype=torch.int32), 1
+        )
+        scale_zeros = torch.randn(k // 32, n, 2, dtype=torch.bfloat16)
+        rows8 = quantize_int8_rows(torch.from_numpy(weight))
+        w8, s8 = rows8[:, :k].view(torch.int8).contiguous(), torch.randn(n, dtype=torch.bfloat16)
+        for m in ROWS:
+            x = torch.randn(m, k)
+            xb = x.bfloat16()
+            int4pack = torch.ops.aten._weight_int4pack_mm_for_cpu
+            ours = cpu_kernels.quant_linear
+            calls = [
+                partial(int4pack, xb, int4, 32, scale_zeros),
+                partial(ours, x, blocks, int(WeightFormat.Q4_1)),
+                partial(ours, x, blocks, int(WeightFormat.Q4_1), None, True),
+                partial(torch.ops.aten._weight_int8pack_mm, xb, w8, s8),
+                partial(ours, x, rows8, int(WeightFormat.INT8)),
+                partial(ours, x, rows8, int(WeightFormat.INT8), None, True),
+            ]
+            cells = [micros(call) for call in calls]
+            print(
+                f"| {name} {n}x{k} | {m} | " + " | ".join(f"{c:.0f} us" for c in cells) + " |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

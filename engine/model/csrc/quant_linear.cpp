@@ -1,0 +1,428 @@
+// Matmuls over weights kept quantized, in the blocks a GGUF file stores (Q4_0, Q4_1, Q8_0),
+// or as int8 rows with one float scale each (`--quantization int8`).
+//
+// Each weight row is `K / 32` blocks of 32 weights:
+//   Q4_0  18 bytes: half d, 16 bytes of nibbles          w = d * (q - 8)
+//   Q4_1  20 bytes: half d, half m, 16 bytes of nibbles  w = d * q + m
+//   Q8_0  34 bytes: half d, 32 int8                      w = d * q
+//   int8  32 int8 per block, the row's float scale s after its last block: w = s * q
+// (in a nibble block, weight j is the low nibble of byte j and weight j + 16 its high one).
+//
+// quant_linear, few rows (decode): each block is widened to floats in registers (F16C for
+// the scale, byte-to-int32-to-float conversions for the weights) and multiplied into up to
+// four rows of x at once; the packed weights are read once per four rows, a task's rows of
+// them stay in L1 across the tiles of x. More rows (prefill): bands of the weight are
+// widened once into a float block and multiplied by the CPU's GEMM (oneDNN/MKL through
+// at::mm), the band reused for every row of x.
+
+#include "parallel.h"
+#include "simd.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+namespace {
+
+// GGML's type ids for the block formats, and one of ours for int8 rows.
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kInt8Rows = 1000 };
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kTileRows = 4;  // rows of x multiplied into each widened block
+constexpr int64_t kGemvRows = 16;  // up to this many rows of x, the register path
+
+constexpr int64_t block_bytes(int64_t format) {
+  return format == kQ4_0 ? 18 : format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : kBlock;
+}
+
+int64_t row_bytes(int64_t format, int64_t k_size) {
+  return k_size / kBlock * block_bytes(format) + (format == kInt8Rows ? 4 : 0);
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float half_bits(const uint8_t* p) {
+  return static_cast<float>(c10::Half(load_u16(p), c10::Half::from_bits()));
+}
+
+// The float scale of an int8 row (1 for the block formats, whose scales are per block).
+inline float row_scale(int64_t format, const uint8_t* row, int64_t k_size) {
+  if (format != kInt8Rows) return 1.0f;
+  float s;
+  std::memcpy(&s, row + k_size, sizeof(s));
+  return s;
+}
+
+// The 32 weights of one block, as floats, one at a time: the reference the vector paths
+// match, and the path of builds without them.
+template <int64_t F>
+void widen_block_scalar(const uint8_t* block, float scale, float* out) {
+  if constexpr (F == kQ4_0 || F == kQ4_1) {
+    const float d = half_bits(block);
+    const float m = F == kQ4_1 ? half_bits(block + 2) : -8.0f * d;
+    const uint8_t* qs = block + (F == kQ4_1 ? 4 : 2);
+    for (int j = 0; j < 16; ++j) {
+      out[j] = static_cast<float>(qs[j] & 0x0F) * d + m;
+      out[j + 16] = static_cast<float>(qs[j] >> 4) * d + m;
+    }
+  } else {
+    const float d = F == kQ8_0 ? half_bits(block) : scale;
+    const int8_t* qs = reinterpret_cast<const int8_t*>(block + (F == kQ8_0 ? 2 : 0));
+    for (int j = 0; j < kBlock; ++j) out[j] = static_cast<float>(qs[j]) * d;
+  }
+}
+
+#if defined(RADIXSERVE_SIMD)
+using radixserve::simd::fvec;
+namespace simd = radixserve::simd;
+constexpr int kVecs = kBlock / simd::kLanes;  // vectors per block: 2 (AVX-512) or 4 (AVX2)
+
+// The same block widened in registers; equal to the scalar widening (one rounding each).
+template <int64_t F>
+inline void widen_block(const uint8_t* block, float scale, fvec* w) {
+  if constexpr (F == kQ4_0 || F == kQ4_1) {
+    const float d = simd::half_to_float(load_u16(block));
+    const float m = F == kQ4_1 ? simd::half_to_float(load_u16(block + 2)) : -8.0f * d;
+    const __m128i qs =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == kQ4_1 ? 4 : 2)));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    simd::widen_u8(_mm_and_si128(qs, nibble), w);
+    simd::widen_u8(_mm_and_si128(_mm_srli_epi16(qs, 4), nibble), w + simd::kPer16);
+    const fvec dv = simd::set1(d), mv = simd::set1(m);
+    for (int i = 0; i < kVecs; ++i) w[i] = simd::fmadd(w[i], dv, mv);
+  } else {
+    const float d = F == kQ8_0 ? simd::half_to_float(load_u16(block)) : scale;
+    const uint8_t* qs = block + (F == kQ8_0 ? 2 : 0);
+    simd::widen_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), w);
+    simd::widen_i8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)),
+                   w + simd::kPer16);
+    const fvec dv = simd::set1(d);
+    for (int i = 0; i < kVecs; ++i) w[i] = simd::mul(w[i], dv);
+  }
+}
+#endif
+
+// One weight row dequantized to `k_size` floats.
+template <int64_t F>
+void widen_row(const uint8_t* row, int64_t k_size, float* out) {
+  const float scale = row_scale(F, row, k_size);
+  for (int64_t b = 0; b < k_size / kBlock; ++b) {
+    const uint8_t* block = row + b * block_bytes(F);
+#if defined(RADIXSERVE_SIMD)
+    fvec w[kVecs];
+    widen_block<F>(block, scale, w);
+    for (int i = 0; i < kVecs; ++i) simd::store(out + b * kBlock + i * simd::kLanes, w[i]);
+#else
+    widen_block_scalar<F>(block, scale, out + b * kBlock);
+#endif
+  }
+}
+
+// `R` rows of float x (stride k_size) times one weight row: y[r * n_size] for each r.
+template <int64_t F, int R>
+inline void dot_rows(const float* x, int64_t k_size, const uint8_t* row, float* y,
+                     int64_t n_size) {
+  const float scale = row_scale(F, row, k_size);
+#if defined(RADIXSERVE_SIMD)
+  fvec acc[R][2];  // two chains per row of x
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = simd::zero();
+  for (int64_t b = 0; b < k_size / kBlock; ++b) {
+    fvec w[kVecs];
+    widen_block<F>(row + b * block_bytes(F), scale, w);
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * k_size + b * kBlock;
+      for (int i = 0; i < kVecs; ++i) {
+        acc[r][i & 1] = simd::fmadd(w[i], simd::load(xb + i * simd::kLanes), acc[r][i & 1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * n_size] = simd::sum(simd::add(acc[r][0], acc[r][1]));
+#else
+  float acc[R] = {};
+  float w[kBlock];
+  for (int64_t b = 0; b < k_size / kBlock; ++b) {
+    widen_block_scalar<F>(row + b * block_bytes(F), scale, w);
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < kBlock; ++j) acc[r] += w[j] * x[r * k_size + b * kBlock + j];
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * n_size] = acc[r];
+#endif
+}
+
+// Weight rows a task touches ahead of the one it multiplies: a row's dot product is one
+// dependent chain, so without it each core waits on few cache misses at a time and streams
+// the weights at a fraction of the bandwidth.
+constexpr int64_t kPrefetchRows = 8;
+
+inline void prefetch_row(const uint8_t* row, int64_t bytes) {
+  for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte);
+}
+
+template <int64_t F>
+void gemv(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
+          int64_t n_size, float* y) {
+  const int64_t stride = row_bytes(F, k_size);
+  constexpr int64_t kRowsPerTask = 16;  // a task's weight rows stay in L1 across x's tiles
+  const int64_t tasks = (n_size + kRowsPerTask - 1) / kRowsPerTask;
+  radixserve::parallel_claim(tasks, radixserve::chunk_for(tasks), [&](auto& queue) {
+    for (int64_t begin, end; queue.claim(begin, end);) {
+      const int64_t n_begin = begin * kRowsPerTask, n_end = std::min(n_size, end * kRowsPerTask);
+      for (int64_t m = 0; m < m_size; m += kTileRows) {
+        const float* xm = x + m * k_size;
+        for (int64_t n = n_begin; n < n_end; ++n) {
+          const uint8_t* row = weight + n * stride;
+          if (m == 0 && n + kPrefetchRows < n_end) prefetch_row(row + kPrefetchRows * stride, stride);
+          float* yn = y + m * n_size + n;
+          switch (std::min(kTileRows, m_size - m)) {
+            case 1: dot_rows<F, 1>(xm, k_size, row, yn, n_size); break;
+            case 2: dot_rows<F, 2>(xm, k_size, row, yn, n_size); break;
+            case 3: dot_rows<F, 3>(xm, k_size, row, yn, n_size); break;
+            default: dot_rows<F, 4>(xm, k_size, row, yn, n_size); break;
+          }
+        }
+      }
+    }
+  });
+}
+
+#if defined(RADIXSERVE_SIMD)
+// Decode rows with int8 activations, as llama.cpp's Q8_0/Q8_1 dot products: each block of
+// 32 values of x is rounded to int8 with its own scale (max |x| / 127) and multiplied with
+// the weights' integers 32 at a time (AVX-VNNI/AVX512-VNNI vpdpbusd where present, else
+// AVX2's vpmaddubsw + vpmaddwd), one float multiply-add per block for both scales. The
+// offsets of Q4_0 (-8 d) and Q4_1 (m) multiply the block's exact float sum of x. Half the
+// instructions of widening each weight to float; the rounding of x is the price (its own
+// row in the accuracy table, docs/benchmarks/quantization.md).
+struct QuantizedRows {
+  std::vector<int8_t> values;  // [rows, K]
+  std::vector<float> scales, sums;  // [rows, K / 32]
+};
+
+QuantizedRows quantize_rows(const float* x, int64_t m_size, int64_t k_size) {
+  const int64_t blocks = m_size * k_size / kBlock;
+  QuantizedRows q{std::vector<int8_t>(m_size * k_size), std::vector<float>(blocks),
+                  std::vector<float>(blocks)};
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * kBlock;
+    __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      total = _mm256_add_ps(total, v[i]);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float max_abs = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float scale = max_abs / 127.0f;
+    const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
+    __m256i ints[4];
+    for (int i = 0; i < 4; ++i) ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+    // int32 -> int8, then undo the lane interleaving of the two packs
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                              _mm256_packs_epi32(ints[2], ints[3]));
+    const __m256i ordered =
+        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.values.data() + b * kBlock), ordered);
+    q.scales[b] = scale;
+    const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    q.sums[b] = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+  }
+  return q;
+}
+
+// 8 int32 sums of four u8 x s8 products each, as floats.
+inline __m256 dot_u8_s8(__m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
+#elif defined(__AVXVNNI__)
+  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s));
+#else  // pairs first: 2 x 15 x 127 (nibbles) or 2 x 127 x 127 (int8) fit int16
+  return _mm256_cvtepi32_ps(
+      _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// `R` rows of int8 x times one weight row: y[r * n_size] for each r.
+template <int64_t F, int R>
+inline void dot_rows_int8(const QuantizedRows& xq, int64_t m, int64_t k_size,
+                          const uint8_t* row, float* y, int64_t n_size) {
+  const int64_t blocks = k_size / kBlock;
+  const float scale = row_scale(F, row, k_size);
+  __m256 acc[R][2];  // two chains per row of x: even and odd blocks
+  float offset[R] = {};
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = row + b * block_bytes(F);
+    __m256i w;
+    float d, shift = 0.0f;
+    if constexpr (F == kQ4_0 || F == kQ4_1) {
+      d = simd::half_to_float(load_u16(block));
+      shift = F == kQ4_1 ? simd::half_to_float(load_u16(block + 2)) : -8.0f * d;
+      const __m128i qs =
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == kQ4_1 ? 4 : 2)));
+      w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
+    } else {
+      d = F == kQ8_0 ? simd::half_to_float(load_u16(block)) : scale;
+      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (F == kQ8_0 ? 2 : 0)));
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t xb = (m + r) * blocks + b;
+      __m256i xs = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(xq.values.data() + xb * kBlock));
+      __m256i u = w;
+      if constexpr (F == kQ8_0 || F == kInt8Rows) {  // signed weights: |w| times x signed as w
+        xs = _mm256_sign_epi8(xs, w);
+        u = _mm256_sign_epi8(w, w);
+      }
+      acc[r][b & 1] =
+          _mm256_fmadd_ps(dot_u8_s8(u, xs), _mm256_set1_ps(d * xq.scales[xb]), acc[r][b & 1]);
+      if constexpr (F == kQ4_0 || F == kQ4_1) offset[r] += shift * xq.sums[xb];
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
+    const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    y[r * n_size] = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) + offset[r];
+  }
+}
+
+template <int64_t F>
+void gemv_int8(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
+               int64_t n_size, float* y) {
+  const QuantizedRows xq = quantize_rows(x, m_size, k_size);
+  const int64_t stride = row_bytes(F, k_size);
+  constexpr int64_t kRowsPerTask = 16;
+  const int64_t tasks = (n_size + kRowsPerTask - 1) / kRowsPerTask;
+  radixserve::parallel_claim(tasks, radixserve::chunk_for(tasks), [&](auto& queue) {
+    for (int64_t begin, end; queue.claim(begin, end);) {
+      const int64_t n_begin = begin * kRowsPerTask, n_end = std::min(n_size, end * kRowsPerTask);
+      for (int64_t m = 0; m < m_size; m += kTileRows) {
+        for (int64_t n = n_begin; n < n_end; ++n) {
+          const uint8_t* row = weight + n * stride;
+          if (m == 0 && n + kPrefetchRows < n_end) prefetch_row(row + kPrefetchRows * stride, stride);
+          float* yn = y + m * n_size + n;
+          switch (std::min(kTileRows, m_size - m)) {
+            case 1: dot_rows_int8<F, 1>(xq, m, k_size, row, yn, n_size); break;
+            case 2: dot_rows_int8<F, 2>(xq, m, k_size, row, yn, n_size); break;
+            case 3: dot_rows_int8<F, 3>(xq, m, k_size, row, yn, n_size); break;
+            default: dot_rows_int8<F, 4>(xq, m, k_size, row, yn, n_size); break;
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+template <int64_t F>
+void widen_rows(const uint8_t* weight, int64_t k_size, int64_t n_begin, int64_t n_end,
+                float* out) {
+  const int64_t stride = row_bytes(F, k_size);
+  const int64_t rows = n_end - n_begin;
+  radixserve::parallel_claim(rows, radixserve::chunk_for(rows), [&](auto& queue) {
+    for (int64_t begin, end; queue.claim(begin, end);) {
+      for (int64_t n = begin; n < end; ++n) {
+        widen_row<F>(weight + (n_begin + n) * stride, k_size, out + n * k_size);
+      }
+    }
+  });
+}
+
+template <typename Fn>
+void with_format(int64_t format, const Fn& fn) {
+  switch (format) {
+    case kQ4_0: fn(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: fn(std::integral_constant<int64_t, kQ4_1>{}); break;
+    case kQ8_0: fn(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kInt8Rows: fn(std::integral_constant<int64_t, kInt8Rows>{}); break;
+    default: TORCH_CHECK(false, "unknown quantized weight format ", format);
+  }
+}
+
+void check_weight(const at::Tensor& weight, int64_t format, int64_t k_size) {
+  TORCH_CHECK(k_size % kBlock == 0, "the input width is a multiple of 32, got ", k_size);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                  weight.size(1) == row_bytes(format, k_size),
+              "uint8 weight rows of ", row_bytes(format, k_size), " bytes");
+}
+
+at::Tensor quant_dequantize(const at::Tensor& weight, int64_t format, int64_t k_size) {
+  check_weight(weight, format, k_size);
+  at::Tensor out = at::empty({weight.size(0), k_size}, weight.options().dtype(at::kFloat));
+  with_format(format, [&](auto f) {
+    widen_rows<decltype(f)::value>(weight.const_data_ptr<uint8_t>(), k_size, 0, weight.size(0),
+                                   out.data_ptr<float>());
+  });
+  return out;
+}
+
+// Weight rows widened per band: about this many bytes of floats, reused for every row of x.
+constexpr int64_t kBandBytes = 2 << 20;
+
+at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64_t format,
+                        const std::optional<at::Tensor>& bias, bool int8_activations) {
+  TORCH_CHECK(input.dim() == 2, "input [rows, K]");
+  const int64_t m_size = input.size(0), k_size = input.size(1), n_size = weight.size(0);
+  check_weight(weight, format, k_size);
+  const uint8_t* w_ptr = weight.const_data_ptr<uint8_t>();
+  at::Tensor out;
+  if (m_size <= kGemvRows) {
+    const at::Tensor x = input.to(at::kFloat).contiguous();
+    out = at::empty({m_size, n_size}, x.options());
+    with_format(format, [&](auto f) {
+#if defined(RADIXSERVE_SIMD)
+      if (int8_activations) {
+        gemv_int8<decltype(f)::value>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
+                                      out.data_ptr<float>());
+        return;
+      }
+#endif
+      gemv<decltype(f)::value>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
+                               out.data_ptr<float>());
+    });
+    if (bias.has_value()) out.add_(*bias);
+    return out.to(input.scalar_type());
+  }
+  const at::Tensor x = input.contiguous();
+  out = at::empty({m_size, n_size}, x.options());
+  const int64_t band = std::clamp<int64_t>(kBandBytes / (k_size * 4) / 16 * 16, 16, n_size);
+  at::Tensor widened = at::empty({band, k_size}, x.options().dtype(at::kFloat));
+  for (int64_t n = 0; n < n_size; n += band) {
+    const int64_t rows = std::min(band, n_size - n);
+    with_format(format, [&](auto f) {
+      widen_rows<decltype(f)::value>(w_ptr, k_size, n, n + rows, widened.data_ptr<float>());
+    });
+    const at::Tensor w = widened.narrow(0, 0, rows).to(x.scalar_type());
+    out.narrow(1, n, rows).copy_(at::mm(x, w.t()));
+  }
+  if (bias.has_value()) out.add_(*bias);
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
+  m.def(
+      "quant_linear(Tensor input, Tensor weight, int format, Tensor? bias, "
+      "bool int8_activations) -> Tensor");
+  m.def("quant_dequantize(Tensor weight, int format, int k_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_dequantize", &quant_dequantize);
+}

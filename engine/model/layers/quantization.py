@@ -1,0 +1,117 @@
+"""Weights held quantized and multiplied as stored (`--quantization`, vLLM's flag).
+
+- `gguf`: a GGUF file's Q4_0, Q4_1 and Q8_0 tensors stay in the file's blocks, 4.5-8.5
+  bits a weight (a bf16 copy is 16); the embedded model's Q4_1 layers and Q8_0 embedding
+  are served this way by default. Other GGUF types (K-quants, f16) are dequantized at load.
+- `int8`: float checkpoints quantized at load to int8 rows, one float scale per output row
+  (`w ~ s * q`, `s = max|w| / 127`).
+
+A quantized module holds `weight` as uint8 rows of `row_bytes(format, K)` bytes and its
+`quant_format`; `cpu_kernels.quant_linear` widens the blocks in registers for decode rows
+and per band for a prefill's GEMM (csrc/quant_linear.cpp, which documents the layouts).
+CPU only, one rank: a tensor-parallel shard of a row-parallel layer would split blocks.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import gguf
+import torch
+from torch import nn
+
+from engine.model.layers.embedding import VocabParallelEmbedding
+from engine.model.layers.linear import Linear
+
+BLOCK = 32
+
+
+class WeightFormat(IntEnum):
+    """The kernel's format ids: GGML's type ids for the block formats."""
+
+    Q4_0 = int(gguf.GGMLQuantizationType.Q4_0)
+    Q4_1 = int(gguf.GGMLQuantizationType.Q4_1)
+    Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
+    INT8 = 1000
+
+
+BLOCK_BYTES = {WeightFormat.Q4_0: 18, WeightFormat.Q4_1: 20, WeightFormat.Q8_0: 34}
+
+
+def gguf_format(tensor_type: gguf.GGMLQuantizationType) -> WeightFormat | None:
+    """The format a GGUF tensor of this type is served in, None if it is dequantized."""
+    try:
+        format = WeightFormat(int(tensor_type))
+    except ValueError:
+        return None
+    return format if format in BLOCK_BYTES else None
+
+
+def format_name(format: WeightFormat) -> str:
+    """As `/get_server_info` and the cpu_info metric show it: `gguf:Q4_1`, `int8`."""
+    return "int8" if format is WeightFormat.INT8 else f"gguf:{format.name}"
+
+
+def row_bytes(format: WeightFormat, in_features: int) -> int:
+    """Bytes of one output row of `in_features` weights (a multiple of 32)."""
+    if format is WeightFormat.INT8:
+        return in_features + 4  # the row's float32 scale after its int8 weights
+    return in_features // BLOCK * BLOCK_BYTES[format]
+
+
+def quantize_int8_rows(weight: torch.Tensor) -> torch.Tensor:
+    """`[N, K]` float weights as int8 rows with their float32 scales (`WeightFormat.INT8`)."""
+    w = weight.detach().to(torch.float32)
+    scale = (
+        w.abs().amax(dim=1, keepdim=True).div_(127.0).clamp_(min=torch.finfo(torch.float32).tiny)
+    )
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=1).contiguous()
+
+
+def hold_blocks(
+    module: Linear | VocabParallelEmbedding, format: WeightFormat, int8_activations: bool
+) -> None:
+    """Make `module.weight` (`[N, K]`, not loaded yet) uint8 rows of `format`, keeping its
+    weight loader: the checkpoint's blocks are then copied in row by row. Decode rows are
+    multiplied with int8 activations (`--quantized-activations`) if `int8_activations`."""
+    old = module.weight
+    rows, in_features = old.shape
+    new = nn.Parameter(
+        torch.empty(rows, row_bytes(format, in_features), dtype=torch.uint8, device=old.device),
+        requires_grad=False,
+    )
+    if hasattr(old, "weight_loader"):
+        vars(new)["weight_loader"] = old.weight_loader
+    module.weight = new
+    module.quant_format = format
+    module.int8_activations = int8_activations
+
+
+def quantize_module_int8(module: Linear, int8_activations: bool) -> None:
+    """Replace a loaded float `module.weight` by its int8 rows."""
+    module.weight = nn.Parameter(quantize_int8_rows(module.weight), requires_grad=False)
+    module.quant_format = WeightFormat.INT8
+    module.int8_activations = int8_activations
+
+
+def weights_format(model: nn.Module, dtype: torch.dtype) -> str:
+    """How the model's matmul weights are held, as `/get_server_info` shows it: the dtype's
+    name, or the quantized formats (`gguf:Q4_1,Q8_0`; plus the dtype where some layers kept
+    it)."""
+    held = {
+        getattr(module, "quant_format", None)
+        for module in model.modules()
+        if hasattr(module, "quant_format")
+    }
+    formats = sorted(WeightFormat(f) for f in held if f is not None)
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not formats:
+        return dtype_name
+    names = [f.name for f in formats if f is not WeightFormat.INT8]
+    parts = (["gguf:" + ",".join(names)] if names else []) + (
+        ["int8"] if WeightFormat.INT8 in formats else []
+    )
+    if None in held:
+        parts.append(dtype_name)
+    return "+".join(parts)

@@ -1,0 +1,161 @@
+"""The quantized matmul (`csrc/quant_linear.cpp`) against float64, for each weight format,
+both activation modes, the decode rows' register path and the prefill's band path; and the
+same tests again under every lower kernel path this machine can execute (a subprocess with
+`RADIXSERVE_CPU_ISA`: an AVX-512 machine checks its AVX2 build too)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.model import cpu_kernels
+from engine.model.cpu_isa import ATEN_CAPABILITY, FORCE_ENV, FORCEABLE, PATHS, cpu_isa
+from engine.model.layers.quantization import (
+    WeightFormat,
+    quantize_int8_rows,
+    row_bytes,
+)
+
+GEMV_ROWS = 16
+"""Up to this many rows of x the kernel's register path runs (kGemvRows), beyond, the bands."""
+
+
+@pytest.fixture(autouse=True)
+def kernels_built() -> None:
+    assert cpu_kernels.available(), "the suite's machines have a compiler"
+
+
+def quantized(format: WeightFormat, weight: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` in `format` (uint8 rows) and the float64 weights those rows hold."""
+    if format is WeightFormat.INT8:
+        rows = quantize_int8_rows(torch.from_numpy(weight))
+        k = weight.shape[1]
+        q = rows[:, :k].view(torch.int8).double()
+        scale = rows[:, k:].contiguous().view(torch.float32).double()
+        return rows, q * scale
+    blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType(int(format)))
+    reference = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(int(format)))
+    rows = torch.from_numpy(blocks.view(np.uint8).reshape(weight.shape[0], -1).copy())
+    return rows, torch.from_numpy(reference).double()
+
+
+def random_weight(n: int, k: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+
+
+@pytest.mark.parametrize("format", list(WeightFormat))
+@pytest.mark.parametrize(("n", "k"), [(33, 32), (100, 576), (7, 1536), (130, 64)])
+def test_dequantize_reads_the_blocks_as_gguf_does(format, n, k):
+    rows, expected = quantized(format, random_weight(n, k, seed=n + k))
+    assert rows.shape == (n, row_bytes(format, k))
+    out = cpu_kernels.quant_dequantize(rows, int(format), k)
+    assert out.dtype == torch.float32 and torch.equal(out.double(), expected.float().double())
+
+
+@pytest.mark.parametrize("format", list(WeightFormat))
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, GEMV_ROWS, GEMV_ROWS + 1, 70])
+@pytest.mark.parametrize(("n", "k"), [(33, 32), (200, 576), (9, 1536), (64, 128)])
+def test_float_activations_match_float64(format, rows, n, k):
+    weight, reference = quantized(format, random_weight(n, k, seed=rows * n + k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
+    expected = x.double() @ reference.T
+    out = cpu_kernels.quant_linear(x, weight, int(format))
+    assert out.dtype == torch.float32 and out.shape == (rows, n)
+    # float32 sums of k products: each within k float32 roundings of the largest partial sum
+    bound = k * 2.0**-24 * (x.double().abs() @ reference.abs().T)
+    assert ((out.double() - expected).abs() <= bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("format", list(WeightFormat))
+@pytest.mark.parametrize("rows", [1, 2, 4, 7, GEMV_ROWS])
+@pytest.mark.parametrize(("n", "k"), [(33, 32), (200, 576), (9, 1536)])
+def test_int8_activations_are_within_their_rounding_of_float64(format, rows, n, k):
+    """Each block of 32 values of x rounds to int8 with step max|x| / 127: the result may
+    move by half a step times the block's |w| sums, and no more."""
+    weight, reference = quantized(format, random_weight(n, k, seed=rows + n * k))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
+    x[0, :5] = torch.tensor([0.0, -0.0, 1e-30, -7.5, 3e-39])  # zeros, a denormal, a large one
+    expected = x.double() @ reference.T
+    out = cpu_kernels.quant_linear(x, weight, int(format), None, True)
+    blocks = x.double().view(rows, k // 32, 32)
+    half_step = blocks.abs().amax(dim=2) / 127 / 2  # [rows, blocks]
+    w_sums = reference.abs().view(n, k // 32, 32).sum(dim=2)  # [n, blocks]
+    bound = half_step @ w_sums.T * (1 + 1e-5) + k * 2.0**-22 * (
+        x.double().abs() @ reference.abs().T
+    )
+    assert ((out.double() - expected).abs() <= bound + 1e-30).all()
+
+
+def test_int8_activations_of_a_zero_block_contribute_nothing():
+    weight, _ = quantized(WeightFormat.Q4_1, random_weight(8, 64, seed=1))
+    x = torch.zeros(1, 64)
+    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q4_1), None, True)
+    assert torch.equal(out, torch.zeros(1, 8))
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("rows", [3, GEMV_ROWS + 4])
+def test_bf16_input_is_the_float_product_plus_bias_rounded_once(int8_activations, rows):
+    weight, _ = quantized(WeightFormat.Q8_0, random_weight(48, 96, seed=5))
+    gen = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, 96, generator=gen).bfloat16(), torch.randn(48, generator=gen)
+    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q8_0), bias, int8_activations)
+    as_float = cpu_kernels.quant_linear(
+        x.float(), weight, int(WeightFormat.Q8_0), None, int8_activations
+    )
+    assert out.dtype == torch.bfloat16
+    if rows <= GEMV_ROWS:  # float sums, the bias added, one rounding
+        assert torch.equal(out, (as_float + bias).bfloat16())
+    else:  # the band path multiplies in bf16 (the CPU's bf16 GEMM where it has one)
+        torch.testing.assert_close(out.float(), as_float + bias, rtol=2e-2, atol=5e-2)
+
+
+def test_nan_in_a_row_of_x_stays_in_that_row():
+    weight, _ = quantized(WeightFormat.Q4_0, random_weight(16, 64, seed=3))
+    x = torch.randn(2, 64)
+    x[1, 10] = float("nan")
+    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q4_0))
+    assert out[1].isnan().all() and not out[0].isnan().any()
+
+
+def test_weights_of_the_wrong_width_are_refused():
+    weight, _ = quantized(WeightFormat.Q4_1, random_weight(4, 64, seed=0))
+    with pytest.raises(RuntimeError, match="uint8 weight rows of 60 bytes"):
+        cpu_kernels.quant_linear(torch.randn(1, 96), weight, int(WeightFormat.Q4_1))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        cpu_kernels.quant_linear(torch.randn(1, 40), weight, int(WeightFormat.Q4_1))
+
+
+LOWER_PATHS = [path for path in FORCEABLE if PATHS.index(path) < PATHS.index(cpu_isa().path)]
+
+
+@pytest.mark.skipif(
+    bool(os.environ.get(FORCE_ENV)) or not LOWER_PATHS,
+    reason="this process runs the machine's only vector path (CI's AVX2 machines)",
+)
+@pytest.mark.parametrize("path", LOWER_PATHS)
+def test_lower_kernel_paths_pass_the_same_tests(path):
+    """This file, the layer kernels' and the attention kernels' tests again, with the kernels
+    (and ATen) forced down to `path`: an AVX-512 machine also checks what an AVX2 machine
+    runs."""
+    here = os.path.dirname(__file__)
+    files = [
+        __file__,
+        os.path.join(here, "test_cpu_kernels.py"),
+        os.path.join(here, "attention", "test_torch_backend.py"),
+    ]
+    env = {**os.environ, FORCE_ENV: path, "ATEN_CPU_CAPABILITY": ATEN_CAPABILITY.get(path, "")}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files],
+        env={**env, "PYTHONPATH": os.getcwd()},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]

@@ -1,0 +1,192 @@
+"""Weights served quantized (`--quantization`): a GGUF file's blocks held as stored and
+multiplied as such, int8 rows quantized at load; which layers are held so, and the choices
+of `auto` for the quantization and the dtype."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine.model.cpu_isa import CpuIsa
+from engine.model.dtype import resolve_dtype
+from engine.model.embedded import embedded_model_path
+from engine.model.layers.linear import Linear
+from engine.model.layers.quantization import WeightFormat, quantize_int8_rows
+from engine.model.loader import GGUFCheckpoint, HFCheckpoint, open_checkpoint, resolve_quantization
+from tests.engine.model.conftest import run_greedy
+from tests.engine.model.test_loader import write_gguf
+
+Q = gguf.GGMLQuantizationType
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def embedded_runners():
+    """The embedded model at float32: dequantized at load, and from its blocks with float and
+    with int8 activations."""
+    from engine.model.runner import ModelRunner
+
+    def runner(quantization: str, activations: str = "float") -> ModelRunner:
+        return ModelRunner(
+            "embedded",
+            dtype="float32",
+            max_total_tokens=2048,
+            max_running_requests=8,
+            quantization=quantization,
+            quantized_activations=activations,
+        )
+
+    return runner("none"), runner("gguf"), runner("gguf", "int8")
+
+
+def test_embedded_model_holds_the_files_blocks_byte_for_byte(embedded_runners):
+    _, blocks, _ = embedded_runners
+    assert blocks.weights_format == "gguf:Q4_1,Q8_0"
+    down = blocks.model.model.layers[3].mlp.down_proj
+    assert down.quant_format == WeightFormat.Q4_1 and down.weight.dtype == torch.uint8
+    stored = next(
+        t
+        for t in gguf.GGUFReader(embedded_model_path()).tensors
+        if t.name == "blk.3.ffn_down.weight"
+    )
+    assert np.array_equal(down.weight.numpy(), np.asarray(stored.data).reshape(down.weight.shape))
+    embed = blocks.model.model.embed_tokens
+    assert embed.quant_format == WeightFormat.Q8_0 and blocks.model.lm_head is embed
+    held = sum(p.numel() * p.element_size() for p in blocks.model.parameters())
+    assert held < 100 << 20  # the bf16 copy is 257 MiB
+
+
+def test_blocks_with_float_activations_give_the_dequantized_models_tokens(
+    embedded_runners, greedy, embedded_tokenizer
+):
+    dequantized, blocks, _ = embedded_runners
+    prompts = [embedded_tokenizer.encode(text) for text in REFERENCE_TEXTS]
+    want, got = greedy(dequantized, prompts, 6), greedy(blocks, prompts, 6)
+    assert got.tokens == want.tokens
+    for want_steps, got_steps in zip(want.logits, got.logits):
+        for a, b in zip(want_steps, got_steps):
+            torch.testing.assert_close(b, a, rtol=0, atol=2e-3)
+
+
+def test_int8_activations_keep_the_next_token_distribution(embedded_runners, embedded_tokenizer):
+    """Rounding activations to int8 per block moves logprobs a little (the accuracy table in
+    docs/benchmarks/quantization.md measures it): the first step's top token is the same and
+    the log-probabilities stay close."""
+    dequantized, _, int8 = embedded_runners
+    prompts = [embedded_tokenizer.encode(text) for text in REFERENCE_TEXTS]
+    want, got = run_greedy(dequantized, prompts, 1), run_greedy(int8, prompts, 1)
+    assert got.tokens == want.tokens
+    for (a,), (b,) in zip(want.logits, got.logits):
+        delta = (torch.log_softmax(a.double(), -1) - torch.log_softmax(b.double(), -1)).abs()
+        assert delta[a.argmax()] < 0.1 and delta.mean() < 0.2
+
+
+REFERENCE_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+]
+
+
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_fused_layers_of_one_format_hold_blocks_and_mixed_ones_stay_float(
+    tmp_path, hf_model_factory, hf_logits, runner_factory, prompts_factory, activations
+):
+    hf_model = hf_model_factory("llama")
+    path = tmp_path / "mixed.gguf"
+    kinds = {
+        ".q_proj.": Q.Q4_0,
+        ".k_proj.": Q.Q4_0,
+        ".v_proj.": Q.Q4_0,
+        ".o_proj.": Q.Q8_0,
+        ".gate_proj.": Q.Q4_1,
+        ".down_proj.": Q.Q4_1,
+    }  # up_proj stays F32
+    write_gguf(hf_model, path, quantize=kinds)
+    runner = runner_factory(
+        path, dtype="float32", quantization="gguf", quantized_activations=activations
+    )
+    layer = runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quant_format == WeightFormat.Q4_0
+    assert layer.self_attn.o_proj.quant_format == WeightFormat.Q8_0
+    assert layer.mlp.down_proj.quant_format == WeightFormat.Q4_1
+    assert layer.mlp.gate_up_proj.quant_format is None  # Q4_1 gate beside an F32 up
+    assert layer.mlp.gate_up_proj.weight.dtype == torch.float32
+    assert runner.weights_format == "gguf:Q4_0,Q4_1,Q8_0+float32"
+    hf_model = hf_model.float()
+    for prompt in prompts_factory([9, 30]):
+        (logits,) = run_greedy(runner, [prompt], 1).logits[0]
+        expected = hf_logits(hf_model, prompt)
+        tolerance = 1e-3 if activations == "float" else 0.05 * expected.abs().max().item()
+        assert (logits - expected).abs().max() <= tolerance
+
+
+def test_int8_rows_quantized_at_load_give_the_logits_of_those_weights(
+    tmp_path, hf_model_factory, hf_logits, runner_factory, prompts_factory
+):
+    """The oracle is transformers with each projection's weight replaced by what its int8
+    rows hold (`q * s`); the biases of qwen2's q/k/v added after the int8 product."""
+    hf_model = hf_model_factory("qwen2").float()
+    hf_model.save_pretrained(tmp_path)
+    runner = runner_factory(
+        tmp_path, dtype="float32", quantization="int8", quantized_activations="float"
+    )
+    projections = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert projections and all(m.quant_format == WeightFormat.INT8 for m in projections)
+    assert runner.weights_format == "int8+float32"  # the embedding stays float
+    with torch.no_grad():
+        for name, module in hf_model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                rows = quantize_int8_rows(module.weight)
+                k = module.weight.shape[1]
+                scale = rows[:, k:].contiguous().view(torch.float32)
+                module.weight.copy_(rows[:, :k].view(torch.int8).float() * scale)
+    for prompt in prompts_factory([12, 40]):
+        (logits,) = run_greedy(runner, [prompt], 1).logits[0]
+        torch.testing.assert_close(logits, hf_logits(hf_model, prompt), rtol=0, atol=1e-4)
+
+
+def test_auto_quantization_serves_gguf_blocks_on_one_cpu_rank_only(tmp_path, hf_model_factory):
+    hf_model = hf_model_factory("llama")
+    gguf_path, hf_dir = tmp_path / "m.gguf", tmp_path / "hf"
+    write_gguf(hf_model, gguf_path)
+    hf_model.save_pretrained(hf_dir)
+    from_gguf, from_hf = open_checkpoint(gguf_path), open_checkpoint(hf_dir)
+    assert isinstance(from_gguf, GGUFCheckpoint) and isinstance(from_hf, HFCheckpoint)
+    assert resolve_quantization("auto", from_gguf, CPU, 1) == "gguf"
+    assert resolve_quantization("auto", from_hf, CPU, 1) == "none"
+    assert resolve_quantization("auto", from_gguf, torch.device("cuda"), 1) == "none"
+    assert resolve_quantization("auto", from_gguf, CPU, 2) == "none"
+    assert resolve_quantization("int8", from_hf, CPU, 1) == "int8"
+    with pytest.raises(ValueError, match="--quantization gguf runs on CPU with --tp-size 1"):
+        resolve_quantization("gguf", from_gguf, torch.device("cuda"), 1)
+    with pytest.raises(ValueError, match="--quantization must be one of"):
+        resolve_quantization("awq", from_gguf, CPU, 1)
+
+
+def test_gguf_quantization_of_a_safetensors_model_is_refused(
+    tmp_path, hf_model_factory, runner_factory
+):
+    hf_model_factory("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="serves a GGUF file's blocks"):
+        runner_factory(tmp_path, quantization="gguf")
+
+
+@pytest.mark.parametrize(
+    ("flags", "path", "expected"),
+    [
+        (("avx2", "fma", "f16c", "bmi2"), "avx2", "float32"),
+        (("avx512f", "avx512bw", "avx512vl", "avx512dq"), "avx512", "float32"),
+        (("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"), "avx512", "bfloat16"),
+        (("avx512f", "avx512_bf16", "amx_tile", "amx_bf16"), "amx", "bfloat16"),
+        (("avx512f", "avx512_bf16"), "avx2", "float32"),  # a forced lower path
+        ((), "none", "float32"),
+    ],
+)
+def test_auto_dtype_follows_the_kernel_path(flags, path, expected):
+    isa = CpuIsa(flags=flags, path=path)
+    assert resolve_dtype("auto", CPU, isa) == expected
+    assert resolve_dtype("auto", torch.device("cuda"), isa) == "bfloat16"
+    assert resolve_dtype("float16", CPU, isa) == "float16"
