@@ -23,9 +23,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = [
-    "float32:gguf:int8",
     "float32:gguf:float",
-    "bfloat16:gguf:int8",
+    "float32:gguf:int8",
+    "bfloat16:gguf:float",
     "float32:none",
     "bfloat16:none",
 ]

@@ -36,6 +36,7 @@ import engine  # first: it sets the OpenMP defaults of its checkout before torch
 import torch
 
 # isort: on
+from engine.model.cpu_isa import cpu_isa
 from engine.model.runner import DTYPES, ExtendInput, ModelRunner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,7 +265,8 @@ def compare_with_baseline(args: argparse.Namespace) -> None:
         worker.close()
     bandwidth = statistics.median(bandwidths)
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtypes[0]}; "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtypes[0]}, "
+        f"CPU kernel path {cpu_isa().path}; "
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (median of {len(bandwidths)}, "
         f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); baseline {trees['baseline']}; "
         f"{args.rounds} rounds x {args.steps} steps"
@@ -379,6 +381,7 @@ def compare_with_transformers(args: argparse.Namespace) -> None:
     decode_cols = [f"decode b={b} (ms/step)" for b in args.batch_sizes]
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"CPU kernel path {cpu_isa().path} (all paths side by side: benchmarks/cpu_paths.py); "
         f"decode context {args.decode_context} tokens/request; "
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n"
     )

@@ -201,12 +201,14 @@ void gemv(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
 // 32 values of x is rounded to int8 with its own scale (max |x| / 127) and multiplied with
 // the weights' integers 32 at a time (AVX-VNNI/AVX512-VNNI vpdpbusd where present, else
 // AVX2's vpmaddubsw + vpmaddwd), one float multiply-add per block for both scales. The
-// offsets of Q4_0 (-8 d) and Q4_1 (m) multiply the block's exact float sum of x. Half the
+// offsets of Q4_0 (-8 d) and Q4_1 (m) multiply the sum of the block's rounded x, so that
+// the result is exactly the weights times the rounded x (with x's exact sum, the rounding
+// error would be weighted by the nibbles, 0..15, instead of by the weights). Half the
 // instructions of widening each weight to float; the rounding of x is the price (its own
 // row in the accuracy table, docs/benchmarks/quantization.md).
 struct QuantizedRows {
   std::vector<int8_t> values;  // [rows, K]
-  std::vector<float> scales, sums;  // [rows, K / 32]
+  std::vector<float> scales, sums;  // [rows, K / 32]: sums of the rounded values
 };
 
 QuantizedRows quantize_rows(const float* x, int64_t m_size, int64_t k_size) {
@@ -216,11 +218,10 @@ QuantizedRows quantize_rows(const float* x, int64_t m_size, int64_t k_size) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlock;
-    __m256 v[4], amax = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+    __m256 v[4], amax = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
       v[i] = _mm256_loadu_ps(xb + 8 * i);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-      total = _mm256_add_ps(total, v[i]);
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
@@ -236,9 +237,9 @@ QuantizedRows quantize_rows(const float* x, int64_t m_size, int64_t k_size) {
         _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.values.data() + b * kBlock), ordered);
     q.scales[b] = scale;
-    const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-    const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-    q.sums[b] = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+    int sum = 0;
+    for (int j = 0; j < kBlock; ++j) sum += q.values[b * kBlock + j];
+    q.sums[b] = scale * static_cast<float>(sum);
   }
   return q;
 }
