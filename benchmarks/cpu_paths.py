@@ -23,8 +23,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = [
+    "float32:gguf:int16",
     "float32:gguf:float",
     "float32:gguf:int8",
+    "bfloat16:gguf:int16",
     "bfloat16:gguf:float",
     "float32:none",
     "bfloat16:none",
@@ -117,14 +119,14 @@ def main() -> None:
         "--configs",
         nargs="+",
         default=DEFAULT_CONFIGS,
-        help="dtype:quantization[:int8|float activations]",
+        help="dtype:quantization[:int16|int8|float activations, default int16]",
     )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: skip)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        dtype, quantization, activations = (args.child + ":int8").split(":")[:3]
+        dtype, quantization, activations = (args.child + ":int16").split(":")[:3]
         apply_first()
         print(
             json.dumps(measure(dtype, quantization, activations, SHAPES, args.steps, args.prefill))

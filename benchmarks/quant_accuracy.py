@@ -4,7 +4,7 @@ held text against a float32 reference, reported as the mean |delta logprob| of t
 tokens and the top-1 agreement (the same most likely next token).
 
 The text is fed one token per decode step (teacher forcing), so the decode path's matmuls
-(where `--quantized-activations int8` applies) produce every prediction. The reference is
+(where `--quantized-activations` applies) produce every prediction. The reference is
 the float32 model with the GGUF dequantized at load: the weights as shipped, without the
 format's kernels. Results: docs/benchmarks/quantization.md.
 
@@ -26,9 +26,12 @@ from engine.model.runner import ExtendInput, ModelRunner
 HELD_TEXT = Path(__file__).with_name("data") / "held_text.txt"
 CONFIGS = [
     ("float32", "gguf", "float"),
+    ("float32", "gguf", "int16"),
     ("float32", "gguf", "int8"),
+    ("bfloat16", "gguf", "int16"),
     ("bfloat16", "gguf", "int8"),
     ("float32", "int8", "float"),
+    ("float32", "int8", "int16"),
     ("float32", "int8", "int8"),
     ("bfloat16", "none", "int8"),
 ]

@@ -1,8 +1,8 @@
 """The quantized matmul kernels side by side on the embedded model's shapes: PyTorch's own
 (`_weight_int4pack_mm_for_cpu`, which holds Q4_0/Q4_1 exactly per group of 32 with zero
 point m + 8d; `_weight_int8pack_mm`, int8 rows with one scale each, as `--quantization
-int8` holds them) against radixserve's `quant_linear` over the same weights, with float and
-with int8 activations. Both libraries are asked for the activation dtype they are fastest
+int8` holds them) against radixserve's `quant_linear` over the same weights, with float, int16
+and int8 activations. Both libraries are asked for the activation dtype they are fastest
 at on this path (PyTorch's CPU kernels: bf16). Median microseconds per call over weights
 that stay in cache (each call reads its weight from L2/L3): the kernels' own speed.
 Results: docs/benchmarks/quantization.md.
@@ -51,10 +51,11 @@ def main() -> None:
         f"load {os.getloadavg()}"
     )
     print(
-        "| shape | rows | torch int4pack (bf16) | ours Q4_1 float | ours Q4_1 int8 act. "
-        "| torch int8pack (bf16) | ours int8 float | ours int8 int8 act. |"
+        "| shape | rows | torch int4pack (bf16) | ours Q4_1 float | ours Q4_1 int16 act. "
+        "| ours Q4_1 int8 act. | torch int8pack (bf16) | ours int8 float | ours int8 int16 act. "
+        "| ours int8 int8 act. |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
     for n, k, name in SHAPES:
         weight = rng.standard_normal((n, k)).astype(np.float32)
@@ -73,11 +74,9 @@ def main() -> None:
             ours = cpu_kernels.quant_linear
             calls = [
                 partial(int4pack, xb, int4, 32, scale_zeros),
-                partial(ours, x, blocks, int(WeightFormat.Q4_1)),
-                partial(ours, x, blocks, int(WeightFormat.Q4_1), None, True),
+                *(partial(ours, x, blocks, int(WeightFormat.Q4_1), None, b) for b in (32, 16, 8)),
                 partial(torch.ops.aten._weight_int8pack_mm, xb, w8, s8),
-                partial(ours, x, rows8, int(WeightFormat.INT8)),
-                partial(ours, x, rows8, int(WeightFormat.INT8), None, True),
+                *(partial(ours, x, rows8, int(WeightFormat.INT8), None, b) for b in (32, 16, 8)),
             ]
             cells = [micros(call) for call in calls]
             print(

@@ -44,11 +44,13 @@ class EngineArgs:
         choices=constants.QUANTIZATION_METHODS,
     )
     quantized_activations: str = _opt(
-        "float",
-        "decode rows over quantized weights: float (each weight widened exactly: the "
-        "dequantized model's results) or int8 (rounded per block of 32 for integer dot "
-        "products, as llama.cpp does: faster, docs/benchmarks/quantization.md)",
-        choices=("float", "int8"),
+        "int16",
+        "decode rows over quantized weights, rounded per block of 32 for integer dot "
+        "products: int16 (within 1/65534 of the block's largest value: the dequantized "
+        "model's results to about 1e-5), int8 (as llama.cpp does: faster with VNNI, less "
+        "exact), or float (each weight widened: the dequantized model's results exactly, "
+        "about half the speed); docs/benchmarks/quantization.md",
+        choices=tuple(constants.ACTIVATION_BITS),
     )
     context_length: int | None = _opt(None, "override the model's context length")
     max_total_tokens: int | None = _opt(

@@ -37,6 +37,10 @@ QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8")
 """`--quantization`; `auto`: `gguf` for a GGUF file on CPU at one rank, else none
 (engine/model/layers/quantization.py)."""
 
+ACTIVATION_BITS = {"int16": 16, "int8": 8, "float": 32}
+"""`--quantized-activations`: the bits decode rows are rounded to, per block of 32, before
+they multiply quantized weights (32: kept float; engine/model/csrc/quant_linear.cpp)."""
+
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
 """Queue orders of engine/sched/policy.py."""
 GRAMMAR_BACKENDS = ("xgrammar", "none")

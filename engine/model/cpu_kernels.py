@@ -278,7 +278,7 @@ def decode_layer(
     scaling: float,
     eps: float,
     formats: list[int],
-    int8_activations: bool,
+    activation_bits: int,
 ) -> torch.Tensor:
     """One Llama layer of a decode batch (`LlamaDecoderLayer.decode_weights` lists its
     weights and the projections' `formats`), bf16 or, over quantized projections, float32:
@@ -299,7 +299,7 @@ def decode_layer(
         scaling,
         eps,
         formats,
-        int8_activations,
+        activation_bits,
         FEW_ROWS,
     )
     return out
@@ -310,13 +310,13 @@ def quant_linear(
     weight: torch.Tensor,
     format: int,
     bias: torch.Tensor | None = None,
-    int8_activations: bool = False,
+    activation_bits: int = 32,
 ) -> torch.Tensor:
     """`x @ W^T + bias` for float/bf16/half `x` `[rows, K]` over `weight` held quantized
     (`engine/model/layers/quantization.py`: uint8 rows of `format`), in `x`'s dtype; decode
-    rows rounded to int8 per block of 32 first if `int8_activations`."""
+    rows rounded to `activation_bits` (16 or 8) per block of 32 first, or kept float (32)."""
     out: torch.Tensor = torch.ops.radixserve_cpu.quant_linear(
-        x, weight, format, bias, int8_activations
+        x, weight, format, bias, activation_bits
     )
     return out
 

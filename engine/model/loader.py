@@ -28,7 +28,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from engine.constants import QUANTIZATION_METHODS
+from engine.constants import ACTIVATION_BITS, QUANTIZATION_METHODS
 from engine.distributed import get_tp_group
 from engine.model.attention.base import AttentionBackend
 from engine.model.config import ModelConfig
@@ -291,7 +291,7 @@ def load_model(
     device: str | torch.device,
     attn_backend: AttentionBackend,
     quantization: str = "none",
-    quantized_activations: str = "float",
+    quantized_activations: str = "int16",
 ) -> LlamaForCausalLM:
     """Build this rank's shard of the network for `checkpoint.config` straight on `device`
     in `dtype` and fill it, with weights held as `quantization` says (see
@@ -309,7 +309,8 @@ def load_model(
             raise ValueError(
                 "--quantization gguf serves a GGUF file's blocks; this model is not one"
             )
-        blocks = hold_gguf_blocks(model, checkpoint.tensor_types(), quantized_activations == "int8")
+        bits = ACTIVATION_BITS[quantized_activations]
+        blocks = hold_gguf_blocks(model, checkpoint.tensor_types(), bits)
     total = checkpoint.num_tensors()
     weights = (
         checkpoint.weights(blocks)
@@ -329,7 +330,7 @@ def load_model(
     if quantization == "int8":
         for module in model.modules():
             if isinstance(module, Linear) and module.input_size % BLOCK == 0:
-                quantize_module_int8(module, quantized_activations == "int8")
+                quantize_module_int8(module, ACTIVATION_BITS[quantized_activations])
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     logger.info(
         "weights: %d tensors, %.2f GiB on %s, loaded in %.1f s",
@@ -364,7 +365,7 @@ def resolve_quantization(
 def hold_gguf_blocks(
     model: nn.Module,
     tensor_types: dict[str, gguf.GGMLQuantizationType],
-    int8_activations: bool,
+    activation_bits: int,
 ) -> set[str]:
     """Switch every linear layer and embedding whose checkpoint tensors all share a format
     the kernels serve (`quantization.gguf_format`) to hold that format's blocks; the names
@@ -387,7 +388,7 @@ def hold_gguf_blocks(
             continue
         module = model.get_submodule(module_name)
         if isinstance(module, (Linear, VocabParallelEmbedding)):
-            hold_blocks(module, formats.pop(), int8_activations)  # type: ignore[arg-type]
+            hold_blocks(module, formats.pop(), activation_bits)  # type: ignore[arg-type]
             blocks.update(name for name, _ in tensors)
     return blocks
 

@@ -93,7 +93,7 @@ class ModelRunner:
         max_loras_per_batch: int = 4,
         max_lora_rank: int = 16,
         quantization: str = "none",
-        quantized_activations: str = "float",
+        quantized_activations: str = "int16",
     ):
         self.device = torch.device(device)
         if enable_torch_compile and self.device.type != "cpu":

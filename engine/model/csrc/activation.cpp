@@ -1,11 +1,11 @@
 // The gated activation of the Llama MLP on CPU in one op: silu(gate) * up over the fused
 // gate_up projection's output, where torch dispatches a split, the SiLU and a product into
 // a fresh tensor. For bf16/half rows, computed in float and rounded where torch's two ops
-// round (after the SiLU, after the product); with AVX-512 the sigmoid's exp is a polynomial
-// within a float rounding of libm's and its reciprocal a Newton step within two, so a value
-// can round one unit apart from torch's.
+// round (after the SiLU, after the product); on the vector paths the sigmoid's exp is a
+// polynomial within a float rounding of libm's (and with AVX-512 its reciprocal a Newton
+// step within two), so a value can round one unit apart from torch's.
 
-#include "vec16.h"
+#include "simd.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -28,28 +28,21 @@ void silu_and_mul_rows(const scalar_t* x, scalar_t* out, int64_t rows, int64_t w
       const scalar_t* up = gate + width;
       scalar_t* out_row = out + r * width;
       int64_t i = 0;
-#if defined(RADIXSERVE_AVX512)
+#if defined(RADIXSERVE_SIMD)
       // x * sigmoid(x) with the exp taken of -|x| only (never overflowing); below -87 it is
       // -0, where torch's x / (1 + exp(-x)) is under 1e-35 in magnitude (and -0 from -88.8).
-      const __m512 one = _mm512_set1_ps(1.0f);
-      for (; i < width; i += 16) {
-        const __mmask16 mask = radixserve::first_lanes(width - i);
-        const __m512 g = radixserve::load16(gate + i, mask);
-        const __m512 minus_abs = _mm512_min_ps(g, _mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 e = _mm512_maskz_mov_ps(
-            _mm512_cmp_ps_mask(g, _mm512_set1_ps(-87.0f), _CMP_GE_OQ),
-            radixserve::exp16_nonpositive(minus_abs));
-        const __m512 numerator =
-            _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, e);
-        // 1 / (1 + e) by the reciprocal estimate and one Newton step (within two float
-        // units; a division takes several times as long)
-        const __m512 denominator = _mm512_add_ps(one, e);
-        const __m512 estimate = _mm512_rcp14_ps(denominator);
-        const __m512 reciprocal = _mm512_mul_ps(
-            estimate, _mm512_fnmadd_ps(denominator, estimate, _mm512_set1_ps(2.0f)));
-        const __m512 activated = radixserve::round16<scalar_t>(_mm512_mul_ps(numerator, reciprocal));
-        radixserve::store16(out_row + i,
-                            _mm512_mul_ps(activated, radixserve::load16(up + i, mask)), mask);
+      namespace simd = radixserve::simd;
+      const simd::fvec zero = simd::zero();
+      for (; i < width; i += simd::kLanes) {
+        const int64_t n = width - i;
+        const simd::fvec g = simd::load_n(gate + i, n);
+        const simd::fvec e =
+            simd::select(simd::less(g, simd::set1(-87.0f)), zero,
+                         simd::exp_nonpositive(simd::min(g, simd::sub(zero, g))));
+        const simd::fvec numerator = simd::select(simd::less(g, zero), simd::mul(g, e), g);
+        const simd::fvec activated = simd::round_to<scalar_t>(
+            simd::mul(numerator, simd::reciprocal(simd::add(simd::set1(1.0f), e))));
+        simd::store_n(out_row + i, simd::mul(activated, simd::load_n(up + i, n)), n);
       }
 #endif
       for (; i < width; ++i) {

@@ -6,15 +6,16 @@
 // double), and sum the values weighted by it. Nothing is gathered: `slots[r, j]` names the
 // pool slot of request r's j-th token, and only the first `seq_lens[r]` of them are read.
 //
-// Built with AVX-512 (the kernel is compiled for the CPU at hand) and float accumulation,
-// keys and values go in blocks of 16 tokens, read from the pool in place: a query head's 16
-// dot products run as 16 independent chains and share one reduction (bf16 keys as stored,
-// 32 products per AVX512-BF16 instruction; others widened to float in registers), the
-// block's values are fetched into L2 meanwhile, and the weighted sums of up to 4 query heads
-// stay in registers across a block of values. The softmax's max and exp take 16 scores at a
-// time. Other builds, double and other head sizes take the plain loops, which also score the
-// keys after the last full block: their dot products and weighted sums vectorize (omp simd),
-// and an AVX2 build takes the softmax's max and exp eight scores at a time (simd.h).
+// On the vector paths (simd.h: 16 float lanes with AVX-512, 8 with AVX2) and float
+// accumulation, keys and values go in blocks of one vector's lanes of tokens, read from the
+// pool in place: a query head's dot products with the block run as independent chains and
+// share one reduction (with AVX512-BF16, bf16 keys as stored, 32 products per instruction;
+// others widened to float in registers), the block's values are fetched into L2 meanwhile,
+// and the weighted sums of up to 4 query heads (as many as half the registers hold) stay
+// in registers across a block of values. The softmax's max and exp take a vector of scores
+// at a time. Builds without a vector path, double and other head sizes take the plain
+// loops, which also score the keys after the last full block: their dot products and
+// weighted sums vectorize (omp simd).
 
 #include "parallel.h"
 #include "simd.h"
@@ -23,10 +24,6 @@
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <torch/library.h>
-
-#if defined(RADIXSERVE_AVX512)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cmath>
@@ -92,52 +89,33 @@ const acc_t* load_token(
   }
 }
 
-#if defined(RADIXSERVE_AVX512)
-using radixserve::load16;
+#if defined(RADIXSERVE_SIMD)
+namespace simd = radixserve::simd;
+using simd::fvec;
+constexpr int kBlockKeys = simd::kLanes;  // keys scored per block: one vector of scores
 
-// Lane i of the result is the sum of the 16 lanes of v[i]: the 16 sums of 16 vectors in
-// 15 adds and 28 shuffles, where reducing each vector alone takes 4 shuffles and 4 adds.
-inline __m512 sum_lanes_16(const __m512* v) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit block: [a0+a2, b0+b2, a1+a3, b1+b3]
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128-bit block: tokens 4i..4i+3, that block's share
-    quads[i] = _mm512_add_ps(
-        _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-        _mm512_shuffle_ps(pairs[2 * i], pairs[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  }
-  const __m512 low = _mm512_add_ps(  // blocks: quads[0] (b0+b2, b1+b3), quads[1] (same)
-      _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
-      _mm512_shuffle_f32x4(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 high = _mm512_add_ps(
-      _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(1, 0, 1, 0)),
-      _mm512_shuffle_f32x4(quads[2], quads[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// Scores of one query head against 16 keys (`keys[t]`, head_dim floats each, a multiple
-// of 16): one fused multiply-add per 16 dims and key, and one shared reduction for the 16
-// dot products.
+// Scores of one query head against kBlockKeys keys (`keys[t]`, head_dim floats each, a
+// multiple of kLanes): one fused multiply-add per kLanes dims and key, and one shared
+// reduction for the dot products.
 template <typename scalar_t>
-inline void score_block_16(
+inline void score_block(
     const float* query, const scalar_t* const* keys, int64_t head_dim, float* scores) {
-  __m512 dots[16];  // 16 independent chains: the keys' loads overlap
-  for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += 16) {
-    const __m512 q = _mm512_loadu_ps(query + d);
-    for (int t = 0; t < 16; ++t) dots[t] = _mm512_fmadd_ps(q, load16(keys[t] + d), dots[t]);
+  fvec dots[kBlockKeys];  // independent chains: the keys' loads overlap
+  for (int t = 0; t < kBlockKeys; ++t) dots[t] = simd::zero();
+  for (int64_t d = 0; d < head_dim; d += simd::kLanes) {
+    const fvec q = simd::load(query + d);
+    for (int t = 0; t < kBlockKeys; ++t) {
+      dots[t] = simd::fmadd(q, simd::load_n(keys[t] + d, simd::kLanes), dots[t]);
+    }
   }
-  _mm512_storeu_ps(scores, sum_lanes_16(dots));
+  simd::store(scores, simd::sum_lanes(dots));
 }
 
 #if defined(__AVX512BF16__)
 // The same for a bf16 query head and bf16 keys (head_dim a multiple of 32), as stored: 32
 // products per instruction, no widening; the scaling applied to the 16 scores.
-inline void score_block_16(const at::BFloat16* query, const at::BFloat16* const* keys,
-                           int64_t head_dim, float scaling, float* scores) {
+inline void score_block(const at::BFloat16* query, const at::BFloat16* const* keys,
+                        int64_t head_dim, float scaling, float* scores) {
   __m512 dots[16];
   for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
   for (int64_t d = 0; d < head_dim; d += 32) {
@@ -146,31 +124,32 @@ inline void score_block_16(const at::BFloat16* query, const at::BFloat16* const*
       dots[t] = _mm512_dpbf16_ps(dots[t], q, (__m512bh)_mm512_loadu_si512(keys[t] + d));
     }
   }
-  _mm512_storeu_ps(scores, _mm512_mul_ps(sum_lanes_16(dots), _mm512_set1_ps(scaling)));
+  _mm512_storeu_ps(scores, _mm512_mul_ps(simd::sum_lanes(dots), _mm512_set1_ps(scaling)));
 }
 #endif
 
 // Adds `scores[g * score_stride + t] * values[t]` over the `count` value rows (head_dim =
-// 16 * CHUNKS floats each, at `offset` in each row) to `sums[g]` for G query heads: the
+// kLanes * CHUNKS floats each, at `offset` in each row) to `sums[g]` for G query heads: the
 // G x CHUNKS running sums stay in registers across the rows.
 template <int CHUNKS, int G, typename scalar_t>
 void add_weighted_values(
     const scalar_t* const* values, int64_t count, int64_t offset, const float* scores,
     int64_t score_stride, float* sums) {
-  __m512 acc[G][CHUNKS];
+  constexpr int kWidth = CHUNKS * simd::kLanes;
+  fvec acc[G][CHUNKS];
   for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < CHUNKS; ++c) acc[g][c] = _mm512_loadu_ps(sums + g * CHUNKS * 16 + c * 16);
+    for (int c = 0; c < CHUNKS; ++c) acc[g][c] = simd::load(sums + g * kWidth + c * simd::kLanes);
   }
   for (int64_t t = 0; t < count; ++t) {
-    __m512 p[G];
-    for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * score_stride + t]);
+    fvec p[G];
+    for (int g = 0; g < G; ++g) p[g] = simd::set1(scores[g * score_stride + t]);
     for (int c = 0; c < CHUNKS; ++c) {
-      const __m512 v = load16(values[t] + offset + c * 16);
-      for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], v, acc[g][c]);
+      const fvec v = simd::load_n(values[t] + offset + c * simd::kLanes, simd::kLanes);
+      for (int g = 0; g < G; ++g) acc[g][c] = simd::fmadd(p[g], v, acc[g][c]);
     }
   }
   for (int g = 0; g < G; ++g) {
-    for (int c = 0; c < CHUNKS; ++c) _mm512_storeu_ps(sums + g * CHUNKS * 16 + c * 16, acc[g][c]);
+    for (int c = 0; c < CHUNKS; ++c) simd::store(sums + g * kWidth + c * simd::kLanes, acc[g][c]);
   }
 }
 
@@ -178,10 +157,12 @@ template <int CHUNKS, typename scalar_t>
 void add_weighted_values_heads(
     int64_t heads, const scalar_t* const* values, int64_t count, int64_t offset,
     const float* scores, int64_t score_stride, float* sums) {
-  for (int64_t g = 0; g < heads; g += 4) {  // at most 4 x CHUNKS sums in registers
+  // Query heads per pass: their sums in at most half the vector registers.
+  constexpr int kMaxHeads = std::clamp(simd::kRegisters / 2 / CHUNKS, 1, 4);
+  for (int64_t g = 0; g < heads; g += kMaxHeads) {
     const float* head_scores = scores + g * score_stride;
-    float* head_sums = sums + g * CHUNKS * 16;
-    switch (std::min<int64_t>(4, heads - g)) {
+    float* head_sums = sums + g * CHUNKS * simd::kLanes;
+    switch (std::min<int64_t>(kMaxHeads, heads - g)) {
       case 1:
         add_weighted_values<CHUNKS, 1>(values, count, offset, head_scores, score_stride, head_sums);
         break;
@@ -242,28 +223,28 @@ void decode_attention_kernel(
         queries[i] = static_cast<acc_t>(q_row[i]) * static_cast<acc_t>(scaling);
       }
       int64_t scored = 0;  // keys scored so far
-#if defined(RADIXSERVE_AVX512)
+#if defined(RADIXSERVE_SIMD)
       if constexpr (std::is_same_v<acc_t, float>) {
-        if (head_dim % 16 == 0) {  // blocks of 16 keys, for every query head at once
-          for (; scored + 16 <= len; scored += 16) {
-            const scalar_t* keys[16];
-            for (int t = 0; t < 16; ++t) {
+        if (head_dim % simd::kLanes == 0) {  // blocks of keys, for every query head at once
+          for (; scored + kBlockKeys <= len; scored += kBlockKeys) {
+            const scalar_t* keys[kBlockKeys];
+            for (int t = 0; t < kBlockKeys; ++t) {
               keys[t] = locate_token(k_ptr + offset, row, scored + t, len, token_stride, task_dim);
               prefetch_to_l2(v_ptr + offset + row[scored + t] * token_stride, task_dim);
             }
             for (int64_t qh = 0; qh < task_heads; ++qh) {
-              const scalar_t* head_keys[16];
-              for (int t = 0; t < 16; ++t) head_keys[t] = keys[t] + (qh / group) * head_dim;
+              const scalar_t* head_keys[kBlockKeys];
+              for (int t = 0; t < kBlockKeys; ++t) head_keys[t] = keys[t] + (qh / group) * head_dim;
               float* head_scores = scores.data() + qh * max_len + scored;
 #if defined(__AVX512BF16__)
               if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
                 if (head_dim % 32 == 0) {
-                  score_block_16(q_row + qh * head_dim, head_keys, head_dim, scaling, head_scores);
+                  score_block(q_row + qh * head_dim, head_keys, head_dim, scaling, head_scores);
                   continue;
                 }
               }
 #endif
-              score_block_16(queries.data() + qh * head_dim, head_keys, head_dim, head_scores);
+              score_block(queries.data() + qh * head_dim, head_keys, head_dim, head_scores);
             }
           }
         }
@@ -347,13 +328,13 @@ void decode_attention_kernel(
       }
       std::fill(sums.begin(), sums.end(), acc_t(0));
       int64_t summed = 0;  // values added so far
-#if defined(RADIXSERVE_AVX512)
+#if defined(RADIXSERVE_SIMD)
       if constexpr (std::is_same_v<acc_t, float>) {
         if (head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128) {
-          // blocks of 16 values, the sums in registers
-          for (; summed < len; summed += 16) {
-            const int64_t count = std::min<int64_t>(16, len - summed);
-            const scalar_t* values[16];
+          // blocks of values, the sums in registers
+          for (; summed < len; summed += kBlockKeys) {
+            const int64_t count = std::min<int64_t>(kBlockKeys, len - summed);
+            const scalar_t* values[kBlockKeys];
             for (int64_t t = 0; t < count; ++t) {
               values[t] = locate_token(v_ptr + offset, row, summed + t, len, token_stride,
                                        task_dim);
@@ -361,10 +342,11 @@ void decode_attention_kernel(
             for (int64_t h = 0; h < heads_per_task; ++h) {
               const float* head_scores = scores.data() + h * group * max_len + summed;
               float* head_sums = sums.data() + h * group * head_dim;
-              const auto add = head_dim == 16   ? add_weighted_values_heads<1, scalar_t>
-                               : head_dim == 32 ? add_weighted_values_heads<2, scalar_t>
-                               : head_dim == 64 ? add_weighted_values_heads<4, scalar_t>
-                                                : add_weighted_values_heads<8, scalar_t>;
+              constexpr int kLanes = simd::kLanes;
+              const auto add = head_dim == 16   ? add_weighted_values_heads<16 / kLanes, scalar_t>
+                               : head_dim == 32 ? add_weighted_values_heads<32 / kLanes, scalar_t>
+                               : head_dim == 64 ? add_weighted_values_heads<64 / kLanes, scalar_t>
+                                                : add_weighted_values_heads<128 / kLanes, scalar_t>;
               add(group, values, count, h * head_dim, head_scores, max_len, head_sums);
             }
           }

@@ -10,7 +10,7 @@
 // bias-free: over quantized rows the quantized matmul (`formats`, one per projection, -1
 // for bf16 weights), else the few-rows matmul for up to `few_rows` rows, else the AMX one.
 // Hidden states and the KV pool are bf16, or float32 where every projection is quantized;
-// `int8_activations` as `quant_linear` takes it.
+// `activation_bits` as `quant_linear` takes it.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -41,7 +41,7 @@ class Kernels {
         linear_few_rows_(
             kernel<Tensor(const Tensor&, const Tensor&)>("radixserve_cpu::linear_few_rows")),
         quant_linear_(kernel<Tensor(const Tensor&, const Tensor&, int64_t,
-                                    const std::optional<Tensor>&, bool)>(
+                                    const std::optional<Tensor>&, int64_t)>(
             "radixserve_cpu::quant_linear")),
         rotary_(kernel<void(Tensor&, const Tensor&)>("radixserve_cpu::rotary")),
         silu_and_mul_(kernel<Tensor(const Tensor&)>("radixserve_cpu::silu_and_mul")),
@@ -57,8 +57,8 @@ class Kernels {
   // x W^T as engine/model/layers/linear.py's `linear` chooses for bias-free rows: over
   // quantized rows (`format` >= 0) the quantized matmul, else bf16 ones.
   Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& packed, int64_t format,
-                bool int8_activations, int64_t few_rows) const {
-    if (format >= 0) return quant_linear_.call(x, weight, format, std::nullopt, int8_activations);
+                int64_t activation_bits, int64_t few_rows) const {
+    if (format >= 0) return quant_linear_.call(x, weight, format, std::nullopt, activation_bits);
     if (x.size(0) <= few_rows) return linear_few_rows_.call(x, weight);
     return linear_amx_.call(x, packed, weight.size(0), std::nullopt);
   }
@@ -81,7 +81,7 @@ class Kernels {
       linear_amx_;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> linear_few_rows_;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t,
-                                  const std::optional<Tensor>&, bool)>
+                                  const std::optional<Tensor>&, int64_t)>
       quant_linear_;
   c10::TypedOperatorHandle<void(Tensor&, const Tensor&)> rotary_;
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul_;
@@ -97,7 +97,8 @@ Tensor decode_layer(
     const Tensor& hidden, const std::optional<Tensor>& residual, at::TensorList weights,
     const Tensor& cos_sin, const Tensor& k_buffer, const Tensor& v_buffer,
     const Tensor& out_cache_loc, const Tensor& slots, const Tensor& seq_lens, int64_t num_heads,
-    int64_t num_kv_heads, double scaling, double eps, at::IntArrayRef formats, bool int8_activations, int64_t few_rows) {
+    int64_t num_kv_heads, double scaling, double eps, at::IntArrayRef formats,
+    int64_t activation_bits, int64_t few_rows) {
   TORCH_CHECK(weights.size() == kWeights, "the layer's ", static_cast<int>(kWeights), " weights");
   TORCH_CHECK(formats.size() == 4, "a format for each of the four projections");
   TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kBFloat16 ||
@@ -115,7 +116,8 @@ Tensor decode_layer(
   Tensor stream = residual.has_value() ? *residual : hidden;
   Tensor h = kernels.rms_norm(hidden.contiguous(), residual, weights[kInputNorm], eps);
 
-  Tensor qkv = kernels.linear(h, weights[kQkv], weights[kQkvPacked], formats[0], int8_activations, few_rows)
+  Tensor qkv = kernels.linear(h, weights[kQkv], weights[kQkvPacked], formats[0],
+                              activation_bits, few_rows)
                    .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
   Tensor qk = qkv.narrow(1, 0, num_heads + num_kv_heads);
   kernels.rotary(qk, cos_sin);
@@ -126,11 +128,13 @@ Tensor decode_layer(
       kernels.decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scaling)
           .view({tokens, num_heads * head_dim});
 
-  const Tensor o = kernels.linear(attn, weights[kO], weights[kOPacked], formats[1], int8_activations, few_rows);
+  const Tensor o = kernels.linear(attn, weights[kO], weights[kOPacked], formats[1],
+                                  activation_bits, few_rows);
   h = kernels.rms_norm(o, stream, weights[kPostNorm], eps);
-  const Tensor gate_up = kernels.linear(h, weights[kGateUp], weights[kGateUpPacked], formats[2], int8_activations, few_rows);
+  const Tensor gate_up = kernels.linear(h, weights[kGateUp], weights[kGateUpPacked], formats[2],
+                                        activation_bits, few_rows);
   return kernels.linear(kernels.silu_and_mul(gate_up), weights[kDown], weights[kDownPacked],
-                        formats[3], int8_activations, few_rows);
+                        formats[3], activation_bits, few_rows);
 }
 
 }  // namespace
@@ -140,7 +144,7 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
       "decode_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor[] weights, Tensor cos_sin, "
       "Tensor(c!) k_buffer, Tensor(d!) v_buffer, Tensor out_cache_loc, Tensor slots, "
       "Tensor seq_lens, int num_heads, int num_kv_heads, float scaling, float eps, "
-      "int[] formats, bool int8_activations, int few_rows) -> Tensor");
+      "int[] formats, int activation_bits, int few_rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {

@@ -3,7 +3,7 @@
 // (the sum, the normalised row, the product with the weight), so that it differs from them
 // only by the order of the float sum of squares.
 
-#include "vec16.h"
+#include "simd.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,19 +35,18 @@ void rms_norm_rows(
       scalar_t* out_row = out + r * width;
       float sum_squares = 0.0f;
       int64_t i = 0;
-#if defined(RADIXSERVE_AVX512)
-      using radixserve::load16, radixserve::store16;
-      __m512 squares = _mm512_setzero_ps();
-      for (; i < width; i += 16) {
-        const __mmask16 mask = radixserve::first_lanes(width - i);
-        __m512 value = load16(res_row + i, mask);
+#if defined(RADIXSERVE_SIMD)
+      namespace simd = radixserve::simd;
+      simd::fvec squares = simd::zero();
+      for (; i < width; i += simd::kLanes) {
+        simd::fvec value = simd::load_n(res_row + i, width - i);
         if (x_row != nullptr) {
-          value = radixserve::round16<scalar_t>(_mm512_add_ps(value, load16(x_row + i, mask)));
-          store16(res_row + i, value, mask);
+          value = simd::round_to<scalar_t>(simd::add(value, simd::load_n(x_row + i, width - i)));
+          simd::store_n(res_row + i, value, width - i);
         }
-        squares = _mm512_fmadd_ps(value, value, squares);
+        squares = simd::fmadd(value, value, squares);
       }
-      sum_squares = _mm512_reduce_add_ps(squares);
+      sum_squares = simd::sum(squares);
 #endif
       for (; i < width; ++i) {
         if (x_row != nullptr) {
@@ -59,13 +58,13 @@ void rms_norm_rows(
       }
       const float inv_rms = 1.0f / std::sqrt(sum_squares / static_cast<float>(width) + eps);
       i = 0;
-#if defined(RADIXSERVE_AVX512)
-      const __m512 scale = _mm512_set1_ps(inv_rms);
-      for (; i < width; i += 16) {
-        const __mmask16 mask = radixserve::first_lanes(width - i);
-        const __m512 normed =
-            radixserve::round16<scalar_t>(_mm512_mul_ps(load16(res_row + i, mask), scale));
-        store16(out_row + i, _mm512_mul_ps(normed, load16(weight + i, mask)), mask);
+#if defined(RADIXSERVE_SIMD)
+      const simd::fvec scale = simd::set1(inv_rms);
+      for (; i < width; i += simd::kLanes) {
+        const simd::fvec normed =
+            simd::round_to<scalar_t>(simd::mul(simd::load_n(res_row + i, width - i), scale));
+        simd::store_n(out_row + i, simd::mul(normed, simd::load_n(weight + i, width - i)),
+                      width - i);
       }
 #endif
       for (; i < width; ++i) {

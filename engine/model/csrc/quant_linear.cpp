@@ -8,10 +8,11 @@
 //   int8  32 int8 per block, the row's float scale s after its last block: w = s * q
 // (in a nibble block, weight j is the low nibble of byte j and weight j + 16 its high one).
 //
-// quant_linear, few rows (decode): each block is widened to floats in registers (F16C for
-// the scale, byte-to-int32-to-float conversions for the weights) and multiplied into up to
-// four rows of x at once; the packed weights are read once per four rows, a task's rows of
-// them stay in L1 across the tiles of x. More rows (prefill): bands of the weight are
+// quant_linear, few rows (decode), by `activation_bits`: 32 widens each block to floats in
+// registers (F16C for the scale, byte-to-int32-to-float conversions for the weights) and
+// multiplies it into up to four rows of x at once; 16 and 8 round x per block of 32 to
+// integers and multiply integers (below). Either way a group of weight rows stays in L1
+// across the tiles of x, so the packed weights are read once. More rows (prefill): bands of the weight are
 // widened once into a float block and multiplied by the CPU's GEMM (oneDNN/MKL through
 // at::mm), the band reused for every row of x.
 
@@ -25,7 +26,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -36,6 +39,10 @@ enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kInt8Rows = 1000 };
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTileRows = 4;  // rows of x multiplied into each widened block
 constexpr int64_t kGemvRows = 16;  // up to this many rows of x, the register path
+// Up to this many rows of x, integer activations where asked for; beyond, a block widened
+// once to floats for four rows of x costs less than the integer products' per-block scaling
+// (docs/benchmarks/quantization.md).
+constexpr int64_t kIntegerRows = 2;
 
 constexpr int64_t block_bytes(int64_t format) {
   return format == kQ4_0 ? 18 : format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : kBlock;
@@ -165,6 +172,9 @@ inline void dot_rows(const float* x, int64_t k_size, const uint8_t* row, float* 
 // the weights at a fraction of the bandwidth.
 constexpr int64_t kPrefetchRows = 8;
 
+// Weight rows multiplied into every row of x before the next ones: they stay in L1.
+constexpr int64_t kRowsPerGroup = 16;
+
 inline void prefetch_row(const uint8_t* row, int64_t bytes) {
   for (int64_t byte = 0; byte < bytes; byte += 64) __builtin_prefetch(row + byte);
 }
@@ -173,11 +183,10 @@ template <int64_t F>
 void gemv(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
           int64_t n_size, float* y) {
   const int64_t stride = row_bytes(F, k_size);
-  constexpr int64_t kRowsPerTask = 16;  // a task's weight rows stay in L1 across x's tiles
-  const int64_t tasks = (n_size + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t tasks = (n_size + kRowsPerGroup - 1) / kRowsPerGroup;
   radixserve::parallel_claim(tasks, radixserve::chunk_for(tasks), [&](auto& queue) {
     for (int64_t begin, end; queue.claim(begin, end);) {
-      const int64_t n_begin = begin * kRowsPerTask, n_end = std::min(n_size, end * kRowsPerTask);
+      const int64_t n_begin = begin * kRowsPerGroup, n_end = std::min(n_size, end * kRowsPerGroup);
       for (int64_t m = 0; m < m_size; m += kTileRows) {
         const float* xm = x + m * k_size;
         for (int64_t n = n_begin; n < n_end; ++n) {
@@ -197,130 +206,206 @@ void gemv(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
 }
 
 #if defined(RADIXSERVE_SIMD)
-// Decode rows with int8 activations, as llama.cpp's Q8_0/Q8_1 dot products: each block of
-// 32 values of x is rounded to int8 with its own scale (max |x| / 127) and multiplied with
-// the weights' integers 32 at a time (AVX-VNNI/AVX512-VNNI vpdpbusd where present, else
-// AVX2's vpmaddubsw + vpmaddwd), one float multiply-add per block for both scales. The
-// offsets of Q4_0 (-8 d) and Q4_1 (m) multiply the sum of the block's rounded x, so that
-// the result is exactly the weights times the rounded x (with x's exact sum, the rounding
-// error would be weighted by the nibbles, 0..15, instead of by the weights). Half the
-// instructions of widening each weight to float; the rounding of x is the price (its own
-// row in the accuracy table, docs/benchmarks/quantization.md).
-struct QuantizedRows {
-  std::vector<int8_t> values;  // [rows, K]
-  std::vector<float> scales, sums;  // [rows, K / 32]: sums of the rounded values
+// Decode rows with integer activations, as llama.cpp's Q8_0/Q8_1 dot products: each block of
+// 32 values of x is rounded to integers of `A` with its own scale (max |x| / 32767 for
+// int16, / 127 for int8) and multiplied with the weights' integers, one float multiply-add
+// per block for both scales. int16 keeps x to 15 bits of its block's largest value, far
+// closer to float than bf16 is (vpmaddwd: 16 products per instruction); int8 rounds it as
+// llama.cpp does (vpdpbusd with AVX-VNNI/AVX512-VNNI, else vpmaddubsw + vpmaddwd). The
+// offsets of Q4_0 (-8 d) and Q4_1 (m) multiply the sum of the block's rounded x, so that the
+// result is exactly the weights times the rounded x (with x's exact sum, the rounding error
+// would be weighted by the nibbles, 0..15, instead of by the weights). Either takes about
+// half the instructions of widening every weight to float, so the packed weights stream
+// at about twice the rate (docs/benchmarks/quantization.md).
+template <typename A>
+struct IntegerRows {
+  std::vector<A> values;  // [rows, K]
+  std::vector<float> scales, sums;  // [rows, K / 32]: the scale, and it times the block's sum
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t m_size, int64_t k_size) {
+template <typename A>
+IntegerRows<A> round_rows(const float* x, int64_t m_size, int64_t k_size) {
+  constexpr float kLargest = std::numeric_limits<A>::max();
   const int64_t blocks = m_size * k_size / kBlock;
-  QuantizedRows q{std::vector<int8_t>(m_size * k_size), std::vector<float>(blocks),
-                  std::vector<float>(blocks)};
+  IntegerRows<A> q{std::vector<A>(m_size * k_size), std::vector<float>(blocks),
+                   std::vector<float>(blocks)};
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for (int64_t b = 0; b < blocks; ++b) {
     const float* xb = x + b * kBlock;
-    __m256 v[4], amax = _mm256_setzero_ps();
+    __m256 v[4], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
     for (int i = 0; i < 4; ++i) {
       v[i] = _mm256_loadu_ps(xb + 8 * i);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));  // max drops NaN
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     const float max_abs = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const float scale = max_abs / 127.0f;
-    const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? 127.0f / max_abs : 0.0f);
+    // a NaN in the block makes its scale NaN, so that it reaches every output of the row
+    const float scale = _mm256_movemask_ps(nan) != 0 ? std::numeric_limits<float>::quiet_NaN()
+                                                     : max_abs / kLargest;
+    const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? kLargest / max_abs : 0.0f);
     __m256i ints[4];
     for (int i = 0; i < 4; ++i) ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-    // int32 -> int8, then undo the lane interleaving of the two packs
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
-                                              _mm256_packs_epi32(ints[2], ints[3]));
-    const __m256i ordered =
-        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q.values.data() + b * kBlock), ordered);
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]),
+                                           _mm256_add_epi32(ints[2], ints[3]));
+    __m128i sum4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(1, 0, 3, 2)));
+    sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(2, 3, 0, 1)));
+    // int32 -> A, then undo the lane interleaving of the packs
+    auto* out = reinterpret_cast<__m256i*>(q.values.data() + b * kBlock);
+    if constexpr (std::is_same_v<A, int16_t>) {
+      for (int h = 0; h < 2; ++h) {
+        _mm256_storeu_si256(out + h, _mm256_permute4x64_epi64(
+                                         _mm256_packs_epi32(ints[2 * h], ints[2 * h + 1]),
+                                         _MM_SHUFFLE(3, 1, 2, 0)));
+      }
+    } else {
+      const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
+                                                _mm256_packs_epi32(ints[2], ints[3]));
+      _mm256_storeu_si256(out, _mm256_permutevar8x32_epi32(
+                                   packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    }
     q.scales[b] = scale;
-    int sum = 0;
-    for (int j = 0; j < kBlock; ++j) sum += q.values[b * kBlock + j];
-    q.sums[b] = scale * static_cast<float>(sum);
+    q.sums[b] = scale * static_cast<float>(_mm_cvtsi128_si32(sum4));
   }
   return q;
 }
 
-// 8 int32 sums of four u8 x s8 products each, as floats.
-inline __m256 dot_u8_s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s));
-#elif defined(__AVXVNNI__)
-  return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s));
-#else  // pairs first: 2 x 15 x 127 (nibbles) or 2 x 127 x 127 (int8) fit int16
-  return _mm256_cvtepi32_ps(
-      _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
+// One block's 32 weights as integers, ready to be multiplied with blocks of x of type A.
+template <int64_t F, typename A>
+struct BlockIntegers {
+  __m256i w[2];  // int16: weights 0-15 and 16-31; int8: the 32 weights and their magnitudes
 
-// `R` rows of int8 x times one weight row: y[r * n_size] for each r.
-template <int64_t F, int R>
-inline void dot_rows_int8(const QuantizedRows& xq, int64_t m, int64_t k_size,
-                          const uint8_t* row, float* y, int64_t n_size) {
-  const int64_t blocks = k_size / kBlock;
-  const float scale = row_scale(F, row, k_size);
-  __m256 acc[R][2];  // two chains per row of x: even and odd blocks
-  float offset[R] = {};
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = row + b * block_bytes(F);
-    __m256i w;
-    float d, shift = 0.0f;
+  explicit BlockIntegers(const uint8_t* qs) {  // the block's nibbles or int8 weights
     if constexpr (F == kQ4_0 || F == kQ4_1) {
-      d = simd::half_to_float(load_u16(block));
-      shift = F == kQ4_1 ? simd::half_to_float(load_u16(block + 2)) : -8.0f * d;
-      const __m128i qs =
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (F == kQ4_1 ? 4 : 2)));
-      w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(0x0F));
-    } else {
-      d = F == kQ8_0 ? simd::half_to_float(load_u16(block)) : scale;
-      w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (F == kQ8_0 ? 2 : 0)));
-    }
-    for (int r = 0; r < R; ++r) {
-      const int64_t xb = (m + r) * blocks + b;
-      __m256i xs = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(xq.values.data() + xb * kBlock));
-      __m256i u = w;
-      if constexpr (F == kQ8_0 || F == kInt8Rows) {  // signed weights: |w| times x signed as w
-        xs = _mm256_sign_epi8(xs, w);
-        u = _mm256_sign_epi8(w, w);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+      const __m128i nibble = _mm_set1_epi8(0x0F);
+      const __m128i low = _mm_and_si128(bytes, nibble);
+      const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+      if constexpr (std::is_same_v<A, int16_t>) {
+        w[0] = _mm256_cvtepu8_epi16(low);
+        w[1] = _mm256_cvtepu8_epi16(high);
+      } else {
+        w[0] = w[1] = _mm256_set_m128i(high, low);
       }
-      acc[r][b & 1] =
-          _mm256_fmadd_ps(dot_u8_s8(u, xs), _mm256_set1_ps(d * xq.scales[xb]), acc[r][b & 1]);
-      if constexpr (F == kQ4_0 || F == kQ4_1) offset[r] += shift * xq.sums[xb];
+    } else if constexpr (std::is_same_v<A, int16_t>) {
+      w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+      w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
+    } else {  // signed weights: |w| times x signed as w
+      w[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+      w[1] = _mm256_sign_epi8(w[0], w[0]);
     }
   }
+
+  // The dot product with 32 integers of x, as 8 int32 lanes to be summed (as floats).
+  __m256 dot(const A* x) const {
+    const __m256i* xs = reinterpret_cast<const __m256i*>(x);
+    if constexpr (std::is_same_v<A, int16_t>) {  // 2 x 32767 x 255 at most: int32
+      return _mm256_cvtepi32_ps(_mm256_add_epi32(
+          _mm256_madd_epi16(w[0], _mm256_loadu_si256(xs)),
+          _mm256_madd_epi16(w[1], _mm256_loadu_si256(xs + 1))));
+    } else {
+      __m256i u = w[1], v = _mm256_loadu_si256(xs);
+      if constexpr (F == kQ8_0 || F == kInt8Rows) v = _mm256_sign_epi8(v, w[0]);
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+      return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v));
+#elif defined(__AVXVNNI__)
+      return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v));
+#else  // pairs first: 2 x 15 x 127 (nibbles) or 2 x 127 x 127 (int8) fit int16
+      return _mm256_cvtepi32_ps(
+          _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1)));
+#endif
+    }
+  }
+};
+
+// The sums of four vectors' lanes, in order.
+inline __m128 sum_lanes_4(const __m256* v) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// Rows m..m+R of integer x times weight rows n..n+NR (R * NR <= 4 running sums): each
+// weight block is widened once for the R rows of x, each block of x loaded once for the NR
+// weight rows.
+template <int64_t F, typename A, int R, int NR>
+inline void dot_tile(const IntegerRows<A>& xq, int64_t m, int64_t k_size, const uint8_t* rows,
+                     int64_t stride, float* y, int64_t n_size) {
+  static_assert(R * NR <= 4);
+  const int64_t blocks = k_size / kBlock;
+  __m256 acc[4];
+  float offset[4] = {};
+  for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* row = rows + j * stride;
+      const uint8_t* block = row + b * block_bytes(F);
+      float d, shift = 0.0f;
+      if constexpr (F == kQ4_0 || F == kQ4_1) {
+        d = simd::half_to_float(load_u16(block));
+        shift = F == kQ4_1 ? simd::half_to_float(load_u16(block + 2)) : -8.0f * d;
+      } else {
+        d = F == kQ8_0 ? simd::half_to_float(load_u16(block)) : row_scale(F, row, k_size);
+      }
+      const BlockIntegers<F, A> w(block + (F == kQ4_1 ? 4 : F == kInt8Rows ? 0 : 2));
+      for (int r = 0; r < R; ++r) {
+        const int64_t xb = (m + r) * blocks + b;
+        acc[r * NR + j] = _mm256_fmadd_ps(w.dot(xq.values.data() + xb * kBlock),
+                                          _mm256_set1_ps(d * xq.scales[xb]), acc[r * NR + j]);
+        if constexpr (F == kQ4_0 || F == kQ4_1) offset[r * NR + j] += shift * xq.sums[xb];
+      }
+    }
+  }
+  float sums[4];
+  _mm_storeu_ps(sums, _mm_add_ps(sum_lanes_4(acc), _mm_loadu_ps(offset)));
   for (int r = 0; r < R; ++r) {
-    const __m256 v = _mm256_add_ps(acc[r][0], acc[r][1]);
-    const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
-    y[r * n_size] = _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2))) + offset[r];
+    for (int j = 0; j < NR; ++j) y[(m + r) * n_size + j] = sums[r * NR + j];
   }
 }
 
-template <int64_t F>
-void gemv_int8(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
-               int64_t n_size, float* y) {
-  const QuantizedRows xq = quantize_rows(x, m_size, k_size);
+// Weight rows [n, group_end) times rows m..m+R of x, NR weight rows per tile (one at a time
+// for the last few); with `prefetch`, each tile first touches the rows one group ahead,
+// up to `n_end`.
+template <int64_t F, typename A, int R>
+inline void dot_group(const IntegerRows<A>& xq, int64_t m, int64_t k_size,
+                      const uint8_t* weight, int64_t stride, int64_t n, int64_t group_end,
+                      int64_t n_end, bool prefetch, float* y, int64_t n_size) {
+  constexpr int NR = 4 / R;
+  for (; n < group_end; n += NR) {
+    const int64_t tile = std::min<int64_t>(NR, group_end - n);
+    if (prefetch && n + kRowsPerGroup + tile <= n_end) {
+      prefetch_row(weight + (n + kRowsPerGroup) * stride, tile * stride);
+    }
+    const uint8_t* rows = weight + n * stride;
+    if (tile == NR) {
+      dot_tile<F, A, R, NR>(xq, m, k_size, rows, stride, y + n, n_size);
+    } else {
+      for (int64_t j = 0; j < tile; ++j) {
+        dot_tile<F, A, R, 1>(xq, m, k_size, rows + j * stride, stride, y + n + j, n_size);
+      }
+    }
+  }
+}
+
+template <int64_t F, typename A>
+void gemv_integer(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
+                  int64_t n_size, float* y) {
+  const IntegerRows<A> xq = round_rows<A>(x, m_size, k_size);
   const int64_t stride = row_bytes(F, k_size);
-  constexpr int64_t kRowsPerTask = 16;
-  const int64_t tasks = (n_size + kRowsPerTask - 1) / kRowsPerTask;
-  radixserve::parallel_claim(tasks, radixserve::chunk_for(tasks), [&](auto& queue) {
+  const int64_t groups = (n_size + kRowsPerGroup - 1) / kRowsPerGroup;
+  radixserve::parallel_claim(groups, radixserve::chunk_for(groups), [&](auto& queue) {
     for (int64_t begin, end; queue.claim(begin, end);) {
-      const int64_t n_begin = begin * kRowsPerTask, n_end = std::min(n_size, end * kRowsPerTask);
-      for (int64_t m = 0; m < m_size; m += kTileRows) {
-        for (int64_t n = n_begin; n < n_end; ++n) {
-          const uint8_t* row = weight + n * stride;
-          if (m == 0 && n + kPrefetchRows < n_end) prefetch_row(row + kPrefetchRows * stride, stride);
-          float* yn = y + m * n_size + n;
-          switch (std::min(kTileRows, m_size - m)) {
-            case 1: dot_rows_int8<F, 1>(xq, m, k_size, row, yn, n_size); break;
-            case 2: dot_rows_int8<F, 2>(xq, m, k_size, row, yn, n_size); break;
-            case 3: dot_rows_int8<F, 3>(xq, m, k_size, row, yn, n_size); break;
-            default: dot_rows_int8<F, 4>(xq, m, k_size, row, yn, n_size); break;
+      const int64_t n_end = std::min(n_size, end * kRowsPerGroup);
+      for (int64_t n = begin * kRowsPerGroup; n < n_end; n += kRowsPerGroup) {
+        const int64_t group_end = std::min(n_end, n + kRowsPerGroup);
+        for (int64_t m = 0; m < m_size; m += 2) {  // a group's weight rows stay in L1
+          if (m + 1 == m_size) {
+            dot_group<F, A, 1>(xq, m, k_size, weight, stride, n, group_end, n_end, m == 0, y,
+                               n_size);
+          } else {
+            dot_group<F, A, 2>(xq, m, k_size, weight, stride, n, group_end, n_end, m == 0, y,
+                               n_size);
           }
         }
       }
@@ -375,8 +460,10 @@ at::Tensor quant_dequantize(const at::Tensor& weight, int64_t format, int64_t k_
 constexpr int64_t kBandBytes = 2 << 20;
 
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64_t format,
-                        const std::optional<at::Tensor>& bias, bool int8_activations) {
+                        const std::optional<at::Tensor>& bias, int64_t activation_bits) {
   TORCH_CHECK(input.dim() == 2, "input [rows, K]");
+  TORCH_CHECK(activation_bits == 32 || activation_bits == 16 || activation_bits == 8,
+              "decode activations of 32 (float), 16 or 8 bits, got ", activation_bits);
   const int64_t m_size = input.size(0), k_size = input.size(1), n_size = weight.size(0);
   check_weight(weight, format, k_size);
   const uint8_t* w_ptr = weight.const_data_ptr<uint8_t>();
@@ -386,9 +473,15 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
     out = at::empty({m_size, n_size}, x.options());
     with_format(format, [&](auto f) {
 #if defined(RADIXSERVE_SIMD)
-      if (int8_activations) {
-        gemv_int8<decltype(f)::value>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
-                                      out.data_ptr<float>());
+      constexpr int64_t F = decltype(f)::value;
+      if (m_size <= kIntegerRows && activation_bits == 16) {
+        gemv_integer<F, int16_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
+                                 out.data_ptr<float>());
+        return;
+      }
+      if (m_size <= kIntegerRows && activation_bits == 8) {
+        gemv_integer<F, int8_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
+                                out.data_ptr<float>());
         return;
       }
 #endif
@@ -419,7 +512,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def(
       "quant_linear(Tensor input, Tensor weight, int format, Tensor? bias, "
-      "bool int8_activations) -> Tensor");
+      "int activation_bits) -> Tensor");
   m.def("quant_dequantize(Tensor weight, int format, int k_size) -> Tensor");
 }
 

@@ -3,7 +3,7 @@
 // dtype, exactly as those ops round, so the result is theirs bit for bit (the library is
 // built without contracting a product and a sum into one fused multiply-add).
 
-#include "vec16.h"
+#include "simd.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,19 +31,20 @@ void rotate_rows(scalar_t* qk, int64_t tokens, int64_t heads, int64_t head_dim,
       for (int64_t h = 0; h < heads; ++h) {
         scalar_t* x = qk + t * token_stride + h * head_dim;
         int64_t i = 0;
-#if defined(RADIXSERVE_AVX512)
-        using radixserve::load16, radixserve::round16;
-        for (; i < half; i += 16) {
-          const __mmask16 mask = radixserve::first_lanes(half - i);
-          const __m512 low = load16(x + i, mask), high = load16(x + i + half, mask);
-          const __m512 new_low =
-              _mm512_add_ps(round16<scalar_t>(_mm512_mul_ps(low, load16(cos + i, mask))),
-                            round16<scalar_t>(_mm512_mul_ps(high, load16(sin + i, mask))));
-          const __m512 new_high =
-              _mm512_add_ps(round16<scalar_t>(_mm512_mul_ps(high, load16(cos + i + half, mask))),
-                            round16<scalar_t>(_mm512_mul_ps(low, load16(sin + i + half, mask))));
-          radixserve::store16(x + i, new_low, mask);
-          radixserve::store16(x + i + half, new_high, mask);
+#if defined(RADIXSERVE_SIMD)
+        namespace simd = radixserve::simd;
+        const auto product = [](simd::fvec a, simd::fvec b) {
+          return simd::round_to<scalar_t>(simd::mul(a, b));
+        };
+        for (; i < half; i += simd::kLanes) {
+          const int64_t n = half - i;
+          const simd::fvec low = simd::load_n(x + i, n), high = simd::load_n(x + i + half, n);
+          const simd::fvec new_low = simd::add(product(low, simd::load_n(cos + i, n)),
+                                               product(high, simd::load_n(sin + i, n)));
+          const simd::fvec new_high = simd::add(product(high, simd::load_n(cos + i + half, n)),
+                                                product(low, simd::load_n(sin + i + half, n)));
+          simd::store_n(x + i, new_low, n);
+          simd::store_n(x + i + half, new_high, n);
         }
 #endif
         const auto rounded = [](float v) { return static_cast<float>(static_cast<scalar_t>(v)); };

@@ -23,7 +23,7 @@ class VocabParallelEmbedding(nn.Module):
 
     quant_format: int | None = None
     """Set when `weight` holds quantized rows (`quantization.hold_blocks`)."""
-    int8_activations = False
+    activation_bits = 32
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()

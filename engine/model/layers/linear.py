@@ -120,7 +120,7 @@ def linear(
     packed: torch.Tensor | None,
     bias: torch.Tensor | None = None,
     quant_format: int | None = None,
-    int8_activations: bool = False,
+    activation_bits: int = 32,
 ) -> torch.Tensor:
     """F.linear through the CPU's faster kernels where they apply: over a quantized weight
     (`quant_format`, engine/model/layers/quantization.py) `cpu_kernels.quant_linear`; for
@@ -128,7 +128,7 @@ def linear(
     copy of `weight` (AMX or oneDNN). Under `torch.compile`, torch's own matmul."""
     if quant_format is not None:
         rows = x.reshape(-1, x.shape[-1])
-        out = cpu_kernels.quant_linear(rows, weight, quant_format, bias, int8_activations)
+        out = cpu_kernels.quant_linear(rows, weight, quant_format, bias, activation_bits)
         return out.view(*x.shape[:-1], out.shape[-1])
     kernels = x.device.type == "cpu" and cpu_kernels.enabled()
     if (
@@ -158,7 +158,7 @@ class Linear(nn.Module):
     packed_weight: torch.Tensor | None = None
     quant_format: int | None = None
     """Set when `weight` holds quantized rows (`quantization.hold_blocks`)."""
-    int8_activations = False
+    activation_bits = 32
     lora: LoRAHook | None = None
     """Set on the layers adapters target when LoRA is on (engine/lora)."""
 
@@ -185,7 +185,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(
-            x, self.weight, self.packed_weight, self.bias, self.quant_format, self.int8_activations
+            x, self.weight, self.packed_weight, self.bias, self.quant_format, self.activation_bits
         )
         return self.with_lora(x, y)
 
@@ -286,7 +286,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
         y = linear(
-            x, self.weight, self.packed_weight, bias, self.quant_format, self.int8_activations
+            x, self.weight, self.packed_weight, bias, self.quant_format, self.activation_bits
         )
         partial = self.with_lora(x, y)
         return get_tp_group().all_reduce(partial)

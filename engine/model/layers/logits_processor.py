@@ -72,7 +72,7 @@ class LogitsProcessor(nn.Module):
             lm_head.weight,
             self.packed_lm_head,
             quant_format=lm_head.quant_format,
-            int8_activations=lm_head.int8_activations,
+            activation_bits=lm_head.activation_bits,
         )
         logits = get_tp_group().all_gather(logits, dim=-1)[:, : lm_head.num_embeddings]
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -70,11 +70,12 @@ def quantize_int8_rows(weight: torch.Tensor) -> torch.Tensor:
 
 
 def hold_blocks(
-    module: Linear | VocabParallelEmbedding, format: WeightFormat, int8_activations: bool
+    module: Linear | VocabParallelEmbedding, format: WeightFormat, activation_bits: int
 ) -> None:
     """Make `module.weight` (`[N, K]`, not loaded yet) uint8 rows of `format`, keeping its
     weight loader: the checkpoint's blocks are then copied in row by row. Decode rows are
-    multiplied with int8 activations (`--quantized-activations`) if `int8_activations`."""
+    rounded to `activation_bits` per block of 32 first (`--quantized-activations`; 32:
+    kept float)."""
     old = module.weight
     rows, in_features = old.shape
     new = nn.Parameter(
@@ -85,14 +86,14 @@ def hold_blocks(
         vars(new)["weight_loader"] = old.weight_loader
     module.weight = new
     module.quant_format = format
-    module.int8_activations = int8_activations
+    module.activation_bits = activation_bits
 
 
-def quantize_module_int8(module: Linear, int8_activations: bool) -> None:
+def quantize_module_int8(module: Linear, activation_bits: int) -> None:
     """Replace a loaded float `module.weight` by its int8 rows."""
     module.weight = nn.Parameter(quantize_int8_rows(module.weight), requires_grad=False)
     module.quant_format = WeightFormat.INT8
-    module.int8_activations = int8_activations
+    module.activation_bits = activation_bits
 
 
 def weights_format(model: nn.Module, dtype: torch.dtype) -> str:

@@ -40,7 +40,7 @@ class DecodeOpWeights(NamedTuple):
 
     tensors: list[torch.Tensor]
     formats: list[int]
-    int8_activations: bool
+    activation_bits: int
 
 
 class LlamaMLP(nn.Module):
@@ -167,7 +167,7 @@ class LlamaDecoderLayer(nn.Module):
             return None
         weights: list[torch.Tensor] = []
         formats: list[int] = []
-        int8_activations = False
+        activation_bits = 32
         for p in projections:
             packed = p.packed_weight
             if p.bias is not None or p.weight.device.type != "cpu":
@@ -175,7 +175,7 @@ class LlamaDecoderLayer(nn.Module):
             if p.quant_format is not None:
                 weights += [p.weight, p.weight]
                 formats.append(p.quant_format)
-                int8_activations = p.int8_activations
+                activation_bits = p.activation_bits
             elif (
                 p.weight.dtype == torch.bfloat16
                 and packed is not None
@@ -188,7 +188,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv, o, gate_up, down = (weights[i : i + 2] for i in range(0, 8, 2))
         norms = self.input_layernorm.weight, self.post_attention_layernorm.weight
         tensors = [norms[0], *qkv, *o, norms[1], *gate_up, *down]
-        return DecodeOpWeights(tensors, formats, int8_activations)
+        return DecodeOpWeights(tensors, formats, activation_bits)
 
     def _forward_decode_op(
         self,
@@ -212,7 +212,7 @@ class LlamaDecoderLayer(nn.Module):
             attn.scaling,
             self.input_layernorm.variance_epsilon,
             weights.formats,
-            weights.int8_activations,
+            weights.activation_bits,
         )
         return out, hidden_states if residual is None else residual
 

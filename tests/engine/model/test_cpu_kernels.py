@@ -128,7 +128,11 @@ def torch_rms_norm(
     return F.rms_norm(x, weight.shape, eps=eps).mul_(weight)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# float32's unit in the last place, bf16's and half's
+UNIT = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 40])  # 40: more rows than one thread's share
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_rms_norm_matches_the_torch_ops(dtype: torch.dtype, rows: int, with_residual: bool):
@@ -142,10 +146,12 @@ def test_rms_norm_matches_the_torch_ops(dtype: torch.dtype, rows: int, with_resi
     if residual is not None:  # the sum is written in place, rounded as torch's add rounds
         assert torch.equal(residual, theirs_residual)
     # Only the order of the float sum of squares differs: the normalised value may round one
-    # unit apart, and its product with the weight another.
-    two_units = expected.float().abs() * 2.0 ** -(6 if dtype == torch.bfloat16 else 9)
-    assert ((out.float() - expected.float()).abs() <= two_units).all()
-    assert (out == expected).float().mean() > 0.99
+    # unit apart, and its product with the weight another. In float32 nothing rounds the
+    # inverse root's last bits away: four units.
+    units = expected.float().abs() * UNIT[dtype] * (4 if dtype == torch.float32 else 2)
+    assert ((out.float() - expected.float()).abs() <= units).all()
+    if dtype != torch.float32:  # float32 keeps the sums' different last bits
+        assert (out == expected).float().mean() > 0.99
 
 
 def torch_rotary(qk: torch.Tensor, cos_sin: torch.Tensor) -> None:
@@ -173,8 +179,9 @@ def test_rotary_equals_the_torch_ops_bit_for_bit(dtype: torch.dtype, head_dim: i
     assert torch.equal(qkv, expected)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (5, 24), (40, 80)])  # 24, 80: tails
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+# 24, 80: partial vectors of 8 and 16 lanes
+@pytest.mark.parametrize(("rows", "width"), [(1, 1536), (5, 24), (40, 80)])
 def test_silu_and_mul_matches_the_torch_ops(dtype: torch.dtype, rows: int, width: int):
     gen = torch.Generator().manual_seed(rows + width)
     x = (torch.randn(rows, 2 * width, generator=gen) * 6).to(dtype)
@@ -187,11 +194,14 @@ def test_silu_and_mul_matches_the_torch_ops(dtype: torch.dtype, rows: int, width
     assert out.shape == (rows, width) and out.dtype == dtype
     # The sigmoid's exp and reciprocal are within two float units of torch's: a value may
     # round one unit apart. Below -87 the kernel gives -0 where torch's value is under 1e-35.
-    unit = 2.0 ** -(7 if dtype == torch.bfloat16 else 10)
+    # In float32 nothing rounds that away, and the exp's range reduction (x log2 e, rounded)
+    # loses up to about 8 units where x is near -12: 16 units are allowed.
+    unit = UNIT[dtype] * (16 if dtype == torch.float32 else 1)
     close = (out.float() - expected.float()).abs() <= expected.float().abs() * unit + 1e-35
     same = (out == expected) | (out.isnan() & expected.isnan())
     assert (close | same).all()
-    assert same.float().mean() > 0.99
+    if dtype != torch.float32:
+        assert same.float().mean() > 0.99
     assert torch.equal(out[0, :6].float().signbit(), expected[0, :6].float().signbit())
 
 

@@ -1,7 +1,8 @@
 """The quantized matmul (`csrc/quant_linear.cpp`) against float64, for each weight format,
-both activation modes, the decode rows' register path and the prefill's band path; and the
-same tests again under every lower kernel path this machine can execute (a subprocess with
-`RADIXSERVE_CPU_ISA`: an AVX-512 machine checks its AVX2 build too)."""
+each activation mode (float, int16, int8), the decode rows' register path and the
+prefill's band path; and the same tests again under every lower kernel path this machine
+can execute (a subprocess with `RADIXSERVE_CPU_ISA`: an AVX-512 machine checks its AVX2
+build too)."""
 
 from __future__ import annotations
 
@@ -73,18 +74,20 @@ def test_float_activations_match_float64(format, rows, n, k):
 
 
 @pytest.mark.parametrize("format", list(WeightFormat))
-@pytest.mark.parametrize("rows", [1, 2, 4, 7, GEMV_ROWS])
-@pytest.mark.parametrize(("n", "k"), [(33, 32), (200, 576), (9, 1536)])
-def test_int8_activations_are_within_their_rounding_of_float64(format, rows, n, k):
-    """Each block of 32 values of x rounds to int8 with step max|x| / 127: the result may
-    move by half a step times the block's |w| sums, and no more."""
+@pytest.mark.parametrize("bits", [16, 8])
+# rows: tiles of one and two rows of x; n: groups of 16 weight rows and tiles of 4 with tails
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, GEMV_ROWS])
+@pytest.mark.parametrize(("n", "k"), [(33, 32), (200, 576), (9, 1536), (18, 64)])
+def test_integer_activations_are_within_their_rounding_of_float64(format, bits, rows, n, k):
+    """Each block of 32 values of x rounds to integers with step max|x| / (2^(bits-1) - 1):
+    the result may move by half a step times the block's |w| sums, and no more."""
     weight, reference = quantized(format, random_weight(n, k, seed=rows + n * k))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
     x[0, :5] = torch.tensor([0.0, -0.0, 1e-30, -7.5, 3e-39])  # zeros, a denormal, a large one
     expected = x.double() @ reference.T
-    out = cpu_kernels.quant_linear(x, weight, int(format), None, True)
+    out = cpu_kernels.quant_linear(x, weight, int(format), None, bits)
     blocks = x.double().view(rows, k // 32, 32)
-    half_step = blocks.abs().amax(dim=2) / 127 / 2  # [rows, blocks]
+    half_step = blocks.abs().amax(dim=2) / (2 ** (bits - 1) - 1) / 2  # [rows, blocks]
     w_sums = reference.abs().view(n, k // 32, 32).sum(dim=2)  # [n, blocks]
     bound = half_step @ w_sums.T * (1 + 1e-5) + k * 2.0**-22 * (
         x.double().abs() @ reference.abs().T
@@ -92,22 +95,38 @@ def test_int8_activations_are_within_their_rounding_of_float64(format, rows, n, 
     assert ((out.double() - expected).abs() <= bound + 1e-30).all()
 
 
-def test_int8_activations_of_a_zero_block_contribute_nothing():
+@pytest.mark.parametrize("bits", [16, 8])
+def test_integer_activations_of_a_zero_block_contribute_nothing(bits):
     weight, _ = quantized(WeightFormat.Q4_1, random_weight(8, 64, seed=1))
     x = torch.zeros(1, 64)
-    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q4_1), None, True)
+    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q4_1), None, bits)
     assert torch.equal(out, torch.zeros(1, 8))
 
 
-@pytest.mark.parametrize("int8_activations", [False, True])
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_nan_in_x_reaches_every_output_of_its_row(bits):
+    weight, _ = quantized(WeightFormat.Q4_1, random_weight(8, 64, seed=2))
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
+    x[1, 40] = float("nan")
+    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q4_1), None, bits)
+    assert out[0].isfinite().all() and out[1].isnan().all()
+
+
+def test_activation_bits_other_than_32_16_8_are_refused():
+    weight, _ = quantized(WeightFormat.Q4_1, random_weight(8, 64, seed=1))
+    with pytest.raises(RuntimeError, match="32 \\(float\\), 16 or 8 bits, got 12"):
+        cpu_kernels.quant_linear(torch.zeros(1, 64), weight, int(WeightFormat.Q4_1), None, 12)
+
+
+@pytest.mark.parametrize("activation_bits", [32, 16, 8])
 @pytest.mark.parametrize("rows", [3, GEMV_ROWS + 4])
-def test_bf16_input_is_the_float_product_plus_bias_rounded_once(int8_activations, rows):
+def test_bf16_input_is_the_float_product_plus_bias_rounded_once(activation_bits, rows):
     weight, _ = quantized(WeightFormat.Q8_0, random_weight(48, 96, seed=5))
     gen = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, 96, generator=gen).bfloat16(), torch.randn(48, generator=gen)
-    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q8_0), bias, int8_activations)
+    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q8_0), bias, activation_bits)
     as_float = cpu_kernels.quant_linear(
-        x.float(), weight, int(WeightFormat.Q8_0), None, int8_activations
+        x.float(), weight, int(WeightFormat.Q8_0), None, activation_bits
     )
     assert out.dtype == torch.bfloat16
     if rows <= GEMV_ROWS:  # float sums, the bias added, one rounding
