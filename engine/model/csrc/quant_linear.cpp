@@ -273,9 +273,16 @@ IntegerRows<A> round_rows(const float* x, int64_t m_size, int64_t k_size) {
 }
 
 // One block's 32 weights as integers, ready to be multiplied with blocks of x of type A.
+// With AVX-512, int16 takes the whole block in one vector (one vpmaddwd per block).
 template <int64_t F, typename A>
 struct BlockIntegers {
-  __m256i w[2];  // int16: weights 0-15 and 16-31; int8: the 32 weights and their magnitudes
+  static constexpr bool kWide = simd::kLanes == 16 && std::is_same_v<A, int16_t>;
+  // int16: weights 0-15 and 16-31 (AVX2) or all 32 (AVX-512, in the low half's place);
+  // int8: the 32 weights and their magnitudes
+  __m256i w[2];
+#if defined(RADIXSERVE_AVX512)
+  __m512i wide;
+#endif
 
   explicit BlockIntegers(const uint8_t* qs) {  // the block's nibbles or int8 weights
     if constexpr (F == kQ4_0 || F == kQ4_1) {
@@ -283,6 +290,12 @@ struct BlockIntegers {
       const __m128i nibble = _mm_set1_epi8(0x0F);
       const __m128i low = _mm_and_si128(bytes, nibble);
       const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+#if defined(RADIXSERVE_AVX512)
+      if constexpr (kWide) {
+        wide = _mm512_cvtepu8_epi16(_mm256_set_m128i(high, low));
+        return;
+      }
+#endif
       if constexpr (std::is_same_v<A, int16_t>) {
         w[0] = _mm256_cvtepu8_epi16(low);
         w[1] = _mm256_cvtepu8_epi16(high);
@@ -290,6 +303,12 @@ struct BlockIntegers {
         w[0] = w[1] = _mm256_set_m128i(high, low);
       }
     } else if constexpr (std::is_same_v<A, int16_t>) {
+#if defined(RADIXSERVE_AVX512)
+      if constexpr (kWide) {
+        wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
+        return;
+      }
+#endif
       w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
       w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
     } else {  // signed weights: |w| times x signed as w
@@ -298,33 +317,35 @@ struct BlockIntegers {
     }
   }
 
-  // The dot product with 32 integers of x, as 8 int32 lanes to be summed (as floats).
-  __m256 dot(const A* x) const {
-    const __m256i* xs = reinterpret_cast<const __m256i*>(x);
+  // The dot product with 32 integers of x, as int32 lanes to be summed (as floats).
+  fvec dot(const A* x) const {
     if constexpr (std::is_same_v<A, int16_t>) {  // 2 x 32767 x 255 at most: int32
+#if defined(RADIXSERVE_AVX512)
+      return _mm512_cvtepi32_ps(_mm512_madd_epi16(wide, _mm512_loadu_si512(x)));
+#else
+      const __m256i* xs = reinterpret_cast<const __m256i*>(x);
       return _mm256_cvtepi32_ps(_mm256_add_epi32(
           _mm256_madd_epi16(w[0], _mm256_loadu_si256(xs)),
           _mm256_madd_epi16(w[1], _mm256_loadu_si256(xs + 1))));
+#endif
     } else {
-      __m256i u = w[1], v = _mm256_loadu_si256(xs);
+      __m256i u = w[1], v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
       if constexpr (F == kQ8_0 || F == kInt8Rows) v = _mm256_sign_epi8(v, w[0]);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v));
+      const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
 #elif defined(__AVXVNNI__)
-      return _mm256_cvtepi32_ps(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v));
+      const __m256i sums = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v);
 #else  // pairs first: 2 x 15 x 127 (nibbles) or 2 x 127 x 127 (int8) fit int16
-      return _mm256_cvtepi32_ps(
-          _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1)));
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+#endif
+#if defined(RADIXSERVE_AVX512)
+      return _mm512_zextps256_ps512(_mm256_cvtepi32_ps(sums));  // the upper lanes zero
+#else
+      return _mm256_cvtepi32_ps(sums);
 #endif
     }
   }
 };
-
-// The sums of four vectors' lanes, in order.
-inline __m128 sum_lanes_4(const __m256* v) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
 // Rows m..m+R of integer x times weight rows n..n+NR (R * NR <= 4 running sums): each
 // weight block is widened once for the R rows of x, each block of x loaded once for the NR
@@ -334,9 +355,9 @@ inline void dot_tile(const IntegerRows<A>& xq, int64_t m, int64_t k_size, const 
                      int64_t stride, float* y, int64_t n_size) {
   static_assert(R * NR <= 4);
   const int64_t blocks = k_size / kBlock;
-  __m256 acc[4];
-  float offset[4] = {};
-  for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
+  fvec acc[R * NR];
+  float offset[R * NR] = {};
+  for (int i = 0; i < R * NR; ++i) acc[i] = simd::zero();
   for (int64_t b = 0; b < blocks; ++b) {
     for (int j = 0; j < NR; ++j) {
       const uint8_t* row = rows + j * stride;
@@ -351,16 +372,16 @@ inline void dot_tile(const IntegerRows<A>& xq, int64_t m, int64_t k_size, const 
       const BlockIntegers<F, A> w(block + (F == kQ4_1 ? 4 : F == kInt8Rows ? 0 : 2));
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (m + r) * blocks + b;
-        acc[r * NR + j] = _mm256_fmadd_ps(w.dot(xq.values.data() + xb * kBlock),
-                                          _mm256_set1_ps(d * xq.scales[xb]), acc[r * NR + j]);
+        acc[r * NR + j] = simd::fmadd(w.dot(xq.values.data() + xb * kBlock),
+                                      simd::set1(d * xq.scales[xb]), acc[r * NR + j]);
         if constexpr (F == kQ4_0 || F == kQ4_1) offset[r * NR + j] += shift * xq.sums[xb];
       }
     }
   }
-  float sums[4];
-  _mm_storeu_ps(sums, _mm_add_ps(sum_lanes_4(acc), _mm_loadu_ps(offset)));
   for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < NR; ++j) y[(m + r) * n_size + j] = sums[r * NR + j];
+    for (int j = 0; j < NR; ++j) {
+      y[(m + r) * n_size + j] = simd::sum(acc[r * NR + j]) + offset[r * NR + j];
+    }
   }
 }
 
