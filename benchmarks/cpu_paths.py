@@ -1,6 +1,7 @@
 """Decode and prefill speed of the embedded model per CPU kernel path, activation dtype and
-weight format, each configuration in a fresh process (`RADIXSERVE_CPU_ISA` forces the
-path, and with it ATen's and oneDNN's ISA), side by side in one run. The table behind
+weight format: one process per path (`RADIXSERVE_CPU_ISA` forces the path, and with it
+ATen's and oneDNN's ISA) holding a runner per configuration, their steps interleaved round
+by round, side by side in one run. The table behind
 `--dtype auto` and `--quantization auto` (docs/benchmarks/cpu-paths.md).
 
 A decode step is the forward alone of a batch whose requests hold `context` tokens of KV
@@ -35,14 +36,12 @@ SHAPES = [(1, 256), (8, 512)]
 
 
 def measure(
-    dtype: str,
-    quantization: str,
-    activations: str,
-    shapes: list[tuple[int, int]],
-    steps: int,
-    prefill: int,
-) -> dict[str, object]:
-    """In this process (its path already forced): step times and sizes."""
+    configs: list[str], shapes: list[tuple[int, int]], steps: int, prefill: int
+) -> list[dict[str, object]]:
+    """In this process (its path already forced): step times and sizes of each
+    `dtype:quantization[:activations]` config, one runner each, their steps interleaved
+    (round by round, every config in turn) so that the machine's slower and faster
+    moments fall on all of them alike."""
     import statistics
 
     import torch
@@ -50,43 +49,61 @@ def measure(
     from benchmarks.model_bench import DecodeBench, copy_bandwidth
     from engine.model.cpu_isa import cpu_isa
 
-    bench = DecodeBench(
-        dtype,
-        shapes,
-        steps + 2,
-        spare_tokens=prefill,
-        quantization=quantization,
-        quantized_activations=activations,
-    )
-    runner = bench.runner
-    sizes = bench.sizes()
-    bandwidth = copy_bandwidth()
-    decode = []
-    for index, (batch, context) in enumerate(shapes):
-        bench.step_seconds(index)
-        step = statistics.median(bench.step_seconds(index) for _ in range(steps))
-        floor = (sizes["weight_bytes"] + batch * context * sizes["kv_token_bytes"]) / bandwidth
-        decode.append(
-            {"batch": batch, "context": context, "step_ms": step * 1e3, "floor_ms": floor * 1e3}
+    benches = []
+    for config in configs:
+        dtype, quantization, activations = (config + ":int16").split(":")[:3]
+        bench = DecodeBench(
+            dtype,
+            shapes,
+            steps + 2,
+            spare_tokens=prefill,
+            quantization=quantization,
+            quantized_activations=activations,
         )
-    prefill_tps = 0.0
+        benches.append((dtype, quantization, activations, bench))
+    bandwidth = copy_bandwidth()
+    step_times: list[list[list[float]]] = [[[] for _ in shapes] for _ in benches]
+    for index in range(len(shapes)):
+        for *_, bench in benches:
+            bench.step_seconds(index)  # warm-up
+    for _ in range(steps):
+        for times, (*_, bench) in zip(step_times, benches):
+            for index in range(len(shapes)):
+                times[index].append(bench.step_seconds(index))
+    prefill_times: list[list[float]] = [[] for _ in benches]
     if prefill:
-        bench.prefill_seconds(0, prefill)
-        prefill_tps = prefill / min(bench.prefill_seconds(0, prefill) for _ in range(2))
-    return {
-        "path": cpu_isa().path,
-        "aten": torch.backends.cpu.get_cpu_capability(),
-        "dtype": dtype,
-        "weights": runner.weights_format
-        + (f" ({activations} act.)" if quantization != "none" else ""),
-        "weight_mib": sizes["weight_bytes"] / (1 << 20),
-        "bandwidth_gbs": bandwidth / 1e9,
-        "decode": decode,
-        "prefill_tps": prefill_tps,
-    }
+        for _ in range(3):  # the first is a warm-up
+            for times, (*_, bench) in zip(prefill_times, benches):
+                times.append(bench.prefill_seconds(0, prefill))
+    results: list[dict[str, object]] = []
+    for (dtype, quantization, activations, bench), times, prefills in zip(
+        benches, step_times, prefill_times
+    ):
+        sizes = bench.sizes()
+        decode = []
+        for (batch, context), shape_times in zip(shapes, times):
+            step = statistics.median(shape_times)
+            floor = (sizes["weight_bytes"] + batch * context * sizes["kv_token_bytes"]) / bandwidth
+            decode.append(
+                {"batch": batch, "context": context, "step_ms": step * 1e3, "floor_ms": floor * 1e3}
+            )
+        results.append(
+            {
+                "path": cpu_isa().path,
+                "aten": torch.backends.cpu.get_cpu_capability(),
+                "dtype": dtype,
+                "weights": bench.runner.weights_format
+                + (f" ({activations} act.)" if quantization != "none" else ""),
+                "weight_mib": sizes["weight_bytes"] / (1 << 20),
+                "bandwidth_gbs": bandwidth / 1e9,
+                "decode": decode,
+                "prefill_tps": prefill / min(prefills[1:]) if prefill else 0.0,
+            }
+        )
+    return results
 
 
-def run_config(path: str, config: str, steps: int, prefill: int) -> dict[str, object]:
+def run_path(path: str, configs: list[str], steps: int, prefill: int) -> list[dict[str, object]]:
     env = {**os.environ, "RADIXSERVE_CPU_ISA": path}
     out = subprocess.run(
         [
@@ -94,7 +111,7 @@ def run_config(path: str, config: str, steps: int, prefill: int) -> dict[str, ob
             "-m",
             "benchmarks.cpu_paths",
             "--child",
-            config,
+            *configs,
             "--steps",
             str(steps),
             "--prefill",
@@ -107,9 +124,9 @@ def run_config(path: str, config: str, steps: int, prefill: int) -> dict[str, ob
         check=False,
     )
     if out.returncode != 0:
-        return {"path": path, "config": config, "error": out.stderr.strip().splitlines()[-1:]}
-    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
-    return result
+        return [{"path": path, "error": out.stderr.strip().splitlines()[-1:]}]
+    results: list[dict[str, object]] = json.loads(out.stdout.strip().splitlines()[-1])
+    return results
 
 
 def main() -> None:
@@ -123,14 +140,11 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: skip)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        dtype, quantization, activations = (args.child + ":int16").split(":")[:3]
         apply_first()
-        print(
-            json.dumps(measure(dtype, quantization, activations, SHAPES, args.steps, args.prefill))
-        )
+        print(json.dumps(measure(args.child, SHAPES, args.steps, args.prefill)))
         return
     from engine.model.cpu_isa import FORCEABLE, PATHS, cpu_isa
 
@@ -145,10 +159,9 @@ def main() -> None:
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for path in paths:
-        for config in args.configs:
-            r = run_config(path, config, args.steps, args.prefill)
+        for r in run_path(path, args.configs, args.steps, args.prefill):
             if "error" in r:
-                print(f"| {path} | | {config} | error: {r['error']} |", flush=True)
+                print(f"| {path} | | error: {r['error']} |", flush=True)
                 continue
             cells = " | ".join(
                 f"{d['step_ms']:.1f} ({d['floor_ms']:.1f}, {d['step_ms'] / d['floor_ms']:.2f}x)"
