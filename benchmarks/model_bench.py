@@ -36,7 +36,6 @@ import engine  # first: it sets the OpenMP defaults of its checkout before torch
 import torch
 
 # isort: on
-from engine.model.cpu_isa import cpu_isa
 from engine.model.runner import DTYPES, ExtendInput, ModelRunner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +50,14 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def kernel_path() -> str:
+    """This tree's CPU kernel path. Imported here, not at the top: a `--baseline` tree's
+    decode workers import this file over an older `engine`, which may have no cpu_isa."""
+    from engine.model.cpu_isa import cpu_isa
+
+    return cpu_isa().path
 
 
 def copy_bandwidth(repeats: int = 5) -> float:
@@ -266,7 +273,7 @@ def compare_with_baseline(args: argparse.Namespace) -> None:
     bandwidth = statistics.median(bandwidths)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtypes[0]}, "
-        f"CPU kernel path {cpu_isa().path}; "
+        f"CPU kernel path {kernel_path()}; "
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (median of {len(bandwidths)}, "
         f"{min(bandwidths) / 1e9:.1f}-{max(bandwidths) / 1e9:.1f}); baseline {trees['baseline']}; "
         f"{args.rounds} rounds x {args.steps} steps"
@@ -381,7 +388,7 @@ def compare_with_transformers(args: argparse.Namespace) -> None:
     decode_cols = [f"decode b={b} (ms/step)" for b in args.batch_sizes]
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
-        f"CPU kernel path {cpu_isa().path} (all paths side by side: benchmarks/cpu_paths.py); "
+        f"CPU kernel path {kernel_path()} (all paths side by side: benchmarks/cpu_paths.py); "
         f"decode context {args.decode_context} tokens/request; "
         f"copy bandwidth {bandwidth / 1e9:.1f} GB/s\n"
     )
