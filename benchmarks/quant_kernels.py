@@ -83,6 +83,28 @@ def main() -> None:
                 f"| {name} {n}x{k} | {m} | " + " | ".join(f"{c:.0f} us" for c in cells) + " |",
                 flush=True,
             )
+    k_quants()
+
+
+def k_quants() -> None:
+    """One row against a 4096 x 4096 weight in Q4_1, Q4_K and Q6_K (the K-quants' blocks from
+    the tests' quantizer: gguf-py only dequantizes them), beside torch's linear over the
+    dense weight in bf16."""
+    from tests.engine.model.test_loader import quantize_blocks
+
+    assert cpu_kernels.available(), "the kernels need a compiler"
+    weight = np.random.default_rng(0).standard_normal((4096, 4096)).astype(np.float32)
+    x = torch.randn(1, 4096)
+    cells = []
+    for kind, bits in [("Q4_1", 32), ("Q4_1", 16), ("Q4_K", 16), ("Q6_K", 16)]:
+        qtype = gguf.GGMLQuantizationType[kind]
+        rows = torch.from_numpy(np.ascontiguousarray(quantize_blocks(weight, qtype)))
+        cells.append(micros(partial(cpu_kernels.quant_linear, x, rows, int(qtype), None, bits)))
+    dense = torch.from_numpy(weight).bfloat16()
+    cells.append(micros(partial(torch.nn.functional.linear, x.bfloat16(), dense)))
+    print("| 4096 x 4096, one row | Q4_1 float act. | Q4_1 int16 act. | Q4_K | Q6_K | bf16 dense |")
+    print("|---|---|---|---|---|---|")
+    print("| us | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,16 @@
-// Matmuls over weights kept quantized, in the blocks a GGUF file stores (Q4_0, Q4_1, Q8_0),
-// or as int8 rows with one float scale each (`--quantization int8`).
+// Matmuls over weights kept quantized, in the blocks a GGUF file stores (Q4_0, Q4_1, Q8_0,
+// and the K-quants Q4_K, Q6_K), or as int8 rows with one float scale each
+// (`--quantization int8`).
 //
 // Each weight row is `K / 32` blocks of 32 weights:
 //   Q4_0  18 bytes: half d, 16 bytes of nibbles          w = d * (q - 8)
 //   Q4_1  20 bytes: half d, half m, 16 bytes of nibbles  w = d * q + m
 //   Q8_0  34 bytes: half d, 32 int8                      w = d * q
 //   int8  32 int8 per block, the row's float scale s after its last block: w = s * q
-// (in a nibble block, weight j is the low nibble of byte j and weight j + 16 its high one).
+// (in a nibble block, weight j is the low nibble of byte j and weight j + 16 its high one),
+// or `K / 256` super-blocks of 256 weights in 8 or 16 sub-blocks (`widen_superblock`):
+//   Q4_K  144 bytes: half d, half dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles
+//   Q6_K  210 bytes: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, half d
 //
 // quant_linear, few rows (decode), by `activation_bits`: 32 widens each block to floats in
 // registers (F16C for the scale, byte-to-int32-to-float conversions for the weights) and
@@ -34,7 +38,7 @@
 namespace {
 
 // GGML's type ids for the block formats, and one of ours for int8 rows.
-enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kInt8Rows = 1000 };
+enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kInt8Rows = 1000 };
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kTileRows = 4;  // rows of x multiplied into each widened block
@@ -44,12 +48,25 @@ constexpr int64_t kGemvRows = 16;  // up to this many rows of x, the register pa
 // (docs/benchmarks/quantization.md).
 constexpr int64_t kIntegerRows = 2;
 
+constexpr int64_t kSuperBlock = 256;  // weights of a K-quant super-block
+
+constexpr bool is_k_quant(int64_t format) { return format == kQ4_K || format == kQ6_K; }
+
+constexpr int64_t block_weights(int64_t format) {
+  return is_k_quant(format) ? kSuperBlock : kBlock;
+}
+
 constexpr int64_t block_bytes(int64_t format) {
-  return format == kQ4_0 ? 18 : format == kQ4_1 ? 20 : format == kQ8_0 ? 34 : kBlock;
+  return format == kQ4_0   ? 18
+         : format == kQ4_1 ? 20
+         : format == kQ8_0 ? 34
+         : format == kQ4_K ? 144
+         : format == kQ6_K ? 210
+                           : kBlock;
 }
 
 int64_t row_bytes(int64_t format, int64_t k_size) {
-  return k_size / kBlock * block_bytes(format) + (format == kInt8Rows ? 4 : 0);
+  return k_size / block_weights(format) * block_bytes(format) + (format == kInt8Rows ? 4 : 0);
 }
 
 inline uint16_t load_u16(const uint8_t* p) {
@@ -89,6 +106,45 @@ void widen_block_scalar(const uint8_t* block, float scale, float* out) {
   }
 }
 
+// A K-quant super-block's 256 weights as floats, rounded as ggml's dequantization (and
+// gguf-py's) rounds them: the sub-block's scale d * s first, then its product with q.
+template <int64_t F>
+void widen_superblock(const uint8_t* block, float* out) {
+  if constexpr (F == kQ4_K) {  // sub-block j: w = (d * scale_j) * q - dmin * min_j
+    const float d = half_bits(block), dmin = half_bits(block + 2);
+    const uint8_t* s = block + 4;  // scales 0-3 | mins 0-3 | low bits of 4-7 (high bits above)
+    const uint8_t* qs = block + 16;
+    for (int j = 0; j < 8; ++j) {
+      const int scale = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+      const int min = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+      const float ds = d * static_cast<float>(scale), dm = dmin * static_cast<float>(min);
+      const uint8_t* q = qs + (j / 2) * 32;  // sub-blocks 2i and 2i + 1: bytes 32i.., low, high
+      const int shift = (j % 2) * 4;
+      for (int l = 0; l < 32; ++l) {
+        out[j * 32 + l] = ds * static_cast<float>((q[l] >> shift) & 0x0F) - dm;
+      }
+    }
+  } else {  // Q6_K: each half of 128 weights in 4 runs of 32, 16 weights per scale
+    const float d = half_bits(block + 208);
+    const int8_t* scales = reinterpret_cast<const int8_t*>(block + 192);
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* ql = block + half * 64;  // runs 0, 1: low nibbles; 2, 3: high nibbles
+      const uint8_t* qh = block + 128 + half * 32;  // run r: bits 2r, 2r + 1
+      for (int run = 0; run < 4; ++run) {
+        for (int part = 0; part < 2; ++part) {
+          const int first = half * 128 + run * 32 + part * 16;
+          const float ds = d * static_cast<float>(scales[first / 16]);
+          for (int l = part * 16; l < part * 16 + 16; ++l) {
+            const int low = (ql[run % 2 * 32 + l] >> (run / 2 * 4)) & 0x0F;
+            const int high = (qh[l] >> (run * 2)) & 0x03;
+            out[half * 128 + run * 32 + l] = ds * static_cast<float>((low | high << 4) - 32);
+          }
+        }
+      }
+    }
+  }
+}
+
 #if defined(RADIXSERVE_SIMD)
 using radixserve::simd::fvec;
 namespace simd = radixserve::simd;
@@ -121,7 +177,7 @@ inline void widen_block(const uint8_t* block, float scale, fvec* w) {
 
 // One weight row dequantized to `k_size` floats.
 template <int64_t F>
-void widen_row(const uint8_t* row, int64_t k_size, float* out) {
+void widen_blocks(const uint8_t* row, int64_t k_size, float* out) {
   const float scale = row_scale(F, row, k_size);
   for (int64_t b = 0; b < k_size / kBlock; ++b) {
     const uint8_t* block = row + b * block_bytes(F);
@@ -132,6 +188,18 @@ void widen_row(const uint8_t* row, int64_t k_size, float* out) {
 #else
     widen_block_scalar<F>(block, scale, out + b * kBlock);
 #endif
+  }
+}
+
+// One weight row of `k_size` weights as floats.
+template <int64_t F>
+void widen_row(const uint8_t* row, int64_t k_size, float* out) {
+  if constexpr (is_k_quant(F)) {
+    for (int64_t b = 0; b < k_size / kSuperBlock; ++b) {
+      widen_superblock<F>(row + b * block_bytes(F), out + b * kSuperBlock);
+    }
+  } else {
+    widen_blocks<F>(row, k_size, out);
   }
 }
 
@@ -180,8 +248,8 @@ inline void prefetch_row(const uint8_t* row, int64_t bytes) {
 }
 
 template <int64_t F>
-void gemv(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
-          int64_t n_size, float* y) {
+void gemv_blocks(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
+                 int64_t n_size, float* y) {
   const int64_t stride = row_bytes(F, k_size);
   const int64_t tasks = (n_size + kRowsPerGroup - 1) / kRowsPerGroup;
   radixserve::parallel_claim(tasks, radixserve::chunk_for(tasks), [&](auto& queue) {
@@ -203,6 +271,47 @@ void gemv(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
       }
     }
   });
+}
+
+// Super-blocks (K-quants): each weight row widened once into a float row, then multiplied
+// with every row of x. Their sub-blocks are not decoded in registers yet: correct, not fast
+// (docs/benchmarks/quantization.md).
+template <int64_t F>
+void gemv_widened(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
+                  int64_t n_size, float* y) {
+  const int64_t stride = row_bytes(F, k_size);
+  radixserve::parallel_claim(n_size, radixserve::chunk_for(n_size), [&](auto& queue) {
+    std::vector<float> row(k_size);
+    for (int64_t begin, end; queue.claim(begin, end);) {
+      for (int64_t n = begin; n < end; ++n) {
+        widen_row<F>(weight + n * stride, k_size, row.data());
+        for (int64_t m = 0; m < m_size; ++m) {
+          const float* xm = x + m * k_size;
+#if defined(RADIXSERVE_SIMD)
+          fvec acc = simd::zero();
+          for (int64_t k = 0; k < k_size; k += simd::kLanes) {
+            acc = simd::fmadd(simd::load(row.data() + k), simd::load(xm + k), acc);
+          }
+          y[m * n_size + n] = simd::sum(acc);
+#else
+          float acc = 0.0f;
+          for (int64_t k = 0; k < k_size; ++k) acc += row[k] * xm[k];
+          y[m * n_size + n] = acc;
+#endif
+        }
+      }
+    }
+  });
+}
+
+template <int64_t F>
+void gemv(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
+          int64_t n_size, float* y) {
+  if constexpr (is_k_quant(F)) {
+    gemv_widened<F>(x, m_size, k_size, weight, n_size, y);
+  } else {
+    gemv_blocks<F>(x, m_size, k_size, weight, n_size, y);
+  }
 }
 
 #if defined(RADIXSERVE_SIMD)
@@ -455,13 +564,16 @@ void with_format(int64_t format, const Fn& fn) {
     case kQ4_0: fn(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: fn(std::integral_constant<int64_t, kQ4_1>{}); break;
     case kQ8_0: fn(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kQ4_K: fn(std::integral_constant<int64_t, kQ4_K>{}); break;
+    case kQ6_K: fn(std::integral_constant<int64_t, kQ6_K>{}); break;
     case kInt8Rows: fn(std::integral_constant<int64_t, kInt8Rows>{}); break;
     default: TORCH_CHECK(false, "unknown quantized weight format ", format);
   }
 }
 
 void check_weight(const at::Tensor& weight, int64_t format, int64_t k_size) {
-  TORCH_CHECK(k_size % kBlock == 0, "the input width is a multiple of 32, got ", k_size);
+  TORCH_CHECK(k_size % block_weights(format) == 0, "the input width is a multiple of ",
+              block_weights(format), ", got ", k_size);
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
                   weight.size(1) == row_bytes(format, k_size),
               "uint8 weight rows of ", row_bytes(format, k_size), " bytes");
@@ -495,15 +607,17 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
     with_format(format, [&](auto f) {
 #if defined(RADIXSERVE_SIMD)
       constexpr int64_t F = decltype(f)::value;
-      if (m_size <= kIntegerRows && activation_bits == 16) {
-        gemv_integer<F, int16_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
-                                 out.data_ptr<float>());
-        return;
-      }
-      if (m_size <= kIntegerRows && activation_bits == 8) {
-        gemv_integer<F, int8_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
-                                out.data_ptr<float>());
-        return;
+      if constexpr (!is_k_quant(F)) {  // super-blocks multiply floats (gemv_widened)
+        if (m_size <= kIntegerRows && activation_bits == 16) {
+          gemv_integer<F, int16_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
+                                   out.data_ptr<float>());
+          return;
+        }
+        if (m_size <= kIntegerRows && activation_bits == 8) {
+          gemv_integer<F, int8_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
+                                  out.data_ptr<float>());
+          return;
+        }
       }
 #endif
       gemv<decltype(f)::value>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,

@@ -1,8 +1,9 @@
 """Weights held quantized and multiplied as stored (`--quantization`, vLLM's flag).
 
-- `gguf`: a GGUF file's Q4_0, Q4_1 and Q8_0 tensors stay in the file's blocks, 4.5-8.5
-  bits a weight (a bf16 copy is 16); the embedded model's Q4_1 layers and Q8_0 embedding
-  are served this way by default. Other GGUF types (K-quants, f16) are dequantized at load.
+- `gguf`: a GGUF file's Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay in the file's blocks,
+  4.5-8.5 bits a weight (a bf16 copy is 16); the embedded model's Q4_1 layers and Q8_0
+  embedding are served this way by default, and a Q4_K_M file's Q4_K and Q6_K tensors.
+  Other GGUF types (Q5_K, Q2_K, f16, ...) are dequantized at load.
 - `int8`: float checkpoints quantized at load to int8 rows, one float scale per output row
   (`w ~ s * q`, `s = max|w| / 127`).
 
@@ -32,10 +33,19 @@ class WeightFormat(IntEnum):
     Q4_0 = int(gguf.GGMLQuantizationType.Q4_0)
     Q4_1 = int(gguf.GGMLQuantizationType.Q4_1)
     Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
+    Q4_K = int(gguf.GGMLQuantizationType.Q4_K)
+    Q6_K = int(gguf.GGMLQuantizationType.Q6_K)
     INT8 = 1000
 
 
-BLOCK_BYTES = {WeightFormat.Q4_0: 18, WeightFormat.Q4_1: 20, WeightFormat.Q8_0: 34}
+BLOCK_LAYOUTS = {
+    WeightFormat.Q4_0: (32, 18),
+    WeightFormat.Q4_1: (32, 20),
+    WeightFormat.Q8_0: (32, 34),
+    WeightFormat.Q4_K: (256, 144),
+    WeightFormat.Q6_K: (256, 210),
+}
+"""(weights, bytes) of one block of each GGUF format the kernels serve."""
 
 
 def gguf_format(tensor_type: gguf.GGMLQuantizationType) -> WeightFormat | None:
@@ -44,7 +54,7 @@ def gguf_format(tensor_type: gguf.GGMLQuantizationType) -> WeightFormat | None:
         format = WeightFormat(int(tensor_type))
     except ValueError:
         return None
-    return format if format in BLOCK_BYTES else None
+    return format if format in BLOCK_LAYOUTS else None
 
 
 def format_name(format: WeightFormat) -> str:
@@ -53,10 +63,11 @@ def format_name(format: WeightFormat) -> str:
 
 
 def row_bytes(format: WeightFormat, in_features: int) -> int:
-    """Bytes of one output row of `in_features` weights (a multiple of 32)."""
+    """Bytes of one output row of `in_features` weights (a multiple of the block's)."""
     if format is WeightFormat.INT8:
         return in_features + 4  # the row's float32 scale after its int8 weights
-    return in_features // BLOCK * BLOCK_BYTES[format]
+    weights, size = BLOCK_LAYOUTS[format]
+    return in_features // weights * size
 
 
 def quantize_int8_rows(weight: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,12 @@ import torch
 from engine.model import cpu_kernels
 from engine.model.cpu_isa import ATEN_CAPABILITY, FORCE_ENV, FORCEABLE, PATHS, cpu_isa
 from engine.model.layers.quantization import (
+    BLOCK_LAYOUTS,
     WeightFormat,
     quantize_int8_rows,
     row_bytes,
 )
+from tests.engine.model.test_loader import quantize_blocks
 
 GEMV_ROWS = 16
 """Up to this many rows of x the kernel's register path runs (kGemvRows), beyond, the bands."""
@@ -40,7 +42,7 @@ def quantized(format: WeightFormat, weight: np.ndarray) -> tuple[torch.Tensor, t
         q = rows[:, :k].view(torch.int8).double()
         scale = rows[:, k:].contiguous().view(torch.float32).double()
         return rows, q * scale
-    blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType(int(format)))
+    blocks = quantize_blocks(weight, gguf.GGMLQuantizationType(int(format)))
     reference = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(int(format)))
     rows = torch.from_numpy(blocks.view(np.uint8).reshape(weight.shape[0], -1).copy())
     return rows, torch.from_numpy(reference).double()
@@ -50,8 +52,20 @@ def random_weight(n: int, k: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
 
 
-@pytest.mark.parametrize("format", list(WeightFormat))
-@pytest.mark.parametrize(("n", "k"), [(33, 32), (100, 576), (7, 1536), (130, 64)])
+def cases(shapes: list[tuple[int, int]]) -> list[tuple[WeightFormat, int, int]]:
+    """Each format with each (n, k) whose k is a whole number of the format's blocks (256
+    weights for the K-quants, 32 for the others)."""
+    return [
+        (format, n, k)
+        for format in WeightFormat
+        for n, k in shapes
+        if k % BLOCK_LAYOUTS.get(format, (32,))[0] == 0
+    ]
+
+
+@pytest.mark.parametrize(
+    ("format", "n", "k"), cases([(33, 32), (100, 576), (7, 1536), (130, 64), (5, 512)])
+)
 def test_dequantize_reads_the_blocks_as_gguf_does(format, n, k):
     rows, expected = quantized(format, random_weight(n, k, seed=n + k))
     assert rows.shape == (n, row_bytes(format, k))
@@ -59,9 +73,10 @@ def test_dequantize_reads_the_blocks_as_gguf_does(format, n, k):
     assert out.dtype == torch.float32 and torch.equal(out.double(), expected.float().double())
 
 
-@pytest.mark.parametrize("format", list(WeightFormat))
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, GEMV_ROWS, GEMV_ROWS + 1, 70])
-@pytest.mark.parametrize(("n", "k"), [(33, 32), (200, 576), (9, 1536), (64, 128)])
+@pytest.mark.parametrize(
+    ("format", "n", "k"), cases([(33, 32), (200, 576), (9, 1536), (64, 128), (40, 768)])
+)
 def test_float_activations_match_float64(format, rows, n, k):
     weight, reference = quantized(format, random_weight(n, k, seed=rows * n + k))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
@@ -73,14 +88,16 @@ def test_float_activations_match_float64(format, rows, n, k):
     assert ((out.double() - expected).abs() <= bound + 1e-30).all()
 
 
-@pytest.mark.parametrize("format", list(WeightFormat))
 @pytest.mark.parametrize("bits", [16, 8])
 # rows: tiles of one and two rows of x; n: groups of 16 weight rows and tiles of 4 with tails
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, GEMV_ROWS])
-@pytest.mark.parametrize(("n", "k"), [(33, 32), (200, 576), (9, 1536), (18, 64)])
+@pytest.mark.parametrize(
+    ("format", "n", "k"), cases([(33, 32), (200, 576), (9, 1536), (18, 64), (6, 512)])
+)
 def test_integer_activations_are_within_their_rounding_of_float64(format, bits, rows, n, k):
     """Each block of 32 values of x rounds to integers with step max|x| / (2^(bits-1) - 1):
-    the result may move by half a step times the block's |w| sums, and no more."""
+    the result may move by half a step times the block's |w| sums, and no more (the
+    K-quants' super-blocks multiply floats, well within it)."""
     weight, reference = quantized(format, random_weight(n, k, seed=rows + n * k))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
     x[0, :5] = torch.tensor([0.0, -0.0, 1e-30, -7.5, 3e-39])  # zeros, a denormal, a large one

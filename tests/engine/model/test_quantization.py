@@ -129,6 +129,39 @@ def test_fused_layers_of_one_format_hold_blocks_and_mixed_ones_stay_float(
         assert (logits - expected).abs().max() <= tolerance
 
 
+def test_k_quant_layers_are_served_from_their_super_blocks(
+    tmp_path, hf_model_factory, hf_logits, runner_factory, prompts_factory
+):
+    """A file mixed as llama.cpp's Q4_K_M mixes its tensors: Q4_K projections and a Q6_K
+    down projection, each layer held in its super-blocks; logits as transformers' over the
+    weights those blocks hold."""
+    hf_model = hf_model_factory("llama", hidden_size=256, intermediate_size=256)
+    path = tmp_path / "k_quants.gguf"
+    kinds = {
+        ".q_proj.": Q.Q4_K,
+        ".k_proj.": Q.Q4_K,
+        ".v_proj.": Q.Q4_K,
+        ".o_proj.": Q.Q4_K,
+        ".gate_proj.": Q.Q4_K,
+        ".up_proj.": Q.Q4_K,
+        ".down_proj.": Q.Q6_K,
+    }
+    write_gguf(hf_model, path, quantize=kinds)
+    runner = runner_factory(path, dtype="float32", quantization="gguf")
+    layer = runner.model.model.layers[0]
+    assert layer.self_attn.qkv_proj.quant_format == WeightFormat.Q4_K
+    assert layer.mlp.gate_up_proj.quant_format == WeightFormat.Q4_K
+    assert layer.mlp.down_proj.quant_format == WeightFormat.Q6_K
+    assert layer.mlp.down_proj.weight.shape == (256, 256 // 256 * 210)
+    assert runner.weights_format == "gguf:Q8_0,Q4_K,Q6_K"  # by GGML type id
+    hf_model = hf_model.float()
+    for prompt in prompts_factory([9, 30]):
+        greedy = run_greedy(runner, [prompt], 2)
+        expected = hf_logits(hf_model, prompt)
+        assert (greedy.logits[0][0] - expected).abs().max() <= 1e-3
+        assert greedy.tokens[0][0] == int(expected.argmax())
+
+
 def test_int8_rows_quantized_at_load_give_the_logits_of_those_weights(
     tmp_path, hf_model_factory, hf_logits, runner_factory, prompts_factory
 ):
