@@ -1,4 +1,4 @@
-"""Multi-LoRA serving: PEFT adapters applied per token in mixed batches (DESIGN.md §9)."""
+"""Multi-LoRA serving: PEFT adapters applied per token in mixed batches (docs/architecture.md)."""
 
 from engine.lora.adapter import TARGET_MODULES, LoRAAdapter, load_adapter
 from engine.lora.errors import LoRAError

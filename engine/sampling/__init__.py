@@ -1,4 +1,4 @@
 """Sampling: per-request parameters, their batched tensors, penalties and the sampler.
 
-Nothing is re-exported here: `sampling_params` must stay importable without torch, for the
-tokenizer and detokenizer processes."""
+Nothing is re-exported here, so that importing `sampling_params` (which the tokenizer
+validates requests with) loads neither the batched tensors nor the sampler."""

@@ -69,11 +69,12 @@ logger = logging.getLogger(__name__)
 PEERS = ("worker", "detokenizer")
 """Processes a request needs alive from submission to its last token."""
 CONTROL_TIMEOUT_S = 10.0
+"""How long a control request (flush, server info) waits for the worker's reply."""
 INLINE_LOGPROB_IDS = 256
 """Prompt logprobs naming up to this many token ids (positions and their alternatives) are
-decoded on the event loop, about 1 ms on the embedded tokenizer (some 4 µs an id); more go
-to a thread, whose hop costs about 0.1 ms: 4,096 positions with 20 alternatives take 0.4 s."""
-"""How long a control request (flush, server info) waits for the worker's reply."""
+decoded on the event loop; more go to a thread, whose hop costs less than the loop time a
+long request's decoding would hold (docs/benchmarks/host.md, "The tokenizer's inline
+thresholds")."""
 
 ControlReq = FlushCacheReq | GetServerInfoReq | LoadLoRAAdapterReq | UnloadLoRAAdapterReq
 ControlReply = FlushCacheReqOutput | GetServerInfoReqOutput | LoRAAdapterReqOutput

@@ -43,7 +43,7 @@ from services.tokenizer.openai_api import (
     VllmLogprob,
 )
 
-if TYPE_CHECKING:  # the engine imports torch, which the tokenizer service does not need
+if TYPE_CHECKING:
     from engine.outputs import GenerateResult
 
 SSE_DONE = "data: [DONE]\n\n"

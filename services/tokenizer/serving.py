@@ -96,11 +96,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 INLINE_BODY_BYTES = 4096
-"""Requests with a body up to this size are tokenized on the event loop: measured on the
-embedded SmolLM2 tokenizer, templating and tokenizing 170 characters takes 0.14 ms inline and
-0.21 ms through a worker thread, 860 characters 0.43 ms and 0.55 ms, 7,700 characters 3.0 ms
-and 2.9 ms. Below this the hop costs more than the loop time it frees; above it the work
-(and a grammar's or tools' parsing, which the body's size also bounds) runs in `_PREPARE_POOL`."""
+"""Requests with a body up to this size are tokenized on the event loop: below it the hop
+to a thread costs more than the loop time it frees (docs/benchmarks/host.md, "The
+tokenizer's inline thresholds"); above it the work (and a grammar's or tools' parsing, which
+the body's size also bounds) runs in `_PREPARE_POOL`."""
 _PREPARE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="prepare")
 """Tokenizing, templating and grammar checks of large requests. HF fast tokenizers release
 the GIL while they encode, so a 12 MiB prompt leaves the event loop (and `/healthz`)
