@@ -52,6 +52,15 @@ constexpr int64_t kSuperBlock = 256;  // weights of a K-quant super-block
 
 constexpr bool is_k_quant(int64_t format) { return format == kQ4_K || format == kQ6_K; }
 
+// Formats whose weights are unsigned integers plus a per-block offset (w = d * q + shift).
+constexpr bool has_offset(int64_t format) {
+  return format == kQ4_0 || format == kQ4_1 || format == kQ4_K;
+}
+
+// Formats the integer-activation paths multiply (Q6_K's scales cover 16 weights, half a
+// block of x: its rows are widened to floats).
+constexpr bool has_integer_path(int64_t format) { return format != kQ6_K; }
+
 constexpr int64_t block_weights(int64_t format) {
   return is_k_quant(format) ? kSuperBlock : kBlock;
 }
@@ -106,22 +115,35 @@ void widen_block_scalar(const uint8_t* block, float scale, float* out) {
   }
 }
 
+// Sub-block j of a Q4_K super-block, w = (d * scale) * q - dmin * min: its two 6-bit
+// factors (12 bytes from `s`: scales 0-3 | mins 0-3 | low bits of 4-7, their high bits in
+// the top of the first eight), and its 32 nibbles, the low (j even) or high (j odd) halves
+// of 32 bytes.
+struct Q4KSubBlock {
+  float scale, min;
+  const uint8_t* bytes;
+  int shift;
+
+  Q4KSubBlock(const uint8_t* block, int j)
+      : bytes(block + 16 + j / 2 * 32), shift(j % 2 * 4) {
+    const uint8_t* s = block + 4;
+    const int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    const int m = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    scale = half_bits(block) * static_cast<float>(sc);  // rounded as ggml rounds d * sc
+    min = half_bits(block + 2) * static_cast<float>(m);
+  }
+};
+
 // A K-quant super-block's 256 weights as floats, rounded as ggml's dequantization (and
 // gguf-py's) rounds them: the sub-block's scale d * s first, then its product with q.
 template <int64_t F>
 void widen_superblock(const uint8_t* block, float* out) {
-  if constexpr (F == kQ4_K) {  // sub-block j: w = (d * scale_j) * q - dmin * min_j
-    const float d = half_bits(block), dmin = half_bits(block + 2);
-    const uint8_t* s = block + 4;  // scales 0-3 | mins 0-3 | low bits of 4-7 (high bits above)
-    const uint8_t* qs = block + 16;
+  if constexpr (F == kQ4_K) {
     for (int j = 0; j < 8; ++j) {
-      const int scale = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-      const int min = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-      const float ds = d * static_cast<float>(scale), dm = dmin * static_cast<float>(min);
-      const uint8_t* q = qs + (j / 2) * 32;  // sub-blocks 2i and 2i + 1: bytes 32i.., low, high
-      const int shift = (j % 2) * 4;
+      const Q4KSubBlock sub(block, j);
       for (int l = 0; l < 32; ++l) {
-        out[j * 32 + l] = ds * static_cast<float>((q[l] >> shift) & 0x0F) - dm;
+        out[j * 32 + l] =
+            sub.scale * static_cast<float>((sub.bytes[l] >> sub.shift) & 0x0F) - sub.min;
       }
     }
   } else {  // Q6_K: each half of 128 weights in 4 runs of 32, 16 weights per scale
@@ -393,8 +415,25 @@ struct BlockIntegers {
   __m512i wide;
 #endif
 
-  explicit BlockIntegers(const uint8_t* qs) {  // the block's nibbles or int8 weights
-    if constexpr (F == kQ4_0 || F == kQ4_1) {
+  // The block's nibbles or int8 weights; Q4_K: 32 bytes whose nibbles at `shift` they are.
+  explicit BlockIntegers(const uint8_t* qs, int shift = 0) {
+    if constexpr (F == kQ4_K) {
+      const __m256i nibbles = _mm256_and_si256(
+          _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)), shift),
+          _mm256_set1_epi8(0x0F));
+#if defined(RADIXSERVE_AVX512)
+      if constexpr (kWide) {
+        wide = _mm512_cvtepu8_epi16(nibbles);
+        return;
+      }
+#endif
+      if constexpr (std::is_same_v<A, int16_t>) {
+        w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(nibbles));
+        w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(nibbles, 1));
+      } else {
+        w[0] = w[1] = nibbles;
+      }
+    } else if constexpr (F == kQ4_0 || F == kQ4_1) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
       const __m128i nibble = _mm_set1_epi8(0x0F);
       const __m128i low = _mm_and_si128(bytes, nibble);
@@ -470,20 +509,29 @@ inline void dot_tile(const IntegerRows<A>& xq, int64_t m, int64_t k_size, const 
   for (int64_t b = 0; b < blocks; ++b) {
     for (int j = 0; j < NR; ++j) {
       const uint8_t* row = rows + j * stride;
-      const uint8_t* block = row + b * block_bytes(F);
-      float d, shift = 0.0f;
-      if constexpr (F == kQ4_0 || F == kQ4_1) {
-        d = simd::half_to_float(load_u16(block));
-        shift = F == kQ4_1 ? simd::half_to_float(load_u16(block + 2)) : -8.0f * d;
-      } else {
-        d = F == kQ8_0 ? simd::half_to_float(load_u16(block)) : row_scale(F, row, k_size);
-      }
-      const BlockIntegers<F, A> w(block + (F == kQ4_1 ? 4 : F == kInt8Rows ? 0 : 2));
+      float d, shift = 0.0f;  // w = d * q + shift
+      const auto w = [&] {
+        if constexpr (F == kQ4_K) {  // sub-block b % 8 of super-block b / 8
+          const Q4KSubBlock sub(row + b / 8 * block_bytes(F), static_cast<int>(b % 8));
+          d = sub.scale;
+          shift = -sub.min;
+          return BlockIntegers<F, A>(sub.bytes, sub.shift);
+        } else {
+          const uint8_t* block = row + b * block_bytes(F);
+          if constexpr (F == kQ4_0 || F == kQ4_1) {
+            d = simd::half_to_float(load_u16(block));
+            shift = F == kQ4_1 ? simd::half_to_float(load_u16(block + 2)) : -8.0f * d;
+          } else {
+            d = F == kQ8_0 ? simd::half_to_float(load_u16(block)) : row_scale(F, row, k_size);
+          }
+          return BlockIntegers<F, A>(block + (F == kQ4_1 ? 4 : F == kInt8Rows ? 0 : 2));
+        }
+      }();
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (m + r) * blocks + b;
         acc[r * NR + j] = simd::fmadd(w.dot(xq.values.data() + xb * kBlock),
                                       simd::set1(d * xq.scales[xb]), acc[r * NR + j]);
-        if constexpr (F == kQ4_0 || F == kQ4_1) offset[r * NR + j] += shift * xq.sums[xb];
+        if constexpr (has_offset(F)) offset[r * NR + j] += shift * xq.sums[xb];
       }
     }
   }
@@ -607,7 +655,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
     with_format(format, [&](auto f) {
 #if defined(RADIXSERVE_SIMD)
       constexpr int64_t F = decltype(f)::value;
-      if constexpr (!is_k_quant(F)) {  // super-blocks multiply floats (gemv_widened)
+      if constexpr (has_integer_path(F)) {  // else floats (gemv_widened)
         if (m_size <= kIntegerRows && activation_bits == 16) {
           gemv_integer<F, int16_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
                                    out.data_ptr<float>());

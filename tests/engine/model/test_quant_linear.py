@@ -97,7 +97,7 @@ def test_float_activations_match_float64(format, rows, n, k):
 def test_integer_activations_are_within_their_rounding_of_float64(format, bits, rows, n, k):
     """Each block of 32 values of x rounds to integers with step max|x| / (2^(bits-1) - 1):
     the result may move by half a step times the block's |w| sums, and no more (the
-    K-quants' super-blocks multiply floats, well within it)."""
+    Q6_K's super-blocks multiply floats, well within it)."""
     weight, reference = quantized(format, random_weight(n, k, seed=rows + n * k))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
     x[0, :5] = torch.tensor([0.0, -0.0, 1e-30, -7.5, 3e-39])  # zeros, a denormal, a large one
