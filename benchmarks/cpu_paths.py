@@ -24,6 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIGS = [
+    "float32:gguf:int16:float16",
     "float32:gguf:int16",
     "float32:gguf:float",
     "float32:gguf:int8",
@@ -39,7 +40,8 @@ def measure(
     configs: list[str], shapes: list[tuple[int, int]], steps: int, prefill: int
 ) -> list[dict[str, object]]:
     """In this process (its path already forced): step times and sizes of each
-    `dtype:quantization[:activations]` config, one runner each, their steps interleaved
+    `dtype:quantization[:activations[:kv_cache_dtype]]` config (the KV cache holding the
+    dtype unless it says), one runner each, their steps interleaved
     (round by round, every config in turn) so that the machine's slower and faster
     moments fall on all of them alike."""
     import statistics
@@ -51,7 +53,10 @@ def measure(
 
     benches = []
     for config in configs:
-        dtype, quantization, activations = (config + ":int16").split(":")[:3]
+        fields = config.split(":")
+        dtype, quantization = fields[:2]
+        activations = fields[2] if len(fields) > 2 else "int16"
+        kv_cache_dtype = fields[3] if len(fields) > 3 else None
         bench = DecodeBench(
             dtype,
             shapes,
@@ -59,6 +64,7 @@ def measure(
             spare_tokens=prefill,
             quantization=quantization,
             quantized_activations=activations,
+            kv_cache_dtype=kv_cache_dtype,
         )
         benches.append((dtype, quantization, activations, bench))
     bandwidth = copy_bandwidth()
@@ -94,6 +100,7 @@ def measure(
                 "dtype": dtype,
                 "weights": bench.runner.weights_format
                 + (f" ({activations} act.)" if quantization != "none" else ""),
+                "kv": str(bench.runner.token_to_kv_pool.dtype).removeprefix("torch."),
                 "weight_mib": sizes["weight_bytes"] / (1 << 20),
                 "bandwidth_gbs": bandwidth / 1e9,
                 "decode": decode,
@@ -136,7 +143,8 @@ def main() -> None:
         "--configs",
         nargs="+",
         default=DEFAULT_CONFIGS,
-        help="dtype:quantization[:int16|int8|float activations, default int16]",
+        help="dtype:quantization[:int16|int8|float activations, default int16[:KV cache "
+        "dtype, default the dtype]]",
     )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prefill", type=int, default=512, help="prefill tokens (0: skip)")
@@ -152,7 +160,7 @@ def main() -> None:
     paths = args.paths or [p for p in FORCEABLE if PATHS.index(p) <= PATHS.index(machine.path)]
     print(f"CPU flags: {' '.join(machine.flags)}; load average {os.getloadavg()}")
     header = (
-        "| path | ATen | dtype | weights | MiB | "
+        "| path | ATen | dtype | weights | KV | MiB | "
         + " | ".join(f"decode {b}x{c} ms (floor)" for b, c in SHAPES)
         + " | prefill tok/s |"
     )
@@ -168,7 +176,7 @@ def main() -> None:
                 for d in r["decode"]  # type: ignore[union-attr]
             )
             print(
-                f"| {r['path']} | {r['aten']} | {r['dtype']} | {r['weights']} | "
+                f"| {r['path']} | {r['aten']} | {r['dtype']} | {r['weights']} | {r['kv']} | "
                 f"{r['weight_mib']:.0f} | {cells} | {r['prefill_tps']:.0f} |",
                 flush=True,
             )

@@ -167,7 +167,7 @@ class DecodeBench:
         a matmul reads one of the two), and per token of context its K and V in all layers."""
         config, model = self.runner.model_config, self.runner.model
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        element = torch.empty((), dtype=self.runner.dtype).element_size()
+        element = torch.empty((), dtype=self.runner.token_to_kv_pool.dtype).element_size()
         kv_token_bytes = (
             2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
         )

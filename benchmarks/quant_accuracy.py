@@ -25,17 +25,21 @@ from engine.model.runner import ExtendInput, ModelRunner
 
 HELD_TEXT = Path(__file__).with_name("data") / "held_text.txt"
 CONFIGS = [
-    ("float32", "gguf", "float"),
-    ("float32", "gguf", "int16"),
-    ("float32", "gguf", "int8"),
-    ("bfloat16", "gguf", "int16"),
-    ("bfloat16", "gguf", "int8"),
-    ("float32", "int8", "float"),
-    ("float32", "int8", "int16"),
-    ("float32", "int8", "int8"),
-    ("bfloat16", "none", "int8"),
+    ("float32", "none", "float", "float16"),
+    ("float32", "gguf", "float", "float32"),
+    ("float32", "gguf", "int16", "float32"),
+    ("float32", "gguf", "int16", "float16"),
+    ("float32", "gguf", "int8", "float32"),
+    ("bfloat16", "gguf", "int16", "bfloat16"),
+    ("bfloat16", "gguf", "int8", "bfloat16"),
+    ("float32", "int8", "float", "float32"),
+    ("float32", "int8", "int16", "float32"),
+    ("float32", "int8", "int8", "float32"),
+    ("bfloat16", "none", "int8", "bfloat16"),
 ]
-"""(dtype, quantization, activations) against float32 with quantization none."""
+"""(dtype, quantization, activations, KV cache dtype) against float32 with quantization
+none and a float32 KV cache. float32 over the GGUF with int16 activations and a float16
+cache is what `auto` picks on AVX2."""
 
 
 def teacher_forced_logprobs(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
@@ -48,10 +52,13 @@ def teacher_forced_logprobs(runner: ModelRunner, tokens: list[int]) -> torch.Ten
     return torch.stack(out)
 
 
-def runner_for(dtype: str, quantization: str, activations: str, context: int) -> ModelRunner:
+def runner_for(
+    dtype: str, quantization: str, activations: str, kv_cache_dtype: str, context: int
+) -> ModelRunner:
     return ModelRunner(
         "embedded",
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
         max_total_tokens=context + 16,
         max_running_requests=2,
         quantization=quantization,
@@ -65,19 +72,27 @@ def main() -> None:
     args = parser.parse_args()
     tokens = load_tokenizer("embedded").encode(HELD_TEXT.read_text())[: args.tokens]
     targets = torch.tensor(tokens[1:])
-    reference = teacher_forced_logprobs(runner_for("float32", "none", "float", len(tokens)), tokens)
+    reference = teacher_forced_logprobs(
+        runner_for("float32", "none", "float", "float32", len(tokens)), tokens
+    )
     isa = cpu_isa()
     print(f"kernel path {isa.path}; CPU flags {' '.join(isa.flags)}; load {os.getloadavg()}")
     print(f"{len(tokens)} tokens of {HELD_TEXT.name}; reference: float32, GGUF dequantized at load")
-    print("| dtype | weights | decode activations | mean abs delta logprob | top-1 agreement |")
-    print("|---|---|---|---|---|")
-    for dtype, quantization, activations in CONFIGS:
-        runner = runner_for(dtype, quantization, activations, len(tokens))
+    print(
+        "| dtype | weights | decode activations | KV cache | mean abs delta logprob "
+        "| top-1 agreement |"
+    )
+    print("|---|---|---|---|---|---|")
+    for dtype, quantization, activations, kv_cache_dtype in CONFIGS:
+        runner = runner_for(dtype, quantization, activations, kv_cache_dtype, len(tokens))
         logprobs = teacher_forced_logprobs(runner, tokens)
         picked = (logprobs - reference).gather(1, targets[:, None]).abs().mean().item()
         agree = (logprobs.argmax(-1) == reference.argmax(-1)).double().mean().item()
         act = activations if quantization != "none" else "-"
-        print(f"| {dtype} | {runner.weights_format} | {act} | {picked:.4f} | {agree:.1%} |")
+        print(
+            f"| {dtype} | {runner.weights_format} | {act} | {kv_cache_dtype} | {picked:.4f} "
+            f"| {agree:.1%} |"
+        )
 
 
 if __name__ == "__main__":

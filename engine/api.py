@@ -23,7 +23,7 @@ from engine.distributed import (
     init_distributed,
 )
 from engine.grammar import GrammarBackend
-from engine.model.dtype import resolve_dtype
+from engine.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
 from engine.outputs import GenerateMeta, GenerateResult, StreamChunk
@@ -95,10 +95,14 @@ class Engine:
             init_distributed(config, torch.device(device), ranks.check if ranks else None)
             if ranks is not None:
                 ranks.joined()
+        dtype = resolve_dtype(args.dtype, torch.device(device))
         self.model_runner = ModelRunner(
             args.model,
             device=device,
-            dtype=resolve_dtype(args.dtype, torch.device(device)),
+            dtype=dtype,
+            kv_cache_dtype=resolve_kv_cache_dtype(
+                args.kv_cache_dtype, args.dtype, dtype, torch.device(device)
+            ),
             quantization=args.quantization,
             quantized_activations=args.quantized_activations,
             attention_backend=args.attention_backend,

@@ -52,6 +52,13 @@ class EngineArgs:
         "about half the speed); docs/benchmarks/quantization.md",
         choices=tuple(constants.ACTIVATION_BITS),
     )
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "what the KV cache holds: the dtype, or float16 under float32 on CPU (half the bytes "
+        "decode attention reads; llama.cpp's default cache type); auto: float16 where "
+        "--dtype auto chose float32 on CPU, else the dtype (docs/benchmarks/cpu-paths.md)",
+        choices=constants.KV_CACHE_DTYPES,
+    )
     context_length: int | None = _opt(None, "override the model's context length")
     max_total_tokens: int | None = _opt(
         None,

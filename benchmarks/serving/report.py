@@ -340,18 +340,30 @@ def kernel_lines(kernels: dict[str, dict[str, Any]]) -> list[str]:
         return []
     lines = [
         "",
-        "radixserve's kernel path, dtype and weights, as each server reported them:",
+        "radixserve's kernel path, dtype, weights and KV cache, as each server reported them:",
         "",
-        "| peer | kernel path | RADIXSERVE_CPU_ISA | dtype | weights | settings |",
-        "|---|---|---|---|---|---|",
+        "| peer | kernel path | RADIXSERVE_CPU_ISA | dtype | weights | KV cache | settings |",
+        "|---|---|---|---|---|---|---|",
     ]
     for label, k in kernels.items():
         lines.append(
             f"| {label} | {k.get('cpu_isa') or '-'} | {k.get('RADIXSERVE_CPU_ISA') or '-'} | "
             f"{k.get('dtype') or '-'} | {k.get('weights') or '-'} | "
+            f"{k.get('kv_cache_dtype') or '-'} | "
             f"`--dtype {k.get('dtype_setting')} --quantization {k.get('quantization_setting')}` |"
         )
     return lines
+
+
+def vllm_kernel_lines(libraries: dict[str, list[str]]) -> list[str]:
+    """Which of its wheel's kernel builds each vLLM peer ran (absent from older records)."""
+    if not libraries:
+        return []
+    listed = "; ".join(
+        f"{label}: {', '.join(f'`{lib}`' for lib in libs) or 'none found'}"
+        for label, libs in libraries.items()
+    )
+    return ["", f"vLLM's kernel libraries, as each server's processes mapped them: {listed}."]
 
 
 def stream_lines(cfg: dict[str, Any]) -> list[str]:
@@ -406,6 +418,7 @@ def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
         "",
         *(f"- `{name}`: {desc}" for name, desc in record["peers"].items()),
         *kernel_lines(record.get("kernels") or {}),
+        *vllm_kernel_lines(record.get("vllm_kernels") or {}),
         "",
         "## Workloads (`benchmarks/serving/workloads.py`, seed "
         f"{cfg['seed']}, {cfg['output_len']} output tokens per request)",

@@ -71,9 +71,9 @@ class RadixServer(ServerProcess):
 
     def kernel(self) -> dict[str, Any]:
         """What this server runs the model as: the kernel path (`cpu_isa`) and the CPU flags
-        it was chosen from, from `/get_server_info`; the dtype and the weights' format as
-        resolved (the `radixserve_cpu_info` gauge on the worker's /metrics); and the
-        `--dtype` / `--quantization` settings they were resolved from."""
+        it was chosen from, from `/get_server_info`; the dtype, the weights' format and the
+        KV cache's dtype as resolved (the `radixserve_cpu_info` gauge on the worker's
+        /metrics); and the `--dtype` / `--quantization` settings they were resolved from."""
         info = httpx2.get(f"{self.base_url}/get_server_info", timeout=30.0, trust_env=False)
         info.raise_for_status()
         settings = info.json()
@@ -84,6 +84,7 @@ class RadixServer(ServerProcess):
             "cpu_flags": settings.get("cpu_flags"),
             "dtype": resolved.get("dtype"),
             "weights": resolved.get("weights"),
+            "kv_cache_dtype": resolved.get("kv_cache_dtype"),
             "dtype_setting": settings.get("dtype"),
             "quantization_setting": settings.get("quantization"),
         }

@@ -10,11 +10,18 @@ One server per peer, not per cell: it takes about a minute to start on two cores
 prefix cache is on by default and would carry one cell's prefixes into the next, so the
 server runs with `VLLM_SERVER_DEV_MODE=1`, which adds `POST /reset_prefix_cache`, called
 before every cell (as radixserve's `/flush_cache`).
+
+`isa="avx2"` serves vLLM as an AVX2-only CPU runs it, on any x86 CPU: its wheel carries
+kernels per instruction set (`_C` for AVX512-BF16, `_C_AVX512`, `_C_AVX2`) and picks by
+what torch reports, which `vllm_avx2/sitecustomize.py` turns down; PyTorch's and oneDNN's
+GEMMs are capped by their own variables. `kernel_libraries()` reads which one its processes
+loaded.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +37,14 @@ KVCACHE_GIB = 2
 """`VLLM_CPU_KVCACHE_SPACE`: 2 GiB holds about 45k float32 tokens of this model, more than
 any workload keeps at once."""
 RESET_TIMEOUT_S = 120.0
+AVX2_SITE = Path(__file__).with_name("vllm_avx2")
+"""The folder whose `sitecustomize.py` hides AVX-512 and AMX from the server's torch."""
+AVX2_ENV = {
+    "PYTHONPATH": str(AVX2_SITE),
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+KERNEL_LIBRARY = re.compile(r"vllm/(_C\w*)\.abi3\.so")
 
 
 def default_venv() -> Path:
@@ -49,11 +64,14 @@ def missing(venv: Path, model: Path) -> str | None:
     return None
 
 
-def server_env(venv: Path) -> dict[str, str]:
+def server_env(venv: Path, isa: str | None = None) -> dict[str, str]:
     """The variables the setup script serves with, on every core this process may use (as
     radixserve's worker and llama-server take them); Intel's OpenMP preloaded, as vLLM's CPU
-    build expects."""
+    build expects; with `isa="avx2"`, those that keep it to AVX2."""
+    if isa not in (None, "avx2"):
+        raise ValueError(f"vLLM's CPU build can be held to avx2 only, not {isa}")
     return {
+        **(AVX2_ENV if isa == "avx2" else {}),
         "VLLM_CPU_KVCACHE_SPACE": str(KVCACHE_GIB),
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
         "LD_PRELOAD": str(venv / "lib" / "libiomp5.so"),
@@ -71,14 +89,20 @@ class VllmServer(ServerProcess):
     stop_timeout_s = 30.0
     poll_interval_s = 1.0
 
-    def __init__(self, venv: Path, model: Path, extra_flags: list[str] | None = None):
+    def __init__(
+        self,
+        venv: Path,
+        model: Path,
+        extra_flags: list[str] | None = None,
+        isa: str | None = None,
+    ):
         if reason := missing(venv, model):
             raise FileNotFoundError(reason)
         (port,) = free_ports(1)
         # `env` sets the server's variables and execs it: the pid stays the server's.
         argv = [
             "env",
-            *(f"{name}={value}" for name, value in server_env(venv).items()),
+            *(f"{name}={value}" for name, value in server_env(venv, isa).items()),
             str(venv / "bin" / "vllm-shim"),
             "serve",
             str(model),
@@ -105,3 +129,19 @@ class VllmServer(ServerProcess):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{url} kept answering success: false")
             time.sleep(1.0)
+
+    def kernel_libraries(self) -> set[str]:
+        """The vLLM kernel libraries (`_C`, `_C_AVX512`, `_C_AVX2`) mapped by the server's
+        processes (it and every descendant: the engine core and its worker)."""
+        assert self.proc is not None, "the server runs inside its with block"
+        found: set[str] = set()
+        pids = [self.proc.pid]
+        while pids:
+            pid = pids.pop()
+            try:
+                found |= set(KERNEL_LIBRARY.findall(Path(f"/proc/{pid}/maps").read_text()))
+                for task in Path(f"/proc/{pid}/task").iterdir():
+                    pids += map(int, (task / "children").read_text().split())
+            except OSError:  # the process ended meanwhile
+                continue
+        return found

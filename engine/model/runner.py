@@ -78,6 +78,7 @@ class ModelRunner:
         *,
         device: str | torch.device = "cpu",
         dtype: str | torch.dtype = "bfloat16",
+        kv_cache_dtype: str | torch.dtype | None = None,
         attention_backend: str | None = None,
         max_total_tokens: int | None = None,
         mem_fraction_static: float = 0.85,
@@ -104,6 +105,7 @@ class ModelRunner:
         self.dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
         if self.dtype not in SUPPORTED_DTYPES.get(self.device.type, ()):
             raise ValueError(f"dtype {self.dtype} is not supported on {self.device.type}")
+        self.kv_cache_dtype = self._kv_cache_dtype(kv_cache_dtype)
         checkpoint = open_checkpoint(model)
         self.model_config = config = checkpoint.config
         self.tp_size = get_tp_group().size
@@ -160,6 +162,21 @@ class ModelRunner:
         else:
             logger.info("decode graphs: none to capture (decode runs eagerly on %s)", self.device)
 
+    def _kv_cache_dtype(self, kv_cache_dtype: str | torch.dtype | None) -> torch.dtype:
+        """What the KV pool holds: the dtype (None), or float16 under float32 on CPU, which
+        the CPU kernels widen as they read it; nothing else has kernels that read it."""
+        if kv_cache_dtype is None:
+            return self.dtype
+        kv_dtype = DTYPES[kv_cache_dtype] if isinstance(kv_cache_dtype, str) else kv_cache_dtype
+        widened = self.device.type == "cpu" and self.dtype == torch.float32
+        if kv_dtype != self.dtype and not (widened and kv_dtype == torch.float16):
+            raise ValueError(
+                f"kv_cache_dtype {str(kv_dtype).removeprefix('torch.')} is not supported under "
+                f"dtype {str(self.dtype).removeprefix('torch.')} on {self.device.type}: the KV "
+                "cache holds the dtype, or float16 under float32 on CPU"
+            )
+        return kv_dtype
+
     def init_memory_pool(
         self,
         max_total_tokens: int | None,
@@ -183,7 +200,9 @@ class ModelRunner:
                 graph_bytes = self._measure_graph_memory(kv_shape)
             max_total_tokens = get_tp_group().min_over_ranks(
                 MHATokenToKVPool.max_tokens_for_budget(
-                    self._kv_cache_budget(mem_fraction_static) - graph_bytes, *kv_shape, self.dtype
+                    self._kv_cache_budget(mem_fraction_static) - graph_bytes,
+                    *kv_shape,
+                    self.kv_cache_dtype,
                 )
             )
         if max_total_tokens < 1:
@@ -193,12 +212,14 @@ class ModelRunner:
         self.max_total_num_tokens = max_total_tokens
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_tokens, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            max_total_tokens, self.dtype, *kv_shape, self.device
+            max_total_tokens, self.kv_cache_dtype, *kv_shape, self.device
         )
         logger.info(
             "KV cache: %d tokens, %.2f GiB, sized in %.1f s",
             max_total_tokens,
-            max_total_tokens * MHATokenToKVPool.cell_size(*kv_shape, self.dtype) / (1 << 30),
+            max_total_tokens
+            * MHATokenToKVPool.cell_size(*kv_shape, self.kv_cache_dtype)
+            / (1 << 30),
             time.perf_counter() - started,
         )
 
@@ -222,7 +243,7 @@ class ModelRunner:
         activations), over a one-slot stand-in KV pool, freed again after."""
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        stand_in = MHATokenToKVPool(1, self.dtype, *kv_shape, self.device)
+        stand_in = MHATokenToKVPool(1, self.kv_cache_dtype, *kv_shape, self.device)
         trial = self._graph_runner(stand_in, CudaGraphBackend(self.device), largest_only=True)
         trial.capture()
         torch.cuda.synchronize(self.device)

@@ -126,13 +126,15 @@ class Worker(Service):
             isa=runner.device.type if self.cpu_isa is None else self.cpu_isa.path,
             dtype=str(runner.dtype).removeprefix("torch."),
             weights=runner.weights_format,
+            kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
         )
         if self.cpu_isa is not None:
             logger.info(
-                "CPU: %s, dtype %s, weights %s",
+                "CPU: %s, dtype %s, weights %s, KV cache %s",
                 self.cpu_isa.describe(),
                 self.cpu_info.dtype,
                 self.cpu_info.weights,
+                self.cpu_info.kv_cache_dtype,
             )
         super().__init__(settings, settings.zmq_address("worker_port"))
         self.to_detokenizer = self.outbox(settings.zmq_address("detokenizer_port"))

@@ -125,9 +125,16 @@ def test_grammar_compiles_and_refusals_are_counted_apart():
 
 def test_cpu_info_labels_what_runs_the_model_and_is_there_before_any_sample():
     registry = CollectorRegistry()
-    WorkerMetrics(registry, "m", cpu_info=CpuInfo("avx2", "float32", "gguf:Q4_1"))
+    WorkerMetrics(registry, "m", cpu_info=CpuInfo("avx2", "float32", "gguf:Q4_1", "float16"))
     assert (
-        value(registry, "radixserve_cpu_info", isa="avx2", dtype="float32", weights="gguf:Q4_1")
+        value(
+            registry,
+            "radixserve_cpu_info",
+            isa="avx2",
+            dtype="float32",
+            weights="gguf:Q4_1",
+            kv_cache_dtype="float16",
+        )
         == 1
     )
     assert b"radixserve_cpu_info" not in generate_latest(metrics()[0])  # none given: none shown
@@ -242,6 +249,7 @@ def test_worker_reports_its_cpu_kernel_path_in_metrics_and_server_info(worker: W
                 "isa": info["cpu_isa"],
                 "dtype": "float32",
                 "weights": "float32",
+                "kv_cache_dtype": "float32",  # the dtype set explicitly: so is the cache's
             },
             1,
         )

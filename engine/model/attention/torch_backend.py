@@ -247,10 +247,12 @@ class TorchAttnBackend(AttentionBackend):
         else:
             out = torch.empty_like(q)
             for seq in md.extend_seqs:
+                keys = k_buffer.index_select(0, seq.kv_indices).to(q.dtype)
+                values = v_buffer.index_select(0, seq.kv_indices).to(q.dtype)
                 out[seq.start : seq.end] = F.scaled_dot_product_attention(
                     q[seq.start : seq.end].transpose(0, 1).unsqueeze(0),
-                    k_buffer.index_select(0, seq.kv_indices).transpose(0, 1).unsqueeze(0),
-                    v_buffer.index_select(0, seq.kv_indices).transpose(0, 1).unsqueeze(0),
+                    keys.transpose(0, 1).unsqueeze(0),
+                    values.transpose(0, 1).unsqueeze(0),
                     attn_mask=seq.mask,
                     is_causal=seq.mask is None,
                     scale=layer.scaling,
@@ -376,11 +378,14 @@ def attend_decode(
         )
     num_reqs, num_heads, d = q.shape
     blocks = (num_reqs * num_kv_heads, group.max_seq_len, d)
-    k = k_buffer.view(-1, d).index_select(0, rows.kv_rows).view(blocks)
+    k = k_buffer.view(-1, d).index_select(0, rows.kv_rows).view(blocks).to(q.dtype)
     queries = q.reshape(blocks[0], num_heads // num_kv_heads, d)
     scores = torch.bmm(queries, k.transpose(1, 2)).view(num_reqs, num_heads, group.max_seq_len)
     scores = scores.to(torch.promote_types(q.dtype, torch.float32)).mul_(scaling).add_(rows.bias)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    if v_buffer.dtype != q.dtype:  # a 16-bit pool under float32: values gathered and widened
+        values = v_buffer.view(-1, d).index_select(0, rows.kv_rows).view(blocks).to(q.dtype)
+        return torch.bmm(probs.view(blocks[0], -1, group.max_seq_len), values).view(q.shape)
     out = F.embedding_bag(
         rows.v_rows,
         v_buffer.view(-1, d),

@@ -3,7 +3,8 @@
 // A task takes one request (or one KV head of it): its query heads score every key of the
 // request's context (one pass over the keys, each read once for all the query heads that
 // share it), take a softmax in the accumulation type (float for bf16/half/float, double for
-// double), and sum the values weighted by it. Nothing is gathered: `slots[r, j]` names the
+// double), and sum the values weighted by it. The pool holds the queries' type, or 16 bits
+// under float queries (`--kv-cache-dtype`: half the bytes to read). Nothing is gathered: `slots[r, j]` names the
 // pool slot of request r's j-th token, and only the first `seq_lens[r]` of them are read.
 //
 // On the vector paths (simd.h: 16 float lanes with AVX-512, 8 with AVX2) and float
@@ -179,7 +180,9 @@ void add_weighted_values_heads(
 }
 #endif
 
-template <typename scalar_t>
+// `scalar_t` is the queries' and output's type, `kv_t` the pool's: the same, or 16-bit
+// under float queries (the keys and values widened in registers).
+template <typename scalar_t, typename kv_t>
 void decode_attention_kernel(
     const at::Tensor& q,
     const at::Tensor& k_buffer,
@@ -202,8 +205,8 @@ void decode_attention_kernel(
   const int64_t task_heads = heads_per_task * group;  // query heads of one task
   const int64_t task_dim = heads_per_task * head_dim;  // K/V elements of one task per token
   const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_buffer.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_buffer.data_ptr<scalar_t>();
+  const kv_t* k_ptr = k_buffer.data_ptr<kv_t>();
+  const kv_t* v_ptr = v_buffer.data_ptr<kv_t>();
   const int64_t* slot_ptr = slots.data_ptr<int64_t>();
   const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
@@ -227,17 +230,18 @@ void decode_attention_kernel(
       if constexpr (std::is_same_v<acc_t, float>) {
         if (head_dim % simd::kLanes == 0) {  // blocks of keys, for every query head at once
           for (; scored + kBlockKeys <= len; scored += kBlockKeys) {
-            const scalar_t* keys[kBlockKeys];
+            const kv_t* keys[kBlockKeys];
             for (int t = 0; t < kBlockKeys; ++t) {
               keys[t] = locate_token(k_ptr + offset, row, scored + t, len, token_stride, task_dim);
               prefetch_to_l2(v_ptr + offset + row[scored + t] * token_stride, task_dim);
             }
             for (int64_t qh = 0; qh < task_heads; ++qh) {
-              const scalar_t* head_keys[kBlockKeys];
+              const kv_t* head_keys[kBlockKeys];
               for (int t = 0; t < kBlockKeys; ++t) head_keys[t] = keys[t] + (qh / group) * head_dim;
               float* head_scores = scores.data() + qh * max_len + scored;
 #if defined(__AVX512BF16__)
-              if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+              if constexpr (std::is_same_v<scalar_t, at::BFloat16> &&
+                            std::is_same_v<kv_t, at::BFloat16>) {
                 if (head_dim % 32 == 0) {
                   score_block(q_row + qh * head_dim, head_keys, head_dim, scaling, head_scores);
                   continue;
@@ -334,7 +338,7 @@ void decode_attention_kernel(
           // blocks of values, the sums in registers
           for (; summed < len; summed += kBlockKeys) {
             const int64_t count = std::min<int64_t>(kBlockKeys, len - summed);
-            const scalar_t* values[kBlockKeys];
+            const kv_t* values[kBlockKeys];
             for (int64_t t = 0; t < count; ++t) {
               values[t] = locate_token(v_ptr + offset, row, summed + t, len, token_stride,
                                        task_dim);
@@ -343,10 +347,10 @@ void decode_attention_kernel(
               const float* head_scores = scores.data() + h * group * max_len + summed;
               float* head_sums = sums.data() + h * group * head_dim;
               constexpr int kLanes = simd::kLanes;
-              const auto add = head_dim == 16   ? add_weighted_values_heads<16 / kLanes, scalar_t>
-                               : head_dim == 32 ? add_weighted_values_heads<32 / kLanes, scalar_t>
-                               : head_dim == 64 ? add_weighted_values_heads<64 / kLanes, scalar_t>
-                                                : add_weighted_values_heads<128 / kLanes, scalar_t>;
+              const auto add = head_dim == 16   ? add_weighted_values_heads<16 / kLanes, kv_t>
+                               : head_dim == 32 ? add_weighted_values_heads<32 / kLanes, kv_t>
+                               : head_dim == 64 ? add_weighted_values_heads<64 / kLanes, kv_t>
+                                                : add_weighted_values_heads<128 / kLanes, kv_t>;
               add(group, values, count, h * head_dim, head_scores, max_len, head_sums);
             }
           }
@@ -382,9 +386,12 @@ at::Tensor decode_attention(
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
               "q is [n, heads, dim] and the buffers [slots, kv_heads, dim]");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "contiguous KV buffers");
-  TORCH_CHECK(q.scalar_type() == k_buffer.scalar_type() &&
-                  q.scalar_type() == v_buffer.scalar_type(),
-              "q and the KV buffers share a dtype");
+  const at::ScalarType kv_type = k_buffer.scalar_type();
+  TORCH_CHECK(v_buffer.scalar_type() == kv_type, "the K and V buffers share a dtype");
+  TORCH_CHECK(q.scalar_type() == kv_type ||
+                  (q.scalar_type() == at::kFloat &&
+                   (kv_type == at::kHalf || kv_type == at::kBFloat16)),
+              "q and the KV buffers share a dtype, or float q reads a 16-bit pool");
   TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "query heads are a multiple of KV heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "int64 slots and seq_lens");
@@ -394,9 +401,16 @@ at::Tensor decode_attention(
   const at::Tensor slot_rows = slots.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   at::Tensor out = at::empty_like(queries);
+  if (q.scalar_type() != kv_type) {
+    AT_DISPATCH_REDUCED_FLOATING_TYPES(kv_type, "radixserve_decode_attention_16bit_pool", [&] {
+      decode_attention_kernel<float, scalar_t>(
+          queries, k_buffer, v_buffer, slot_rows, lens, scaling, out);
+    });
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, q.scalar_type(), "radixserve_decode_attention", [&] {
-        decode_attention_kernel<scalar_t>(
+        decode_attention_kernel<scalar_t, scalar_t>(
             queries, k_buffer, v_buffer, slot_rows, lens, scaling, out);
       });
   return out;

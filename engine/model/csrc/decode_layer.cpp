@@ -9,8 +9,8 @@
 // the o projection, residual add + RMSNorm, gate_up, SiLU-and-mul, down. Every projection is
 // bias-free: over quantized rows the quantized matmul (`formats`, one per projection, -1
 // for bf16 weights), else the few-rows matmul for up to `few_rows` rows, else the AMX one.
-// Hidden states and the KV pool are bf16, or float32 where every projection is quantized;
-// `activation_bits` as `quant_linear` takes it.
+// Hidden states are bf16, or float32 where every projection is quantized; the KV pool holds
+// their dtype, or 16 bits under float32; `activation_bits` as `quant_linear` takes it.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -104,9 +104,10 @@ Tensor decode_layer(
   TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kBFloat16 ||
                                     hidden.scalar_type() == at::kFloat),
               "bf16 or float hidden states [n, hidden]");
-  TORCH_CHECK(k_buffer.scalar_type() == hidden.scalar_type() &&
-                  v_buffer.scalar_type() == hidden.scalar_type(),
-              "a KV pool of the hidden states' dtype");
+  TORCH_CHECK(k_buffer.scalar_type() == v_buffer.scalar_type() &&
+                  (k_buffer.scalar_type() == hidden.scalar_type() ||
+                   hidden.scalar_type() == at::kFloat),
+              "a KV pool of the hidden states' dtype, or any under float32");
   for (const int64_t format : formats) {
     TORCH_CHECK(format >= 0 || hidden.scalar_type() == at::kBFloat16,
                 "bf16 projections take bf16 hidden states");
@@ -122,8 +123,10 @@ Tensor decode_layer(
   Tensor qk = qkv.narrow(1, 0, num_heads + num_kv_heads);
   kernels.rotary(qk, cos_sin);
   const Tensor q = qkv.narrow(1, 0, num_heads);
-  k_buffer.index_copy_(0, out_cache_loc, qkv.narrow(1, num_heads, num_kv_heads));
-  v_buffer.index_copy_(0, out_cache_loc, qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads));
+  const at::ScalarType kv_type = k_buffer.scalar_type();
+  k_buffer.index_copy_(0, out_cache_loc, qkv.narrow(1, num_heads, num_kv_heads).to(kv_type));
+  v_buffer.index_copy_(0, out_cache_loc,
+                       qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads).to(kv_type));
   const Tensor attn =
       kernels.decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scaling)
           .view({tokens, num_heads * head_dim});

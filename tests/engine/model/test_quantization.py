@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.model.cpu_isa import CpuIsa
-from engine.model.dtype import resolve_dtype
+from engine.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from engine.model.embedded import embedded_model_path
 from engine.model.layers.linear import Linear
 from engine.model.layers.quantization import WeightFormat, quantize_int8_rows
@@ -229,3 +229,24 @@ def test_auto_dtype_follows_the_kernel_path(flags, path, expected):
     assert resolve_dtype("auto", CPU, isa) == expected
     assert resolve_dtype("auto", torch.device("cuda"), isa) == "bfloat16"
     assert resolve_dtype("float16", CPU, isa) == "float16"
+
+
+def test_auto_kv_cache_dtype_is_float16_only_under_the_float32_auto_chose_on_cpu():
+    cuda = torch.device("cuda")
+    assert resolve_kv_cache_dtype("auto", "auto", "float32", CPU) == "float16"
+    assert resolve_kv_cache_dtype("auto", "float32", "float32", CPU) == "float32"  # as asked
+    assert resolve_kv_cache_dtype("auto", "auto", "bfloat16", CPU) == "bfloat16"
+    assert resolve_kv_cache_dtype("auto", "auto", "bfloat16", cuda) == "bfloat16"
+    assert resolve_kv_cache_dtype("float32", "auto", "float32", CPU) == "float32"
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_cache_dtype"),
+    [("bfloat16", "float16"), ("bfloat16", "float32"), ("float64", "float16")],
+)
+def test_a_kv_cache_dtype_no_kernel_reads_is_refused(
+    dtype, kv_cache_dtype, hf_model_factory, runner_factory, tmp_path
+):
+    hf_model_factory("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=f"kv_cache_dtype {kv_cache_dtype} is not supported"):
+        runner_factory(tmp_path, dtype=dtype, kv_cache_dtype=kv_cache_dtype)

@@ -32,14 +32,17 @@ def make_batch(
     seed: int = 0,
     dtype: torch.dtype = torch.float64,
     layer: AttentionLayer = LAYER,
+    kv_dtype: torch.dtype | None = None,
 ):
-    """Requests on scattered slots of a pool full of random K/V. Prefix slots are in
-    `req_to_token`; the new tokens' entries hold stale slots, as before the scheduler writes
-    them."""
+    """Requests on scattered slots of a pool full of random K/V (of `kv_dtype`, default
+    `dtype`). Prefix slots are in `req_to_token`; the new tokens' entries hold stale slots,
+    as before the scheduler writes them."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
     pool_size = sum(seq_lens) + 11
-    kv_pool = MHATokenToKVPool(pool_size, dtype, layer.num_kv_heads, layer.head_dim, 2, "cpu")
+    kv_pool = MHATokenToKVPool(
+        pool_size, kv_dtype or dtype, layer.num_kv_heads, layer.head_dim, 2, "cpu"
+    )
     for buffer in kv_pool.get_kv_buffer(layer.layer_id):
         buffer.copy_(torch.randn(buffer.shape, generator=gen, dtype=torch.float64))
     req_pool = ReqToTokenPool(len(seq_lens) + 2, max(seq_lens) + 3, "cpu")
@@ -84,7 +87,8 @@ def reference_attention(
     layer: AttentionLayer = LAYER,
 ) -> torch.Tensor:
     k_buffer, v_buffer = (b.double() for b in fb.token_to_kv_pool.get_kv_buffer(layer.layer_id))
-    q, k, v = q.double(), k.double(), v.double()
+    stored = fb.token_to_kv_pool.dtype  # the new K/V as the pool keeps them
+    q, k, v = q.double(), k.to(stored).double(), v.to(stored).double()
     group = layer.num_heads // layer.num_kv_heads
     outputs, start = [], 0
     for row, prefix_len, extend_len in zip(
@@ -155,6 +159,17 @@ def test_attention_matches_the_reference(case, cpu_kernel):
     )
 
 
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "torch-ops"])
+@pytest.mark.parametrize("case", CASES)
+def test_float32_attention_over_a_float16_pool_reads_the_halves_as_stored(case, cpu_kernel):
+    """`--kv-cache-dtype float16` under float32: the output is float32, and equals float64
+    attention over the pool's halves (the new K/V rounded to half as they are written)."""
+    fb, q, k, v = make_batch(*CASES[case], dtype=torch.float32, kv_dtype=torch.float16)
+    out = run(fb, q, k, v, cpu_kernel)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), reference_attention(fb, q, k, v), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
 )
@@ -185,9 +200,16 @@ KERNEL_LENS = [1, 15, 16, 17, 40, 100]
 @pytest.mark.parametrize("num_reqs", [len(KERNEL_LENS), 1], ids=["batch", "one-request"])
 @pytest.mark.parametrize("layout", list(KERNEL_LAYOUTS))
 @pytest.mark.parametrize(
-    "dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)]
+    "dtype, kv_dtype, tolerance",
+    [
+        (torch.float32, torch.float32, 1e-5),
+        (torch.bfloat16, torch.bfloat16, 2e-2),
+        (torch.float16, torch.float16, 2e-3),
+        (torch.float32, torch.float16, 1e-5),  # a 16-bit pool widened under float queries
+        (torch.float32, torch.bfloat16, 1e-5),
+    ],
 )
-def test_decode_kernel_layouts_match_float64(layout, dtype, tolerance, num_reqs):
+def test_decode_kernel_layouts_match_float64(layout, dtype, kv_dtype, tolerance, num_reqs):
     """The kernel alone, on head layouts and lengths that take each of its paths, against
     softmax(qK^T)V in float64 over the same (rounded) inputs; slots past a length are
     garbage."""
@@ -196,7 +218,7 @@ def test_decode_kernel_layouts_match_float64(layout, dtype, tolerance, num_reqs)
     lens = KERNEL_LENS[-num_reqs:]
     pool = sum(lens) + 5
     k_buffer, v_buffer = (
-        torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)
+        torch.randn(pool, kv_heads, head_dim, generator=gen).to(kv_dtype) for _ in range(2)
     )
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
     slots = torch.randint(0, pool, (len(lens), max(lens) + 3), generator=gen)

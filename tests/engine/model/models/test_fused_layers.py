@@ -107,7 +107,7 @@ def test_a_bf16_decode_layer_runs_as_one_op_with_the_modules_results(
         ours = greedy(runner, prompts, 4)
         assert calls == [len(prompts)] * 3 * layers_per_step  # the three decode steps
         with monkeypatch.context() as modules_only:
-            modules_only.setattr(LlamaDecoderLayer, "decode_weights", lambda self: None)
+            modules_only.setattr(LlamaDecoderLayer, "decode_weights", lambda self, dtype: None)
             theirs = greedy(runner, prompts, 4)
         assert ours.tokens == theirs.tokens
         for our_steps, their_steps in zip(ours.logits, theirs.logits, strict=True):
@@ -139,4 +139,34 @@ def test_the_modules_run_what_the_one_op_layer_does_not_cover(
     assert calls == []
     layer = runner.model.model.layers[0]
     monkeypatch.setattr(layer.mlp.down_proj, "lora", lambda x, y: y)
-    assert layer.decode_weights() is None
+    assert layer.decode_weights(torch.bfloat16) is None
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="needs the C++ kernels")
+def test_a_float32_quantized_decode_layer_writes_and_reads_a_float16_pool(
+    hf_model_factory, runner_factory, prompts_factory, greedy, tmp_path, monkeypatch
+):
+    """`--kv-cache-dtype float16` under float32 (the AVX2 default over quantized weights):
+    the one-op layer rounds the new K/V to half as the modules do, so tokens are theirs and
+    logits within float32 rounding of theirs (as over a float32 pool: the modules' float32
+    norms are torch's), and within half's rounding of a float32 pool's."""
+    hf_model_factory("llama").save_pretrained(tmp_path)
+    runner = runner_factory(
+        tmp_path, dtype="float32", quantization="int8", kv_cache_dtype="float16"
+    )
+    assert runner.token_to_kv_pool.dtype == torch.float16
+    calls = count_decode_layer_calls(monkeypatch)
+    prompts = prompts_factory([6, 1, 9])
+    ours = greedy(runner, prompts, 4)
+    assert calls == [len(prompts)] * 3 * runner.model_config.num_hidden_layers
+    with monkeypatch.context() as modules_only:
+        modules_only.setattr(LlamaDecoderLayer, "decode_weights", lambda self, dtype: None)
+        theirs = greedy(runner, prompts, 4)
+    assert ours.tokens == theirs.tokens
+    for our_steps, their_steps in zip(ours.logits, theirs.logits, strict=True):
+        for a, b in zip(our_steps, their_steps, strict=True):
+            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    full = greedy(runner_factory(tmp_path, dtype="float32", quantization="int8"), prompts, 4)
+    for our_steps, full_steps in zip(ours.logits, full.logits, strict=True):
+        for a, b in zip(our_steps, full_steps, strict=True):
+            torch.testing.assert_close(a, b, atol=5e-3, rtol=5e-3)
