@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey
 
 if TYPE_CHECKING:
@@ -74,6 +75,11 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def dec_lock_ref(self, node: TreeNode) -> int:
         """Unlock the prefix ending at `node`; return the change in evictable size (≥ 0)."""
+
+    @abstractmethod
+    def evict_namespace(self, namespace: PrefixNamespace) -> int:
+        """Free every unlocked prefix of `namespace` (an unloaded LoRA adapter's); return
+        the slots freed."""
 
     @abstractmethod
     def evictable_size(self) -> int:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache.base_prefix_cache import BasePrefixCache, InsertResult, MatchResult
+from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey
 
 if TYPE_CHECKING:
@@ -41,6 +42,9 @@ class ChunkCache(BasePrefixCache):
         return 0
 
     def dec_lock_ref(self, node: TreeNode) -> int:
+        return 0
+
+    def evict_namespace(self, namespace: PrefixNamespace) -> int:
         return 0
 
     def evictable_size(self) -> int:

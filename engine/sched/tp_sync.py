@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import msgspec
 
@@ -29,9 +29,6 @@ from engine.cache.namespace import PrefixNamespace
 from engine.distributed import DEFAULT_TIMEOUT_S, TPGroup
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import FinishReason, Req
-
-if TYPE_CHECKING:
-    from engine.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +44,19 @@ class AddReq(msgspec.Struct, tag=True, array_like=True):
     priority: int
     routing_key: str | None
 
-    def apply(self, scheduler: Scheduler) -> None:
-        req = Req(
+    @classmethod
+    def of(cls, req: Req) -> AddReq:
+        return cls(
+            req.rid,
+            req.origin_input_ids,
+            req.sampling_params,
+            req.extra_key,
+            req.priority,
+            req.routing_key,
+        )
+
+    def to_req(self) -> Req:
+        return Req(
             self.rid,
             self.input_ids,
             self.sampling_params,
@@ -57,35 +65,24 @@ class AddReq(msgspec.Struct, tag=True, array_like=True):
             routing_key=self.routing_key,
             lora_name=self.extra_key.lora if self.extra_key is not None else None,
         )
-        scheduler.add_request(req)
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
     rid: str
     reason: FinishReason
 
-    def apply(self, scheduler: Scheduler) -> None:
-        scheduler.abort_request(self.rid, self.reason)
-
 
 class LoadLoRA(msgspec.Struct, tag=True, array_like=True):
     name: str
     path: str
 
-    def apply(self, scheduler: Scheduler) -> None:
-        scheduler.load_lora_adapter(self.name, self.path)
-
 
 class UnloadLoRA(msgspec.Struct, tag=True, array_like=True):
     name: str
 
-    def apply(self, scheduler: Scheduler) -> None:
-        scheduler.unload_lora_adapter(self.name)
-
 
 class FlushCache(msgspec.Struct, tag=True, array_like=True):
-    def apply(self, scheduler: Scheduler) -> None:
-        scheduler.flush_cache()
+    """Empty the prefix cache and the pools."""
 
 
 class GrammarsDone(msgspec.Struct, tag=True, array_like=True):
@@ -94,9 +91,6 @@ class GrammarsDone(msgspec.Struct, tag=True, array_like=True):
 
     ready: list[str]
     failed: list[tuple[str, FinishReason]]
-
-    def apply(self, scheduler: Scheduler) -> None:
-        scheduler.follow_grammar_queue(self.ready, dict(self.failed))
 
 
 Input = AddReq | Abort | LoadLoRA | UnloadLoRA | FlushCache | GrammarsDone
@@ -109,6 +103,13 @@ class Turn(msgspec.Struct, tag=True, array_like=True):
     inputs: list[msgspec.Raw]
     state: dict[str, int]
     """Rank 0's `Scheduler.fingerprint()` once the inputs are applied."""
+
+
+class FollowedTurn(NamedTuple):
+    """A turn as a follower applies it: rank 0's inputs, then rank 0's numbers to match."""
+
+    inputs: list[Input]
+    state: dict[str, int]
 
 
 class KeepAlive(msgspec.Struct, tag=True, array_like=True):
@@ -146,25 +147,25 @@ class InputSync:
         if self.group.is_first_rank:
             self.recording.append(msgspec.Raw(msgspec.msgpack.encode(item)))
 
-    def begin_turn(self, scheduler: Scheduler) -> bool:
-        """Rank 0: broadcast the turn's record. Follower: wait for rank 0's next turn and
-        apply its record. False when rank 0 has stopped: the loop ends."""
-        if self.group.is_first_rank:
-            recording, self.recording = self.recording, []
-            self._send(Turn(recording, scheduler.fingerprint()))
-            return True
+    def lead_turn(self, state: dict[str, int]) -> None:
+        """Rank 0: broadcast the turn's record, with its `Scheduler.fingerprint()`."""
+        recording, self.recording = self.recording, []
+        self._send(Turn(recording, state))
+
+    def follow_turn(self) -> FollowedTurn | None:
+        """A follower: wait for rank 0's next turn; None when rank 0 has stopped."""
         while True:
             message = _message_decoder.decode(self.group.broadcast_bytes(None))
             if isinstance(message, Stop):
                 self.group.barrier()  # see `stop`
-                return False
+                return None
             if isinstance(message, Turn):
-                for raw in message.inputs:
-                    _input_decoder.decode(raw).apply(scheduler)
-                self._check_in_step(message.state, scheduler.fingerprint())
-                return True
+                inputs = [_input_decoder.decode(raw) for raw in message.inputs]
+                return FollowedTurn(inputs, message.state)
 
-    def _check_in_step(self, leader: dict[str, int], own: dict[str, int]) -> None:
+    def check_in_step(self, leader: dict[str, int], own: dict[str, int]) -> None:
+        """A follower, its turn's inputs applied: stop at once if its numbers are not rank
+        0's, rather than hang in a collective of the wrong shape later."""
         if own != leader:
             differ = {k: (leader.get(k), own.get(k)) for k in leader.keys() | own.keys()}
             raise RuntimeError(

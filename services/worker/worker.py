@@ -170,7 +170,9 @@ class Worker(Service):
 
     def has_work(self) -> bool:
         """The scheduler has work, or outputs wait to be sent: the poll then waits for none."""
-        return bool(self.scheduler.has_work() or self.scheduler.outputs or self.rejected)
+        return bool(
+            self.scheduler.has_work() or self.scheduler.output_processor.outputs or self.rejected
+        )
 
     def poll(self) -> None:
         if self.ready_pending:
@@ -446,7 +448,7 @@ class Worker(Service):
             vocab_size=sched.model_config.vocab_size,
             eos_token_ids=sorted(sched.model_config.eos_token_ids),
             max_running_requests=sched.max_running_requests,
-            lora_adapters=sched.lora_adapters(),
+            lora_adapters=sched.lora.adapters(),
         )
         if self.to_tokenizer.send(ready):
             self.ready_pending = False
@@ -486,13 +488,13 @@ class Worker(Service):
                 status=e.status,
                 message=str(e),
                 param=e.param,
-                lora_adapters=sched.lora_adapters(),
+                lora_adapters=sched.lora.adapters(),
                 rid=msg.rid,
             )
         logger.info(message)
         self.metrics.publish(self.sample())
         return LoRAAdapterReqOutput(
-            success=True, message=message, lora_adapters=sched.lora_adapters(), rid=msg.rid
+            success=True, message=message, lora_adapters=sched.lora.adapters(), rid=msg.rid
         )
 
     def server_info(self) -> dict[str, Any]:
@@ -513,7 +515,7 @@ class Worker(Service):
             "num_waiting_reqs": len(sched.waiting_queue),
             "new_token_ratio": sched.ratio.new_token_ratio,
             "scheduler_stats": sched.stats.counters(),
-            "lora_adapters": sched.lora_adapters(),
+            "lora_adapters": sched.lora.adapters(),
             "cpu_isa": self.cpu_info.isa,
             "cpu_flags": [] if self.cpu_isa is None else list(self.cpu_isa.flags),
             # The port it bound: the one given, or the free one it chose.

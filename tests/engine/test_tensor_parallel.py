@@ -134,7 +134,7 @@ def test_the_cases_exercise_what_they_name(tp2: tuple[dict[str, Any], dict[str, 
 def test_a_follower_out_of_step_stops_naming_what_differs():
     sync = InputSync(TPGroup(rank=1, size=2))  # a follower's side: no keep-alive thread
     with pytest.raises(RuntimeError, match=r"rank 1 is out of step with rank 0.*free_kv \(8, 7\)"):
-        sync._check_in_step({"free_kv": 8, "waiting": 1}, {"free_kv": 7, "waiting": 1})
+        sync.check_in_step({"free_kv": 8, "waiting": 1}, {"free_kv": 7, "waiting": 1})
 
 
 @pytest.mark.parametrize(

@@ -110,7 +110,7 @@ def test_bad_grammars_fail_alone_with_400_while_a_plain_request_finishes(engine)
         assert reason.type == "abort" and reason.status_code == 400 and message in reason.message
         assert result.output_ids == []
     assert results[3].meta.finish_reason == FinishReason("length")
-    assert engine.scheduler.grammar_queue == []
+    assert engine.scheduler.grammar_queue.reqs == []
 
 
 def test_a_grammar_request_waits_in_the_grammar_queue_until_compiled(engine):
@@ -120,7 +120,9 @@ def test_a_grammar_request_waits_in_the_grammar_queue_until_compiled(engine):
         SamplingParams(temperature=0, max_new_tokens=8, regex="a|b"),
     )
     engine.scheduler.add_request(req)
-    assert engine.scheduler.grammar_queue == [req] and req not in engine.scheduler.waiting_queue
+    assert (
+        engine.scheduler.grammar_queue.reqs == [req] and req not in engine.scheduler.waiting_queue
+    )
     engine.scheduler.run_event_loop(lambda: req.finished)
     assert engine.tokenizer.decode(req.output_ids, skip_special_tokens=True) in ("a", "b")
     assert req.finished_reason.type == "stop" and not engine.scheduler.has_work()

@@ -33,7 +33,7 @@ def engines():
             enable_jump_forward=True,
         ) as jf,
     ):
-        assert jf.scheduler.overlap and jf.scheduler.jump_forward
+        assert jf.scheduler.overlap and jf.scheduler.output_processor.jump_forward
         yield plain, jf
 
 

@@ -220,7 +220,7 @@ def test_float64_logits_match_peft_after_reuse_chunking_and_retraction(
 
 def test_adapters_wait_for_a_slot_never_fail(engine: Engine):
     """Four adapters in one call with three slots: the fourth waits, then swaps in."""
-    engine.scheduler.load_lora_adapter("attn2", engine.scheduler.lora_adapters()["attn"])
+    engine.scheduler.load_lora_adapter("attn2", engine.scheduler.lora.adapters()["attn"])
     try:
         names = ["attn", "mlp", "all", "attn2"]
         results = engine.generate(
@@ -251,7 +251,7 @@ def test_unloading_an_adapter_frees_its_prefixes(engine: Engine, adapters: dict[
     before = scheduler.cache_manager.tree_cache.evictable_size()
     scheduler.unload_lora_adapter("extra")
     assert scheduler.cache_manager.tree_cache.evictable_size() == before - (len(ids) + 1)
-    assert "extra" not in scheduler.lora_adapters()
+    assert "extra" not in scheduler.lora.adapters()
     with pytest.raises(LoRAError) as error:
         engine.generate(ids, {**GREEDY, "max_new_tokens": 2}, lora_name="extra")
     assert (error.value.status, error.value.param) == (404, "model")
@@ -266,7 +266,7 @@ def test_unload_while_a_request_uses_it_is_409(engine: Engine):
         scheduler.unload_lora_adapter("all")
     assert error.value.status == 409
     scheduler.run_event_loop(should_stop=lambda: req.finished)
-    assert "all" in scheduler.lora_adapters()
+    assert "all" in scheduler.lora.adapters()
     assert kv_idle_and_whole(engine)
 
 
@@ -305,7 +305,7 @@ def test_bad_adapters_are_refused_with_400(
     with pytest.raises(LoRAError) as error:
         engine.scheduler.load_lora_adapter("bad", str(path))
     assert error.value.status == 400
-    assert "bad" not in engine.scheduler.lora_adapters()
+    assert "bad" not in engine.scheduler.lora.adapters()
     result = engine.generate(prompt(80, 6), {**GREEDY, "max_new_tokens": 2}, lora_name="attn")
     assert result[0].meta.finish_reason.type == "length"
 

@@ -260,7 +260,7 @@ def test_the_scheduler_captures_once_with_its_future_lookup(llama_dir, runner_fa
     assert backend.captured == [16, 8, 4, 2, 1]
     graph_runner = runner.graph_runner
     assert graph_runner is not None
-    assert graph_runner.resolve_input_ids == scheduler.future_map.resolve
+    assert graph_runner.resolve_input_ids == scheduler.batch_runner.future_map.resolve
 
 
 def test_eager_forward_resolves_futures_too(llama_dir, runner_factory, prompts_factory):

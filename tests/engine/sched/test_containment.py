@@ -48,7 +48,10 @@ def engine(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[Eng
         enable_jump_forward=True,
         disable_overlap_schedule=not request.param,
     ) as engine:
-        assert engine.scheduler.jump_forward and engine.scheduler.overlap is request.param
+        assert (
+            engine.scheduler.output_processor.jump_forward
+            and engine.scheduler.overlap is request.param
+        )
         yield engine
 
 

@@ -1,0 +1,51 @@
+"""The scheduler's counters, which the observability layer exports, and the observer that
+hears the per-request and per-batch events counters cannot carry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
+
+from engine.sched.req import Req
+
+
+class SchedulerObserver(Protocol):
+    """Hears the per-request and per-batch events that counters cannot carry (the worker
+    turns them into histograms and trace spans)."""
+
+    def on_admit(self, req: Req) -> None:
+        """`req` joins a batch for the first time (not after a retraction or a chunk)."""
+
+    def on_forward(self, mode: str, batch_size: int, seconds: float) -> None:
+        """A forward pass and its sampling took `seconds`; heard when its result is read."""
+
+    def on_progress(self) -> None:
+        """A prefill's forward finished one more layer: the loop computes, it is not stuck
+        (heard on the forward's thread; decode steps, short, report nothing)."""
+
+
+@dataclass
+class SchedulerStats:
+    """Counters the observability layer exports, and the observer of events, if any."""
+
+    num_retractions: int = 0
+    retracted_input_tokens: int = 0
+    retracted_output_tokens: int = 0
+    prefill_tokens: int = 0
+    """Tokens actually computed by prefill (radix hits excluded)."""
+    cache_hit_tokens: int = 0
+    cache_query_tokens: int = 0
+    generation_tokens: int = 0
+    forward_modes: dict[str, int] = field(default_factory=dict)
+    jump_forwards: int = 0
+    jump_forward_tokens: int = 0
+    """Output tokens taken from grammar-forced text: each is a decode pass saved."""
+    observer: SchedulerObserver | None = field(default=None, repr=False, compare=False)
+
+    def counters(self) -> dict[str, Any]:
+        """The plain numbers (a copy), e.g. for a status endpoint."""
+        return {
+            f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
+            for f in fields(self)
+            if f.name != "observer"
+        }
