@@ -9,8 +9,9 @@ from engine.cache.base_prefix_cache import BasePrefixCache
 from engine.cache.chunk_cache import ChunkCache
 from engine.cache.kv_events import block_hashes
 from engine.cache.namespace import PrefixNamespace
-from engine.cache.radix_cache import RadixCache, TreeNode, _parent
+from engine.cache.radix_cache import RadixCache, _parent
 from engine.cache.radix_key import RadixKey
+from engine.cache.tree_node import TreeNode
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.sched.cache_manager import CacheManager

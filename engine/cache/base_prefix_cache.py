@@ -17,7 +17,7 @@ from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey
 
 if TYPE_CHECKING:
-    from engine.cache.radix_cache import TreeNode
+    from engine.cache.tree_node import TreeNode
 
 
 class MatchResult(NamedTuple):

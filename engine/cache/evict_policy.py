@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.cache.radix_cache import TreeNode
+    from engine.cache.tree_node import TreeNode
 
 SLRU_PROTECTED_HITS = 2
 """SLRU: a node with at least this many hits sits in the protected segment."""

@@ -30,7 +30,7 @@ import msgspec
 from engine.cache.namespace import ExtraKey, PrefixNamespace
 
 if TYPE_CHECKING:
-    from engine.cache.radix_cache import TreeNode
+    from engine.cache.tree_node import TreeNode
 
 DEFAULT_BLOCK_SIZE = 16
 MEDIUM_GPU = "GPU"

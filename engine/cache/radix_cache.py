@@ -11,10 +11,9 @@ slots only; the scheduler's `CacheManager` decides what goes in and comes out of
 from __future__ import annotations
 
 import heapq
-import itertools
 import sys
 import time
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -29,47 +28,8 @@ from engine.cache.evict_policy import get_evict_key
 from engine.cache.kv_events import BlockEventRecorder
 from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey
+from engine.cache.tree_node import TreeNode
 from engine.mem.allocator import TokenToKVPoolAllocator
-
-
-class TreeNode:
-    """One edge of the tree: a run of tokens (`key`) and their KV slots (`value`).
-
-    `lock_ref` counts the running requests whose matched prefix passes through this node;
-    a locked node is never evicted. The timestamps, `hit_count` and `priority` feed the
-    eviction policies. Only the root has no parent.
-    """
-
-    __slots__ = (
-        "id",
-        "children",
-        "parent",
-        "key",
-        "value",
-        "lock_ref",
-        "last_access_time",
-        "creation_time",
-        "hit_count",
-        "priority",
-    )
-    _next_id = itertools.count()
-
-    def __init__(
-        self, key: RadixKey, value: torch.Tensor, parent: TreeNode | None, priority: int = 0
-    ) -> None:
-        self.id: int = next(TreeNode._next_id)
-        self.children: dict[Hashable, TreeNode] = {}
-        self.parent = parent
-        self.key = key
-        self.value = value
-        self.lock_ref = 0
-        self.last_access_time: float = time.monotonic()
-        self.creation_time: float = self.last_access_time
-        self.hit_count: int = 0
-        self.priority: int = priority
-
-    def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, key={self.key!r}, lock_ref={self.lock_ref})"
 
 
 class RadixCache(BasePrefixCache):

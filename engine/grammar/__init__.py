@@ -4,11 +4,11 @@ loop; each constrained request carries a matcher that masks the vocabulary per s
 from engine.grammar.backend import (
     GrammarBackend,
     GrammarError,
-    GrammarMatcher,
     PendingGrammar,
     allocate_vocab_mask,
 )
 from engine.grammar.limits import check_grammar_limits
+from engine.grammar.matcher import GrammarMatcher
 from engine.grammar.reasoning import ReasoningGrammarMatcher
 
 __all__ = [

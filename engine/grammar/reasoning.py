@@ -7,12 +7,9 @@ sampled the model writes freely; from the token after it, the grammar decides.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from engine.grammar.backend import GrammarMatcher
+from engine.grammar.matcher import GrammarMatcher
 
 
 class ReasoningGrammarMatcher:

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 import torch
 
 from engine.cache.base_prefix_cache import BasePrefixCache, check_invariant
-from engine.cache.radix_cache import TreeNode
 from engine.cache.radix_key import RadixKey
+from engine.cache.tree_node import TreeNode
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.forward_batch import ForwardBatch

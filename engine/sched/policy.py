@@ -9,8 +9,9 @@ from collections.abc import Iterable
 import torch
 
 from engine import constants
-from engine.cache.radix_cache import RadixCache, TreeNode
+from engine.cache.radix_cache import RadixCache
 from engine.cache.radix_key import RadixKey
+from engine.cache.tree_node import TreeNode
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.sched.cache_manager import CacheManager
 from engine.sched.req import Req

@@ -12,7 +12,7 @@ from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.cache.radix_cache import TreeNode
+    from engine.cache.tree_node import TreeNode
     from engine.grammar import GrammarMatcher, PendingGrammar, ReasoningGrammarMatcher
 
 

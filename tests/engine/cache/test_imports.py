@@ -3,32 +3,12 @@ scheduler, not even for type checking."""
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import engine.cache
+from tests.support.imports import imported_modules
 
 CACHE_DIR = Path(engine.cache.__file__).parent
-
-
-def imported_modules(source: str, package: str) -> set[str]:
-    """Every module that `source`, a module of `package`, names in an import statement
-    anywhere (inside functions and `if TYPE_CHECKING:` blocks too), relative ones resolved;
-    `from m import x` counts as `m` and as `m.x` (x may be a submodule)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                parts = package.split(".")
-                base = parts[: len(parts) - node.level + 1]
-                module = ".".join([*base, node.module] if node.module else base)
-            else:
-                module = node.module or ""
-            names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
-    return names
 
 
 def package_of(path: Path) -> str:

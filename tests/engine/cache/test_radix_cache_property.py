@@ -20,8 +20,8 @@ from benchmarks.support.radix import simulated_cache, total_size
 from engine.cache.evict_policy import EVICTION_POLICIES
 from engine.cache.kv_events import BlockEventRecorder, block_hashes
 from engine.cache.namespace import PrefixNamespace
-from engine.cache.radix_cache import TreeNode
 from engine.cache.radix_key import RadixKey
+from engine.cache.tree_node import TreeNode
 
 NUM_SLOTS = 40
 KV_BLOCK_SIZE = 2

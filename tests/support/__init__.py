@@ -1,0 +1,1 @@
+"""Helpers shared by tests of several parts."""
