@@ -33,6 +33,7 @@ import msgspec
 
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
+from engine.sched.finish_reason import FinishReason
 
 
 class ProtocolError(ValueError):
@@ -172,20 +173,6 @@ class GetServerInfoReqOutput(_Msg):
 
 
 # ----- outputs ----------------------------------------------------------------------------
-
-
-class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
-    """Wire form of `engine.sched.req.FinishReason` (same fields; that module imports torch,
-    which the tokenizer does not need). The worker may put the engine's dataclass in an
-    output as is: it encodes to the same map and decodes as this struct."""
-
-    type: str
-    """"stop", "length" or "abort"."""
-    matched: int | str | None = None
-    message: str | None = None
-    status_code: int | None = None
-    """For an "abort": the HTTP status the tokenizer answers (400 when the worker rejected
-    the request at submission, e.g. it can never fit the KV pool; 500 otherwise)."""
 
 
 _NOT_PER_RID = ("sender", "epoch", "rids", "new_reqs")

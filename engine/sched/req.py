@@ -10,6 +10,7 @@ import torch
 
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
+from engine.sched.finish_reason import FinishReason
 
 if TYPE_CHECKING:
     from engine.cache.tree_node import TreeNode
@@ -20,19 +21,6 @@ class ReqStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
-
-
-@dataclass(frozen=True)
-class FinishReason:
-    """Why a request stopped, in OpenAI's words: "stop", "length" or "abort"."""
-
-    type: str
-    matched: int | str | None = None
-    """The stop token id or stop string that ended it."""
-    message: str | None = None
-    """For "abort": what went wrong, for the client."""
-    status_code: int | None = None
-    """For "abort": the HTTP status a server answers with (None: a server error)."""
 
 
 @dataclass(eq=False)

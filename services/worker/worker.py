@@ -34,7 +34,6 @@ from engine.lora import LoRAError
 from engine.model.cpu_isa import CpuIsa, cpu_isa
 from engine.sched.req import FinishReason, Req
 from observability.worker_metrics import CpuInfo, WorkerMetrics, WorkerSample
-from services import protocol
 from services.ipc import MAX_MESSAGE_BYTES, PeerEvent
 from services.process import Service
 from services.protocol import (
@@ -355,7 +354,7 @@ class Worker(Service):
         out = BatchTokenIDOutput(
             rids=[e.req.rid for e in entries],
             output_ids=[e.req.output_ids[e.sent - e.rollback :] for e in entries],
-            finished_reasons=[_wire_reason(e.req.finished_reason) for e in entries],
+            finished_reasons=[e.req.finished_reason for e in entries],
             prompt_tokens=[len(e.req.origin_input_ids) for e in entries],
             completion_tokens=[len(e.req.output_ids) for e in entries],
             cached_tokens=[e.req.cached_tokens or 0 for e in entries],
@@ -372,13 +371,13 @@ class Worker(Service):
             input_top_logprobs_idx=prompt.input_top_logprobs_idx,
         )
 
-        def fail(row: int, size: int) -> protocol.FinishReason:
+        def fail(row: int, size: int) -> FinishReason:
             return self.fail_oversized(entries[row].req, size)
 
         for part in split_batch(out, self.max_output_bytes, fail):
             self.to_detokenizer.put(part)
 
-    def fail_oversized(self, req: Req, size: int) -> protocol.FinishReason:
+    def fail_oversized(self, req: Req, size: int) -> FinishReason:
         """Fail `req`, whose row of an output batch alone encodes to `size` bytes, over the
         frame limit: it is aborted (its KV freed) and its emptied row carries the reason.
         Its later outputs are not sent (it is no longer live)."""
@@ -391,7 +390,7 @@ class Worker(Service):
         self.live.pop(req.rid, None)
         if not req.finished:
             self.scheduler.abort_request(req.rid, FinishReason("abort", None, message, 400))
-        return protocol.FinishReason("abort", None, message, 400)
+        return FinishReason("abort", None, message, 400)
 
     def trace_finished(self, req: Req, state: _ReqState, now: float) -> None:
         """The request's worker spans, from the times kept while it ran: queue wait until
@@ -610,10 +609,3 @@ def _prompt_logprob_columns(entries: list[_Entry]) -> _PromptLogprobColumns:
 def _detokenizer_state(req: Req) -> DetokenizerReqState:
     params = req.sampling_params
     return DetokenizerReqState(req.rid, params.stop, params.skip_special_tokens)
-
-
-def _wire_reason(reason: FinishReason | None) -> protocol.FinishReason | None:
-    """The engine's finish reason as the message struct (same fields)."""
-    if reason is None:
-        return None
-    return protocol.FinishReason(reason.type, reason.matched, reason.message, reason.status_code)

@@ -1,0 +1,20 @@
+"""Why a request stopped: one definition for the engine and the wire. Torch-free, so that
+the tokenizer and detokenizer decode it without loading the engine's kernels; a msgspec
+struct, so that the worker sends the engine's own value as is."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Why a request stopped, in OpenAI's words: "stop", "length" or "abort"."""
+
+    type: str
+    matched: int | str | None = None
+    """The stop token id or stop string that ended it."""
+    message: str | None = None
+    """For "abort": what went wrong, for the client."""
+    status_code: int | None = None
+    """For "abort": the HTTP status a server answers with (400 when the worker rejected the
+    request at submission, e.g. it can never fit the KV pool; None: a server error, 500)."""
