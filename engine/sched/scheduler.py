@@ -47,7 +47,7 @@ from engine.sched.req import FinishReason, Req, ReqStatus
 from engine.sched.request_limits import RequestLimits
 from engine.sched.retract import release_req, retract_decode
 from engine.sched.running_batch import RunningBatch
-from engine.sched.stats import SchedulerStats
+from engine.sched.stats import SchedulerSnapshot, SchedulerStats
 from engine.sched.tp_sync import (
     Abort,
     AddReq,
@@ -210,11 +210,6 @@ class Scheduler:
         self.lora.unload(name, self.cache_manager.tree_cache)
         self._record(UnloadLoRA(name))
 
-    def lora_info(self) -> tuple[list[str], list[str]]:
-        """(adapters of running requests, adapters of waiting ones), for the metrics."""
-        chunked = [self.chunked_req] if self.chunked_req is not None else []
-        return self.lora.info([*self.running, *chunked], [*self.waiting_queue, *self.grammar_queue])
-
     def apply(self, item: Input) -> None:
         """A tensor-parallel follower applies an input rank 0 recorded, as rank 0 did."""
         if isinstance(item, AddReq):
@@ -255,30 +250,35 @@ class Scheduler:
         if sync is None:
             return True
         if leads:
-            sync.lead_turn(self.fingerprint())
+            sync.lead_turn(self.snapshot().in_step())
             return True
         turn = sync.follow_turn()
         if turn is None:
             return False
         for item in turn.inputs:
             self.apply(item)
-        sync.check_in_step(turn.state, self.fingerprint())
+        sync.check_in_step(turn.state, self.snapshot().in_step())
         return True
 
-    def fingerprint(self) -> dict[str, int]:
-        """Numbers two ranks in step agree on between turns (cheap: no walk, no sync)."""
-        cache, tree = self.cache_manager, self.cache_manager.tree_cache
-        return {
-            "waiting": len(self.waiting_queue),
-            "compiling": len(self.grammar_queue),
-            "running": len(self.running),
-            "free_kv": cache.allocator.available_size(),
-            "evictable_kv": tree.evictable_size(),
-            "protected_kv": tree.protected_size(),
-            "generated": self.stats.generation_tokens,
-            "prefilled": self.stats.prefill_tokens,
-            "retractions": self.stats.num_retractions,
-        }
+    def snapshot(self) -> SchedulerSnapshot:
+        """The scheduler's numbers now: the one read point for status and metrics."""
+        chunked = [self.chunked_req] if self.chunked_req is not None else []
+        waiting = [*self.waiting_queue, *self.grammar_queue]
+        running_adapters, waiting_adapters = self.lora.info([*self.running, *chunked], waiting)
+        tree = self.cache_manager.tree_cache
+        return SchedulerSnapshot(
+            waiting=len(self.waiting_queue),
+            compiling=len(self.grammar_queue),
+            running=len(self.running) + len(chunked),
+            free_kv=self.cache_manager.allocator.available_size(),
+            evictable_kv=tree.evictable_size(),
+            protected_kv=tree.protected_size(),
+            evicted_kv=tree.evicted_tokens,
+            new_token_ratio=self.ratio.new_token_ratio,
+            counters=self.stats.counters(),
+            running_lora_adapters=tuple(running_adapters),
+            waiting_lora_adapters=tuple(waiting_adapters),
+        )
 
     def follow(self) -> None:
         """A rank other than 0: run rank 0's turns until it stops."""

@@ -1,5 +1,6 @@
-"""The scheduler's counters, which the observability layer exports, and the observer that
-hears the per-request and per-batch events counters cannot carry."""
+"""The scheduler's counters, which the observability layer exports; the observer that hears
+the per-request and per-batch events counters cannot carry; and the snapshot, the one read
+point for the scheduler's state."""
 
 from __future__ import annotations
 
@@ -48,4 +49,40 @@ class SchedulerStats:
             f.name: dict(v) if isinstance(v := getattr(self, f.name), dict) else v
             for f in fields(self)
             if f.name != "observer"
+        }
+
+
+@dataclass(frozen=True)
+class SchedulerSnapshot:
+    """The scheduler's numbers at one moment between turns (`Scheduler.snapshot()`): what
+    /get_server_info, the metrics and the tensor-parallel step check read."""
+
+    waiting: int
+    compiling: int
+    """Requests whose grammar is compiling."""
+    running: int
+    """Running requests, counting one whose prefill is still being chunked."""
+    free_kv: int
+    evictable_kv: int
+    protected_kv: int
+    evicted_kv: int
+    """KV slots evicted from the prefix cache so far (a counter)."""
+    new_token_ratio: float
+    counters: dict[str, Any]
+    """`SchedulerStats.counters()`."""
+    running_lora_adapters: tuple[str, ...]
+    waiting_lora_adapters: tuple[str, ...]
+
+    def in_step(self) -> dict[str, int]:
+        """The numbers two tensor-parallel ranks in step agree on after each turn's inputs."""
+        return {
+            "waiting": self.waiting,
+            "compiling": self.compiling,
+            "running": self.running,
+            "free_kv": self.free_kv,
+            "evictable_kv": self.evictable_kv,
+            "protected_kv": self.protected_kv,
+            "generated": self.counters["generation_tokens"],
+            "prefilled": self.counters["prefill_tokens"],
+            "retractions": self.counters["num_retractions"],
         }

@@ -102,7 +102,7 @@ class Turn(msgspec.Struct, tag=True, array_like=True):
 
     inputs: list[msgspec.Raw]
     state: dict[str, int]
-    """Rank 0's `Scheduler.fingerprint()` once the inputs are applied."""
+    """Rank 0's `SchedulerSnapshot.in_step()` once the inputs are applied."""
 
 
 class FollowedTurn(NamedTuple):
@@ -148,7 +148,7 @@ class InputSync:
             self.recording.append(msgspec.Raw(msgspec.msgpack.encode(item)))
 
     def lead_turn(self, state: dict[str, int]) -> None:
-        """Rank 0: broadcast the turn's record, with its `Scheduler.fingerprint()`."""
+        """Rank 0: broadcast the turn's record, with its `SchedulerSnapshot.in_step()`."""
         recording, self.recording = self.recording, []
         self._send(Turn(recording, state))
 

@@ -497,8 +497,7 @@ class Worker(Service):
         )
 
     def server_info(self) -> dict[str, Any]:
-        sched = self.scheduler
-        cache = sched.cache_manager
+        sched, now = self.scheduler, self.scheduler.snapshot()
         return {
             "model_path": self.settings.model,
             "served_model_name": self.model_name,
@@ -507,13 +506,13 @@ class Worker(Service):
             "max_running_requests": sched.max_running_requests,
             "chunked_prefill_size": sched.chunked_prefill_size,
             "tp_size": sched.tp_group.size,
-            "available_kv_tokens": cache.allocator.available_size(),
-            "evictable_kv_tokens": cache.tree_cache.evictable_size(),
-            "protected_kv_tokens": cache.tree_cache.protected_size(),
-            "num_running_reqs": self.num_running(),
-            "num_waiting_reqs": len(sched.waiting_queue),
-            "new_token_ratio": sched.ratio.new_token_ratio,
-            "scheduler_stats": sched.stats.counters(),
+            "available_kv_tokens": now.free_kv,
+            "evictable_kv_tokens": now.evictable_kv,
+            "protected_kv_tokens": now.protected_kv,
+            "num_running_reqs": now.running,
+            "num_waiting_reqs": now.waiting,
+            "new_token_ratio": now.new_token_ratio,
+            "scheduler_stats": now.counters,
             "lora_adapters": sched.lora.adapters(),
             "cpu_isa": self.cpu_info.isa,
             "cpu_flags": [] if self.cpu_isa is None else list(self.cpu_isa.flags),
@@ -542,43 +541,35 @@ class Worker(Service):
 
     def sample(self) -> WorkerSample:
         """The scheduler's counters and sizes now, for the metrics (taken between turns)."""
-        sched = self.scheduler
-        cache, tree = sched.cache_manager, sched.cache_manager.tree_cache
-        stats = sched.stats
-        running, waiting = sched.lora_info()
+        now = self.scheduler.snapshot()
+        stats = now.counters
         return WorkerSample(
             time=time.monotonic(),
-            cache_hit_tokens=stats.cache_hit_tokens,
-            cache_query_tokens=stats.cache_query_tokens,
-            prompt_tokens=stats.prefill_tokens,
-            generation_tokens=stats.generation_tokens,
-            retracted_requests=stats.num_retractions,
-            retracted_input_tokens=stats.retracted_input_tokens,
-            retracted_output_tokens=stats.retracted_output_tokens,
-            evicted_tokens=tree.evicted_tokens,
-            new_token_ratio=sched.ratio.new_token_ratio,
-            evictable_tokens=tree.evictable_size(),
-            protected_tokens=tree.protected_size(),
-            available_tokens=cache.allocator.available_size(),
-            total_tokens=sched.max_total_tokens,
-            num_running=self.num_running(),
-            num_waiting=len(sched.waiting_queue),
-            num_grammar_queue=len(sched.grammar_queue),
+            cache_hit_tokens=stats["cache_hit_tokens"],
+            cache_query_tokens=stats["cache_query_tokens"],
+            prompt_tokens=stats["prefill_tokens"],
+            generation_tokens=stats["generation_tokens"],
+            retracted_requests=stats["num_retractions"],
+            retracted_input_tokens=stats["retracted_input_tokens"],
+            retracted_output_tokens=stats["retracted_output_tokens"],
+            evicted_tokens=now.evicted_kv,
+            new_token_ratio=now.new_token_ratio,
+            evictable_tokens=now.evictable_kv,
+            protected_tokens=now.protected_kv,
+            available_tokens=now.free_kv,
+            total_tokens=self.scheduler.max_total_tokens,
+            num_running=now.running,
+            num_waiting=now.waiting,
+            num_grammar_queue=now.compiling,
             kv_events_published=self.kv_publisher.published if self.kv_publisher else 0,
             kv_events_dropped=self.kv_publisher.dropped if self.kv_publisher else 0,
-            running_lora_adapters=tuple(sorted(running)),
-            waiting_lora_adapters=tuple(sorted(waiting)),
+            running_lora_adapters=now.running_lora_adapters,
+            waiting_lora_adapters=now.waiting_lora_adapters,
         )
 
     def num_running(self) -> int:
         """Running requests, counting one whose prefill is still being chunked."""
-        return len(self.scheduler.running) + int(self.scheduler.chunked_req is not None)
-
-    def close(self) -> None:
-        if self.kv_publisher is not None:
-            self.kv_publisher.close()
-        self.engine.shutdown()
-        super().close()
+        return self.scheduler.snapshot().running
 
 
 class _PromptLogprobColumns(NamedTuple):

@@ -1,4 +1,3 @@
-
 import msgspec
 import pytest
 from hypothesis import given
