@@ -91,7 +91,7 @@ def child(options: argparse.Namespace) -> None:
         prompt = [3 + (i * 7 + j) % 500 for j in range(PROMPT_LEN)]
         params = SamplingParams(max_new_tokens=max_new, temperature=0, ignore_eos=True)
         scheduler.add_request(Req(str(i), prompt, params))
-    while scheduler.waiting_queue or len(scheduler.running) < batch:
+    while scheduler.prefill.waiting or len(scheduler.running) < batch:
         scheduler.run_event_loop(after_turns(1))
     scheduler.run_event_loop(after_turns(warmup))
     wall: list[float] = []

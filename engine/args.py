@@ -185,6 +185,11 @@ class EngineArgs:
                 "chunked_prefill_size must be >= 0 (0: the device's default; none: off), "
                 f"got {self.chunked_prefill_size}"
             )
+        if self.enable_jump_forward and self.disable_radix_cache:
+            raise ValueError(
+                "enable_jump_forward needs the radix cache: "
+                "a jump hands the request's KV to the tree"
+            )
         self.check_parallel()
         self.lora_entries()
 

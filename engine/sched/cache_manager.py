@@ -14,16 +14,22 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Self
 
 import torch
 
 from engine.cache.base_prefix_cache import BasePrefixCache, check_invariant
+from engine.cache.chunk_cache import ChunkCache
+from engine.cache.radix_cache import RadixCache
 from engine.cache.radix_key import RadixKey
 from engine.cache.tree_node import TreeNode
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.forward_batch import ForwardBatch
 from engine.sched.req import Req
+
+if TYPE_CHECKING:
+    from engine.model.runner import ModelRunner
 
 
 class CacheManager:
@@ -36,6 +42,16 @@ class CacheManager:
         self.req_to_token_pool = req_to_token_pool
         self.allocator = token_to_kv_pool_allocator
         self.tree_cache = tree_cache
+
+    @classmethod
+    def over_pools(cls, runner: ModelRunner, radix_cache: bool, eviction_policy: str) -> Self:
+        """Over a model runner's pools, with a radix tree (`eviction_policy` its order) or,
+        with the radix cache off, a cache that keeps nothing."""
+        allocator = runner.token_to_kv_pool_allocator
+        tree_cache: BasePrefixCache = (
+            RadixCache(allocator, eviction_policy) if radix_cache else ChunkCache(allocator.device)
+        )
+        return cls(runner.req_to_token_pool, allocator, tree_cache)
 
     # ----- admission --------------------------------------------------------------------
 

@@ -119,6 +119,31 @@ class Req:
         """Prompt plus output: also what a retracted request prefills again."""
         return self.origin_input_ids + self.output_ids
 
+    def set_stops(self, eos_token_ids: frozenset[int]) -> None:
+        """The token ids that end it (its stop_token_ids, and the model's EOS unless it
+        ignores it), and whether it is a plain decode: no logprobs, stop strings or grammar,
+        so that a step's result for it takes the short path."""
+        params = self.sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids
+        )
+        self.plain_decode = not (params.logprobs or params.stop or params.grammar is not None)
+
+    @property
+    def needs_output_history(self) -> bool:
+        """Its sampling reads the output so far on the CPU side: penalties, min_new_tokens,
+        seeded sampling, a grammar."""
+        params = self.sampling_params
+        return bool(
+            params.frequency_penalty
+            or params.presence_penalty
+            or params.repetition_penalty != 1.0
+            or len(self.output_ids) < params.min_new_tokens
+            or (params.seed is not None and not params.is_greedy)
+            or self.grammar is not None
+        )
+
     def finish(self, reason: FinishReason) -> None:
         self.status = ReqStatus.FINISHED
         self.finished_reason = reason

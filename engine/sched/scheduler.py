@@ -1,5 +1,5 @@
 """The scheduler: continuous batching over the prefix cache, with overcommit admission,
-retraction, and two event loops.
+retraction, and two event loops; the loops and the wiring of the managers beside it.
 
 Each round `get_next_batch_to_run` prefers a prefill batch (new requests in, their
 prefixes into the tree sooner) and otherwise decodes the running requests. The normal
@@ -9,13 +9,14 @@ decode inputs are futures in the FutureMap. On CUDA the launch is asynchronous: 
 forward runs on its own stream and the sampled tokens come back through pinned memory and
 an event (`batch_result`), all from this one thread. On CPU, where every op runs as it is
 called, the forward runs on a thread of its own, and N−1 is processed once N's forward has
-entered its layers (`forward_thread`). Whoever runs a loop (the worker, the
-offline Engine) hands it its message poll, its output sink and when to stop.
+entered its layers (`forward_thread`). Whoever runs a loop (the worker, the offline
+Engine) hands it its message poll, its output sink and when to stop.
 
-Beside it, each with one job: `OutputProcessor` (what a batch's tokens do to its requests,
-and finishing them), `GrammarQueue` (requests whose grammar compiles), `LoRASlots` (which
-adapters a batch may hold), `CacheManager` (a request's KV), `InputSync` (tensor-parallel
-ranks in step: rank 0 records each input it applies, a follower `apply`s them).
+The managers, one job each: `PrefillManager` (the waiting queue and what a prefill
+admits), `OutputProcessor` (what a batch's tokens do to its requests; finishing them),
+`BatchRunner` (the forward side), `GrammarQueue`, `LoRASlots`, `RequestLimits`,
+`CacheManager` (a request's KV), `InputSync` (tensor-parallel ranks in step: rank 0
+records each input it applies, a follower `apply`s them).
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from engine.args import EngineArgs
-from engine.cache.base_prefix_cache import BasePrefixCache
-from engine.cache.chunk_cache import ChunkCache
-from engine.cache.radix_cache import RadixCache
 from engine.distributed import get_tp_group
 from engine.grammar import GrammarBackend
 from engine.sched.batch import ScheduleBatch
@@ -41,8 +39,7 @@ from engine.sched.grammar_queue import GrammarQueue
 from engine.sched.lora_slots import LoRASlots
 from engine.sched.new_token_ratio import NewTokenRatioTracker
 from engine.sched.output_processor import OutputProcessor, StopStringChecker
-from engine.sched.policy import SchedulePolicy
-from engine.sched.prefill_adder import AddReqResult, PrefillAdder
+from engine.sched.prefill_manager import PrefillManager
 from engine.sched.req import FinishReason, Req, ReqStatus
 from engine.sched.request_limits import RequestLimits
 from engine.sched.retract import release_req, retract_decode
@@ -89,17 +86,9 @@ class Scheduler:
         self.context_len = model_runner.context_len
         self.max_total_tokens = model_runner.max_total_num_tokens
         self.max_running_requests = model_runner.req_to_token_pool.size
-        self.stop_string_checker = stop_string_checker
         self.grammar_backend = grammar_backend
-        allocator = model_runner.token_to_kv_pool_allocator
-        tree_cache: BasePrefixCache = (
-            ChunkCache(allocator.device)
-            if args.disable_radix_cache
-            else RadixCache(allocator, args.radix_eviction_policy)
-        )
-        self.cache_manager = CacheManager(model_runner.req_to_token_pool, allocator, tree_cache)
-        self.policy = SchedulePolicy(
-            args.schedule_policy, self.cache_manager, seed=args.random_seed
+        self.cache_manager = CacheManager.over_pools(
+            model_runner, not args.disable_radix_cache, args.radix_eviction_policy
         )
         self.ratio = NewTokenRatioTracker(args.schedule_conservativeness)
         self.limits = RequestLimits(
@@ -110,11 +99,6 @@ class Scheduler:
             stop_strings=stop_string_checker is not None,
             grammars=grammar_backend is not None,
         )
-        if args.enable_jump_forward and args.disable_radix_cache:
-            raise ValueError(
-                "enable_jump_forward needs the radix cache: "
-                "a jump hands the request's KV to the tree"
-            )
         self.stats = SchedulerStats()
         self.output_processor = OutputProcessor(
             self.cache_manager,
@@ -124,10 +108,8 @@ class Scheduler:
             grammar_backend,
             args.enable_jump_forward,
         )
-        self.waiting_queue: list[Req] = []
         self.grammar_queue = GrammarQueue(grammar_backend, self.output_processor)
         self.running = RunningBatch(self.model_config.vocab_size, self.device)
-        self.chunked_req: Req | None = None
         self.chunked_prefill_size = resolve_chunked_prefill_size(
             args.chunked_prefill_size, self.device
         )
@@ -146,6 +128,14 @@ class Scheduler:
         self.input_sync = InputSync(self.tp_group) if self.tp_group.size > 1 else None
         """At TP > 1: rank 0 broadcasts each turn's inputs, the other ranks apply them."""
         self.lora = LoRASlots(model_runner.lora_manager, args, self.device)
+        self.prefill = PrefillManager(
+            args,
+            self.cache_manager,
+            self.lora,
+            self.stats,
+            self.chunked_prefill_size,
+            self.max_running_requests,
+        )
 
     # ----- inputs: requests, aborts, cache flushes, adapters ---------------------------
 
@@ -153,39 +143,27 @@ class Scheduler:
         """Queue `req`, or raise ValueError (LoRAError) if it can never run: nothing
         waits that could not."""
         self.limits.check(req)
-        params, grammar = req.sampling_params, req.sampling_params.grammar
         self.lora.check_request(req)
-        req.eos_token_ids = frozenset(self.model_config.eos_token_ids)
-        req.stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else req.eos_token_ids
-        )
-        req.plain_decode = not (params.logprobs or params.stop or grammar is not None)
+        req.set_stops(frozenset(self.model_config.eos_token_ids))
         req.status = ReqStatus.WAITING
+        grammar = req.sampling_params.grammar
         if grammar is not None:
             self.grammar_queue.submit(req, grammar)
         else:
-            self.waiting_queue.append(req)
+            self.prefill.waiting.append(req)
         self._record(AddReq.of(req))
 
     def abort_request(self, rid: str, reason: FinishReason = ABORTED_BY_CLIENT) -> None:
         """Finish `rid` now with `reason`; its KV slots are freed at once, in flight or not."""
         self._record(Abort(rid, reason))
-        queued = self.grammar_queue.remove(rid)
-        for req in self.waiting_queue if queued is None else ():
-            if req.rid == rid:
-                self.waiting_queue.remove(req)
-                queued = req
-                break
+        queued = self.grammar_queue.remove(rid) or self.prefill.remove_waiting(rid)
         if queued is not None:
             self.output_processor.finish(queued, reason)
             return
-        holding_kv = self.running.reqs
-        if self.chunked_req is not None:
-            holding_kv = [*holding_kv, self.chunked_req]
-        for live in holding_kv:
+        for live in [*self.running.reqs, *self.prefill.chunked()]:
             if live.rid == rid and not live.finished:
-                if live is self.chunked_req:
-                    self.chunked_req = None
+                if live is self.prefill.chunked_req:
+                    self.prefill.chunked_req = None
                 release_req(live, self.cache_manager)
                 self.output_processor.finish(live, reason)
                 self.running.remove([live])
@@ -203,9 +181,8 @@ class Scheduler:
 
     def unload_lora_adapter(self, name: str) -> None:
         """Unload an adapter and free its cached prefixes; 409 while a request uses it."""
-        chunked = [self.chunked_req] if self.chunked_req is not None else []
-        live = [*self.waiting_queue, *self.grammar_queue, *chunked, *self.running]
-        self.lora.check_unload(name, live)
+        live = [*self.prefill.waiting, *self.prefill.chunked(), *self.grammar_queue]
+        self.lora.check_unload(name, [*live, *self.running])
         self.resolve_in_flight()  # a finished batch of it may still be in flight
         self.lora.unload(name, self.cache_manager.tree_cache)
         self._record(UnloadLoRA(name))
@@ -223,16 +200,18 @@ class Scheduler:
         elif isinstance(item, UnloadLoRA):
             self.unload_lora_adapter(item.name)
         else:  # which compiles rank 0 saw end, and how
-            self.waiting_queue += self.grammar_queue.follow(item.ready, dict(item.failed))
+            self.prefill.waiting += self.grammar_queue.follow(item.ready, dict(item.failed))
 
     def _record(self, item: Input) -> None:
-        if self.input_sync is not None:
+        if self.input_sync is not None:  # rank 0 records; a follower's record is a no-op
             self.input_sync.record(item)
 
     def _take_compiled_grammars(self) -> None:
-        idle = not (self.waiting_queue or self.running or self.chunked_req or self.in_flight)
-        done = self.grammar_queue.take_done(idle)
-        self.waiting_queue += done.ready
+        prefill = self.prefill
+        done = self.grammar_queue.take_done(
+            idle=not (prefill.waiting or self.running or prefill.chunked_req or self.in_flight)
+        )
+        prefill.waiting += done.ready
         if done.ready_rids or done.failed:
             self._record(GrammarsDone(done.ready_rids, done.failed))
 
@@ -262,12 +241,12 @@ class Scheduler:
 
     def snapshot(self) -> SchedulerSnapshot:
         """The scheduler's numbers now: the one read point for status and metrics."""
-        chunked = [self.chunked_req] if self.chunked_req is not None else []
-        waiting = [*self.waiting_queue, *self.grammar_queue]
+        chunked = self.prefill.chunked()
+        waiting = [*self.prefill.waiting, *self.grammar_queue]
         running_adapters, waiting_adapters = self.lora.info([*self.running, *chunked], waiting)
         tree = self.cache_manager.tree_cache
         return SchedulerSnapshot(
-            waiting=len(self.waiting_queue),
+            waiting=len(self.prefill.waiting),
             compiling=len(self.grammar_queue),
             running=len(self.running) + len(chunked),
             free_kv=self.cache_manager.allocator.available_size(),
@@ -313,11 +292,9 @@ class Scheduler:
                 return
             if self.has_work():
                 batch = self.get_next_batch_to_run()
-                launched = (
-                    (batch, self.batch_runner.launch(self.run_batch, batch))
-                    if batch is not None
-                    else None
-                )
+                launched = None
+                if batch is not None:
+                    launched = (batch, self.batch_runner.launch(self.run_batch, batch))
                 self.resolve_in_flight()
                 self.in_flight = launched
                 if launched is None:
@@ -334,6 +311,11 @@ class Scheduler:
         receive and read their requests directly, so both hooks default to nothing."""
         loop = self.event_loop_overlap if self.overlap else self.event_loop_normal
         loop(should_stop, recv_requests, send_outputs)
+
+    def run_batch(self, batch: ScheduleBatch) -> PendingResult:
+        """The batch's forward and sampling (`BatchRunner.run`), waiting for nothing."""
+        observer = self.stats.observer
+        return self.batch_runner.run(batch, observer.on_progress if observer else None)
 
     def resolve_in_flight(self) -> None:
         """Wait for the batch on the forward side and process its result."""
@@ -353,18 +335,14 @@ class Scheduler:
         processed = self.output_processor.process_batch_result(batch, result)
         self.running.remove(processed.leaving)
         for req in processed.requeued:
-            self.waiting_queue.insert(0, req)
-        if self.chunked_req is not None and self.chunked_req.finished:  # failed mid-prompt
-            self.chunked_req = None
+            self.prefill.waiting.insert(0, req)
+        if any(req.finished for req in self.prefill.chunked()):  # failed mid-prompt
+            self.prefill.chunked_req = None
 
     def has_work(self) -> bool:
-        return bool(
-            self.waiting_queue
-            or self.grammar_queue
-            or self.running
-            or self.chunked_req
-            or self.in_flight
-        )
+        prefill = self.prefill
+        queued = prefill.waiting or prefill.chunked_req or self.grammar_queue
+        return bool(queued or self.running or self.in_flight)
 
     def shutdown(self) -> None:
         """Finish the batch a stopped overlap loop left in flight (its forward counts in the
@@ -390,66 +368,12 @@ class Scheduler:
         return batch
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        if not self.waiting_queue and self.chunked_req is None:
+        in_flight = self.in_flight[0].reqs if self.in_flight is not None else []
+        admitted = self.prefill.admit(self.running, in_flight, self.ratio.new_token_ratio)
+        if admitted is None:
             return None
-        if len(self.running) >= self.max_running_requests:
-            return None
-        in_flight_prefill = self.in_flight[0].reqs if self.in_flight is not None else []
-        if self.chunked_req is not None:  # its later chunks are computing its prompt too
-            in_flight_prefill = [*in_flight_prefill, self.chunked_req]
-        chunk = self.chunked_prefill_size
-        deferred = self.policy.calc_priority(self.waiting_queue, self.running, in_flight_prefill)
-        mixed = (
-            self.args.enable_mixed_chunk
-            and bool(self.running)
-            # half the turn's tokens at least stay the prefill's
-            and 2 * len(self.running) <= (chunk or self.args.max_prefill_tokens)
-            and self.cache_manager.allocator.available_size() >= len(self.running)
-        )
-        adder = PrefillAdder(
-            self.cache_manager,
-            self.running,
-            self.ratio.new_token_ratio,
-            self.args.clip_max_new_tokens,
-            self.args.max_prefill_tokens,
-            chunk,
-            mixed_with_decode_tokens=len(self.running) if mixed else 0,
-        )
-        if self.chunked_req is not None:
-            adder.add_chunked_req(self.chunked_req)
-        chunked = [self.chunked_req] if self.chunked_req is not None else []
-        adapters = self.lora.held([*self.running, *chunked])
-        for req in self.waiting_queue:
-            if req.rid in deferred or not self.lora.fits(req, adapters):
-                continue  # its adapter waits for a slot: it never fails for that
-            if (
-                len(self.running) + len(adder.can_run_list) >= self.max_running_requests
-                or adder.budget_exhausted()
-            ):
-                break
-            self.cache_manager.match_req(req)
-            result = adder.add_one_req(req)
-            if req.lora_name is not None and adder.can_run_list[-1:] == [req]:
-                adapters.add(req.lora_name)
-            if result is not AddReqResult.CONTINUE:
-                break
-        if not adder.can_run_list:
-            return None
-
-        admitted = {id(r) for r in adder.can_run_list}
-        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
-        for req in adder.can_run_list:
-            if req.cached_tokens is None:  # first admission: count the radix hit once
-                req.cached_tokens = len(req.prefix_indices)
-                self.stats.cache_hit_tokens += len(req.prefix_indices)
-                self.stats.cache_query_tokens += len(req.origin_input_ids)
-                if self.stats.observer is not None:
-                    self.stats.observer.on_admit(req)
-            req.status = ReqStatus.RUNNING
-            self.stats.prefill_tokens += req.extend_input_len
-        self.chunked_req = adder.new_chunked_req
-        batch = self._prepare(adder.can_run_list, with_decodes=mixed)
-        self.running.add([r for r in adder.can_run_list if not r.is_chunked])
+        batch = self._prepare(admitted.reqs, admitted.with_decodes)
+        self.running.add([r for r in admitted.reqs if not r.is_chunked])
         return batch
 
     def update_running_batch(self) -> ScheduleBatch | None:
@@ -471,11 +395,8 @@ class Scheduler:
         result = retract_decode(self.running.reqs, self.cache_manager)
         kept = {id(r) for r in result.kept}
         self.running.keep([i for i, r in enumerate(self.running.reqs) if id(r) in kept])
-        self.waiting_queue[:0] = result.retracted
-        for req in result.retracted:
-            self.stats.num_retractions += 1
-            self.stats.retracted_input_tokens += len(req.origin_input_ids)
-            self.stats.retracted_output_tokens += len(req.output_ids)
+        self.prefill.waiting[:0] = result.retracted
+        self.stats.count_retracted(result.retracted)
         if result.aborted is not None:
             self.output_processor.outputs.append(result.aborted)
         if result.kept:
@@ -489,11 +410,11 @@ class Scheduler:
     def _prepare(self, extend_reqs: list[Req], with_decodes: bool) -> ScheduleBatch | None:
         """The batch of `extend_reqs` and, `with_decodes`, a decode step of the running batch."""
         if self.in_flight is not None and (
-            any(_needs_output_history(r) for r in extend_reqs)
+            any(r.needs_output_history for r in extend_reqs)
             or (
                 with_decodes
                 and self.running.num_req_state
-                and any(_needs_output_history(r) for r in self.running)
+                and any(r.needs_output_history for r in self.running)
             )
         ):
             # Penalties, min_new_tokens, seeded sampling and grammars read the output so far
@@ -521,28 +442,9 @@ class Scheduler:
         self.stats.forward_modes[mode] = self.stats.forward_modes.get(mode, 0) + 1
         return batch
 
-    # ----- the forward side -------------------------------------------------------------
-
-    def run_batch(self, batch: ScheduleBatch) -> PendingResult:
-        """The batch's forward and sampling (`BatchRunner.run`), waiting for nothing."""
-        observer = self.stats.observer
-        return self.batch_runner.run(batch, observer.on_progress if observer else None)
-
 
 def after_turns(num_turns: int) -> ShouldStop:
     """A `should_stop` that ends an event loop after `num_turns` turns, for callers that do
     work of their own between turns (the offline stream yields after each)."""
     turns = itertools.count()
     return lambda: next(turns) >= num_turns
-
-
-def _needs_output_history(req: Req) -> bool:
-    params = req.sampling_params
-    return bool(
-        params.frequency_penalty
-        or params.presence_penalty
-        or params.repetition_penalty != 1.0
-        or len(req.output_ids) < params.min_new_tokens
-        or (params.seed is not None and not params.is_greedy)
-        or req.grammar is not None
-    )

@@ -43,6 +43,11 @@ class SchedulerStats:
     """Output tokens taken from grammar-forced text: each is a decode pass saved."""
     observer: SchedulerObserver | None = field(default=None, repr=False, compare=False)
 
+    def count_retracted(self, reqs: list[Req]) -> None:
+        self.num_retractions += len(reqs)
+        self.retracted_input_tokens += sum(len(r.origin_input_ids) for r in reqs)
+        self.retracted_output_tokens += sum(len(r.output_ids) for r in reqs)
+
     def counters(self) -> dict[str, Any]:
         """The plain numbers (a copy), e.g. for a status endpoint."""
         return {

@@ -460,7 +460,7 @@ class Worker(Service):
         if sched.has_work():
             message = (
                 f"cannot flush the cache while requests are in flight "
-                f"({self.num_running()} running, {len(sched.waiting_queue)} waiting)"
+                f"({self.num_running()} running, {len(sched.prefill.waiting)} waiting)"
             )
             logger.info("refused flush_cache: %s", message)
             return FlushCacheReqOutput(success=False, message=message, rid=rid)
@@ -530,7 +530,7 @@ class Worker(Service):
         if sched.has_work():
             return (
                 f"skipped: {self.num_running()} running and "
-                f"{len(sched.waiting_queue)} waiting request(s)"
+                f"{len(sched.prefill.waiting)} waiting request(s)"
             )
         try:
             sched.cache_manager.check_integrity()

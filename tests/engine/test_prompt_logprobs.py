@@ -247,7 +247,7 @@ def test_an_abort_mid_chunked_prefill_frees_its_slots(make_engine):
     req = Req("scored", prompt_of(40, seed=8), SamplingParams(**PREFILL))
     scheduler.add_request(req)
     scheduler.run_event_loop(lambda: len(req.input_token_logprobs) > 8)
-    assert req.prompt_logprobs_pending and scheduler.chunked_req is req
+    assert req.prompt_logprobs_pending and scheduler.prefill.chunked_req is req
     scheduler.abort_request(req.rid)
     assert req.finished_reason is not None and req.finished_reason.type == "abort"
     assert_idle_and_leak_free(engine)

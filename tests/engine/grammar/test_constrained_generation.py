@@ -121,7 +121,7 @@ def test_a_grammar_request_waits_in_the_grammar_queue_until_compiled(engine):
     )
     engine.scheduler.add_request(req)
     assert (
-        engine.scheduler.grammar_queue.reqs == [req] and req not in engine.scheduler.waiting_queue
+        engine.scheduler.grammar_queue.reqs == [req] and req not in engine.scheduler.prefill.waiting
     )
     engine.scheduler.run_event_loop(lambda: req.finished)
     assert engine.tokenizer.decode(req.output_ids, skip_special_tokens=True) in ("a", "b")

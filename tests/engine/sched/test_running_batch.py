@@ -115,7 +115,7 @@ def test_arrays_follow_mixed_sampling_parameters_finishes_and_aborts(make_engine
 
     def abort_some(turn: int) -> None:
         if turn == 6:
-            for req in list(scheduler.running)[:2] + scheduler.waiting_queue[:1]:
+            for req in list(scheduler.running)[:2] + scheduler.prefill.waiting[:1]:
                 scheduler.abort_request(req.rid)
 
     run_checked(scheduler, reqs, abort_some)
@@ -129,7 +129,7 @@ def test_a_stale_array_is_caught(make_engine):
     reqs = greedy_reqs(random_prompts(3, seed=23), "x")
     for req in reqs:
         scheduler.add_request(req)
-    scheduler.run_event_loop(lambda: len(scheduler.running) == 3 and not scheduler.waiting_queue)
+    scheduler.run_event_loop(lambda: len(scheduler.running) == 3 and not scheduler.prefill.waiting)
     scheduler.running.check_consistent()
     reqs[1].kv_allocated_len += 1
     with pytest.raises(AssertionError, match="seq_lens"):

@@ -267,7 +267,7 @@ def test_aborting_waiting_and_running_requests_frees_all_their_slots(make_engine
     for req in reqs:
         scheduler.add_request(req)
     scheduler.run_event_loop(after_turns(5))
-    assert reqs[0] in scheduler.running and reqs[3] in scheduler.waiting_queue
+    assert reqs[0] in scheduler.running and reqs[3] in scheduler.prefill.waiting
     scheduler.abort_request("a0")
     scheduler.abort_request("a3")
     scheduler.run_event_loop(lambda: not scheduler.has_work())
