@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from engine.grammar import GrammarBackend, GrammarError, PendingGrammar
 from engine.sched.output_processor import OutputProcessor
-from engine.sched.req import FinishReason, Req
+from engine.sched.req import FinishReason, Req, take_by_rid
 
 GRAMMAR_POLL_INTERVAL_S = 0.005
 """With only compiling requests to serve, a round waits this long for a compile to end
@@ -45,11 +45,7 @@ class GrammarQueue:
 
     def remove(self, rid: str) -> Req | None:
         """Take request `rid` out (an abort), if it waits here."""
-        for req in self.reqs:
-            if req.rid == rid:
-                self.reqs.remove(req)
-                return req
-        return None
+        return take_by_rid(self.reqs, rid)
 
     def take_done(self, idle: bool) -> CompilesDone:
         """The requests whose compile ended: the compiled with their matchers; a failed or

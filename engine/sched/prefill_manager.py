@@ -11,7 +11,7 @@ from engine.sched.cache_manager import CacheManager
 from engine.sched.lora_slots import LoRASlots
 from engine.sched.policy import SchedulePolicy
 from engine.sched.prefill_adder import AddReqResult, PrefillAdder
-from engine.sched.req import Req, ReqStatus
+from engine.sched.req import Req, ReqStatus, take_by_rid
 from engine.sched.running_batch import RunningBatch
 from engine.sched.stats import SchedulerStats
 
@@ -52,11 +52,7 @@ class PrefillManager:
 
     def remove_waiting(self, rid: str) -> Req | None:
         """Take request `rid` out of the waiting queue (an abort), if it waits there."""
-        for req in self.waiting:
-            if req.rid == rid:
-                self.waiting.remove(req)
-                return req
-        return None
+        return take_by_rid(self.waiting, rid)
 
     def admit(
         self, running: RunningBatch, in_flight: list[Req], new_token_ratio: float

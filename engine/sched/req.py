@@ -147,3 +147,11 @@ class Req:
     def finish(self, reason: FinishReason) -> None:
         self.status = ReqStatus.FINISHED
         self.finished_reason = reason
+
+
+def take_by_rid(reqs: list[Req], rid: str) -> Req | None:
+    """Remove request `rid` from `reqs` and return it (an abort), if it is there."""
+    for i, req in enumerate(reqs):
+        if req.rid == rid:
+            return reqs.pop(i)
+    return None
