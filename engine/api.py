@@ -22,6 +22,13 @@ from engine.distributed import (
     get_tp_group,
     init_distributed,
 )
+from engine.distributed.tp_ranks import (
+    RankMain,
+    RankProcesses,
+    configure_rank_logging,
+    dist_init_addr,
+    rank_device,
+)
 from engine.grammar import GrammarBackend
 from engine.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from engine.model.loader import load_tokenizer
@@ -30,13 +37,6 @@ from engine.outputs import GenerateMeta, GenerateResult, StreamChunk
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import Req
 from engine.sched.scheduler import Scheduler, after_turns
-from engine.sched.tp_ranks import (
-    RankMain,
-    RankProcesses,
-    configure_rank_logging,
-    dist_init_addr,
-    rank_device,
-)
 
 Prompt = str | Sequence[int]
 SamplingParamsArg = dict[str, Any] | Sequence[dict[str, Any]] | None

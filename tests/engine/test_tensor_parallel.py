@@ -17,7 +17,7 @@ import pytest
 from engine.api import Engine
 from engine.args import EngineArgs
 from engine.distributed import TPGroup
-from engine.sched.tp_ranks import rank_device
+from engine.distributed.tp_ranks import rank_device
 from engine.sched.tp_sync import InputSync
 from services.launch import serve
 from services.settings import Settings
