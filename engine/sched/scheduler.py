@@ -229,21 +229,22 @@ class Scheduler:
         if sync is None:
             return True
         if leads:
-            sync.lead_turn(self.snapshot().in_step())
+            sync.lead_turn(self.snapshot(adapters=False).in_step())
             return True
         turn = sync.follow_turn()
         if turn is None:
             return False
         for item in turn.inputs:
             self.apply(item)
-        sync.check_in_step(turn.state, self.snapshot().in_step())
+        sync.check_in_step(turn.state, self.snapshot(adapters=False).in_step())
         return True
 
-    def snapshot(self) -> SchedulerSnapshot:
-        """The scheduler's numbers now: the one read point for status and metrics."""
-        chunked = self.prefill.chunked()
-        waiting = [*self.prefill.waiting, *self.grammar_queue]
-        running_adapters, waiting_adapters = self.lora.info([*self.running, *chunked], waiting)
+    def snapshot(self, adapters: bool = True) -> SchedulerSnapshot:
+        """The one read point for status and metrics; `adapters=False` reads no request."""
+        chunked, waiting = self.prefill.chunked(), [*self.prefill.waiting, *self.grammar_queue]
+        running_adapters, waiting_adapters = (
+            self.lora.info([*self.running, *chunked], waiting) if adapters else ([], [])
+        )
         tree = self.cache_manager.tree_cache
         return SchedulerSnapshot(
             waiting=len(self.prefill.waiting),
@@ -340,8 +341,7 @@ class Scheduler:
             self.prefill.chunked_req = None
 
     def has_work(self) -> bool:
-        prefill = self.prefill
-        queued = prefill.waiting or prefill.chunked_req or self.grammar_queue
+        queued = self.prefill.waiting or self.prefill.chunked_req or self.grammar_queue
         return bool(queued or self.running or self.in_flight)
 
     def shutdown(self) -> None:

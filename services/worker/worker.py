@@ -569,7 +569,7 @@ class Worker(Service):
 
     def num_running(self) -> int:
         """Running requests, counting one whose prefill is still being chunked."""
-        return self.scheduler.snapshot().running
+        return self.scheduler.snapshot(adapters=False).running
 
 
 class _PromptLogprobColumns(NamedTuple):

@@ -142,7 +142,6 @@ def test_the_modules_run_what_the_one_op_layer_does_not_cover(
     assert layer.decode_weights(torch.bfloat16) is None
 
 
-@pytest.mark.skipif(not cpu_kernels.available(), reason="needs the C++ kernels")
 def test_a_float32_quantized_decode_layer_writes_and_reads_a_float16_pool(
     hf_model_factory, runner_factory, prompts_factory, greedy, tmp_path, monkeypatch
 ):
