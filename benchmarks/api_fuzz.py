@@ -26,8 +26,8 @@ from pathlib import Path
 
 import httpx2
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags
-from benchmarks.support.models import save_tiny_llama
+from testing.launcher import ServiceLauncher, cpu_flags
+from testing.models import save_tiny_llama
 
 API_KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -1,7 +1,7 @@
 """JSON-schema decoding on the offline Engine: unconstrained vs constrained vs jump-forward,
 and the grammar's cost per token, side by side in one run.
 
-Workload: the 20 schemas of benchmarks/support/grammar_schemas.py with their prompts, greedy. Rows:
+Workload: the 20 schemas of testing/grammar_schemas.py with their prompts, greedy. Rows:
 - "batch": all 20 submitted at once (throughput);
 - "one by one": each request alone (latency; forward passes per request are what
   jump-forward saves).
@@ -39,9 +39,9 @@ from typing import NamedTuple
 import torch
 import xgrammar as xgr
 
-from benchmarks.support.grammar_schemas import SCHEMAS
 from engine.api import Engine
 from engine.outputs import GenerateResult
+from testing.grammar_schemas import SCHEMAS
 
 MODES = {
     "unconstrained": {},

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx2
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags
-from benchmarks.support.models import save_tiny_llama
+from testing.launcher import ServiceLauncher, cpu_flags
+from testing.models import save_tiny_llama
 
 TOKENIZED_CHARS = 12 * 2**20
 DEFAULT_LIMIT_CHARS = 2**20

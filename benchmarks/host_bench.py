@@ -164,7 +164,7 @@ def ensure_worktree(path: Path, commit: str) -> None:
 
 
 def save_models(root: Path, real_hidden_size: int) -> tuple[Path, Path]:
-    from benchmarks.support.models import save_tiny_model
+    from testing.models import save_tiny_model
 
     free, real = root / "nearly-free", root / "real"
     save_tiny_model(free, **NEARLY_FREE)

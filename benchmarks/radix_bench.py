@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from benchmarks.support.radix import simulated_cache, total_size
 from engine.cache.radix_cache import RadixCache
 from engine.cache.radix_key import RadixKey, common_prefix_len
+from testing.radix import simulated_cache, total_size
 
 
 def per_token_match(a: Sequence[int], b: Sequence[int]) -> int:

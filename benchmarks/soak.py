@@ -4,7 +4,7 @@
 
 The mix: chat and completions, streamed and not, `n` > 1, native `/generate` (single,
 batch, streamed), shared prompt prefixes (radix hits), logprobs, stop strings, grammars
-(`response_format` json_schema from benchmarks/support/grammar_schemas.py, regex),
+(`response_format` json_schema from testing/grammar_schemas.py, regex),
 clients that disconnect mid-stream or before a non-streamed answer, `/abort_request`
 mid-stream, chat markup inside user content, and bad inputs (among them hostile numbers
 and sizes: huge biases and temperatures, thousands of stop strings, prompts over
@@ -45,10 +45,10 @@ from typing import Any
 import httpx2
 import jsonschema
 
-from benchmarks.support.grammar_schemas import SCHEMAS
-from benchmarks.support.launcher import ROLES, ServiceLauncher, cpu_flags
-from benchmarks.support.net import server_info
 from services.ipc import create_wire_keys
+from testing.grammar_schemas import SCHEMAS
+from testing.launcher import ROLES, ServiceLauncher, cpu_flags
+from testing.net import server_info
 
 PREFIXES = [
     "You are a helpful assistant. Answer briefly and precisely. ",
@@ -121,7 +121,7 @@ def tiny_model(work: Path) -> str:
     """The tiny Llama with SmolLM2's tokenizer, built in `work`."""
     # Imported here: torch and transformers take seconds to load, and `--help` or another
     # model needs neither in this process.
-    from benchmarks.support.models import save_tiny_llama
+    from testing.models import save_tiny_llama
 
     return str(save_tiny_llama(work / "tiny-llama"))
 

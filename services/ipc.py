@@ -1,4 +1,4 @@
-"""ZMQ sockets between the three processes (see `services.protocol`), and peer liveness.
+"""ZMQ sockets between the three processes (see `services.io_struct`), and peer liveness.
 
 Each PULL socket binds (an ipc:// socket, or a port of 127.0.0.1) and its PUSH peer
 connects, so startup order is free (ZMQ reconnects). With `WireKeys` the wire is
@@ -39,7 +39,7 @@ import zmq.auth
 import zmq.utils.monitor as zmq_monitor
 from zmq.utils import z85
 
-from services.protocol import Heartbeat, Hello, Message, ProtocolError, decode, encode
+from services.io_struct import Heartbeat, Hello, Message, ProtocolError, decode, encode
 
 logger = logging.getLogger(__name__)
 

@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from observability.metrics_server import MetricsServer, start_metrics_server
 from observability.tracing import setup_tracing
+from services.io_struct import Heartbeat, Hello, Message, new_epoch
 from services.ipc import (
     Address,
     Connections,
@@ -46,7 +47,6 @@ from services.ipc import (
     connect_push,
     load_wire_keys,
 )
-from services.protocol import Heartbeat, Hello, Message, new_epoch
 from services.settings import Settings
 
 logger = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ settings.load_profile("radixserve")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with a 256-token vocabulary and no tokenizer, for engine tests that
     feed token ids."""
-    from benchmarks.support.models import save_tiny_model  # torch: not for the deploy tests
+    from testing.models import save_tiny_model  # torch: not for the deploy tests
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -42,7 +42,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama with the SmolLM2 vocabulary and tokenizer, which the services load in
     seconds and which decodes real text."""
-    from benchmarks.support.models import save_tiny_llama
+    from testing.models import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-smollm2-vocab"))
 

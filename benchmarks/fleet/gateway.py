@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx2
 
-from benchmarks.support.net import free_ports, wait_until
+from testing.net import free_ports, wait_until
 
 POLICIES = ("cache_aware", "round_robin")
 STOP_TIMEOUT_S = 10.0

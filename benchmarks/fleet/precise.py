@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from benchmarks.support.kv_events import apply_events, decode_batch
+from testing.kv_events import apply_events, decode_batch
 
 POLL_MS = 50
 

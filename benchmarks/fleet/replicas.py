@@ -20,8 +20,8 @@ import httpx2
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serving.metrics import HIT_TOKENS, QUERY_TOKENS
-from benchmarks.support.launcher import ROLES, SERVER_PORTS, ServiceLauncher, port_flags
-from benchmarks.support.net import all_kv_free, free_ports, wait_until
+from testing.launcher import ROLES, SERVER_PORTS, ServiceLauncher, port_flags
+from testing.net import all_kv_free, free_ports, wait_until
 
 PREFILL_TOKENS = "radixserve_prompt_tokens_total"
 """The worker's prompt tokens computed by prefill (radix hits excluded)."""

@@ -14,8 +14,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from benchmarks.support.net import free_ports
-from benchmarks.support.server_process import ServerProcess
+from testing.net import free_ports
+from testing.server_process import ServerProcess
 
 DEFAULT_FLAGS = ("-c", "32768", "-np", "16", "--no-repack", "--no-webui")
 """16 slots sharing a 32k context (2k per slot: the longest workload prompt plus its

@@ -16,8 +16,8 @@ from typing import Any
 import httpx2
 
 from benchmarks.serving.metrics import cpu_info
-from benchmarks.support.launcher import port_flags, server_ports
-from benchmarks.support.server_process import ServerProcess
+from testing.launcher import port_flags, server_ports
+from testing.server_process import ServerProcess
 
 FLUSH_TIMEOUT_S = 120.0
 

@@ -20,9 +20,9 @@ from typing import Any
 
 async def measure(batch: int, steps: int) -> float:
     """Microseconds of process CPU per step."""
-    from services.protocol import BatchStrOutput, decode, encode
+    from services.io_struct import BatchStrOutput, decode, encode
     from services.tokenizer import manager as manager_module
-    from services.tokenizer.openai_api import CompletionRequest
+    from services.tokenizer.protocol import CompletionRequest
     from services.tokenizer.serving import ChoiceAccumulator, CompletionsEndpoint
 
     manager: Any = manager_module.TokenizerManager.__new__(manager_module.TokenizerManager)

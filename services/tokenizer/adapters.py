@@ -18,7 +18,8 @@ from pydantic import ValidationError
 from engine.grammar.limits import GrammarError
 from engine.grammar.validate import validate_grammar
 from engine.sampling.sampling_params import GRAMMAR_KINDS, SamplingParams
-from services.tokenizer.openai_api import (
+from services.tokenizer.parsers import named_tool_schema, required_tools_schema, tool_specs
+from services.tokenizer.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorInfo,
@@ -26,7 +27,6 @@ from services.tokenizer.openai_api import (
     GenerateRequest,
     NamedToolChoice,
 )
-from services.tokenizer.parsers import named_tool_schema, required_tools_schema, tool_specs
 
 if TYPE_CHECKING:
     from fastapi.exceptions import RequestValidationError

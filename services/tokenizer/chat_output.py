@@ -15,15 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.tokenizer.openai_api import (
-    ChatCompletionRequest,
-    FinishReasonName,
-    NamedToolChoice,
-    ToolCall,
-    ToolCallDelta,
-    ToolCallDeltaFunction,
-    ToolCallFunction,
-)
 from services.tokenizer.parsers import (
     DEFAULT_TOOL_PARSER,
     ReasoningParser,
@@ -35,6 +26,15 @@ from services.tokenizer.parsers import (
     tool_specs,
 )
 from services.tokenizer.parsers import ToolCallDelta as ParsedDelta
+from services.tokenizer.protocol import (
+    ChatCompletionRequest,
+    FinishReasonName,
+    NamedToolChoice,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallDeltaFunction,
+    ToolCallFunction,
+)
 
 
 @dataclass

@@ -28,18 +28,7 @@ import zmq.asyncio
 
 from observability.metrics import RequestTimer, TokenizerMetrics
 from observability.tracing import Tracing
-from services.ipc import (
-    AsyncReceiver,
-    Connections,
-    PeerEvent,
-    PeerMonitor,
-    Sender,
-    WireAuthenticator,
-    bind_pull,
-    connect_push,
-    load_wire_keys,
-)
-from services.protocol import (
+from services.io_struct import (
     AbortReq,
     BatchStrOutput,
     FinishReason,
@@ -56,6 +45,17 @@ from services.protocol import (
     UnloadLoRAAdapterReq,
     WorkerReady,
     new_epoch,
+)
+from services.ipc import (
+    AsyncReceiver,
+    Connections,
+    PeerEvent,
+    PeerMonitor,
+    Sender,
+    WireAuthenticator,
+    bind_pull,
+    connect_push,
+    load_wire_keys,
 )
 from services.settings import Settings
 from services.tokenizer.adapters import RequestError

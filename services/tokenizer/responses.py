@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from pydantic import BaseModel
 
-from services.protocol import FinishReason
+from services.io_struct import FinishReason
 from services.tokenizer.adapters import RequestError, error_body
 from services.tokenizer.chat_output import ChatDelta, ChatOutputFormat, parse_whole
-from services.tokenizer.openai_api import (
+from services.tokenizer.protocol import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,

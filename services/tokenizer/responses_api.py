@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from services.tokenizer.adapters import RequestError
-from services.tokenizer.openai_api import FUNCTION_NAME
+from services.tokenizer.protocol import FUNCTION_NAME
 
 # ----------------------------------------------------------------------------- request
 

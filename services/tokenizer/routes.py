@@ -17,7 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling.sampling_params import SamplingParams
-from services.protocol import LoRAAdapterReqOutput, TokenizedGenerateReqInput
+from services.io_struct import LoRAAdapterReqOutput, TokenizedGenerateReqInput
 from services.settings import LAUNCH_ID_HEADER
 from services.tokenizer.adapters import (
     RequestError,
@@ -29,7 +29,8 @@ from services.tokenizer.adapters import (
 from services.tokenizer.chat_template import render_chat
 from services.tokenizer.manager import unavailable
 from services.tokenizer.middleware import require_admin
-from services.tokenizer.openai_api import (
+from services.tokenizer.openapi import ERROR_RESPONSES, answers, request_body
+from services.tokenizer.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -42,7 +43,6 @@ from services.tokenizer.openai_api import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from services.tokenizer.openapi import ERROR_RESPONSES, answers, request_body
 from services.tokenizer.responses import model_list
 from services.tokenizer.responses_api import ResponsesRequest, responses_error
 from services.tokenizer.serving import (

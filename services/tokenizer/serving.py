@@ -42,7 +42,7 @@ from pydantic import BaseModel
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import MAX_SEED, SamplingParams
 from observability.tracing import Tracing, maybe_span
-from services.protocol import TokenizedGenerateReqInput, WorkerReady
+from services.io_struct import TokenizedGenerateReqInput, WorkerReady
 from services.settings import Settings
 from services.tokenizer.adapters import (
     RequestError,
@@ -57,7 +57,7 @@ from services.tokenizer.chat_output import ChatOutputFormat, ChatParsers, Choice
 from services.tokenizer.chat_template import render_chat
 from services.tokenizer.manager import ReqOutput, TokenizerManager
 from services.tokenizer.middleware import tenant_namespace
-from services.tokenizer.openai_api import (
+from services.tokenizer.protocol import (
     ChatCompletionMessageParam,
     ChatCompletionRequest,
     CompletionRequest,

@@ -34,9 +34,7 @@ from engine.lora import LoRAError
 from engine.model.cpu_isa import CpuIsa, cpu_isa
 from engine.sched.req import FinishReason, Req
 from observability.worker_metrics import CpuInfo, WorkerMetrics, WorkerSample
-from services.ipc import MAX_MESSAGE_BYTES, PeerEvent
-from services.process import Service
-from services.protocol import (
+from services.io_struct import (
     FRAME_HEADROOM_BYTES,
     AbortReq,
     BatchTokenIDOutput,
@@ -53,6 +51,8 @@ from services.protocol import (
     WorkerReady,
     split_batch,
 )
+from services.ipc import MAX_MESSAGE_BYTES, PeerEvent
+from services.process import Service
 from services.settings import Settings
 from services.worker.kv_event_publisher import ZmqEventPublisher
 

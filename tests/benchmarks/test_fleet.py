@@ -23,7 +23,7 @@ from benchmarks.fleet.precise import choose, matched_blocks
 from benchmarks.fleet.replicas import Counters, Replica, sample_total, start_fleet
 from benchmarks.fleet.run import FleetRun, ModeResult, subscribe, text_prompt, warm_up
 from benchmarks.serving.workloads import WorkloadConfig, build, warmup_prompt
-from benchmarks.support.launcher import cpu_flags
+from testing.launcher import cpu_flags
 
 WORKLOAD = WorkloadConfig(
     seed=0, requests=24, groups=8, system_len=256, question_len=16, output_len=4

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import engine
-from tests.support.imports import cycles, import_graph, imported_modules
+from testing.imports import cycles, import_graph, imported_modules
 
 ENGINE_DIR = Path(engine.__file__).parent
 REPO = ENGINE_DIR.parent

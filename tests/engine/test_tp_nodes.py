@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.support.launcher import REPO_ROOT
-from benchmarks.support.net import free_port
 from engine.api import Engine
 from engine.distributed import get_tp_group
+from testing.launcher import REPO_ROOT
+from testing.net import free_port
 
 OPTIONS = dict(dtype="float32", device="cpu", max_total_tokens=512, chunked_prefill_size=16)
 PROMPTS = [list(range(100, 140)), list(range(7, 12))]

@@ -27,8 +27,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags, server_ports
-from benchmarks.support.net import free_port, wait_until
+from testing.launcher import ServiceLauncher, cpu_flags, server_ports
+from testing.net import free_port, wait_until
 from tests.observability.dashboard import RULES
 
 MODEL = "tiny-llama"

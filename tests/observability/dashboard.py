@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import yaml
 
-from benchmarks.support.launcher import REPO_ROOT
+from testing.launcher import REPO_ROOT
 
 OBSERVABILITY = REPO_ROOT / "observability"
 DASHBOARD = OBSERVABILITY / "dashboards" / "radixserve.json"

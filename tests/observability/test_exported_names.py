@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.support.launcher import ROLES
+from testing.launcher import ROLES
 from tests.observability.conftest import System
 from tests.observability.dashboard import metric_names_used
 

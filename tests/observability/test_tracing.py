@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from benchmarks.support.launcher import ROLES
-from benchmarks.support.net import wait_until
 from observability.tracing import setup_tracing
+from testing.launcher import ROLES
+from testing.net import wait_until
 from tests.observability.conftest import ReceivedSpan, System
 
 SPANS = {

@@ -14,14 +14,14 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.support.net import free_ports
 from engine.model.cpu_isa import ISA_FLAGS, PATHS
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.scheduler import after_turns
 from observability.worker_metrics import ROLLING_WINDOW_S, CpuInfo, WorkerMetrics, WorkerSample
-from services.protocol import TokenizedGenerateReqInput
+from services.io_struct import TokenizedGenerateReqInput
 from services.settings import PORT_FIELDS, Settings
 from services.worker.worker import METRICS_SAMPLE_INTERVAL_S, Worker
+from testing.net import free_ports
 
 IDLE = WorkerSample(
     time=0.0,

@@ -16,10 +16,10 @@ import httpx2
 import pytest
 import zmq
 
-from benchmarks.support.launcher import HEARTBEAT_INTERVAL, ServiceLauncher, cpu_flags, server_ports
-from benchmarks.support.net import free_ports
+from services.io_struct import BatchStrOutput, Heartbeat, Hello, Message, new_epoch
 from services.ipc import Receiver, Sender, bind_pull, bound_port, connect_push, create_wire_keys
-from services.protocol import BatchStrOutput, Heartbeat, Hello, Message, new_epoch
+from testing.launcher import HEARTBEAT_INTERVAL, ServiceLauncher, cpu_flags, server_ports
+from testing.net import free_ports
 
 
 @pytest.fixture(scope="session")

@@ -33,10 +33,10 @@ from agents import (
 )
 from pydantic import BaseModel, Field
 
-from benchmarks.support.grammar_schemas import SCHEMAS
-from benchmarks.support.models import embedded_hf_model
-from benchmarks.support.net import all_kv_free, wait_until
 from engine.api import Engine
+from testing.grammar_schemas import SCHEMAS
+from testing.models import embedded_hf_model
+from testing.net import all_kv_free, wait_until
 
 MODEL = "embedded"
 CITY = {"type": "string", "maxLength": 20}

@@ -11,7 +11,7 @@ import httpx2
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.support.net import all_kv_free, wait_until
+from testing.net import all_kv_free, wait_until
 from tests.deploy.conftest import helm_template
 from tests.services.conftest import ROUTER_FACING_MAX_RUNNING, RouterFacingServer
 

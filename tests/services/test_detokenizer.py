@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.protocol import (
+from services.io_struct import (
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizerReqState,

@@ -5,7 +5,7 @@ bad headers. Whatever comes in, the server answers within the client's timeout, 
 a 5xx, never with a stack trace, always in the shape the endpoint promises; and it still
 serves afterwards with every KV slot back.
 
-The field lists below are taken from `services/tokenizer/openai_api.py` and
+The field lists below are taken from `services/tokenizer/protocol.py` and
 `SamplingParams`, and mix junk into the values; schemathesis fuzzes the valid side from the
 OpenAPI document (`benchmarks/api_fuzz.py`).
 """
@@ -25,9 +25,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags
-from benchmarks.support.net import wait_until
 from engine.sampling.sampling_params import SamplingParams
+from testing.launcher import ServiceLauncher, cpu_flags
+from testing.net import wait_until
 from tests.services.conftest import strict_json
 
 API_KEY = "fuzz-key"
@@ -170,7 +170,7 @@ def body(draw: st.DrawFn, known: dict[str, st.SearchStrategy]) -> dict[str, Any]
     return chosen
 
 
-SAMPLING = {  # the fields chat and completions share (openai_api.SamplingRequest)
+SAMPLING = {  # the fields chat and completions share (protocol.SamplingRequest)
     "model": st.just("fuzz-model") | TEXT,
     "max_tokens": ints(-2, 20),
     "temperature": st.floats(-1, 3),

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from benchmarks.support.grammar_schemas import SCHEMAS
+from testing.grammar_schemas import SCHEMAS
 from tests.services.conftest import EMBEDDED_WORKER_MAX_DEPTH
 
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"

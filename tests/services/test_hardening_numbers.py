@@ -20,10 +20,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags
-from benchmarks.support.net import wait_until
 from engine.sampling.sampling_params import MAX_TEMPERATURE, MIN_REPETITION_PENALTY, SAMPLING_EPS
 from services.tokenizer.responses import LOGPROB_FLOOR
+from testing.launcher import ServiceLauncher, cpu_flags
+from testing.net import wait_until
 from tests.services.conftest import strict_json
 
 CHAT, COMPLETIONS, GENERATE, RESPONSES = (

@@ -15,12 +15,12 @@ import httpx2
 import openai
 import pytest
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags
-from benchmarks.support.models import TINY_LLAMA_CONTEXT
-from benchmarks.support.net import all_kv_free, server_info, wait_until
 from engine.api import Engine
 from services.tokenizer.chat_template import render_chat
-from services.tokenizer.openai_api import ChatCompletionMessageParam
+from services.tokenizer.protocol import ChatCompletionMessageParam
+from testing.launcher import ServiceLauncher, cpu_flags
+from testing.models import TINY_LLAMA_CONTEXT
+from testing.net import all_kv_free, server_info, wait_until
 
 API_KEY = "test-key"
 MODEL = "tiny-llama"

@@ -17,8 +17,8 @@ from typing import Any
 import httpx2
 import pytest
 
-from benchmarks.support.launcher import REPO_ROOT, ServiceLauncher, cpu_flags
-from benchmarks.support.net import all_kv_free, server_info, wait_until
+from testing.launcher import REPO_ROOT, ServiceLauncher, cpu_flags
+from testing.net import all_kv_free, server_info, wait_until
 
 MAX_TOTAL_TOKENS = 4096
 MAX_CONNECTIONS = 64

@@ -7,6 +7,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from services.io_struct import (
+    AbortReq,
+    Heartbeat,
+    Hello,
+    TokenizedGenerateReqInput,
+    encode,
+    new_epoch,
+)
 from services.ipc import (
     AsyncReceiver,
     PeerEvent,
@@ -19,14 +27,6 @@ from services.ipc import (
     bound_port,
     connect_push,
     create_wire_keys,
-)
-from services.protocol import (
-    AbortReq,
-    Heartbeat,
-    Hello,
-    TokenizedGenerateReqInput,
-    encode,
-    new_epoch,
 )
 
 

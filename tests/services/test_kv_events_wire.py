@@ -13,9 +13,6 @@ import httpx2
 import pytest
 import zmq
 
-from benchmarks.support.kv_events import Subscriber
-from benchmarks.support.net import free_ports, wait_until
-from benchmarks.support.radix import tree_blocks
 from engine.api import Engine
 from engine.cache.kv_events import (
     AllBlocksCleared,
@@ -27,6 +24,9 @@ from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import Req
 from services.worker.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
+from testing.kv_events import Subscriber
+from testing.net import free_ports, wait_until
+from testing.radix import tree_blocks
 from tests.services.conftest import RouterFacingServer
 
 BLOCK = 16

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.support.launcher import REPO_ROOT
-from benchmarks.support.net import free_port
 from services.settings import ENV_PREFIX, LAUNCH_ID_HEADER, Settings
+from testing.launcher import REPO_ROOT
+from testing.net import free_port
 
 
 def _radixserve() -> str:

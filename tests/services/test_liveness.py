@@ -8,9 +8,9 @@ import time
 
 import zmq
 
-from benchmarks.support.net import wait_until
+from services.io_struct import Heartbeat
 from services.ipc import Connections, PeerMonitor, bind_pull, bound_port, connect_push
-from services.protocol import Heartbeat
+from testing.net import wait_until
 
 INTERVAL = 0.05
 

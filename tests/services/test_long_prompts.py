@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 import httpx2
 import pytest
 
-from benchmarks.support.launcher import port_flags, server_ports, serving_url, start_serve
-from benchmarks.support.net import all_kv_free, server_info, wait_until
+from testing.launcher import port_flags, server_ports, serving_url, start_serve
+from testing.net import all_kv_free, server_info, wait_until
 
 DROPPED = 4
 CHUNKS_PER_PROMPT = 6

@@ -14,8 +14,8 @@ from typing import Any
 import httpx2
 import pytest
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags
-from benchmarks.support.net import wait_until
+from testing.launcher import ServiceLauncher, cpu_flags
+from testing.net import wait_until
 
 API_KEY = "lora-user-key"
 ADMIN_KEY = "lora-admin-key"

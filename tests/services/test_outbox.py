@@ -7,9 +7,9 @@ import time
 
 import zmq
 
-from benchmarks.support.net import free_port
+from services.io_struct import AbortReq
 from services.ipc import Outbox, Receiver, Sender, bind_pull, connect_push
-from services.protocol import AbortReq
+from testing.net import free_port
 
 
 def test_messages_for_an_absent_peer_are_held_and_arrive_in_order_once_it_binds():

@@ -8,7 +8,7 @@ import pytest
 
 from engine.detokenize import IncrementalDetokenizer
 from services.detokenizer.detokenizer import BatchDetokenizer
-from services.protocol import (
+from services.io_struct import (
     BatchStrOutput,
     BatchTokenIDOutput,
     DetokenizerReqState,

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.support.launcher import HEARTBEAT_INTERVAL, port_flags, server_ports
 from engine.api import Engine
 from engine.sampling.sampling_params import SamplingParams
-from services.protocol import TokenizedGenerateReqInput
+from services.io_struct import TokenizedGenerateReqInput
 from services.settings import Settings
 from services.tokenizer.adapters import RequestError
 from services.tokenizer.manager import (
@@ -22,6 +21,7 @@ from services.tokenizer.manager import (
     TokenizerManager,
     running_manager,
 )
+from testing.launcher import HEARTBEAT_INTERVAL, port_flags, server_ports
 
 MAX_TOTAL_TOKENS = 4096
 PROMPT = "The quick brown fox jumps over the lazy dog, and the dog sleeps on"

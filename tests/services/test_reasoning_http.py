@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags
-from benchmarks.support.models import save_tiny_thinking_llama
-from benchmarks.support.net import all_kv_free
 from engine.model.loader import load_tokenizer
+from testing.launcher import ServiceLauncher, cpu_flags
+from testing.models import save_tiny_thinking_llama
+from testing.net import all_kv_free
 
 USER = [{"role": "user", "content": "Is the sky blue?"}]
 YES_NO = {"structured_outputs": {"choice": ["yes", "no"]}}

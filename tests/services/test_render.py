@@ -17,7 +17,7 @@ from typing import Any
 import httpx2
 import pytest
 
-from benchmarks.support.models import TINY_LLAMA_CONTEXT
+from testing.models import TINY_LLAMA_CONTEXT
 from tests.services.conftest import RouterFacingServer
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -29,19 +29,8 @@ import msgspec
 import pytest
 import zmq
 
-from benchmarks.support.launcher import (
-    REPO_ROOT,
-    ROLES,
-    ServiceLauncher,
-    cpu_flags,
-    port_flags,
-    server_ports,
-)
-from benchmarks.support.net import all_kv_free, free_ports, http_status, server_info, wait_until
 from engine.sampling.sampling_params import SamplingParams
-from services.ipc import WireKeys, connect_push
-from services.process import WATCHDOG_EXIT_CODE
-from services.protocol import (
+from services.io_struct import (
     AbortReq,
     BatchStrOutput,
     BatchTokenIDOutput,
@@ -51,7 +40,18 @@ from services.protocol import (
     WorkerReady,
     encode,
 )
+from services.ipc import WireKeys, connect_push
+from services.process import WATCHDOG_EXIT_CODE
 from services.tokenizer.server import MAX_REQUEST_BODY_BYTES
+from testing.launcher import (
+    REPO_ROOT,
+    ROLES,
+    ServiceLauncher,
+    cpu_flags,
+    port_flags,
+    server_ports,
+)
+from testing.net import all_kv_free, free_ports, http_status, server_info, wait_until
 from tests.services.conftest import keys_env
 
 HEARTBEAT_INTERVAL = 0.5

@@ -17,7 +17,8 @@ import httpx2
 import openai
 import pytest
 
-from benchmarks.support.launcher import (
+from engine.api import Engine
+from testing.launcher import (
     SERVING_LINE,
     ServiceLauncher,
     cpu_flags,
@@ -26,8 +27,7 @@ from benchmarks.support.launcher import (
     serving_url,
     start_serve,
 )
-from benchmarks.support.net import free_port, free_ports, http_status, server_info, wait_until
-from engine.api import Engine
+from testing.net import free_port, free_ports, http_status, server_info, wait_until
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 # Longer than the other service tests' 0.2 s: the embedded model's prefill runs between

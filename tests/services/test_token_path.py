@@ -13,8 +13,7 @@ from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import FinishReason as EngineFinishReason
 from engine.sched.req import Req
 from services.detokenizer.detokenizer import BatchDetokenizer
-from services.ipc import MAX_MESSAGE_BYTES
-from services.protocol import (
+from services.io_struct import (
     FRAME_HEADROOM_BYTES,
     BatchStrOutput,
     BatchTokenIDOutput,
@@ -22,6 +21,7 @@ from services.protocol import (
     decode,
     encode,
 )
+from services.ipc import MAX_MESSAGE_BYTES
 from services.tokenizer.manager import TokenizerManager, _Group
 from services.tokenizer.responses import ChatCompletionStream, CompletionStream, ResponseHeader
 from services.tokenizer.sse import DeltaEvents

@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags
-from benchmarks.support.net import all_kv_free, server_info, wait_until
 from services.tokenizer.server import MAX_REQUEST_BODY_BYTES
+from testing.launcher import ServiceLauncher, cpu_flags
+from testing.net import all_kv_free, server_info, wait_until
 
 TOKENIZED_CHARS = 12 * 2**20
 """Under the limit: templated and tokenized (about 2.8 million tokens), then refused for

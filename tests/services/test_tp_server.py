@@ -16,15 +16,15 @@ import httpx2
 import openai
 import pytest
 
-from benchmarks.support.launcher import (
+from engine.api import Engine
+from testing.launcher import (
     SERVING_LINE,
     cpu_flags,
     port_flags,
     server_ports,
     start_serve,
 )
-from benchmarks.support.net import wait_until
-from engine.api import Engine
+from testing.net import wait_until
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 MAX_TOKENS = 12

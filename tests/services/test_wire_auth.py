@@ -17,11 +17,8 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from benchmarks.support.launcher import ServiceLauncher, cpu_flags, server_ports
-from benchmarks.support.net import all_kv_free, server_info, wait_until
 from engine.sampling.sampling_params import SamplingParams
-from services.ipc import WireKeys, WireKeysError, create_wire_keys
-from services.protocol import (
+from services.io_struct import (
     AbortReq,
     BatchStrOutput,
     BatchTokenIDOutput,
@@ -31,6 +28,9 @@ from services.protocol import (
     encode,
     new_epoch,
 )
+from services.ipc import WireKeys, WireKeysError, create_wire_keys
+from testing.launcher import ServiceLauncher, cpu_flags, server_ports
+from testing.net import all_kv_free, server_info, wait_until
 from tests.services.conftest import keys_env
 
 STREAMS = 8

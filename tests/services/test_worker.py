@@ -13,7 +13,7 @@ import pytest
 
 from engine.api import Engine
 from engine.sampling.sampling_params import SamplingParams
-from services.protocol import (
+from services.io_struct import (
     AbortReq,
     FlushCacheReq,
     FlushCacheReqOutput,

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from benchmarks.serving import client
 from benchmarks.serving.metrics import HIT_TOKENS, QUERY_TOKENS, RequestResult
 from benchmarks.serving.workloads import BenchRequest
-from benchmarks.support.net import free_port
+from testing.net import free_port
 
 FAIL_503, FAIL_IN_STREAM, SHORT_OUTPUT = 1, 2, 3
 """A prompt starting with one of these ids makes the stub fail that way."""

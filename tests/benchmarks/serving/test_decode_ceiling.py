@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.serving.decode_ceiling import ceiling, decode_params, kv_bytes_per_token
-from benchmarks.support.models import tiny_hf_model
 from engine.model.config import ModelConfig
+from testing.models import tiny_hf_model
 
 SMOLLM2_135M = ModelConfig(
     architecture="LlamaForCausalLM",

@@ -10,7 +10,7 @@ from transformers import PreTrainedModel
 
 from benchmarks.serving.hf_peer import HFGeneratePeer, static_batches
 from benchmarks.serving.workloads import BenchRequest, WorkloadConfig, build
-from benchmarks.support.models import TINY_CONFIG, tiny_hf_model
+from testing.models import TINY_CONFIG, tiny_hf_model
 
 EOS = TINY_CONFIG["eos_token_id"]
 

@@ -12,7 +12,7 @@ import pytest
 from benchmarks.serving import client
 from benchmarks.serving.server_peer import RadixServer
 from benchmarks.serving.workloads import BenchRequest
-from benchmarks.support.launcher import cpu_flags
+from testing.launcher import cpu_flags
 
 SHARED = list(range(1000, 1064))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import engine.cache
-from tests.support.imports import imported_modules
+from testing.imports import imported_modules
 
 CACHE_DIR = Path(engine.cache.__file__).parent
 

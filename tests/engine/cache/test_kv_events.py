@@ -10,11 +10,11 @@ import hashlib
 import msgpack
 import msgspec
 
-from benchmarks.support.kv_events import apply_events
-from benchmarks.support.radix import insert_fresh, simulated_cache, tree_blocks
 from engine.cache.kv_events import BlockEventRecorder, EventBatch, block_hash, block_hashes
 from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey
+from testing.kv_events import apply_events
+from testing.radix import insert_fresh, simulated_cache, tree_blocks
 
 BLOCK = 16
 SALT = PrefixNamespace(cache_salt="tenant-a")

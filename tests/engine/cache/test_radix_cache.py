@@ -3,12 +3,12 @@ import time
 import pytest
 import torch
 
-from benchmarks.support.radix import insert_fresh, simulated_cache, total_size
 from engine.cache.evict_policy import EVICTION_POLICIES
 from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_cache import RadixCache
 from engine.cache.radix_key import RadixKey
 from engine.mem.allocator import TokenToKVPoolAllocator
+from testing.radix import insert_fresh, simulated_cache, total_size
 
 
 def test_match_diverging_mid_edge_does_not_continue_into_the_children():

@@ -15,13 +15,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from benchmarks.support.kv_events import apply_events
-from benchmarks.support.radix import simulated_cache, total_size
 from engine.cache.evict_policy import EVICTION_POLICIES
 from engine.cache.kv_events import BlockEventRecorder, block_hashes
 from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey
 from engine.cache.tree_node import TreeNode
+from testing.kv_events import apply_events
+from testing.radix import simulated_cache, total_size
 
 NUM_SLOTS = 40
 KV_BLOCK_SIZE = 2

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.support.net import free_port
 from engine.args import EngineArgs
 from engine.distributed import ParallelConfig, destroy_distributed, get_tp_group, init_distributed
 from engine.distributed.tp_ranks import RankProcesses
+from testing.net import free_port
 
 GROUP_TIMEOUT_S = 0.5
 """The collectives' timeout once serving: the late rank below is later than it."""

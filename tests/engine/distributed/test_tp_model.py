@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.support.models import save_tiny_model
 from engine.model.config import ModelConfig
 from engine.model.loader import HFCheckpoint, SafetensorsSlice
+from testing.models import save_tiny_model
 from tests.engine.distributed.rank_pool import (
     RUNNER_OPTIONS,
     RankPool,
@@ -37,7 +37,7 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {}),
     "llama_one_kv_head": ("llama", dict(num_key_value_heads=1)),
 }
-"""name -> (benchmarks.support.models arch, config overrides)."""
+"""name -> (testing.models arch, config overrides)."""
 PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [11, 200, 64], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 
 

@@ -7,10 +7,10 @@ import jsonschema
 import pytest
 import xgrammar as xgr
 
-from benchmarks.support.grammar_schemas import SCHEMAS
 from engine.api import Engine
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import FinishReason, Req
+from testing.grammar_schemas import SCHEMAS
 
 PROMPTS = {name: prompt for name, (prompt, _) in SCHEMAS.items()}
 SCHEMA = {name: schema for name, (_, schema) in SCHEMAS.items()}

@@ -7,11 +7,11 @@ import re
 import jsonschema
 import pytest
 
-from benchmarks.support.grammar_schemas import SCHEMAS
 from engine.api import Engine
 from engine.detokenize import IncrementalDetokenizer
 from engine.grammar.jump_forward import JumpForward, decodes_concatenatively, plan_jump_forward
 from engine.model.loader import load_tokenizer
+from testing.grammar_schemas import SCHEMAS
 
 GREEDY = {"temperature": 0, "max_new_tokens": 96}
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"

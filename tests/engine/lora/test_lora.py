@@ -350,7 +350,7 @@ def test_tp2_mixed_batch_equals_tp1(
 def test_embedded_model_mixed_batch_matches_peft(tmp_path: Path):
     """The embedded SmolLM2 with a rank-8 adapter on all seven projections, beside the base
     model in one batch (float32 greedy tokens)."""
-    from benchmarks.support.models import embedded_hf_model
+    from testing.models import embedded_hf_model
 
     torch.manual_seed(0)
     config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=ALL_TARGETS)

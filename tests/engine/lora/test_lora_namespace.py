@@ -7,11 +7,11 @@ from __future__ import annotations
 import msgpack
 import msgspec
 
-from benchmarks.support.radix import insert_fresh, simulated_cache
 from engine.cache.kv_events import BlockEventRecorder, block_hashes
 from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey
 from engine.sched.req import Req
+from testing.radix import insert_fresh, simulated_cache
 
 BLOCK = 16
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from benchmarks.support.models import TINY_ARCHS, tiny_hf_model
 from engine.model.loader import load_tokenizer
 from engine.model.runner import ExtendInput, ModelRunner
+from testing.models import TINY_ARCHS, tiny_hf_model
 
 TINY = dict(vocab_size=128, intermediate_size=96, max_position_embeddings=256)
 """The model tests' sizes over the shared tiny config: a 128-token vocabulary and a

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-from benchmarks.support.launcher import REPO_ROOT
 from engine.model import cpu_isa
 from engine.model.cpu_isa import (
     ISA_FLAGS,
@@ -20,6 +19,7 @@ from engine.model.cpu_isa import (
     machine_path,
     parse_flags,
 )
+from testing.launcher import REPO_ROOT
 
 ZEN3 = "flags\t\t: fpu vme sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c bmi1 avx2 bmi2 sha_ni"
 """An AMD EPYC of the AVX2 class: no AVX-512, no AMX."""

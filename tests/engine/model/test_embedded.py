@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel
 
-from benchmarks.support.models import embedded_hf_model
 from engine.model.runner import ModelRunner
+from testing.models import embedded_hf_model
 
 CHATS = [
     "What is the capital of France?",

@@ -4,10 +4,10 @@ row, its slots and the tree, and the integrity check over all three."""
 import pytest
 import torch
 
-from benchmarks.support.radix import insert_fresh, simulated_cache, total_size
 from engine.cache.radix_key import RadixKey
 from engine.sched.cache_manager import CacheManager
 from engine.sched.req import Req
+from testing.radix import insert_fresh, simulated_cache, total_size
 
 
 def admit(cache: CacheManager, req: Req, extra_slots: int = 0) -> None:

@@ -1,12 +1,12 @@
 import pytest
 import torch
 
-from benchmarks.support.radix import insert_fresh, simulated_cache
 from engine.cache.radix_key import RadixKey
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.cache_manager import CacheManager
 from engine.sched.policy import SCHEDULE_POLICIES, SchedulePolicy
 from engine.sched.req import Req
+from testing.radix import insert_fresh, simulated_cache
 
 
 def cache_with(*sequences: list[int]) -> CacheManager:

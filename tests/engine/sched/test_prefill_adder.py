@@ -1,11 +1,11 @@
 import pytest
 
-from benchmarks.support.radix import simulated_cache
 from engine.cache.radix_key import RadixKey
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.cache_manager import CacheManager
 from engine.sched.prefill_adder import AddReqResult, PrefillAdder
 from engine.sched.req import Req
+from testing.radix import simulated_cache
 
 
 def make_adder(

@@ -1,11 +1,11 @@
 import torch
 
-from benchmarks.support.radix import simulated_cache, total_size
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.cache_manager import CacheManager
 from engine.sched.req import Req, ReqStatus
 from engine.sched.retract import retract_decode
+from testing.radix import simulated_cache, total_size
 
 
 def running(cache: CacheManager, rid: str, input_len: int, output_len: int) -> Req:

@@ -14,7 +14,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from engine.model.loader import load_tokenizer
-from services.protocol import FinishReason, TokenizedGenerateReqInput, WorkerReady
+from services.io_struct import FinishReason, TokenizedGenerateReqInput, WorkerReady
 from services.settings import Settings
 from services.tokenizer import server
 from services.tokenizer.manager import ReqOutput, unavailable

@@ -24,7 +24,7 @@ from services.tokenizer.adapters import (
     validation_error_body,
 )
 from services.tokenizer.chat_template import render_chat
-from services.tokenizer.openai_api import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.tokenizer.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 MODEL = "smollm2"
 CONTEXT_LEN = 64

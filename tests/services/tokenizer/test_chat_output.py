@@ -15,7 +15,7 @@ from services.tokenizer.chat_output import (
     ChoiceParser,
     parse_whole,
 )
-from services.tokenizer.openai_api import ChatCompletionRequest
+from services.tokenizer.protocol import ChatCompletionRequest
 
 TOOL = {
     "type": "function",

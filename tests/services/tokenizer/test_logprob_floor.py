@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from services.protocol import FinishReason
-from services.tokenizer.openai_api import CompletionLogprobs, TopLogprob, VllmLogprob
+from services.io_struct import FinishReason
+from services.tokenizer.protocol import CompletionLogprobs, TopLogprob, VllmLogprob
 from services.tokenizer.responses import (
     LOGPROB_FLOOR,
     ChatCompletionStream,

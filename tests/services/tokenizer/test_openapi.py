@@ -10,7 +10,7 @@ import pytest
 from fastapi.routing import APIRoute
 
 from services.settings import Settings
-from services.tokenizer.openai_api import ChatCompletionRequest, ErrorResponse
+from services.tokenizer.protocol import ChatCompletionRequest, ErrorResponse
 from services.tokenizer.routes import router
 from tests.services.tokenizer.conftest import InProcessApp
 

@@ -9,9 +9,9 @@ import pytest
 
 from engine.outputs import GenerateMeta, GenerateResult
 from engine.sched.req import FinishReason as EngineFinishReason
-from services.protocol import FinishReason
+from services.io_struct import FinishReason
 from services.tokenizer.adapters import RequestError
-from services.tokenizer.openai_api import ChatCompletionChunk, CompletionChunk
+from services.tokenizer.protocol import ChatCompletionChunk, CompletionChunk
 from services.tokenizer.responses import (
     SSE_DONE,
     ChatCompletionStream,

@@ -14,7 +14,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
 from services.tokenizer.adapters import RequestError, validation_error_body
-from services.tokenizer.openai_api import ChatCompletionRequest
+from services.tokenizer.protocol import ChatCompletionRequest
 from services.tokenizer.responses_api import (
     ResponsesRequest,
     ResponsesStream,

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.support.net import free_port, free_ports, http_status, wait_until
+from testing.net import free_port, free_ports, http_status, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("worker", "detokenizer", "tokenizer")

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from benchmarks.support.net import http_status
+from testing.net import http_status
 
 
 class ServerProcess:

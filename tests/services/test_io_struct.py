@@ -5,8 +5,8 @@ from hypothesis import strategies as st
 
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
-from services import protocol
-from services.protocol import (
+from services import io_struct
+from services.io_struct import (
     MESSAGE_TYPES,
     AbortReq,
     BatchStrOutput,
@@ -29,7 +29,7 @@ from services.protocol import (
     encode,
 )
 
-STAMP = {"sender": "worker", "epoch": protocol.new_epoch()}
+STAMP = {"sender": "worker", "epoch": io_struct.new_epoch()}
 
 
 def _batch_columns(n: int) -> dict:

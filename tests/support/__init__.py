@@ -1,1 +1,0 @@
-"""Helpers shared by tests of several parts."""
