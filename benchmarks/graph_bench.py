@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from engine.model.runner import ExtendInput, ModelRunner
+from engine.model.runner import ModelRunner
+from testing.batches import ExtendInput, build_forward_batch
 
 
 class CallAgain:
@@ -97,7 +98,7 @@ def decode(
     batch = [ExtendInput(row, 0, prompt) for row, prompt in zip(rows, prompts)]
     times, tokens = [], []
     for step in range(steps + 1):
-        fb = runner.build_forward_batch(batch)
+        fb = build_forward_batch(runner, batch)
         sync(runner.device)
         start = time.perf_counter()
         logits = runner.forward(fb)

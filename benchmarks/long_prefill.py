@@ -15,7 +15,8 @@ import time
 
 import torch
 
-from engine.model.runner import ExtendInput, ModelRunner
+from engine.model.runner import ModelRunner
+from testing.batches import ExtendInput, build_forward_batch
 
 
 def main() -> None:
@@ -40,7 +41,7 @@ def main() -> None:
         start = time.perf_counter()
         for begin in range(0, args.tokens, args.chunk):
             chunk = ids[begin : begin + args.chunk].tolist()
-            runner.forward(runner.build_forward_batch([ExtendInput(row, begin, chunk)]))
+            runner.forward(build_forward_batch(runner, [ExtendInput(row, begin, chunk)]))
         elapsed = time.perf_counter() - start
         slots = runner.req_to_token_pool.req_to_token[row, : args.tokens].long()
         runner.token_to_kv_pool_allocator.free(slots)

@@ -27,6 +27,7 @@ from benchmarks.model_bench import DecodeBench
 from engine.lora import TARGET_MODULES, LoRAManager
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
+from testing.batches import build_forward_batch
 
 
 def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -65,7 +66,7 @@ def write_adapter(path: Path, config: ModelConfig, rank: int, seed: int) -> Path
 
 def step_seconds(bench: DecodeBench, slots: torch.Tensor | None) -> float:
     """One decode step's seconds, adapters per `slots` (None: the base model)."""
-    forward_batch = bench.runner.build_forward_batch(bench.batches[0])
+    forward_batch = build_forward_batch(bench.runner, bench.batches[0])
     forward_batch.lora_slots = slots
     return _timed(bench, forward_batch)
 

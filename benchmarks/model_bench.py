@@ -36,7 +36,8 @@ import engine  # first: it sets the OpenMP defaults of its checkout before torch
 import torch
 
 # isort: on
-from engine.model.runner import DTYPES, ExtendInput, ModelRunner
+from engine.model.runner import DTYPES, ModelRunner
+from testing.batches import ExtendInput, build_forward_batch
 
 REPO = Path(__file__).resolve().parents[1]
 COPY_BYTES = 256 << 20
@@ -141,7 +142,7 @@ class DecodeBench:
     def step_seconds(self, shape: int) -> float:
         """One decode step of batch `shape`, the forward alone (its batch is built first)."""
         batch = self.batches[shape]
-        forward_batch = self.runner.build_forward_batch(batch)
+        forward_batch = build_forward_batch(self.runner, batch)
         start = time.perf_counter()
         self.runner.forward(forward_batch)
         elapsed = time.perf_counter() - start
@@ -155,7 +156,7 @@ class DecodeBench:
         batch = [
             ExtendInput(r.req_pool_idx, r.prefix_len, [7] * new_tokens) for r in self.batches[shape]
         ]
-        forward_batch = runner.build_forward_batch(batch)
+        forward_batch = build_forward_batch(runner, batch)
         start = time.perf_counter()
         runner.forward(forward_batch)
         elapsed = time.perf_counter() - start
@@ -319,7 +320,7 @@ def bench_ours(dtype: str, args: argparse.Namespace) -> dict[str, float]:
     prompt = torch.randint(runner.model_config.vocab_size, (args.prompt_len,)).tolist()
 
     def prefill() -> None:
-        fb = runner.build_forward_batch([ExtendInput(row, 0, prompt)])
+        fb = build_forward_batch(runner, [ExtendInput(row, 0, prompt)])
         runner.forward(fb)
         runner.token_to_kv_pool_allocator.free(fb.out_cache_loc)
 

@@ -21,7 +21,8 @@ import torch
 
 from engine.model.cpu_isa import cpu_isa
 from engine.model.loader import load_tokenizer
-from engine.model.runner import ExtendInput, ModelRunner
+from engine.model.runner import ModelRunner
+from testing.batches import ExtendInput, build_forward_batch
 
 HELD_TEXT = Path(__file__).with_name("data") / "held_text.txt"
 CONFIGS = [
@@ -47,7 +48,7 @@ def teacher_forced_logprobs(runner: ModelRunner, tokens: list[int]) -> torch.Ten
     (row,) = runner.req_to_token_pool.alloc(1)
     out = []
     for position, token in enumerate(tokens[:-1]):
-        batch = runner.build_forward_batch([ExtendInput(row, position, [token])])
+        batch = build_forward_batch(runner, [ExtendInput(row, position, [token])])
         out.append(torch.log_softmax(runner.forward(batch)[0].double(), dim=-1))
     return torch.stack(out)
 

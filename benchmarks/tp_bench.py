@@ -32,7 +32,8 @@ import torch.multiprocessing as mp
 
 # isort: on
 from engine.distributed import ParallelConfig, TPGroup, destroy_distributed, init_distributed
-from engine.model.runner import ExtendInput, ModelRunner
+from engine.model.runner import ModelRunner
+from testing.batches import ExtendInput, build_forward_batch
 
 
 class CollectiveTimer:
@@ -77,7 +78,7 @@ def decode_steps(args: argparse.Namespace, timer: CollectiveTimer) -> dict[str, 
     for step in range(args.steps + 1):
         timer.take()
         start = time.perf_counter()
-        tokens = runner.forward(runner.build_forward_batch(batch)).argmax(-1).tolist()
+        tokens = runner.forward(build_forward_batch(runner, batch)).argmax(-1).tolist()
         if step > 0:  # step 0 is the prefill
             step_s.append(time.perf_counter() - start)
             collective_s.append(timer.take())

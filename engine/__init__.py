@@ -5,10 +5,10 @@ import os
 OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}
 """Set before torch loads OpenMP (importing `engine` first is enough): an idle OpenMP thread
 spins for 10000 turns (microseconds), then sleeps. A decode step is hundreds of short
-parallel regions, and waking sleeping threads for each made a bf16 step 1.5-1.7x slower;
-spinning without end (libgomp's default) fights anything else on the CPU (the tokenizer and
-detokenizer, a client, the forward thread's own Python side) and turned a 42 ms step into
-270 ms. Figures: docs/benchmarks/model.md. Setting OMP_WAIT_POLICY yourself overrides both."""
+parallel regions, and waking sleeping threads for each slows a step down; spinning without
+end (libgomp's default) fights anything else on the CPU (the tokenizer and detokenizer, a
+client, the forward thread's own Python side) and slows it far more. Figures:
+docs/benchmarks/model.md. Setting OMP_WAIT_POLICY yourself overrides both."""
 
 OPENMP_SET_HERE = (
     {k: v for k, v in OPENMP_DEFAULTS.items() if k not in os.environ}

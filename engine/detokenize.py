@@ -29,6 +29,24 @@ def decode_text(tokenizer: Tokenizer, ids: list[int], skip_special_tokens: bool)
     return text
 
 
+class StopStringMatcher:
+    """Finds which of a request's stop strings its output now contains, the scheduler's
+    stop check after each token. Only the decoded tail is searched: a stop string of n
+    characters spans at most n tokens, plus one whose bytes only complete a character."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def match(
+        self, output_ids: list[int], stop: Sequence[str], skip_special_tokens: bool, then: str = ""
+    ) -> str | None:
+        """The first of `stop` found in the output's decoded tail followed by `then` (text
+        about to be appended, e.g. a grammar's forced text), if any."""
+        tail = output_ids[-(max(len(s) for s in stop) + 1) :]
+        text = decode_text(self.tokenizer, tail, skip_special_tokens) + then
+        return next((s for s in stop if s in text), None)
+
+
 class IncrementalDetokenizer:
     def __init__(
         self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = True

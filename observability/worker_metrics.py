@@ -67,8 +67,9 @@ FORWARD_TIME_BUCKETS = (
     5,
     10,
 )
-"""Fine below 50 ms, where a decode step lies (1.5–4 ms on a GPU, 10–50 ms on CPU): the
-serving benchmark reads ITL minus the forward p50 from this histogram."""
+"""Fine below 50 ms, where a decode step lies on a CPU (docs/benchmarks/model.md) and on a
+GPU (docs/benchmarks/serving-gpu.md): the serving benchmark reads ITL minus the forward p50
+from this histogram, which coarser buckets could not resolve (docs/benchmarks/serving.md)."""
 COMPILE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
 
 # Label values of a layout with one rank and token-granular KV slots; dashboards read the

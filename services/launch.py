@@ -147,7 +147,7 @@ def serve(argv: list[str]) -> int:
             if not ready and _answers_as(base_url, launch_id):
                 ready = True
                 print(
-                    f"radixserve: serving {settings.served_model_name} at {base_url}/v1 "
+                    f"radixserve: serving {settings.model_id} at {base_url}/v1 "
                     f"(ready in {time.monotonic() - started:.1f} s)",
                     flush=True,
                 )

@@ -19,8 +19,8 @@ from typing import Any
 from engine.args import EngineArgs
 from engine.cache.kv_events import DEFAULT_BLOCK_SIZE
 from services.ipc import endpoint
-from services.tokenizer.parsers.tool_parsers import DEFAULT_TOOL_PARSER, TOOL_PARSERS
-from services.worker.kv_event_publisher import KVEventsConfig
+from services.kv_events_config import KVEventsConfig
+from services.tool_parser_names import DEFAULT_TOOL_PARSER, TOOL_PARSER_NAMES
 
 ENV_PREFIX = "RADIXSERVE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -52,7 +52,7 @@ class Settings(EngineArgs):
     tool_call_parser: str = _opt(
         DEFAULT_TOOL_PARSER,
         "how tool calls are read from the model's text (vLLM's names)",
-        choices=tuple(TOOL_PARSERS),
+        choices=TOOL_PARSER_NAMES,
     )
     host: str = _opt(
         "0.0.0.0", "HTTP bind address (the ZMQ sockets never leave the host: ipc:// or 127.0.0.1)"
@@ -201,6 +201,12 @@ class Settings(EngineArgs):
         "abort a request (504) still unfinished this many seconds after submission, freeing its KV "
         "(none: no limit)",
     )
+
+    @property
+    def model_id(self) -> str:
+        """The model id of the API: `--served-model-name`, which defaults to `--model`."""
+        assert self.served_model_name is not None, "filled in from `model` at construction"
+        return self.served_model_name
 
     def __post_init__(self) -> None:
         super().__post_init__()

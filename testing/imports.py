@@ -79,3 +79,19 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return found
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module of `graph` that importing `start` runs, directly or through others, the
+    packages around each included (importing `a.b.c` runs `a/__init__.py` and
+    `a/b/__init__.py` first)."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        parts = name.split(".")
+        for module in (".".join(parts[:i]) for i in range(1, len(parts) + 1)):
+            if module in graph and module not in seen:
+                seen.add(module)
+                todo.extend(graph[module])
+    return seen

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from testing.net import free_port, free_ports, http_status, wait_until
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 ROLES = ("worker", "detokenizer", "tokenizer")
 """The three services, in the order a server starts them."""
 SERVER_PORTS = (

@@ -68,3 +68,16 @@ def all_kv_free(client: httpx2.Client) -> bool:
         and info["protected_kv_tokens"] == 0
         and info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_tokens"]
     )
+
+
+def assert_idle_and_whole(client: httpx2.Client) -> None:
+    """Once no request is left running or waiting (within 30 s): every KV slot free or in
+    the tree, and the tree whole (the worker's integrity check)."""
+
+    def idle() -> dict[str, Any] | None:
+        info = server_info(client, check_integrity="true")
+        return info if info["num_running_reqs"] == info["num_waiting_reqs"] == 0 else None
+
+    info = wait_until(idle, 30, "an idle worker")
+    assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_tokens"]
+    assert info["radix_integrity"] == "ok"

@@ -1,12 +1,12 @@
 """CPU time the tokenizer process spends per decode step on its side of the per-token path,
 without HTTP: decode one `BatchStrOutput` of `--batch` streamed completions, route it to
-the requests' groups and frame every SSE event. Process CPU time, not wall time, so that
-other jobs on a shared machine move it less.
+the requests' groups, make each stream's chunks and frame them as SSE events. Process CPU
+time, not wall time, so that other jobs on a shared machine move it less.
 
     python -m benchmarks.serving.tokenizer_cpu --batch 8
 
 `benchmarks.serving.token_path --tokenizer-cpu` runs this file's source inside each tree
-it compares (it reads only the internals that both the old and the new layout have).
+it compares (`_layout` finds the internals in the layout the tree has).
 """
 
 from __future__ import annotations
@@ -15,7 +15,26 @@ import argparse
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
+
+
+def _layout() -> tuple[Any, Any, Callable[[Any, list[Any]], str]]:
+    """The accumulator, the completions endpoint and the edge's framing of one output's
+    events: this tree's, or those of a tree from before the typed streams
+    (`services.tokenizer.serving`, whose events were framed already)."""
+    try:
+        from services.tokenizer.serving_base import ChoiceAccumulator
+        from services.tokenizer.serving_completions import CompletionsEndpoint
+        from services.tokenizer.sse import frame
+    except ModuleNotFoundError:
+        from services.tokenizer.serving import (  # type: ignore[import-not-found,no-redef]
+            ChoiceAccumulator,
+            CompletionsEndpoint,
+        )
+
+        return ChoiceAccumulator, CompletionsEndpoint, lambda _, events: "".join(events)
+    return ChoiceAccumulator, CompletionsEndpoint, lambda e, chunks: frame(chunks, e.deltas)
 
 
 async def measure(batch: int, steps: int) -> float:
@@ -23,7 +42,8 @@ async def measure(batch: int, steps: int) -> float:
     from services.io_struct import BatchStrOutput, decode, encode
     from services.tokenizer import manager as manager_module
     from services.tokenizer.protocol import CompletionRequest
-    from services.tokenizer.serving import ChoiceAccumulator, CompletionsEndpoint
+
+    ChoiceAccumulator, CompletionsEndpoint, framed = _layout()
 
     manager: Any = manager_module.TokenizerManager.__new__(manager_module.TokenizerManager)
     manager.tokenizer, manager.num_queued, manager.groups = None, 0, {}
@@ -61,7 +81,7 @@ async def measure(batch: int, steps: int) -> float:
         for endpoint, group, acc in streams:
             item = group.queue.get_nowait()
             for out in item if isinstance(item, list) else [dataclasses.replace(item, index=0)]:
-                "".join(endpoint.events(out, acc.add(out), acc))
+                framed(endpoint, endpoint.events(out, acc.add(out), acc))
     return (time.process_time() - start) / steps * 1e6
 
 

@@ -1,15 +1,17 @@
 """The prefix cache's interface: KV slots stored under token runs (`RadixKey`s).
 
 The cache knows keys and slots only. Which request holds which slots, and when they are
-inserted, matched or freed, is the business of the scheduler's `CacheManager`. Two
-implementations: `RadixCache` shares prefixes across requests; `ChunkCache`
-(`--disable-radix-cache`) shares nothing.
+inserted, matched or freed, is the business of the scheduler's `CacheManager`, which keeps
+a match's `CacheHandle` and hands it back to lock the prefix without knowing what it is.
+Two implementations: `RadixCache` shares prefixes across requests (its handles are tree
+nodes); `ChunkCache` (`--disable-radix-cache`) shares nothing.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol, TypeVar
 
 import torch
 
@@ -17,15 +19,29 @@ from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey
 
 if TYPE_CHECKING:
-    from engine.cache.tree_node import TreeNode
+    from engine.cache.kv_events import BlockEventRecorder
+
+T = TypeVar("T")
+
+
+class CacheHandle(Protocol):
+    """A matched prefix as the cache that matched it knows it (mini-sglang's
+    `BaseCacheHandle`). The caller keeps it with the request, hands it back to lock, unlock
+    and order by, and reads no more of it than this: each cache has its own kind."""
+
+    @property
+    def lock_ref(self) -> int:
+        """How many running requests lock the prefix."""
+
+    def matched_indices(self) -> torch.Tensor:
+        """The prefix's KV slots, in token order."""
 
 
 class MatchResult(NamedTuple):
     device_indices: torch.Tensor
     """KV slots of the longest cached prefix (int64, possibly empty)."""
-    last_node: TreeNode | None
-    """Deepest node of the match: lock it to pin the prefix. None from a cache that holds
-    nothing to pin."""
+    last_node: CacheHandle
+    """The handle of the match: lock it to pin the prefix."""
 
 
 class InsertResult(NamedTuple):
@@ -50,6 +66,8 @@ class BasePrefixCache(ABC):
     the allocator on demand) or protected (locked by a running request's prefix).
     """
 
+    disable: ClassVar[bool]
+    """True for a cache that never shares a prefix: cache-aware orders have nothing to go by."""
     evicted_tokens: int
     """Tokens evicted since creation; a counter, so `reset` leaves it alone."""
 
@@ -69,17 +87,31 @@ class BasePrefixCache(ABC):
         """Free at least `num_tokens` unlocked slots, if held; return how many were freed."""
 
     @abstractmethod
-    def inc_lock_ref(self, node: TreeNode) -> int:
-        """Lock the prefix ending at `node`; return the change in evictable size (≤ 0)."""
+    def inc_lock_ref(self, handle: CacheHandle) -> int:
+        """Lock the prefix `handle` matched; return the change in evictable size (≤ 0)."""
 
     @abstractmethod
-    def dec_lock_ref(self, node: TreeNode) -> int:
-        """Unlock the prefix ending at `node`; return the change in evictable size (≥ 0)."""
+    def dec_lock_ref(self, handle: CacheHandle) -> int:
+        """Unlock the prefix `handle` matched; return the change in evictable size (≥ 0)."""
 
     @abstractmethod
     def evict_namespace(self, namespace: PrefixNamespace) -> int:
         """Free every unlocked prefix of `namespace` (an unloaded LoRA adapter's); return
         the slots freed."""
+
+    @abstractmethod
+    def dfs_weight_order(
+        self, items: Sequence[T], handle: Callable[[T], CacheHandle | None]
+    ) -> list[T]:
+        """`items` in a depth-first walk of the prefixes their handles matched (no handle:
+        the empty prefix), heavier subtrees first, where an item weighs on its prefix and
+        every shorter one; items sharing a prefix thus run together (the SGLang paper's
+        DFS-weight order)."""
+
+    @abstractmethod
+    def attach_kv_events(self, recorder: BlockEventRecorder) -> None:
+        """Record the cache as KV-cache events from now on, starting with the clear of
+        start-up; the cache must be empty."""
 
     @abstractmethod
     def evictable_size(self) -> int:

@@ -6,29 +6,49 @@ exists so that the scheduler runs one code path with or without prefix sharing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
-from engine.cache.base_prefix_cache import BasePrefixCache, InsertResult, MatchResult
+from engine.cache.base_prefix_cache import (
+    BasePrefixCache,
+    CacheHandle,
+    InsertResult,
+    MatchResult,
+)
+from engine.cache.kv_events import BlockEventRecorder
 from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey
 
-if TYPE_CHECKING:
-    from engine.cache.tree_node import TreeNode
+T = TypeVar("T")
+
+
+class EmptyHandle:
+    """The handle of every match: the empty prefix, which no lock pins."""
+
+    lock_ref = 0
+
+    def __init__(self, device: torch.device) -> None:
+        self.indices = torch.empty(0, dtype=torch.int64, device=device)
+
+    def matched_indices(self) -> torch.Tensor:
+        return self.indices
 
 
 class ChunkCache(BasePrefixCache):
     """A match finds nothing and an insert keeps nothing, so the caller keeps, and at the
-    end frees, every slot; with nothing held there is nothing to lock or evict."""
+    end frees, every slot; with nothing held there is nothing to lock, evict or publish."""
 
+    disable = True
     evicted_tokens = 0
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self.empty_handle = EmptyHandle(device)
 
     def match_prefix(self, key: RadixKey) -> MatchResult:
-        return MatchResult(self.cached_slots(), None)
+        return MatchResult(self.cached_slots(), self.empty_handle)
 
     def insert(
         self, key: RadixKey, value: torch.Tensor, priority: int = 0, chunked: bool = False
@@ -38,14 +58,24 @@ class ChunkCache(BasePrefixCache):
     def evict(self, num_tokens: int) -> int:
         return 0
 
-    def inc_lock_ref(self, node: TreeNode) -> int:
+    def inc_lock_ref(self, handle: CacheHandle) -> int:
         return 0
 
-    def dec_lock_ref(self, node: TreeNode) -> int:
+    def dec_lock_ref(self, handle: CacheHandle) -> int:
         return 0
 
     def evict_namespace(self, namespace: PrefixNamespace) -> int:
         return 0
+
+    def dfs_weight_order(
+        self, items: Sequence[T], handle: Callable[[T], CacheHandle | None]
+    ) -> list[T]:
+        """Every item matched the empty prefix: arrival order."""
+        return list(items)
+
+    def attach_kv_events(self, recorder: BlockEventRecorder) -> None:
+        """Nothing is ever stored, so the start-up clear is all there is to record."""
+        recorder.on_reset()
 
     def evictable_size(self) -> int:
         return 0

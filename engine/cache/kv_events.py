@@ -119,6 +119,7 @@ class BlockEventRecorder:
             raise ValueError(f"kv_events_block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self._nodes: dict[TreeNode, _NodeBlocks] = {}
+        """Every node below the root; the root ends at depth 0 and owns no block."""
         self._pending: list[KVCacheEvent] = []
 
     def take(self) -> list[KVCacheEvent]:
@@ -126,15 +127,16 @@ class BlockEventRecorder:
         events, self._pending = self._pending, []
         return events
 
-    def on_reset(self, root: TreeNode) -> None:
-        self._nodes = {root: _NodeBlocks(0, [])}
+    def on_reset(self) -> None:
+        """The cache is empty: start-up, or `/flush_cache`."""
+        self._nodes = {}
         self._pending.append(AllBlocksCleared())
 
     def on_add_leaf(self, leaf: TreeNode, path: memoryview) -> None:
         """`leaf` was hung under its parent; `path` is every token from the root to its end."""
         parent = leaf.parent
         assert parent is not None
-        start = self._nodes[parent].end
+        start = self._nodes[parent].end if parent.parent is not None else 0
         end = start + len(leaf.key)
         size = self.block_size
         first, last = start // size, end // size
@@ -174,9 +176,9 @@ class BlockEventRecorder:
         if blocks.hashes:
             self._pending.append(BlockRemoved(block_hashes=blocks.hashes, medium=MEDIUM_GPU))
 
-    def _last_hash_above(self, node: TreeNode | None) -> int:
+    def _last_hash_above(self, node: TreeNode) -> int:
         """The hash of the last block ending at or above `node`'s end: the chain's parent."""
-        while node is not None:
+        while node.parent is not None:  # the root owns no block
             hashes = self._nodes[node].hashes
             if hashes:
                 return hashes[-1]

@@ -13,13 +13,15 @@ from __future__ import annotations
 import heapq
 import sys
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from engine.cache.base_prefix_cache import (
     BasePrefixCache,
+    CacheHandle,
     InsertResult,
     MatchResult,
     check_invariant,
@@ -31,10 +33,14 @@ from engine.cache.radix_key import RadixKey
 from engine.cache.tree_node import TreeNode
 from engine.mem.allocator import TokenToKVPoolAllocator
 
+T = TypeVar("T")
+
 
 class RadixCache(BasePrefixCache):
     """The radix tree over KV slots, with SGLang's public surface. Evicted slots go back to
-    `token_to_kv_pool_allocator`."""
+    `token_to_kv_pool_allocator`. Its handles are its `TreeNode`s."""
+
+    disable = False
 
     def __init__(
         self, token_to_kv_pool_allocator: TokenToKVPoolAllocator, eviction_policy: str = "lru"
@@ -56,14 +62,13 @@ class RadixCache(BasePrefixCache):
         self.evictable_leaves: set[TreeNode] = set()
         self.evict_heap: list[tuple[Any, int, TreeNode]] = []
         if self.kv_events is not None:
-            self.kv_events.on_reset(self.root_node)
+            self.kv_events.on_reset()
 
     def attach_kv_events(self, recorder: BlockEventRecorder) -> None:
-        """Record the tree's blocks from now on; the tree must be empty (start-up)."""
         if self.root_node.children:
             raise RuntimeError("attach_kv_events on a tree that already holds prefixes")
         self.kv_events = recorder
-        recorder.on_reset(self.root_node)
+        recorder.on_reset()
 
     # ----- match and insert -------------------------------------------------------------
 
@@ -134,8 +139,9 @@ class RadixCache(BasePrefixCache):
 
     # ----- locking and eviction ---------------------------------------------------------
 
-    def inc_lock_ref(self, node: TreeNode) -> int:
+    def inc_lock_ref(self, handle: CacheHandle) -> int:
         """Lock the path root→node; return the change in evictable size (≤ 0)."""
+        node = _node(handle)
         delta = 0
         while node.parent is not None:  # up to, not including, the root
             if node.lock_ref == 0:
@@ -148,8 +154,9 @@ class RadixCache(BasePrefixCache):
             node = node.parent
         return delta
 
-    def dec_lock_ref(self, node: TreeNode) -> int:
+    def dec_lock_ref(self, handle: CacheHandle) -> int:
         """Unlock the path root→node; return the change in evictable size (≥ 0)."""
+        node = _node(handle)
         if node.parent is not None and node.lock_ref == 0:
             raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
         delta = 0
@@ -205,6 +212,30 @@ class RadixCache(BasePrefixCache):
         if freed:
             self.token_to_kv_pool_allocator.free(torch.cat(freed))
         return num_evicted
+
+    # ----- order ------------------------------------------------------------------------
+
+    def dfs_weight_order(
+        self, items: Sequence[T], handle: Callable[[T], CacheHandle | None]
+    ) -> list[T]:
+        items_at: dict[TreeNode, list[T]] = defaultdict(list)
+        for item in items:
+            matched = handle(item)
+            items_at[self.root_node if matched is None else _node(matched)].append(item)
+        weight: Counter[TreeNode] = Counter({node: len(at) for node, at in items_at.items()})
+        for node in list(items_at):  # every item weighs on each ancestor once
+            ancestor = node.parent
+            while ancestor is not None:
+                weight[ancestor] += len(items_at[node])
+                ancestor = ancestor.parent
+        order: list[T] = []
+        stack = [self.root_node]
+        while stack:
+            node = stack.pop()
+            order.extend(items_at.get(node, ()))
+            children = [c for c in node.children.values() if weight[c] > 0]
+            stack.extend(sorted(children, key=lambda c: weight[c]))  # heaviest popped first
+        return order
 
     # ----- sizes ------------------------------------------------------------------------
 
@@ -353,6 +384,20 @@ class RadixCache(BasePrefixCache):
         check_invariant(
             keyed == leaves, "an evictable leaf has no eviction-heap entry under its current key"
         )
+
+
+def token_only_tree() -> BasePrefixCache:
+    """A radix tree of token keys alone, for counting the prefixes keys share (the
+    scheduler's in-batch dedup): its slots are placeholders, never read nor evicted, so a
+    one-slot allocator serves."""
+    return RadixCache(TokenToKVPoolAllocator(1))
+
+
+def _node(handle: CacheHandle) -> TreeNode:
+    """The tree's own kind of handle; another cache's is a caller's bug."""
+    if not isinstance(handle, TreeNode):
+        raise TypeError(f"{handle!r} is not a radix tree's handle")
+    return handle
 
 
 def _parent(node: TreeNode) -> TreeNode:

@@ -1,4 +1,5 @@
-"""A node of the radix tree (`RadixCache`): an edge of tokens with their KV slots."""
+"""A node of the radix tree (`RadixCache`): an edge of tokens with their KV slots, and the
+radix cache's `CacheHandle`: a match ends at a node."""
 
 from __future__ import annotations
 
@@ -46,6 +47,15 @@ class TreeNode:
         self.creation_time: float = self.last_access_time
         self.hit_count: int = 0
         self.priority: int = priority
+
+    def matched_indices(self) -> torch.Tensor:
+        """The slots of the path root→node, in token order."""
+        values = []
+        node = self
+        while node.parent is not None:
+            values.append(node.value)
+            node = node.parent
+        return torch.cat(values[::-1]) if values else node.value
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, key={self.key!r}, lock_ref={self.lock_ref})"

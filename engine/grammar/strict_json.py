@@ -11,7 +11,8 @@ and its main branch as of 2026) writes such strings in two places:
   character they decode to, as JSON Schema counts). How the count is kept decides the mask
   cost (docs/benchmarks/grammar.md): xgrammar unrolls an EBNF repetition of a rule that is
   more than one character class, above 128 with lookaheads of 128 characters, so that a
-  mask took 0.15 s at the start of a 32,767-character string and a second near its end. A
+  mask's cost grows with the bound and the position in the string (to about a second a
+  mask near the end of a 32,767-character string). A
   `Regex(...)` repetition above 128 is run with a counter instead (a cost per mask that does
   not grow with the bound or the position), and one of at most 32 is unrolled into a small
   automaton whose masks are precomputed; between the two, where xgrammar would unroll the

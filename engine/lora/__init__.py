@@ -1,4 +1,5 @@
-"""Multi-LoRA serving: PEFT adapters applied per token in mixed batches (docs/architecture.md)."""
+"""Multi-LoRA serving: PEFT adapters applied per token in mixed batches (docs/architecture.md,
+"Tensor parallelism, LoRA, limits and trust"; docs/benchmarks/lora.md for the step's cost)."""
 
 from engine.lora.adapter import TARGET_MODULES, LoRAAdapter, load_adapter
 from engine.lora.errors import LoRAError

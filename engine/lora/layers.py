@@ -87,9 +87,10 @@ class LoRALayer:
     packed_b: torch.Tensor | None = None
 
     def repack(self) -> None:
-        """oneDNN's blocked copies of A and B, where that applies (see `pack_weight`): a
-        plain bf16 `x @ A.T` on CPU measured 30x slower than the packed matmul. Written into
-        the copies already made, so that what a graph captured stays where it was."""
+        """Packed copies of A and B, where that applies (AMX or oneDNN, `pack_weight`): a plain
+        bf16 `x @ A.T` on CPU pays for the layout change on every call, which made the first
+        version's LoRA step slower (docs/benchmarks/lora.md). Written into the copies
+        already made, so that what a graph captured stays where it was."""
         for name, weight in (("packed_a", self.lora_a), ("packed_b", self.lora_b)):
             packed, held = pack_weight(weight), getattr(self, name)
             if held is not None and packed is not None:

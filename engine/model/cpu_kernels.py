@@ -24,17 +24,19 @@ arithmetic.
   for a prefill's GEMM: a decode step reads 4.5-8.5 bits a weight instead of 16.
 - `decode_layer` (`csrc/decode_layer.cpp`): a whole Llama layer of a decode batch, the
   kernels above called from C++ in the modules' order: one Python dispatch per layer where
-  the modules make about fifteen, which on two cores cost about a seventh of the step.
+  the modules make about fifteen, whose Python and dispatch were a large share of a small
+  batch's step on two cores (docs/benchmarks/model.md, "One op per decode layer").
 
 They are compiled with `torch.utils.cpp_extension` the first time one is needed (a CPU
-attention backend, a bf16 layer; about 15 s on two cores) into
-`<cache dir>/cpu_kernels/<machine>-<path>-<digest>`, for the kernel path `cpu_isa` chose (the
-machine's highest, or a lower one forced by RADIXSERVE_CPU_ISA) with that path's compiler
-flags only (an avx2 build holds no AVX-512 instruction, whichever CPU builds it), keyed by the
-path, its flags, the sources, the torch version and this CPU's instruction-set flags, and
-loaded from there afterwards. Never at `pip install` time: pip's isolated build
-environment would pull a CUDA torch. Without a compiler, or with
-`RADIXSERVE_CPU_KERNELS=0`, every one of these steps stays on torch ops.
+attention backend, a bf16 layer), the one long step of a first start (docs/benchmarks/model.md,
+"What a first start pays once"), into `<cache dir>/cpu_kernels/<machine>-<path>-<digest>`
+(`engine/paths.py`), for the kernel path `cpu_isa` chose (the machine's highest, or a lower
+one forced by RADIXSERVE_CPU_ISA) with that path's compiler flags only (an avx2 build holds
+no AVX-512 instruction, whichever CPU builds it), keyed by the path, its flags, the sources,
+the torch version and this CPU's instruction-set flags, and loaded from there afterwards.
+Never at `pip install` time: pip's isolated build environment would pull a CUDA torch.
+Without a compiler, or with `RADIXSERVE_CPU_KERNELS=0`, every one of these steps stays on
+torch ops.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from pathlib import Path
 import torch
 
 from engine.model import cpu_isa
-from engine.model.tokenizer_cache import cache_root
+from engine.paths import cpu_kernels_dir
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ def available() -> bool:
     of them yet; False (logged once) if they cannot be had."""
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return False
-    library = cache_root() / "cpu_kernels" / _build_key() / f"{NAME}.so"
+    library = cpu_kernels_dir() / _build_key() / f"{NAME}.so"
     started = time.perf_counter()
     try:
         if library.exists():

@@ -75,34 +75,6 @@ class ForwardBatch:
     a watchdog that would otherwise see only a turn that has not ended."""
 
     @classmethod
-    def build(
-        cls,
-        forward_mode: ForwardMode,
-        input_ids: torch.Tensor,
-        req_pool_indices: list[int],
-        prefix_lens: list[int],
-        extend_lens: list[int],
-        out_cache_loc: torch.Tensor,
-        req_to_token_pool: ReqToTokenPool,
-        token_to_kv_pool: MHATokenToKVPool,
-    ) -> ForwardBatch:
-        """`from_host` for per-request lists."""
-
-        def host(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64)
-
-        return cls.from_host(
-            forward_mode,
-            input_ids,
-            host(req_pool_indices),
-            host(prefix_lens),
-            host(extend_lens),
-            out_cache_loc,
-            req_to_token_pool,
-            token_to_kv_pool,
-        )
-
-    @classmethod
     def from_host(
         cls,
         forward_mode: ForwardMode,

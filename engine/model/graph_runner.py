@@ -27,7 +27,7 @@ from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.attention.base import AttentionBackend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.model.layers.logits_processor import LogitsProcessorOutput
-from engine.model.tokenizer_cache import cache_root
+from engine.paths import inductor_dir
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class TorchCompileBackend:
     static_shapes = False
 
     def __init__(self) -> None:
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir()))
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         compiled = torch.compile(fn, dynamic=False)

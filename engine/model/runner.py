@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
@@ -17,7 +14,7 @@ from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.attention import create_attention_backend, default_attention_backend
-from engine.model.forward_batch import ForwardBatch, ForwardMode
+from engine.model.forward_batch import ForwardBatch
 from engine.model.graph_runner import (
     CudaGraphBackend,
     GraphBackend,
@@ -46,15 +43,6 @@ SUPPORTED_DTYPES = {
 # Without --max-total-tokens, a CPU KV cache gets this many bytes.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_RUNNING_REQUESTS = 256
-
-
-class ExtendInput(NamedTuple):
-    """One request's part of a batch: `input_ids` are new tokens to place after the
-    `prefix_len` tokens its `req_to_token` row already maps."""
-
-    req_pool_idx: int
-    prefix_len: int
-    input_ids: Sequence[int]
 
 
 class ModelRunner:
@@ -289,43 +277,3 @@ class ModelRunner:
             forward_batch.input_ids, forward_batch.positions, forward_batch
         )
         return output
-
-    def build_forward_batch(
-        self, reqs: Sequence[ExtendInput], forward_mode: ForwardMode | None = None
-    ) -> ForwardBatch:
-        """Allocate KV slots for the new tokens, point each request's `req_to_token` row at
-        them, and lay the batch out as tensors. The default mode is DECODE when every request
-        adds one token, else EXTEND. For tests, benchmarks and offline use; the scheduler
-        builds its batches from its own bookkeeping."""
-        prefix_lens = [req.prefix_len for req in reqs]
-        extend_lens = [len(req.input_ids) for req in reqs]
-        out_cache_loc = self.token_to_kv_pool_allocator.alloc(sum(extend_lens))
-        if out_cache_loc is None:
-            raise RuntimeError(
-                f"the KV pool has {self.token_to_kv_pool_allocator.available_size()} free slots, "
-                f"the batch needs {sum(extend_lens)}"
-            )
-        start = 0
-        for req, extend_len in zip(reqs, extend_lens):
-            self.req_to_token_pool.write(
-                req.req_pool_idx, req.prefix_len, out_cache_loc[start : start + extend_len]
-            )
-            start += extend_len
-        if forward_mode is None:
-            forward_mode = (
-                ForwardMode.DECODE if all(e == 1 for e in extend_lens) else ForwardMode.EXTEND
-            )
-
-        return ForwardBatch.build(
-            forward_mode,
-            torch.tensor(
-                list(itertools.chain.from_iterable(req.input_ids for req in reqs)),
-                dtype=torch.int64,
-            ),
-            [req.req_pool_idx for req in reqs],
-            prefix_lens,
-            extend_lens,
-            out_cache_loc,
-            self.req_to_token_pool,
-            self.token_to_kv_pool,
-        )

@@ -1,10 +1,11 @@
 """A GGUF file's tokenizer, converted once and kept on disk.
 
 transformers builds a GGUF's tokenizer from its metadata (vocabulary, merges, special
-tokens, chat template) in Python: about 10 s for SmolLM2's 49k tokens on two cores, paid by
-every process that loads it (the tokenizer and the detokenizer at each start). The result
-saved with `save_pretrained` loads in well under a second, so the first load keeps it under
-the cache directory, keyed by the file's path, size and modification time and by the
+tokens, chat template) in Python, seconds for a vocabulary of tens of thousands of tokens,
+paid by every process that loads it (the tokenizer and the detokenizer at each start). The
+result saved with `save_pretrained` loads many times faster (docs/benchmarks/model.md, "What
+a first start pays once"), so the first load keeps it under the cache directory
+(`engine/paths.py`), keyed by the file's path, size and modification time and by the
 transformers version that converted it.
 """
 
@@ -12,27 +13,17 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.paths import tokenizers_dir
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-CACHE_DIR_ENV = "RADIXSERVE_CACHE_DIR"
-"""Overrides where radixserve keeps what it derives from model files
-(default: `$XDG_CACHE_HOME/radixserve`, else `~/.cache/radixserve`)."""
-
-
-def cache_root() -> Path:
-    if root := os.environ.get(CACHE_DIR_ENV):
-        return Path(root)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "radixserve"
 
 
 def cached_tokenizer_dir(gguf_path: Path) -> Path:
@@ -44,7 +35,7 @@ def cached_tokenizer_dir(gguf_path: Path) -> Path:
         f"{gguf_path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
     )
     digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return cache_root() / "tokenizers" / f"{gguf_path.stem}-{digest}"
+    return tokenizers_dir() / f"{gguf_path.stem}-{digest}"
 
 
 def load_gguf_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:

@@ -37,7 +37,7 @@ class Sampler(nn.Module):
     probability instead of -inf. (vLLM's default, the raw model logprobs, ignores the
     penalties and the grammar that shaped the choice.) -inf (a forbidden token) and NaN (a
     row whose every token is forbidden) become the float32 minimum, so that every value is
-    finite; the services floor what they show (`responses.LOGPROB_FLOOR`).
+    finite; the services floor what they show (`choice_output.LOGPROB_FLOOR`).
     """
 
     def forward(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:

@@ -66,22 +66,6 @@ class SamplingBatchInfo:
     vocab_mask: torch.Tensor | None = None  # [B, ceil(V / 32)] int32, set by the grammar backend
 
     @classmethod
-    def from_reqs(
-        cls,
-        reqs: Sequence[SamplingReq],
-        vocab_size: int,
-        eos_token_ids: Collection[int],
-        device: torch.device | str = "cpu",
-    ) -> SamplingBatchInfo:
-        """Lay out `reqs`' parameters; `eos_token_ids` are the model's end-of-sequence ids,
-        masked with each request's `stop_token_ids` until it has `min_new_tokens` outputs."""
-        rows = SamplingRows.from_params([req.sampling_params for req in reqs], vocab_size)
-        info = cls.from_rows(rows, vocab_size, device)
-        if bool(rows.needs_req_state.any()):
-            info.add_req_state(reqs, rows, eos_token_ids)
-        return info
-
-    @classmethod
     def from_rows(
         cls, rows: SamplingRows, vocab_size: int, device: torch.device | str = "cpu"
     ) -> SamplingBatchInfo:

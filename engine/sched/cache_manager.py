@@ -2,7 +2,8 @@
 locks on the prefix cache.
 
 A request's row maps its tokens to KV slots in two parts:
-- `[0, len(prefix_indices))`: slots the prefix cache holds, pinned by the lock on `last_node`;
+- `[0, len(prefix_indices))`: slots the prefix cache holds, pinned by the lock on `last_node`
+  (the cache's handle of the match);
 - `[len(prefix_indices), kv_allocated_len)`: slots the request owns and must free.
 
 Every write to those fields of a `Req` (`req_pool_idx`, `prefix_indices`, `last_node`,
@@ -22,7 +23,6 @@ from engine.cache.base_prefix_cache import BasePrefixCache, check_invariant
 from engine.cache.chunk_cache import ChunkCache
 from engine.cache.radix_cache import RadixCache
 from engine.cache.radix_key import RadixKey
-from engine.cache.tree_node import TreeNode
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.forward_batch import ForwardBatch
@@ -151,8 +151,7 @@ class CacheManager:
         self.allocator.free(indices[owned_from : inserted.prefix_len])
         new_indices, new_last_node = self.tree_cache.match_prefix(key)
         self.req_to_token_pool.write(row, owned_from, new_indices[owned_from:])
-        if new_last_node is not None:
-            self.tree_cache.inc_lock_ref(new_last_node)
+        self.tree_cache.inc_lock_ref(new_last_node)
         self.unlock(req)
         req.prefix_indices, req.last_node = new_indices, new_last_node
 
@@ -226,8 +225,8 @@ class CacheManager:
                 )
                 check_invariant(
                     last_node is not None
-                    and torch.equal(_path_slots(last_node).cpu(), req.prefix_indices.cpu()),
-                    f"request {req.rid}: prefix is not its last_node's path",
+                    and torch.equal(last_node.matched_indices().cpu(), req.prefix_indices.cpu()),
+                    f"request {req.rid}: prefix is not its last_node's match",
                 )
             slots.append(held[prefix_len:])
 
@@ -249,12 +248,3 @@ def req_row(req: Req) -> int:
     if req.req_pool_idx is None:
         raise RuntimeError(f"request {req.rid} holds no row")
     return req.req_pool_idx
-
-
-def _path_slots(node: TreeNode) -> torch.Tensor:
-    """The slots of the path root→node, in token order."""
-    values = []
-    while node.parent is not None:
-        values.append(node.value)
-        node = node.parent
-    return torch.cat(values[::-1]) if values else node.value

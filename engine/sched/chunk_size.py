@@ -3,9 +3,9 @@
 A turn that runs long holds everything the loop does between turns: new requests, aborts
 of dropped ones and the decode steps of running requests all wait for it. A chunk's cost
 grows with its prefix (attention reads every earlier token), so the longest turn is the
-last chunk of a full-context prompt. On a CPU, 256 tokens at the end of an 8,192-token
-context take about a second (docs/benchmarks/turns.md); 4,096 took 34 s there. On CUDA a
-turn of 4,096 takes milliseconds.
+last chunk of a full-context prompt. On a CPU a chunk of 256 keeps that last turn near a
+second where a chunk of 4,096 holds the loop for tens of seconds (measured in
+docs/benchmarks/turns.md); on CUDA a turn of 4,096 takes milliseconds.
 """
 
 from __future__ import annotations

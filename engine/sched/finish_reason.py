@@ -18,3 +18,10 @@ class FinishReason(msgspec.Struct, frozen=True, omit_defaults=True):
     status_code: int | None = None
     """For "abort": the HTTP status a server answers with (400 when the worker rejected the
     request at submission, e.g. it can never fit the KV pool; None: a server error, 500)."""
+
+
+def text_ids(ids: list[int], reason: FinishReason | None) -> list[int]:
+    """The ids whose text is shown, from the output's last ids: a matched stop token ended
+    the output and is not part of its text (a matched stop string is, and is cut from the
+    text by the detokenizer)."""
+    return ids[:-1] if reason is not None and isinstance(reason.matched, int) and ids else ids

@@ -10,11 +10,11 @@ event loop to send; `finish` and `fail` are the only ways a request ends.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.detokenize import StopStringMatcher
 from engine.grammar import GrammarBackend, GrammarMatcher, ReasoningGrammarMatcher
 from engine.grammar.jump_forward import JumpForward, decodes_concatenatively, plan_jump_forward
 from engine.sched.batch import ScheduleBatch
@@ -26,8 +26,6 @@ from engine.sched.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
-StopStringChecker = Callable[[Req], str | None]
-"""Returns the stop string the request's decoded tail now contains, if any."""
 AnyGrammarMatcher = GrammarMatcher | ReasoningGrammarMatcher
 """A request's grammar state: plain, or waiting for the end of a reasoning section."""
 
@@ -47,14 +45,15 @@ class OutputProcessor:
         cache_manager: CacheManager,
         stats: SchedulerStats,
         context_len: int,
-        stop_string_checker: StopStringChecker | None,
+        stop_strings: StopStringMatcher | None,
         grammar_backend: GrammarBackend | None,
         enable_jump_forward: bool,
     ):
         self.cache_manager = cache_manager
         self.stats = stats
         self.context_len = context_len
-        self.stop_string_checker = stop_string_checker
+        self.stop_strings = stop_strings
+        """None without a tokenizer: stop strings are then refused at submission."""
         self.grammar_backend = grammar_backend
         self.jump_forward = False
         """Grammar-forced text is taken in one extend (`--enable-jump-forward`), where the
@@ -222,8 +221,10 @@ class OutputProcessor:
             token = req.output_ids[-1]
             if token in req.stop_ids:
                 return FinishReason("stop", matched=token)
-            if params.stop and self.stop_string_checker is not None:
-                matched = self.stop_string_checker(req)
+            if params.stop and self.stop_strings is not None:
+                matched = self.stop_strings.match(
+                    req.output_ids, params.stop, params.skip_special_tokens
+                )
                 if matched is not None:
                     return FinishReason("stop", matched=matched)
         if len(req.origin_input_ids) + num_output >= self.context_len:
@@ -267,11 +268,12 @@ class OutputProcessor:
         self.stats.jump_forward_tokens += len(plan.token_ids) - plan.rollback
 
     def _forced_text_hits_stop(self, req: Req, forced: str) -> bool:
-        stop = req.sampling_params.stop
-        tail = req.output_ids[-max(len(s) for s in stop) :]
-        decoded = self._tokenizer().decode(tail, skip_special_tokens=False)
-        assert isinstance(decoded, str), "a flat id list decodes to one string"
-        return any(s in decoded + forced for s in stop)
+        params = req.sampling_params
+        assert self.stop_strings is not None, "a grammar backend comes with a tokenizer"
+        hit = self.stop_strings.match(
+            req.output_ids, params.stop, params.skip_special_tokens, forced
+        )
+        return hit is not None
 
     def _tokenizer(self) -> PreTrainedTokenizerBase:
         """The grammar backend's tokenizer: there whenever a request has a grammar."""

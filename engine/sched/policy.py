@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import random
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterable
 
 import torch
 
 from engine import constants
-from engine.cache.radix_cache import RadixCache
+from engine.cache.radix_cache import token_only_tree
 from engine.cache.radix_key import RadixKey
-from engine.cache.tree_node import TreeNode
-from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.sched.cache_manager import CacheManager
 from engine.sched.req import Req
 
@@ -31,8 +29,8 @@ class SchedulePolicy:
     - lof: longest max_new_tokens first. random. priority: higher value first, then arrival.
     - routing-key: requests whose routing key is most common in the running batch first.
 
-    The cache-aware ones (lpm, dfs-weight) fall back to fcfs when the cache is not a radix
-    tree: there is nothing to match.
+    The cache-aware ones (lpm, dfs-weight) fall back to fcfs when the cache shares no prefix
+    (`disable`): there is nothing to match.
     """
 
     def __init__(self, policy: str, cache_manager: CacheManager, seed: int = 0) -> None:
@@ -42,17 +40,15 @@ class SchedulePolicy:
             )
         self.policy = policy
         self.cache_manager = cache_manager
-        tree = cache_manager.tree_cache
-        self.radix_tree = tree if isinstance(tree, RadixCache) else None
+        self.tree_cache = cache_manager.tree_cache
         self.rng = random.Random(seed)
-        # A token-only tree of the waiting queue for in-batch prefix dedup: its "slots" are
-        # placeholders, never read nor evicted, so it gets a one-slot allocator.
-        self.waiting_queue_radix_tree = RadixCache(TokenToKVPoolAllocator(1))
+        self.waiting_queue_radix_tree = token_only_tree()
+        """The waiting queue's keys, for in-batch prefix dedup."""
 
     def active_policy(self, waiting_queue: list[Req]) -> str:
         if self.policy == "lpm" and len(waiting_queue) > constants.LPM_MAX_QUEUE_LEN:
             return "fcfs"
-        if self.policy in CACHE_AWARE_POLICIES and self.radix_tree is None:
+        if self.policy in CACHE_AWARE_POLICIES and self.tree_cache.disable:
             return "fcfs"
         return self.policy
 
@@ -71,8 +67,10 @@ class SchedulePolicy:
             waiting_queue.sort(
                 key=lambda r: float("inf") if r.rid in deferred else -len(r.prefix_indices)
             )
-        elif policy == "dfs-weight" and self.radix_tree is not None:
-            waiting_queue[:] = self._dfs_weight_order(waiting_queue, self.radix_tree)
+        elif policy == "dfs-weight":  # each request matched by `_compute_prefix_matches`
+            waiting_queue[:] = self.tree_cache.dfs_weight_order(
+                waiting_queue, lambda r: r.last_node
+            )
         elif policy == "lof":
             waiting_queue.sort(key=lambda r: -r.sampling_params.max_new_tokens)
         elif policy == "random":
@@ -117,23 +115,3 @@ class SchedulePolicy:
 
     def _sim_insert(self, key: RadixKey) -> None:
         self.waiting_queue_radix_tree.insert(key, torch.zeros(len(key), dtype=torch.int64))
-
-    @staticmethod
-    def _dfs_weight_order(waiting_queue: list[Req], tree: RadixCache) -> list[Req]:
-        reqs_at: dict[TreeNode, list[Req]] = defaultdict(list)
-        for req in waiting_queue:  # each matched by `_compute_prefix_matches`
-            reqs_at[req.last_node or tree.root_node].append(req)
-        weight: Counter[TreeNode] = Counter({node: len(reqs) for node, reqs in reqs_at.items()})
-        for node in list(reqs_at):  # every waiting request weighs on each ancestor once
-            ancestor = node.parent
-            while ancestor is not None:
-                weight[ancestor] += len(reqs_at[node])
-                ancestor = ancestor.parent
-        order: list[Req] = []
-        stack = [tree.root_node]
-        while stack:
-            node = stack.pop()
-            order.extend(reqs_at.get(node, ()))
-            children = [c for c in node.children.values() if weight[c] > 0]
-            stack.extend(sorted(children, key=lambda c: weight[c]))  # heaviest popped first
-        return order

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -13,8 +13,37 @@ from engine.sampling.sampling_params import SamplingParams
 from engine.sched.finish_reason import FinishReason
 
 if TYPE_CHECKING:
-    from engine.cache.tree_node import TreeNode
+    from engine.cache.base_prefix_cache import CacheHandle
     from engine.grammar import GrammarMatcher, PendingGrammar, ReasoningGrammarMatcher
+
+
+class OutputRead(NamedTuple):
+    """A read of a request's output (`Req.read_output`)."""
+
+    start: int
+    """The first output index the read returns."""
+    rollback: int
+    """How many ids returned before it replaces: they start at `start` too."""
+
+
+class ReqSpec(Protocol):
+    """A request as submitted: the fields a `Req` is built from, whether they came from
+    the tokenizer over the wire or from rank 0 to a tensor-parallel follower."""
+
+    @property
+    def rid(self) -> str: ...
+    @property
+    def input_ids(self) -> list[int]: ...
+    @property
+    def sampling_params(self) -> SamplingParams: ...
+    @property
+    def extra_key(self) -> PrefixNamespace | None: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def routing_key(self) -> str | None: ...
+    @property
+    def lora_name(self) -> str | None: ...
 
 
 class ReqStatus(enum.Enum):
@@ -54,7 +83,7 @@ class Req:
 
     req_pool_idx: int | None = None
     prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: TreeNode | None = None
+    last_node: CacheHandle | None = None
     kv_allocated_len: int = 0
     kv_committed_len: int = 0
 
@@ -81,9 +110,22 @@ class Req:
     grammar: GrammarMatcher | ReasoningGrammarMatcher | None = None
     """Its grammar's state once compiled: masks each next token, accepts each sampled one."""
     output_rollback: int = 0
-    """Output ids a jump-forward replaced since whoever streams the output last read it
-    (re-encoded with the forced text). The reader drops those of them it had already read
-    (at most all it read) and resets this to 0."""
+    """Output ids a jump-forward replaced (re-encoded with the forced text) since the
+    output was last read (`read_output`)."""
+    output_read: int = 0
+    """Output ids the reader of the output (the worker, or the offline stream) has taken."""
+
+    @classmethod
+    def of(cls, spec: ReqSpec) -> Req:
+        return cls(
+            spec.rid,
+            spec.input_ids,
+            spec.sampling_params,
+            extra_key=spec.extra_key,
+            priority=spec.priority,
+            routing_key=spec.routing_key,
+            lora_name=spec.lora_name,
+        )
 
     def __post_init__(self) -> None:
         if self.lora_name is not None:
@@ -103,6 +145,22 @@ class Req:
         """It asks for prompt logprobs and its prefill has not computed them all yet."""
         start = self.sampling_params.logprob_start_len
         return start >= 0 and len(self.input_token_logprobs) < len(self.origin_input_ids) - start
+
+    @property
+    def prompt_logprobs_ready(self) -> bool:
+        """It asks for prompt logprobs and has them all (an abort mid-prefill leaves them
+        part-done: those are never reported)."""
+        return self.sampling_params.logprob_start_len >= 0 and not self.prompt_logprobs_pending
+
+    def read_output(self) -> OutputRead:
+        """What of the output is new since the last read, for its one reader: the ids from
+        `start` on, the first `rollback` of which replace the last ids the previous reads
+        returned (a jump-forward re-encoded them; never more than were read)."""
+        rollback = min(self.output_rollback, self.output_read)
+        start = self.output_read - rollback
+        self.output_rollback = 0
+        self.output_read = len(self.output_ids)
+        return OutputRead(start, rollback)
 
     @property
     def max_prefix_len(self) -> int:

@@ -30,15 +30,10 @@ class RequestLimits:
         params.verify(self.vocab_size)
         if max(ids) >= self.vocab_size or min(ids) < 0:
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if input_len >= self.context_len:
-            raise ValueError(
-                f"the prompt has {input_len} tokens; the context length is {self.context_len}"
-            )
-        if params.logprob_start_len >= input_len:
-            raise ValueError(
-                f"logprob_start_len must be below the prompt length ({input_len}), "
-                f"got {params.logprob_start_len}"
-            )
+        if (error := prompt_length_error(input_len, self.context_len)) is not None:
+            raise ValueError(error)
+        if (error := logprob_start_error(params.logprob_start_len, input_len)) is not None:
+            raise ValueError(error)
         if params.stop and not self.stop_strings:
             raise ValueError(
                 "stop strings need a tokenizer; this engine runs with skip_tokenizer_init"
@@ -56,3 +51,24 @@ class RequestLimits:
                 "json_schema, regex and ebnf need a tokenizer and a grammar backend; this "
                 "engine runs with skip_tokenizer_init or --grammar-backend none"
             )
+
+
+def prompt_length_error(prompt_len: int, context_len: int) -> str | None:
+    """The context rule, as the engine and the tokenizer service both state it: a prompt
+    must leave room for at least one generated token. None when `prompt_len` keeps it."""
+    if prompt_len < context_len:
+        return None
+    return (
+        f"the prompt has {prompt_len} tokens, but the context length is {context_len}: no "
+        "room is left to generate"
+    )
+
+
+def logprob_start_error(
+    logprob_start_len: int, prompt_len: int, param: str = "logprob_start_len"
+) -> str | None:
+    """The prompt-logprobs rule: they start inside the prompt. `param` is the field as the
+    request names it. None when `logprob_start_len` keeps it."""
+    if logprob_start_len < prompt_len:
+        return None
+    return f"{param} must be below the prompt length ({prompt_len}), got {logprob_start_len}"

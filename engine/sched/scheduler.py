@@ -22,12 +22,12 @@ records each input it applies, a follower `apply`s them).
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from engine.args import EngineArgs
+from engine.detokenize import StopStringMatcher
 from engine.distributed import get_tp_group
 from engine.grammar import GrammarBackend
 from engine.sched.batch import ScheduleBatch
@@ -35,16 +35,15 @@ from engine.sched.batch_result import BatchResult, PendingResult
 from engine.sched.batch_runner import BatchRunner
 from engine.sched.cache_manager import CacheManager
 from engine.sched.chunk_size import resolve_chunked_prefill_size
+from engine.sched.decode_manager import DecodeManager
 from engine.sched.grammar_queue import GrammarQueue
 from engine.sched.lora_slots import LoRASlots
-from engine.sched.new_token_ratio import NewTokenRatioTracker
-from engine.sched.output_processor import OutputProcessor, StopStringChecker
+from engine.sched.output_processor import OutputProcessor
 from engine.sched.prefill_manager import PrefillManager
 from engine.sched.req import FinishReason, Req, ReqStatus
 from engine.sched.request_limits import RequestLimits
-from engine.sched.retract import release_req, retract_decode
-from engine.sched.running_batch import RunningBatch
-from engine.sched.stats import SchedulerSnapshot, SchedulerStats
+from engine.sched.retract import release_req
+from engine.sched.stats import SchedulerObserver, SchedulerSnapshot, SchedulerStats
 from engine.sched.tp_sync import (
     Abort,
     AddReq,
@@ -58,8 +57,6 @@ from engine.sched.tp_sync import (
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
-
-logger = logging.getLogger(__name__)
 
 ShouldStop = Callable[[], bool]
 """Asked before each turn of an event loop: end the loop now?"""
@@ -76,7 +73,7 @@ class Scheduler:
         self,
         args: EngineArgs,
         model_runner: ModelRunner,
-        stop_string_checker: StopStringChecker | None = None,
+        stop_strings: StopStringMatcher | None = None,
         grammar_backend: GrammarBackend | None = None,
     ):
         self.args = args
@@ -90,13 +87,12 @@ class Scheduler:
         self.cache_manager = CacheManager.over_pools(
             model_runner, not args.disable_radix_cache, args.radix_eviction_policy
         )
-        self.ratio = NewTokenRatioTracker(args.schedule_conservativeness)
         self.limits = RequestLimits(
             self.model_config.vocab_size,
             self.context_len,
             self.max_total_tokens,
             args.clip_max_new_tokens,
-            stop_strings=stop_string_checker is not None,
+            stop_strings=stop_strings is not None,
             grammars=grammar_backend is not None,
         )
         self.stats = SchedulerStats()
@@ -104,12 +100,20 @@ class Scheduler:
             self.cache_manager,
             self.stats,
             self.context_len,
-            stop_string_checker,
+            stop_strings,
             grammar_backend,
             args.enable_jump_forward,
         )
         self.grammar_queue = GrammarQueue(grammar_backend, self.output_processor)
-        self.running = RunningBatch(self.model_config.vocab_size, self.device)
+        self.decode = DecodeManager(
+            self.model_config.vocab_size,
+            self.device,
+            self.cache_manager,
+            self.stats,
+            args.schedule_conservativeness,
+        )
+        self.running, self.ratio = self.decode.running, self.decode.ratio
+        """The decode manager's, read here as often as its own."""
         self.chunked_prefill_size = resolve_chunked_prefill_size(
             args.chunked_prefill_size, self.device
         )
@@ -190,7 +194,7 @@ class Scheduler:
     def apply(self, item: Input) -> None:
         """A tensor-parallel follower applies an input rank 0 recorded, as rank 0 did."""
         if isinstance(item, AddReq):
-            self.add_request(item.to_req())
+            self.add_request(Req.of(item))
         elif isinstance(item, Abort):
             self.abort_request(item.rid, item.reason)
         elif isinstance(item, FlushCache):
@@ -238,6 +242,12 @@ class Scheduler:
             self.apply(item)
         sync.check_in_step(turn.state, self.snapshot(adapters=False).in_step())
         return True
+
+    def observe(self, observer: SchedulerObserver) -> None:
+        """Tell `observer` the events counters cannot carry, grammar compiles included."""
+        self.stats.observer = observer
+        if self.grammar_backend is not None:
+            self.grammar_backend.on_compile = observer.on_grammar_compile
 
     def snapshot(self, adapters: bool = True) -> SchedulerSnapshot:
         """The one read point for status and metrics; `adapters=False` reads no request."""
@@ -377,35 +387,14 @@ class Scheduler:
         return batch
 
     def update_running_batch(self) -> ScheduleBatch | None:
-        """A decode step for every running request, making room first: evict cache, then
-        retract (after the in-flight batch is processed, so nothing retracted is in flight)."""
-        if not self.cache_manager.make_room(len(self.running)):
-            self.resolve_in_flight()
-            if not self.running:
-                return None
-            if not self.cache_manager.make_room(len(self.running)):
-                self._retract()
-                if not self.running:
-                    return None
-        else:
-            self.ratio.on_decode_step()
-        return self._prepare([], with_decodes=True)
-
-    def _retract(self) -> None:
-        result = retract_decode(self.running.reqs, self.cache_manager)
-        kept = {id(r) for r in result.kept}
-        self.running.keep([i for i, r in enumerate(self.running.reqs) if id(r) in kept])
-        self.prefill.waiting[:0] = result.retracted
-        self.stats.count_retracted(result.retracted)
-        if result.aborted is not None:
-            self.output_processor.outputs.append(result.aborted)
-        if result.kept:
-            self.ratio.on_retract(result.kept)
-        logger.info(
-            "retracted %d request(s); new_token_ratio %.3f",
-            len(result.retracted),
-            self.ratio.new_token_ratio,
-        )
+        """A decode step for every running request, once there is room for it (the
+        requests a retraction sends back queue first)."""
+        retracted = self.decode.make_room(self.resolve_in_flight)
+        if retracted is not None:
+            self.prefill.waiting[:0] = retracted.retracted
+            if retracted.aborted is not None:
+                self.output_processor.outputs.append(retracted.aborted)
+        return self._prepare([], with_decodes=True) if self.running else None
 
     def _prepare(self, extend_reqs: list[Req], with_decodes: bool) -> ScheduleBatch | None:
         """The batch of `extend_reqs` and, `with_decodes`, a decode step of the running batch."""

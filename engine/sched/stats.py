@@ -24,6 +24,10 @@ class SchedulerObserver(Protocol):
         """A prefill's forward finished one more layer: the loop computes, it is not stuck
         (heard on the forward's thread; decode steps, short, report nothing)."""
 
+    def on_grammar_compile(self, seconds: float | None) -> None:
+        """A grammar compile took `seconds`, or was refused (None); heard on a compile
+        thread."""
+
 
 @dataclass
 class SchedulerStats:

@@ -37,12 +37,15 @@ KEEPALIVE_INTERVAL_S = DEFAULT_TIMEOUT_S / 6
 
 
 class AddReq(msgspec.Struct, tag=True, array_like=True):
+    """A request as rank 0 submitted it (a `ReqSpec`)."""
+
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
     extra_key: PrefixNamespace | None
     priority: int
     routing_key: str | None
+    lora_name: str | None
 
     @classmethod
     def of(cls, req: Req) -> AddReq:
@@ -53,17 +56,7 @@ class AddReq(msgspec.Struct, tag=True, array_like=True):
             req.extra_key,
             req.priority,
             req.routing_key,
-        )
-
-    def to_req(self) -> Req:
-        return Req(
-            self.rid,
-            self.input_ids,
-            self.sampling_params,
-            extra_key=self.extra_key,
-            priority=self.priority,
-            routing_key=self.routing_key,
-            lora_name=self.extra_key.lora if self.extra_key is not None else None,
+            req.lora_name,
         )
 
 

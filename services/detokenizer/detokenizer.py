@@ -19,6 +19,7 @@ import msgspec
 
 from engine.detokenize import IncrementalDetokenizer, Tokenizer
 from engine.model.loader import load_tokenizer
+from engine.sched.finish_reason import text_ids
 from observability.detokenizer_metrics import DetokenizerMetrics
 from services.io_struct import (
     FRAME_HEADROOM_BYTES,
@@ -128,9 +129,7 @@ class BatchDetokenizer:
         if reason is None:
             return state.add_tokens(new_ids)
         del self.decode_status[rid]
-        if isinstance(reason.matched, int) and new_ids:
-            new_ids = new_ids[:-1]  # the stop token ended the output; it is not part of its text
-        return state.add_tokens(new_ids, finished=True)
+        return state.add_tokens(text_ids(new_ids, reason), finished=True)
 
 
 class Detokenizer(Service):
@@ -150,7 +149,7 @@ class Detokenizer(Service):
         """rid → when its first output arrived (time.monotonic()); kept only while tracing."""
         self.metrics = DetokenizerMetrics(
             self.registry,
-            settings.served_model_name or settings.model,
+            settings.model_id,
             lambda: len(self.state.decode_status),
         )
         self.serve_metrics(settings.detokenizer_metrics_port)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from services.tokenizer.adapters import RequestError
+from services.tokenizer.errors import RequestError
 from services.tokenizer.parsers.tool_parsers import tool_specs
 from services.tokenizer.parsers.tool_render import messages_with_tools, template_supports_tools
 from services.tokenizer.protocol import ChatCompletionMessageParam, ChatCompletionToolParam

@@ -58,8 +58,8 @@ from services.ipc import (
     load_wire_keys,
 )
 from services.settings import Settings
-from services.tokenizer.adapters import RequestError
-from services.tokenizer.responses import REQUESTED_ABORT_STATUS, TokenLogprob
+from services.tokenizer.choice_output import REQUESTED_ABORT_STATUS, TokenLogprob
+from services.tokenizer.errors import RequestError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -289,8 +289,8 @@ class TokenizerManager:
         finished. Raises `RequestError`: 503 if a peer dies meanwhile, 504 past
         `--request-timeout`. Leaving the loop early aborts the requests that have not
         finished. `observed=False` (probes) keeps them out of the metrics and traces.
-        Load shedding is the caller's (`check_capacity`), before a stream's response starts."""
-        self.require_ready()
+        Readiness (`require_ready`, whose limits the caller needs anyway) and load shedding
+        (`check_capacity`) are the caller's, before a stream's response starts."""
         rids = {r.rid for r in reqs}
         index = {r.rid: i for i, r in enumerate(reqs)}
         group = _Group(
@@ -319,7 +319,7 @@ class TokenizerManager:
             for req in reqs:
                 try:
                     sent = self.to_worker.send(req)
-                except OverflowError:  # a safety net: the adapters check the known fields
+                except OverflowError:  # a safety net: the request mapper checks the known fields
                     raise RequestError("a number in the request does not fit in 64 bits") from None
                 if not sent:
                     raise unavailable(

@@ -1,6 +1,6 @@
 """ASGI middleware around every route of the HTTP API: the body-size limit and read
 timeout, the API keys (tenants and the admin key), request metrics and trace spans. A
-refusal is OpenAI's error body (`adapters.error_body`), like every other failure
+refusal is OpenAI's error body (`errors.error_body`), like every other failure
 (docs/api.md, "Authentication" and "Errors")."""
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.cache.namespace import PrefixNamespace
 from observability.metrics import TokenizerMetrics
 from observability.tracing import Tracing
 from services.settings import Settings
-from services.tokenizer.adapters import RequestError, error_body
+from services.tokenizer.errors import RequestError, error_body
 
 OPEN_PATHS = ("/health", "/healthz", "/health_generate", "/metrics")
 """Probes and scrapers carry no API key."""
@@ -296,13 +295,7 @@ def require_admin(request: Request, what: str) -> None:
     )
 
 
-def tenant_namespace(
-    request: Request, settings: Settings, namespace: PrefixNamespace | None
-) -> PrefixNamespace | None:
-    """`namespace` inside the caller's tenant under `--cache-isolation tenant`, else
-    unchanged: then no prefix, `cache_salt`ed or not, is shared across tenants."""
-    if settings.cache_isolation != "tenant":
-        return namespace
-    tenant = caller(request).tenant
-    salt = None if namespace is None else namespace.cache_salt
-    return PrefixNamespace.of(cache_salt=salt, tenant=tenant)
+def cache_tenant(request: Request, settings: Settings) -> str | None:
+    """The caller's tenant under `--cache-isolation tenant`, for its prefix namespace: then
+    no prefix, `cache_salt`ed or not, is shared across tenants. None otherwise."""
+    return caller(request).tenant if settings.cache_isolation == "tenant" else None

@@ -1,7 +1,7 @@
 """The API's OpenAPI document (`/openapi.json`, rendered at `/docs`), typed from the same
 pydantic models the handlers validate with.
 
-The handlers parse their bodies themselves (`serving.parse_body`: strict JSON, OpenAI's
+The handlers parse their bodies themselves (`serving_base.parse_body`: strict JSON, OpenAI's
 error body), so FastAPI sees no body parameter; each route declares its body with
 `request_body` instead, and `document` adds the models' schemas to the components. Every
 route answers errors in OpenAI's shape (`ERROR_RESPONSES`)."""
@@ -18,7 +18,6 @@ from pydantic.json_schema import models_json_schema
 
 from services.settings import Settings
 from services.tokenizer.protocol import ErrorResponse
-from services.tokenizer.serving import served_model
 
 _COMPONENTS = "#/components/schemas/{model}"
 _REQUEST_MODELS: dict[str, type[BaseModel]] = {}
@@ -81,6 +80,6 @@ def document(app: FastAPI, settings: Settings) -> dict[str, Any]:
                 openapi["paths"].pop(path, None)
             card = openapi["paths"]["/v1/models/{model_id}"]["get"]
             (model_id,) = card["parameters"]
-            model_id["schema"]["enum"] = [served_model(settings), *settings.lora_entries()]
+            model_id["schema"]["enum"] = [settings.model_id, *settings.lora_entries()]
         app.openapi_schema = openapi
     return app.openapi_schema

@@ -6,7 +6,7 @@ ignored on purpose (`user`, `metadata`, ...) are accepted, fields we know and do
 serve are a 400 naming them unless sent at their default (SDKs send many at their
 defaults), and fields we have never heard of are ignored, as OpenAI's own server does.
 Value ranges are checked once, by `SamplingParams.verify`, and sizes against the
-server's limits, through `adapters.to_sampling_params`.
+server's limits, through `request_mapper.to_sampling_params`.
 
 The union-typed inputs (message content, `stop`, `prompt`) are normalised by a
 before-validator that also checks their shape, so a client sees one clear message naming
@@ -598,7 +598,7 @@ class UsageInfo(BaseModel):
 
 Logprob = Annotated[float, Field(allow_inf_nan=False)]
 """A logprob as a response carries it: refused at construction unless finite, so that a
-NaN or -inf that escaped `responses.LOGPROB_FLOOR` fails loudly instead of going out as
+NaN or -inf that escaped `choice_output.LOGPROB_FLOOR` fails loudly instead of going out as
 pydantic's `null`."""
 
 

@@ -1,12 +1,13 @@
 """The HTTP endpoints (docs/api.md). Each handler finds the manager and the settings in
-the app's state (`serving.AppState`); the generation endpoints are one flow,
-`serving.serve`, with an adapter each, and the render endpoints stop that flow before
-submission (`serving.render`)."""
+the app's state (`serving_base.AppState`); the generation endpoints are one flow,
+`serving_base.serve`, with an `Endpoint` each, and the render endpoints stop that flow
+before submission (`serving_render.render`)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Iterable
 from contextlib import aclosing
 from typing import Any
 
@@ -19,14 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from engine.sampling.sampling_params import SamplingParams
 from services.io_struct import LoRAAdapterReqOutput, TokenizedGenerateReqInput
 from services.settings import LAUNCH_ID_HEADER
-from services.tokenizer.adapters import (
-    RequestError,
-    check_continuation,
-    check_model,
-    error_body,
-    with_special_tokens,
-)
 from services.tokenizer.chat_template import render_chat
+from services.tokenizer.errors import RequestError, error_body
 from services.tokenizer.manager import unavailable
 from services.tokenizer.middleware import require_admin
 from services.tokenizer.openapi import ERROR_RESPONSES, answers, request_body
@@ -38,28 +33,32 @@ from services.tokenizer.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     GenerateRequest,
+    LoRAModelCard,
+    ModelCard,
     ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from services.tokenizer.responses import model_list
-from services.tokenizer.responses_api import ResponsesRequest, responses_error
-from services.tokenizer.serving import (
+from services.tokenizer.request_mapper import check_continuation, check_model, with_special_tokens
+from services.tokenizer.serving_base import (
     INLINE_BODY_BYTES,
     AppState,
-    ChatEndpoint,
-    CompletionsEndpoint,
-    GenerateEndpoint,
-    ResponsesEndpoint,
     app_state,
-    chat_prompt_chars,
     check_prompt_chars,
     json_body,
     off_loop,
     parse_body,
-    render,
     serve,
+)
+from services.tokenizer.serving_chat import ChatEndpoint, chat_prompt_chars
+from services.tokenizer.serving_completions import CompletionsEndpoint
+from services.tokenizer.serving_generate import GenerateEndpoint
+from services.tokenizer.serving_render import render
+from services.tokenizer.serving_responses import (
+    ResponsesEndpoint,
+    ResponsesRequest,
+    responses_error,
 )
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -156,6 +155,18 @@ def _model_list(state: AppState) -> ModelList:
     info = state.manager.worker_info
     context_length = None if info is None else info.context_length
     return model_list(state.model, context_length, state.started, state.manager.lora_adapters)
+
+
+def model_list(
+    model: str, max_model_len: int | None, created: int, lora_adapters: Iterable[str] = ()
+) -> ModelList:
+    """The base model, then each LoRA adapter with the base model as its parent."""
+    base = ModelCard(id=model, created=created, max_model_len=max_model_len)
+    cards = [
+        LoRAModelCard(id=name, created=created, max_model_len=max_model_len, parent=model)
+        for name in lora_adapters
+    ]
+    return ModelList(data=[base, *cards])
 
 
 class LoadLoRAAdapterInput(BaseModel):

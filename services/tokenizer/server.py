@@ -2,7 +2,7 @@
 (`routes`), the middleware (`middleware`) and the error handlers below; `EdgeProtocol`
 is the connection handling uvicorn runs it with.
 
-Every failure leaves as OpenAI's error body (`adapters.error_body`), whatever raised it:
+Every failure leaves as OpenAI's error body (`errors.error_body`), whatever raised it:
 a bad request, a dead peer, an unknown route, or a bug (then without its traceback). A
 client that leaves is no failure of the server: it is logged as such, not as a 500.
 """
@@ -31,7 +31,7 @@ from observability.metrics import TokenizerMetrics
 from observability.tracing import setup_tracing
 from services.settings import Settings
 from services.tokenizer import openapi
-from services.tokenizer.adapters import RequestError, error_body, validation_error_body
+from services.tokenizer.errors import RequestError, error_body, validation_error_body
 from services.tokenizer.manager import running_manager
 from services.tokenizer.middleware import (
     ApiKeyAuth,
@@ -42,7 +42,7 @@ from services.tokenizer.middleware import (
     TraceRequests,
 )
 from services.tokenizer.routes import router
-from services.tokenizer.serving import AppState, served_model
+from services.tokenizer.serving_base import AppState
 from services.tokenizer.worker_metrics_proxy import WorkerMetricsProxy
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ def create_app(
     Raises `ApiKeyFileError` for a `--api-key-file` it cannot use."""
     keys = ApiKeys.from_settings(settings)
     registry = CollectorRegistry()
-    metrics = TokenizerMetrics(registry, served_model(settings))
+    metrics = TokenizerMetrics(registry, settings.model_id)
     tracing = setup_tracing("tokenizer")
 
     @asynccontextmanager

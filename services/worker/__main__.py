@@ -7,7 +7,7 @@ With `--node-rank K` (K > 0) it runs node K's tensor-parallel ranks only: they f
 from engine.model.cpu_isa import apply_forced_isa
 
 apply_forced_isa()  # before torch first dispatches: a forced kernel path caps ATen and oneDNN
-from engine.api import serve_node  # noqa: E402
+from engine.build import serve_node  # noqa: E402
 from services.process import configure_logging  # noqa: E402
 from services.settings import Settings  # noqa: E402
 from services.worker.worker import Worker  # noqa: E402

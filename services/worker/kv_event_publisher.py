@@ -14,58 +14,23 @@ Either way a slow or stuck router can never stall decoding.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from typing import Literal
 
 import msgspec
 import zmq
 
 from engine.cache.kv_events import EventBatch, KVCacheEvent
+from services.kv_events_config import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 _POLL_S = 0.05
 """How long the thread waits for a batch before it looks at the replay socket again."""
-
-
-class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
-    """`--kv-events-config`: SGLang's and vLLM's JSON keys and defaults."""
-
-    publisher: Literal["zmq", "null"] = "null"
-    endpoint: str = "tcp://127.0.0.1:5557"
-    """Where the PUB socket binds: loopback unless the flag names another address (the
-    chart's `tcp://*:<port>`), the one worker socket that may leave loopback."""
-    topic: str = ""
-    buffer_steps: int = 10_000
-    """Batches kept for replay."""
-    hwm: int = 100_000
-    """ZMQ send high-water mark (messages per subscriber)."""
-    max_queue_size: int = 100_000
-    """Batches the scheduler may queue ahead of the sending thread."""
-    replay_endpoint: str | None = None
-    enable_kv_cache_events: bool = True
-    """vLLM's switch; SGLang's configs leave it out."""
-
-    @classmethod
-    def from_json(cls, text: str) -> KVEventsConfig:
-        try:
-            config = msgspec.convert(json.loads(text), cls)
-        except (ValueError, msgspec.ValidationError) as e:
-            raise ValueError(f"--kv-events-config: {e}") from None
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            if getattr(config, name) < 1:
-                raise ValueError(f"--kv-events-config: {name} must be >= 1")
-        return config
-
-    @property
-    def enabled(self) -> bool:
-        return self.publisher == "zmq" and self.enable_kv_cache_events
 
 
 class ZmqEventPublisher:

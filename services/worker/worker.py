@@ -18,7 +18,6 @@ reported as "cuda" and no CPU flags: the CPU's instruction sets do not run the m
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -27,9 +26,8 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from engine.api import Engine
-from engine.cache.kv_events import AllBlocksCleared, BlockEventRecorder
-from engine.cache.radix_cache import RadixCache
+from engine.build import build
+from engine.cache.kv_events import BlockEventRecorder
 from engine.lora import LoRAError
 from engine.model.cpu_isa import CpuIsa, cpu_isa
 from engine.sched.req import FinishReason, Req
@@ -66,10 +64,10 @@ class _Entry(NamedTuple):
     """One request's column entry in an output batch."""
 
     req: Req
-    sent: int
-    """Output ids the detokenizer has seen."""
+    start: int
+    """The entry's output ids start here: those the detokenizer has not seen, or replace."""
     rollback: int
-    """How many of those a jump-forward replaced: the entry's ids start at `sent - rollback`."""
+    """How many ids it saw a jump-forward replaced (the entry's first `rollback` ids)."""
     trace_context: dict[str, str]
     prompt_logprobs: bool = False
     """The entry carries the request's prompt logprobs (once, when its prefill completes)."""
@@ -83,8 +81,6 @@ class _ReqState:
 
     tokenizer_epoch: str
     """The tokenizer life that sent it: a restarted tokenizer has no client for it."""
-    sent: int = 0
-    """Output ids already sent to the detokenizer."""
     trace_context: dict[str, str] = field(default_factory=dict)
     arrived: float = field(default_factory=time.monotonic)
     admitted: float | None = None
@@ -103,10 +99,9 @@ class Worker(Service):
         # Load before binding: until the model is in memory there is nobody to send
         # heartbeats, and a tokenizer pushing requests meanwhile gets a clear refusal
         # (IMMEDIATE) instead of a queue that nobody drains.
-        engine_args = dataclasses.asdict(settings.to_engine_args())
         started = time.monotonic()
-        self.engine = Engine(**engine_args)
-        self.scheduler = self.engine.scheduler
+        self.core = build(settings.to_engine_args())
+        self.scheduler = self.core.scheduler
         logger.info(
             "engine ready in %.1f s: %s, max_total_tokens=%d context_length=%d "
             "max_running_requests=%d device=%s tp_size=%d",
@@ -118,7 +113,7 @@ class Worker(Service):
             self.scheduler.device,
             settings.tp_size,
         )
-        runner = self.engine.model_runner
+        runner = self.core.model_runner
         self.cpu_isa: CpuIsa | None = cpu_isa() if runner.device.type == "cpu" else None
         """The CPU's instruction sets and kernel path; None on an accelerator."""
         self.cpu_info = CpuInfo(
@@ -146,15 +141,10 @@ class Worker(Service):
         """Requests refused at submission, reported with the next output batch."""
         self.ready_pending = True
         """WorkerReady is owed to the tokenizer: not yet delivered, or the tokenizer restarted."""
-        self.model_name = (
-            settings.model if settings.served_model_name is None else settings.served_model_name
-        )
-        """The model id of the API (`Settings` fills `served_model_name` in from `model`)."""
+        self.model_name = settings.model_id
         max_lora = settings.max_loras_per_batch if settings.enable_lora else 0
         self.metrics = WorkerMetrics(self.registry, self.model_name, max_lora, self.cpu_info)
-        self.scheduler.stats.observer = self
-        if self.scheduler.grammar_backend is not None:
-            self.scheduler.grammar_backend.on_compile = self.metrics.observe_grammar_compile
+        self.scheduler.observe(self)
         self.kv_events, self.kv_publisher = self._start_kv_events(settings)
         self.metrics.publish(self.sample())
         self.next_sample = 0.0
@@ -195,17 +185,13 @@ class Worker(Service):
                 continue  # an output too large to send failed it: that went out already
             if state.first_token is None and req.output_ids:
                 state.first_token = now
-            rollback, req.output_rollback = min(req.output_rollback, state.sent), 0
-            prompt_logprobs = (
-                req.sampling_params.logprob_start_len >= 0
-                and not req.prompt_logprobs_pending  # an abort mid-prefill has them part-done
-                and not state.prompt_logprobs_sent
-            )
+            start, rollback = req.read_output()
+            prompt_logprobs = req.prompt_logprobs_ready and not state.prompt_logprobs_sent
             state.prompt_logprobs_sent |= prompt_logprobs
             entries.append(
                 _Entry(
                     req,
-                    state.sent,
+                    start,
                     rollback,
                     state.trace_context if req.finished else {},
                     prompt_logprobs,
@@ -213,7 +199,6 @@ class Worker(Service):
                 )
             )
             state.announced = True
-            state.sent = len(req.output_ids)
             if req.finished:
                 del self.live[req.rid]
                 if self.tracing is not None:
@@ -233,12 +218,8 @@ class Worker(Service):
         if config is None:
             return None, None
         publisher = ZmqEventPublisher(config)
-        tree = self.scheduler.cache_manager.tree_cache
-        if not isinstance(tree, RadixCache):  # --disable-radix-cache: nothing is ever stored
-            publisher.publish([AllBlocksCleared()])
-            return None, publisher
         recorder = BlockEventRecorder(settings.kv_events_block_size)
-        tree.attach_kv_events(recorder)
+        self.scheduler.cache_manager.tree_cache.attach_kv_events(recorder)
         publisher.publish(recorder.take())
         return recorder, publisher
 
@@ -259,6 +240,9 @@ class Worker(Service):
 
     def on_progress(self) -> None:
         self.mark_progress()
+
+    def on_grammar_compile(self, seconds: float | None) -> None:
+        self.metrics.observe_grammar_compile(seconds)
 
     def on_peer_event(self, event: PeerEvent) -> None:
         if event.peer != "tokenizer" or event.kind == "dead":
@@ -300,15 +284,7 @@ class Worker(Service):
     # ----- requests ---------------------------------------------------------------------
 
     def add_request(self, msg: TokenizedGenerateReqInput) -> None:
-        req = Req(
-            msg.rid,
-            msg.input_ids,
-            msg.sampling_params,
-            extra_key=msg.extra_key,
-            priority=msg.priority,
-            routing_key=msg.routing_key,
-            lora_name=msg.lora_name,
-        )
+        req = Req.of(msg)
         state = _ReqState(msg.epoch, trace_context=msg.trace_context)
         try:
             if msg.rid in self.live:
@@ -339,8 +315,7 @@ class Worker(Service):
         logprobs: list[list[float]] = []
         top_val: list[list[list[float]]] = []
         top_idx: list[list[list[int]]] = []
-        for req, sent, rollback, *_ in entries:
-            start = sent - rollback
+        for req, start, *_ in entries:
             params = req.sampling_params
             if want_logprobs:
                 logprobs.append(
@@ -353,7 +328,7 @@ class Worker(Service):
         prompt = _prompt_logprob_columns(entries)
         out = BatchTokenIDOutput(
             rids=[e.req.rid for e in entries],
-            output_ids=[e.req.output_ids[e.sent - e.rollback :] for e in entries],
+            output_ids=[e.req.output_ids[e.start :] for e in entries],
             finished_reasons=[e.req.finished_reason for e in entries],
             prompt_tokens=[len(e.req.origin_input_ids) for e in entries],
             completion_tokens=[len(e.req.output_ids) for e in entries],
@@ -458,9 +433,10 @@ class Worker(Service):
         for it (SGLang answers such a flush with 409)."""
         sched = self.scheduler
         if sched.has_work():
+            now = sched.snapshot(adapters=False)
             message = (
                 f"cannot flush the cache while requests are in flight "
-                f"({self.num_running()} running, {len(sched.prefill.waiting)} waiting)"
+                f"({now.running} running, {now.waiting} waiting)"
             )
             logger.info("refused flush_cache: %s", message)
             return FlushCacheReqOutput(success=False, message=message, rid=rid)
@@ -528,10 +504,8 @@ class Worker(Service):
         hold KV (their slots are mid-flight under the overlap loop)."""
         sched = self.scheduler
         if sched.has_work():
-            return (
-                f"skipped: {self.num_running()} running and "
-                f"{len(sched.prefill.waiting)} waiting request(s)"
-            )
+            now = sched.snapshot(adapters=False)
+            return f"skipped: {now.running} running and {now.waiting} waiting request(s)"
         try:
             sched.cache_manager.check_integrity()
         except AssertionError as e:
@@ -566,10 +540,6 @@ class Worker(Service):
             running_lora_adapters=now.running_lora_adapters,
             waiting_lora_adapters=now.waiting_lora_adapters,
         )
-
-    def num_running(self) -> int:
-        """Running requests, counting one whose prefill is still being chunked."""
-        return self.scheduler.snapshot(adapters=False).running
 
 
 class _PromptLogprobColumns(NamedTuple):

@@ -34,7 +34,7 @@ def test_two_nodes_of_one_rank_each_generate_what_tp1_does(tiny_llama_dir: Path)
     )
     try:
         with Engine(str(tiny_llama_dir), **OPTIONS, **layout) as engine:
-            assert engine.ranks is not None and not engine.ranks.procs  # one rank a node
+            assert engine.core.ranks is not None and not engine.core.ranks.procs  # one rank a node
             assert [r.output_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
         assert node1.wait(30) == 0
     finally:

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from engine.sampling.sampling_params import SamplingParams
 from testing.launcher import ServiceLauncher, cpu_flags
-from testing.net import wait_until
+from testing.net import assert_idle_and_whole
 from tests.services.conftest import strict_json
 
 API_KEY = "fuzz-key"
@@ -421,13 +421,7 @@ def test_a_thousand_fuzzed_requests_get_no_5xx_no_hang_no_stack_trace_and_the_se
         answer = client.post("/v1/completions", json={"prompt": "Still there?", "max_tokens": 4})
         assert answer.status_code == 200 and answer.json()["choices"][0]["text"] is not None
 
-        def idle() -> dict[str, Any] | None:
-            info = client.get("/get_server_info", params={"check_integrity": "true"}).json()
-            return info if info["num_running_reqs"] == info["num_waiting_reqs"] == 0 else None
-
-        info = wait_until(idle, 30, "an idle worker")
-        assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_tokens"]
-        assert info["radix_integrity"] == "ok"
+        assert_idle_and_whole(client)
 
 
 # What earlier fuzz runs found, kept as fixed examples: each was a 500 or a server-side

@@ -4,7 +4,7 @@ first refused, NaN, Infinity and a huge number are a 400 naming the field), the 
 of stop strings, stop_token_ids, logit_bias and top logprobs, logprobs of tokens a grammar
 forbids shown at a finite floor, and a fuzz over sampling parameters whose every answer and
 every stream event must parse as strict JSON. After each case a good request is still
-served, and at the end the KV pool is idle and whole.
+served, and after each test the KV pool is idle and whole.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.sampling.sampling_params import MAX_TEMPERATURE, MIN_REPETITION_PENALTY, SAMPLING_EPS
-from services.tokenizer.responses import LOGPROB_FLOOR
+from services.tokenizer.choice_output import LOGPROB_FLOOR
 from testing.launcher import ServiceLauncher, cpu_flags
-from testing.net import wait_until
+from testing.net import assert_idle_and_whole
 from tests.services.conftest import strict_json
 
 CHAT, COMPLETIONS, GENERATE, RESPONSES = (
@@ -56,6 +56,14 @@ def base_url(launcher: ServiceLauncher, tiny_llama_dir: Path) -> Iterator[str]:
 def client(base_url: str) -> Iterator[httpx2.Client]:
     with httpx2.Client(base_url=base_url, timeout=60) as client:
         yield client
+
+
+@pytest.fixture(autouse=True)
+def kv_pool_left_idle_and_whole(client: httpx2.Client) -> Iterator[None]:
+    """After each test, whatever its cases did: no KV slot leaked and the radix tree is
+    whole, checked by the test's own teardown so that any order or subset checks it."""
+    yield
+    assert_idle_and_whole(client)
 
 
 def strict_answer(response: httpx2.Response) -> Any:
@@ -361,46 +369,31 @@ def sampled_request(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
     }
 
 
-OUTCOMES: list[int] = []
-
-
-@settings(
-    max_examples=80,
-    suppress_health_check=list(HealthCheck),
-    deadline=None,
-    derandomize=True,
-    database=None,
-)
-@given(case=sampled_request())
-def run_fuzz(client: httpx2.Client, case: tuple[str, dict[str, Any]]) -> None:
-    path, body = case
-    response = post(client, path, body)
-    assert response.status_code in (200, 400), (
-        f"{path} {body} → {response.status_code} {response.text}"
-    )
-    answer = strict_answer(response)
-    if response.status_code == 400:
-        assert answer["error"]["param"], answer
-    OUTCOMES.append(response.status_code)
-
-
 def test_sampling_parameters_at_any_edge_give_strict_json_in_every_answer_and_event(
     client: httpx2.Client,
 ) -> None:
-    OUTCOMES.clear()
-    run_fuzz(client)
-    print("outcomes:", Counter(OUTCOMES))
-    assert 200 in OUTCOMES and 400 in OUTCOMES, OUTCOMES
+    outcomes: list[int] = []
+
+    @settings(
+        max_examples=80,
+        suppress_health_check=list(HealthCheck),
+        deadline=None,
+        derandomize=True,
+        database=None,
+    )
+    @given(case=sampled_request())
+    def run_fuzz(case: tuple[str, dict[str, Any]]) -> None:
+        path, body = case
+        response = post(client, path, body)
+        assert response.status_code in (200, 400), (
+            f"{path} {body} → {response.status_code} {response.text}"
+        )
+        answer = strict_answer(response)
+        if response.status_code == 400:
+            assert answer["error"]["param"], answer
+        outcomes.append(response.status_code)
+
+    run_fuzz()
+    print("outcomes:", Counter(outcomes))
+    assert 200 in outcomes and 400 in outcomes, outcomes
     assert_still_serves(client)
-
-
-def test_after_every_edge_the_kv_pool_is_idle_and_whole(client: httpx2.Client) -> None:
-    """Last in the module: whatever the cases above did, no KV slot leaked."""
-
-    def idle() -> dict[str, Any] | None:
-        info = client.get("/get_server_info", params={"check_integrity": "true"}).json()
-        return info if info["num_running_reqs"] == info["num_waiting_reqs"] == 0 else None
-
-    info = wait_until(idle, 30, "an idle worker")
-    assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_tokens"]
-    assert info["radix_integrity"] == "ok"

@@ -23,7 +23,8 @@ from engine.cache.kv_events import (
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import Req
-from services.worker.kv_event_publisher import KVEventsConfig, ZmqEventPublisher
+from services.kv_events_config import KVEventsConfig
+from services.worker.kv_event_publisher import ZmqEventPublisher
 from testing.kv_events import Subscriber
 from testing.net import free_ports, wait_until
 from testing.radix import tree_blocks

@@ -15,7 +15,7 @@ import httpx2
 import pytest
 
 from testing.launcher import ServiceLauncher, cpu_flags
-from testing.net import wait_until
+from testing.net import assert_idle_and_whole, wait_until
 
 API_KEY = "lora-user-key"
 ADMIN_KEY = "lora-admin-key"
@@ -121,18 +121,6 @@ def assert_error(response: httpx2.Response, status: int, code: str, param: str |
     error = response.json()["error"]
     assert (error["code"], error["param"]) == (code, param), error
     assert error["type"] == "invalid_request_error" and error["message"]
-
-
-def assert_idle_and_whole(admin: httpx2.Client) -> None:
-    """No request left running, and every KV slot free or in the tree."""
-
-    def idle() -> dict[str, Any] | None:
-        info = admin.get("/get_server_info", params={"check_integrity": "true"}).json()
-        return info if info["num_running_reqs"] == info["num_waiting_reqs"] == 0 else None
-
-    info = wait_until(idle, 30, "an idle worker")
-    assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_tokens"]
-    assert info["radix_integrity"] == "ok"
 
 
 def models(http: httpx2.Client) -> dict[str, dict[str, Any]]:

@@ -14,7 +14,7 @@ from engine.api import Engine
 from engine.sampling.sampling_params import SamplingParams
 from services.io_struct import TokenizedGenerateReqInput
 from services.settings import Settings
-from services.tokenizer.adapters import RequestError
+from services.tokenizer.errors import RequestError
 from services.tokenizer.manager import (
     INLINE_LOGPROB_IDS,
     ReqOutput,

@@ -1,9 +1,14 @@
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
+import services
 from engine.args import EngineArgs
 from services.settings import Settings, build_parser
+from services.tokenizer.parsers.tool_parsers import TOOL_PARSERS
+from services.tool_parser_names import DEFAULT_TOOL_PARSER, TOOL_PARSER_NAMES
+from testing.imports import import_graph, reachable
 
 
 def _parse(argv: list[str], env: dict[str, str] | None = None) -> Settings:
@@ -217,3 +222,22 @@ def test_to_engine_args_carries_every_engine_field():
     )
     for f in fields(EngineArgs):
         assert getattr(args, f.name) == getattr(s, f.name)
+
+
+def test_settings_import_no_module_of_the_three_processes():
+    """All three processes read the settings, so the settings import none of them: the
+    walk counts imports inside functions and `if TYPE_CHECKING:` blocks, and stays within
+    services/ because engine/ never imports services (tests/engine/test_import_graph.py)."""
+    services_dir = Path(services.__file__).parent
+    graph = import_graph(services_dir, services_dir.parent)
+    imported = reachable(graph, "services.settings")
+    assert {"services.settings", "services.ipc", "services.kv_events_config"} <= imported
+    processes = {"services.tokenizer", "services.worker", "services.detokenizer"}
+    assert sorted(m for m in imported if ".".join(m.split(".")[:2]) in processes) == []
+
+
+def test_the_tool_parser_names_settings_offer_are_the_registered_parsers():
+    assert TOOL_PARSER_NAMES == tuple(TOOL_PARSERS)
+    assert DEFAULT_TOOL_PARSER in TOOL_PARSERS
+    parser = build_parser({})._option_string_actions["--tool-call-parser"]
+    assert (parser.choices, parser.default) == (TOOL_PARSER_NAMES, DEFAULT_TOOL_PARSER)

@@ -106,8 +106,9 @@ def mkldnn_packing_applies(weight: torch.Tensor) -> bool:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` reordered once for the CPU's bf16 matmul, where that applies (else None): for
     the AMX kernel (`cpu_kernels.amx_pack`) where the CPU has AMX, else into oneDNN's
-    blocked layout. F.linear reorders a plain bf16 weight on every call, which costs 1.1-2.4x per
-    matmul on CPU, decode rows most."""
+    blocked layout. F.linear reorders a plain bf16 weight on every call, a cost paid again by
+    every matmul and felt most by decode rows (docs/benchmarks/serving.md, "The decode work
+    behind these figures")."""
     amx = cpu_kernels.amx_pack(weight)
     if amx is not None or not mkldnn_packing_applies(weight):
         return amx

@@ -57,11 +57,6 @@ def gguf_format(tensor_type: gguf.GGMLQuantizationType) -> WeightFormat | None:
     return format if format in BLOCK_LAYOUTS else None
 
 
-def format_name(format: WeightFormat) -> str:
-    """As `/get_server_info` and the cpu_info metric show it: `gguf:Q4_1`, `int8`."""
-    return "int8" if format is WeightFormat.INT8 else f"gguf:{format.name}"
-
-
 def row_bytes(format: WeightFormat, in_features: int) -> int:
     """Bytes of one output row of `in_features` weights (a multiple of the block's)."""
     if format is WeightFormat.INT8:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeAlias
 
 from services.tokenizer.parsers._text import compact_json, held_back, skip_json_whitespace
+from services.tool_parser_names import DEFAULT_TOOL_PARSER
 
 _DECODER = json.JSONDecoder()
 
@@ -478,7 +479,6 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     parser.name: parser
     for parser in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser)
 }
-DEFAULT_TOOL_PARSER = HermesToolParser.name
 
 
 def get_tool_parser(name: str = DEFAULT_TOOL_PARSER) -> ToolParser:

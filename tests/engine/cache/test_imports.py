@@ -50,3 +50,29 @@ def test_the_walk_sees_type_checking_blocks_plain_and_relative_imports():
     assert not any(
         map(names_the_scheduler, imported_modules("from . import radix_key", "engine.cache"))
     )
+
+
+def test_outside_engine_cache_only_the_constructor_names_a_cache_class_and_none_a_node():
+    """Callers hold `BasePrefixCache` and its opaque `CacheHandle`; the one place that builds
+    the cache from the arguments names the two classes, nobody names `TreeNode`."""
+    repo = CACHE_DIR.parent.parent
+    internals = {
+        "engine.cache.tree_node",
+        "engine.cache.radix_cache.RadixCache",
+        "engine.cache.chunk_cache.ChunkCache",
+    }
+    named = {
+        str(path.relative_to(repo)): sorted(
+            internals
+            & imported_modules(path.read_text(), ".".join(path.relative_to(repo).parts[:-1]))
+        )
+        for top in ("engine", "services")
+        for path in (repo / top).rglob("*.py")
+        if CACHE_DIR not in path.parents
+    }
+    assert {path: names for path, names in named.items() if names} == {
+        "engine/sched/cache_manager.py": [
+            "engine.cache.chunk_cache.ChunkCache",
+            "engine.cache.radix_cache.RadixCache",
+        ]
+    }

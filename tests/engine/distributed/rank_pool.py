@@ -13,7 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.distributed import ParallelConfig, destroy_distributed, get_tp_group, init_distributed
-from engine.model.runner import ExtendInput, ModelRunner
+from engine.model.runner import ModelRunner
+from testing.batches import ExtendInput, build_forward_batch
 
 TASK_TIMEOUT_S = 120.0
 """How long the test waits for every rank's answer to one task before it fails."""
@@ -114,7 +115,7 @@ def greedy_steps(
     logits_per_step, calls = [], []
     for _ in range(steps):
         before = group.all_reduce_calls
-        logits = runner.forward(runner.build_forward_batch(batch))
+        logits = runner.forward(build_forward_batch(runner, batch))
         calls.append(group.all_reduce_calls - before)
         logits_per_step.append(logits)
         batch = [

@@ -19,9 +19,10 @@ import torch
 from engine.api import Engine
 from engine.lora import LoRAError, LoRAManager
 from engine.model.forward_batch import ForwardMode
-from engine.model.runner import ExtendInput, ModelRunner
+from engine.model.runner import ModelRunner
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import Req
+from testing.batches import ExtendInput, build_forward_batch
 from tests.engine.lora.conftest import ALL_TARGETS, Reference, peft, prompt
 
 OPTIONS: dict[str, Any] = dict(
@@ -84,7 +85,7 @@ def test_mixed_batch_float64_logits_match_peft(
     rows = runner.req_to_token_pool.alloc(len(prompts))
     assert rows is not None
     reqs = [ExtendInput(row, 0, ids) for row, ids in zip(rows, prompts)]
-    batch = runner.build_forward_batch(reqs, ForwardMode.EXTEND)
+    batch = build_forward_batch(runner, reqs, ForwardMode.EXTEND)
     slots = torch.tensor(manager.acquire(MIXED))
     batch.lora_slots = slots
     logits = runner.forward(batch)
@@ -96,7 +97,7 @@ def test_mixed_batch_float64_logits_match_peft(
     # A mixed decode step over the cached prompts: one token each, read from the KV pool.
     tokens = logits.argmax(-1).tolist()
     steps = [ExtendInput(row, len(p), [t]) for row, p, t in zip(rows, prompts, tokens)]
-    batch = runner.build_forward_batch(steps)
+    batch = build_forward_batch(runner, steps)
     batch.lora_slots = slots
     logits = runner.forward(batch)
     for row, (name, ids, token) in enumerate(zip(MIXED, prompts, tokens)):

@@ -15,7 +15,8 @@ import torch
 from engine.lora import LoRAManager
 from engine.model.forward_batch import ForwardMode
 from engine.model.graph_runner import LORA_PADDING
-from engine.model.runner import ExtendInput, ModelRunner
+from engine.model.runner import ModelRunner
+from testing.batches import ExtendInput, build_forward_batch
 from tests.engine.lora.conftest import prompt
 from tests.engine.model.test_graph_runner import FakeGraphBackend, NoAllocationMode
 
@@ -48,14 +49,14 @@ def decode_logits(
     slots = torch.tensor(manager.acquire(names), device=device) if any(names) else None
     rows = runner.req_to_token_pool.alloc(len(prompts))
     assert rows is not None
-    batch = runner.build_forward_batch([ExtendInput(r, 0, p) for r, p in zip(rows, prompts)])
+    batch = build_forward_batch(runner, [ExtendInput(r, 0, p) for r, p in zip(rows, prompts)])
     batch.lora_slots = slots
     tokens = runner.forward(batch).argmax(-1).tolist()
     lens = [len(p) for p in prompts]
     steps: list[torch.Tensor] = []
     for _ in range(STEPS):
         reqs = [ExtendInput(r, n, [t]) for r, n, t in zip(rows, lens, tokens)]
-        batch = runner.build_forward_batch(reqs, ForwardMode.DECODE)
+        batch = build_forward_batch(runner, reqs, ForwardMode.DECODE)
         batch.lora_slots = slots
         steps.append(runner.forward(batch))
         tokens = steps[-1].argmax(-1).tolist()
@@ -109,7 +110,7 @@ def test_filling_the_slot_ids_pads_with_no_adapter_and_allocates_nothing(
     slot_ids = graph_runner.inputs.buffers["lora_slots"]
     rows = runner.req_to_token_pool.alloc(3)
     assert rows is not None
-    batch = runner.build_forward_batch([ExtendInput(r, 0, [5]) for r in rows])
+    batch = build_forward_batch(runner, [ExtendInput(r, 0, [5]) for r in rows])
     assert batch.forward_mode is ForwardMode.DECODE
     batch.lora_slots = torch.tensor(manager.acquire(["mlp", None, "all"]))
     with NoAllocationMode():

@@ -16,7 +16,8 @@ from engine.lora import triton_ops as lora_triton
 from engine.model import layers
 from engine.model.forward_batch import ForwardMode
 from engine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from engine.model.runner import ExtendInput, ModelRunner
+from engine.model.runner import ModelRunner
+from testing.batches import ExtendInput, build_forward_batch
 from tests.engine.lora.conftest import prompt
 
 INTERPRETED = isinstance(lora_triton._segment_matmul_kernel, InterpretedFunction)
@@ -131,7 +132,7 @@ def test_model_forward_through_the_kernel_equals_the_torch_path(
     slots = torch.tensor(manager.acquire(names))
 
     def both_paths(reqs: list[ExtendInput], mode: ForwardMode) -> torch.Tensor:
-        batch = runner.build_forward_batch(reqs, mode)
+        batch = build_forward_batch(runner, reqs, mode)
         batch.lora_slots = slots
         torch_logits = runner.forward(batch)
         with monkeypatch.context() as patch:

@@ -16,7 +16,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.model.loader import load_tokenizer
-from engine.model.runner import ExtendInput, ModelRunner
+from engine.model.runner import ModelRunner
+from testing.batches import ExtendInput, build_forward_batch
 from testing.models import TINY_ARCHS, tiny_hf_model
 
 TINY = dict(vocab_size=128, intermediate_size=96, max_position_embeddings=256)
@@ -68,7 +69,7 @@ def run_greedy(
     result = GreedyResult([[] for _ in prompts], [[] for _ in prompts])
     batch = [ExtendInput(row, 0, list(prompt)) for row, prompt in zip(rows, prompts)]
     for _ in range(max_new_tokens):
-        logits = runner.forward(runner.build_forward_batch(batch))
+        logits = runner.forward(build_forward_batch(runner, batch))
         next_tokens = logits.argmax(-1).tolist()
         for i, token in enumerate(next_tokens):
             result.tokens[i].append(token)

@@ -17,9 +17,10 @@ from torch.utils._pytree import tree_flatten
 from engine.args import EngineArgs
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.model.graph_runner import PADDING, capture_batch_sizes
-from engine.model.runner import ExtendInput, ModelRunner
+from engine.model.runner import ModelRunner
 from engine.sched.future_map import FutureMap
 from engine.sched.scheduler import Scheduler
+from testing.batches import ExtendInput, build_forward_batch
 
 aten = torch.ops.aten
 
@@ -158,10 +159,10 @@ def decode_batch(runner: ModelRunner, prompts: list[list[int]]) -> ForwardBatch:
     rows = runner.req_to_token_pool.alloc(len(prompts))
     assert rows is not None
     runner.forward(
-        runner.build_forward_batch([ExtendInput(r, 0, p) for r, p in zip(rows, prompts)])
+        build_forward_batch(runner, [ExtendInput(r, 0, p) for r, p in zip(rows, prompts)])
     )
-    return runner.build_forward_batch(
-        [ExtendInput(r, len(p), [p[-1]]) for r, p in zip(rows, prompts)]
+    return build_forward_batch(
+        runner, [ExtendInput(r, len(p), [p[-1]]) for r, p in zip(rows, prompts)]
     )
 
 

@@ -7,7 +7,8 @@ import torch
 
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.model.forward_batch import ForwardMode
-from engine.model.runner import DEFAULT_CPU_KV_CACHE_BYTES, ExtendInput
+from engine.model.runner import DEFAULT_CPU_KV_CACHE_BYTES
+from testing.batches import ExtendInput, build_forward_batch
 
 
 @pytest.fixture
@@ -38,8 +39,8 @@ def test_build_forward_batch_lays_out_tokens_and_points_rows_at_new_slots(
 ):
     runner = runner_factory(llama_dir)
     rows = runner.req_to_token_pool.alloc(2)
-    fb = runner.build_forward_batch(
-        [ExtendInput(rows[0], 0, [5, 6, 7]), ExtendInput(rows[1], 4, [9])]
+    fb = build_forward_batch(
+        runner, [ExtendInput(rows[0], 0, [5, 6, 7]), ExtendInput(rows[1], 4, [9])]
     )
     assert fb.forward_mode is ForwardMode.EXTEND
     assert fb.input_ids.tolist() == [5, 6, 7, 9]
@@ -49,7 +50,7 @@ def test_build_forward_batch_lays_out_tokens_and_points_rows_at_new_slots(
     assert table[rows[0], :3].tolist() == fb.out_cache_loc[:3].tolist()
     assert table[rows[1], 4].item() == fb.out_cache_loc[3].item()
     assert (
-        runner.build_forward_batch([ExtendInput(rows[1], 5, [3])]).forward_mode
+        build_forward_batch(runner, [ExtendInput(rows[1], 5, [3])]).forward_mode
         is ForwardMode.DECODE
     )
 
@@ -58,7 +59,7 @@ def test_build_forward_batch_fails_clearly_when_the_pool_is_full(llama_dir, runn
     runner = runner_factory(llama_dir, max_total_tokens=8)
     row = runner.req_to_token_pool.alloc(1)[0]
     with pytest.raises(RuntimeError, match="8 free slots, the batch needs 9"):
-        runner.build_forward_batch([ExtendInput(row, 0, list(range(9)))])
+        build_forward_batch(runner, [ExtendInput(row, 0, list(range(9)))])
 
 
 def test_kv_pool_is_sized_from_max_total_tokens_or_the_cpu_budget(llama_dir, runner_factory):
@@ -82,7 +83,7 @@ def test_bfloat16_runner_returns_float32_logits_close_to_float64(
     for dtype in ("bfloat16", "float64"):
         runner = runner_factory(llama_dir, dtype=dtype)
         row = runner.req_to_token_pool.alloc(1)[0]
-        logits[dtype] = runner.forward(runner.build_forward_batch([ExtendInput(row, 0, prompt)]))
+        logits[dtype] = runner.forward(build_forward_batch(runner, [ExtendInput(row, 0, prompt)]))
     assert logits["bfloat16"].dtype == torch.float32
     assert (logits["bfloat16"].double() - logits["float64"]).abs().max() < 0.15 * logits[
         "float64"

@@ -10,11 +10,12 @@ import torch
 
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.sampling.sampling_params import SamplingParams
+from testing.batches import sampling_batch_info
 
 
 @dataclass
 class FakeReq:
-    """The three fields `SamplingBatchInfo.from_reqs` reads from the scheduler's `Req`."""
+    """The three fields `sampling_batch_info` reads from the scheduler's `Req`."""
 
     sampling_params: SamplingParams
     origin_input_ids: list[int] = field(default_factory=list)
@@ -39,7 +40,7 @@ def make_info() -> Callable[..., SamplingBatchInfo]:
             FakeReq(p, list(prompts[i]) if prompts else [], list(outputs[i]) if outputs else [])
             for i, p in enumerate(params)
         ]
-        return SamplingBatchInfo.from_reqs(reqs, vocab_size, eos_token_ids)
+        return sampling_batch_info(reqs, vocab_size, eos_token_ids)
 
     return make
 

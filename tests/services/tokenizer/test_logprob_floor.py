@@ -13,19 +13,13 @@ import pytest
 from pydantic import ValidationError
 
 from services.io_struct import FinishReason
+from services.tokenizer.choice_output import LOGPROB_FLOOR, ChoiceOutput, TokenLogprob
 from services.tokenizer.protocol import CompletionLogprobs, TopLogprob, VllmLogprob
-from services.tokenizer.responses import (
-    LOGPROB_FLOOR,
-    ChatCompletionStream,
-    ChoiceOutput,
-    CompletionStream,
-    ResponseHeader,
-    TokenLogprob,
-    chat_completion_response,
-    completion_response,
-    generate_response,
-    sse_event,
-)
+from services.tokenizer.serving_chat import ChatCompletionStream, chat_completion_response
+from services.tokenizer.serving_completions import CompletionStream, completion_response
+from services.tokenizer.serving_generate import generate_response
+from services.tokenizer.serving_openai import ResponseHeader
+from services.tokenizer.sse import DeltaEvents, frame, sse_event
 from tests.services.conftest import strict_json
 
 FLOAT32_MIN = -3.4028234663852886e38
@@ -78,9 +72,11 @@ def test_whole_answers_show_unshowable_logprobs_at_the_floor() -> None:
 @pytest.mark.parametrize("stream_type", [ChatCompletionStream, CompletionStream])
 def test_stream_events_show_unshowable_logprobs_at_the_floor(stream_type: type) -> None:
     stream = stream_type(HEADER)
-    events = stream.delta(0, "w1", CHOICE.logprobs[:1]) + stream.finish(
+    chunks = stream.delta(0, "w1", CHOICE.logprobs[:1]) + stream.finish(
         0, CHOICE, "w2", CHOICE.logprobs[1:]
     )
+    deltas = DeltaEvents(stream.text_chunk)
+    events = [frame([chunk], deltas) for chunk in chunks]
     for event in events:
         strict_json(event.removeprefix("data: "))
     assert_floored("[" + ",".join(e.removeprefix("data: ") for e in events) + "]")

@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from engine.model import cpu_kernels, layers
 from engine.model.layers.radix_attention import RadixAttention
 from engine.model.models.llama import LlamaDecoderLayer
-from engine.model.runner import ExtendInput, ModelRunner
+from engine.model.runner import ModelRunner
+from testing.batches import ExtendInput, build_forward_batch
 
 MAX_OPS_PER_LAYER = 22
 """Ops one decoder layer dispatches outside attention on CPU in bf16: 57 before the fusions
@@ -25,10 +26,10 @@ MAX_OPS_PER_LAYER = 22
 def prefill_then_decode(runner: ModelRunner, prompts: list[list[int]]) -> list[torch.Tensor]:
     rows = runner.req_to_token_pool.alloc(len(prompts))
     prefill = runner.forward(
-        runner.build_forward_batch([ExtendInput(r, 0, p) for r, p in zip(rows, prompts)])
+        build_forward_batch(runner, [ExtendInput(r, 0, p) for r, p in zip(rows, prompts)])
     )
     decode = runner.forward(
-        runner.build_forward_batch([ExtendInput(r, len(p), [5]) for r, p in zip(rows, prompts)])
+        build_forward_batch(runner, [ExtendInput(r, len(p), [5]) for r, p in zip(rows, prompts)])
     )
     return [prefill, decode]
 
@@ -133,9 +134,9 @@ def test_the_modules_run_what_the_one_op_layer_does_not_cover(
     calls.clear()
     rows = runner.req_to_token_pool.alloc(2)
     first, second = prompts_factory([3, 4])
-    runner.forward(runner.build_forward_batch([ExtendInput(rows[0], 0, first)]))
+    runner.forward(build_forward_batch(runner, [ExtendInput(rows[0], 0, first)]))
     mixed = [ExtendInput(rows[0], len(first), [5]), ExtendInput(rows[1], 0, second)]
-    runner.forward(runner.build_forward_batch(mixed))
+    runner.forward(build_forward_batch(runner, mixed))
     assert calls == []
     layer = runner.model.model.layers[0]
     monkeypatch.setattr(layer.mlp.down_proj, "lora", lambda x, y: y)

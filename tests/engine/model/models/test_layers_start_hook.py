@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.runner import ExtendInput
+from testing.batches import ExtendInput, build_forward_batch
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: the one-op decode layer
@@ -27,7 +27,7 @@ def test_the_hook_runs_once_between_the_embedding_and_the_first_layer(
         [ExtendInput(r, 0, p) for r, p in zip(rows, prompts)],
         [ExtendInput(r, len(p), [8]) for r, p in zip(rows, prompts)],
     ):
-        forward_batch = runner.build_forward_batch(batch)
+        forward_batch = build_forward_batch(runner, batch)
         forward_batch.on_layers_start = lambda: events.append("layers start")
         logits = runner.forward(forward_batch)
         assert torch.isfinite(logits).all()

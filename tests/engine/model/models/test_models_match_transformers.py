@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.model.forward_batch import ForwardMode
-from engine.model.runner import ExtendInput
+from testing.batches import ExtendInput, build_forward_batch
 
 ATOL = 1e-6
 
@@ -21,7 +21,7 @@ def test_prefill_of_a_ragged_batch_matches_transformers(tiny, hf_logits, prompts
     prompts = prompts_factory([1, 5, 17, 40, 2])
     rows = runner.req_to_token_pool.alloc(len(prompts))
     logits = runner.forward(
-        runner.build_forward_batch([ExtendInput(r, 0, p) for r, p in zip(rows, prompts)])
+        build_forward_batch(runner, [ExtendInput(r, 0, p) for r, p in zip(rows, prompts)])
     )
     assert logits.shape == (len(prompts), hf_model.config.vocab_size)
     for i, prompt in enumerate(prompts):
@@ -43,13 +43,13 @@ def test_prefill_split_in_two_reads_the_prefix_from_the_pool(tiny, hf_logits, pr
     splits = [31, 1, 8]
     rows = runner.req_to_token_pool.alloc(len(prompts))
     runner.forward(
-        runner.build_forward_batch(
-            [ExtendInput(r, 0, p[:s]) for r, p, s in zip(rows, prompts, splits)]
+        build_forward_batch(
+            runner, [ExtendInput(r, 0, p[:s]) for r, p, s in zip(rows, prompts, splits)]
         )
     )
     logits = runner.forward(
-        runner.build_forward_batch(
-            [ExtendInput(r, s, p[s:]) for r, p, s in zip(rows, prompts, splits)]
+        build_forward_batch(
+            runner, [ExtendInput(r, s, p[s:]) for r, p, s in zip(rows, prompts, splits)]
         )
     )
     for i, prompt in enumerate(prompts):
@@ -62,7 +62,7 @@ def test_mixed_batch_of_extends_and_decodes_matches_transformers(tiny, hf_logits
     rows = runner.req_to_token_pool.alloc(len(prompts))
     # Requests 2 and 3 are already decoding; 0 and 1 start (or continue) their prefill.
     runner.forward(
-        runner.build_forward_batch([ExtendInput(rows[i], 0, prompts[i][:-1]) for i in (1, 2, 3)])
+        build_forward_batch(runner, [ExtendInput(rows[i], 0, prompts[i][:-1]) for i in (1, 2, 3)])
     )
     batch = [
         ExtendInput(rows[0], 0, prompts[0]),
@@ -70,6 +70,6 @@ def test_mixed_batch_of_extends_and_decodes_matches_transformers(tiny, hf_logits
         ExtendInput(rows[2], len(prompts[2]) - 1, prompts[2][-1:]),
         ExtendInput(rows[3], len(prompts[3]) - 1, prompts[3][-1:]),
     ]
-    logits = runner.forward(runner.build_forward_batch(batch, ForwardMode.MIXED))
+    logits = runner.forward(build_forward_batch(runner, batch, ForwardMode.MIXED))
     for i, prompt in enumerate(prompts):
         assert_logits_match(logits[i], hf_logits(hf_model, prompt))

@@ -13,18 +13,16 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.sampling.sampling_params import SamplingParams
 from services.settings import Settings
-from services.tokenizer.adapters import (
-    RequestError,
+from services.tokenizer.chat_template import render_chat
+from services.tokenizer.errors import RequestError, error_body, validation_error_body
+from services.tokenizer.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.tokenizer.request_mapper import (
     check_chat_request,
     check_completion_request,
     check_model,
-    error_body,
     to_sampling_params,
     tokenize_prompts,
-    validation_error_body,
 )
-from services.tokenizer.chat_template import render_chat
-from services.tokenizer.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 
 MODEL = "smollm2"
 CONTEXT_LEN = 64

@@ -13,15 +13,16 @@ from openai.lib.streaming.responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from services.tokenizer.adapters import RequestError, validation_error_body
-from services.tokenizer.protocol import ChatCompletionRequest
-from services.tokenizer.responses_api import (
+from services.tokenizer.errors import RequestError, validation_error_body
+from services.tokenizer.protocol import ChatCompletionChunk, ChatCompletionRequest
+from services.tokenizer.serving_responses import (
     ResponsesRequest,
     ResponsesStream,
     responses_error,
     to_chat_request,
     to_response,
 )
+from services.tokenizer.sse import frame
 
 MODEL = "smollm2"
 RESPONSE_ID, CREATED = "resp_abc", 1_700_000_000
@@ -427,11 +428,11 @@ def chunks(
 def stream(req: ResponsesRequest, chat_chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The events of a whole stream, each checked against its SSE framing."""
     responses = ResponsesStream(req, RESPONSE_ID, CREATED, MODEL)
-    sse = responses.start()
+    events = responses.start()
     for c in chat_chunks:
-        sse += responses.feed(c)
-    sse += responses.finish()
-    return [parse(event) for event in sse]
+        events += responses.feed(ChatCompletionChunk.model_validate(c))
+    events += responses.finish()
+    return [parse(frame([event])) for event in events]
 
 
 def parse(event: str) -> dict[str, Any]:
@@ -552,8 +553,10 @@ def test_a_stream_cut_by_length_ends_incomplete():
 
 def test_a_stream_error_is_an_error_event_in_sequence():
     responses = ResponsesStream(request(stream=True), RESPONSE_ID, CREATED, MODEL)
-    events = [parse(e) for e in responses.start()]
-    events += [parse(e) for e in responses.error(RequestError("aborted", code="request_aborted"))]
+    events = [parse(frame([e])) for e in responses.start()]
+    events += [
+        parse(frame([e])) for e in responses.error(RequestError("aborted", code="request_aborted"))
+    ]
     check_events(events)
     assert events[-1] == {
         "type": "error",
@@ -570,7 +573,7 @@ def test_interleaved_tool_calls_are_refused_rather_than_misnumbered():
         chunks([], [(f"c{i}", "f", ["{}"])], "tool_calls")[1] for i in range(3)
     ]
     second["choices"][0]["delta"]["tool_calls"][0]["index"] = 1
-    responses.feed(first)
-    responses.feed(second)
+    responses.feed(ChatCompletionChunk.model_validate(first))
+    responses.feed(ChatCompletionChunk.model_validate(second))
     with pytest.raises(ValueError, match="went back"):
-        responses.feed(back)
+        responses.feed(ChatCompletionChunk.model_validate(back))

@@ -1,6 +1,6 @@
 """The request flow chat, completions and `/generate` share, in process: the app with a
-scripted stand-in for the TokenizerManager (no sockets, no worker), so each endpoint's
-adapter is checked against the same outputs."""
+scripted stand-in for the TokenizerManager (no sockets, no worker), so each `Endpoint` is
+checked against the same outputs."""
 
 from __future__ import annotations
 
@@ -152,3 +152,32 @@ def test_max_sequences_per_request_bounds_prompts_times_n(make_app: Any):
     status, text = app.post("/v1/completions", {"prompt": [[1]] * 3, "n": 2})
     assert status == 400 and json.loads(text)["error"]["param"] == "n"
     assert app.post("/v1/completions", {"prompt": [[1]] * 2, "n": 2})[0] == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": [1], "stream_options": {"include_usage": True}}),
+        ("/generate", {"input_ids": [1]}),
+    ],
+)
+def test_openai_and_native_streams_end_with_done_after_their_last_chunk(
+    make_app: Any, tokenizer: Any, path: str, body: dict[str, Any]
+):
+    status, text = make_app(Settings(model="m"), tokenizer).post(path, {**body, "stream": True})
+    assert status == 200
+    *chunks, last, done = events(text)
+    assert done == "[DONE]" and "[DONE]" not in chunks and isinstance(last, dict)
+    if "stream_options" in body:
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 2
+
+
+def test_a_responses_stream_ends_with_its_last_event_and_no_done(make_app: Any, tokenizer: Any):
+    app = make_app(Settings(model="m"), tokenizer)
+    status, text = app.post("/v1/responses", {"input": "hi", "stream": True})
+    assert status == 200
+    names = [c.split("\n", 1)[0] for c in text.split("\n\n") if c]
+    assert names[0] == "event: response.created"
+    assert names[-1] == "event: response.incomplete"  # the scripted worker stops at length
+    assert "[DONE]" not in text

@@ -1,5 +1,5 @@
-"""Requests in: API requests to token ids and `SamplingParams`, and every failure on the way
-to an OpenAI-style error body.
+"""Requests in: an API request's prompts to token ids and its fields to the engine's
+`SamplingParams`, each bad input refused as a `RequestError` naming the field.
 
 Nothing here touches a socket or a process, so each bad input the server must answer with
 a 4xx is decided, and tested, here.
@@ -9,38 +9,29 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Protocol
-
-from pydantic import ValidationError
 
 from engine.grammar.limits import GrammarError
 from engine.grammar.validate import validate_grammar
 from engine.sampling.sampling_params import GRAMMAR_KINDS, SamplingParams
+from engine.sched.request_limits import logprob_start_error, prompt_length_error
+from services.tokenizer.errors import RequestError
 from services.tokenizer.parsers import named_tool_schema, required_tools_schema, tool_specs
 from services.tokenizer.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorInfo,
-    ErrorResponse,
     GenerateRequest,
     NamedToolChoice,
 )
 
 if TYPE_CHECKING:
-    from fastapi.exceptions import RequestValidationError
     from transformers import PreTrainedTokenizerBase
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams))
 _INT64 = (-(2**63), 2**63 - 1)
 """msgpack carries 64-bit integers: a larger one could not reach the worker."""
-_VALIDATION_CODES = {
-    "missing": "missing_required_parameter",
-    "json_invalid": "invalid_json",
-    "unsupported": "unsupported_parameter",
-}
-"""OpenAI-style codes for the pydantic error types that have one of their own."""
 COMPLETIONS_MAX_LOGPROBS = 5
 """OpenAI's limit on the legacy completions' `logprobs` (chat's `top_logprobs` goes to 20)."""
 
@@ -57,68 +48,20 @@ class RequestLimits(Protocol):
     max_top_logprobs: int
 
 
-class RequestError(Exception):
-    """A failure the client should see: what OpenAI's error body needs, never a traceback."""
-
-    def __init__(
-        self,
-        message: str,
-        param: str | None = None,
-        code: str | None = "invalid_value",
-        status: int = 400,
-    ):
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-        self.status = status
-
-
-def error_body(err: RequestError) -> dict[str, Any]:
-    """`{"error": {"message", "type", "param", "code"}}`; `type` follows OpenAI's split
-    between the client's fault and the server's."""
-    kind = "invalid_request_error" if err.status < 500 else "server_error"
-    return ErrorResponse(
-        error=ErrorInfo(message=err.message, type=kind, param=err.param, code=err.code)
-    ).model_dump()
-
-
-def validation_error_body(exc: ValidationError | RequestValidationError) -> dict[str, Any]:
-    """The first validation error as a 400 body naming the field (`messages[0].role`).
-
-    FastAPI's errors are located under `body`; malformed JSON is located at a character
-    offset, which names no field.
-    """
-    error = exc.errors()[0]
-    loc = tuple(error["loc"])
-    if loc[:1] == ("body",):
-        loc = loc[1:]
-    param = _dotted(loc) if loc and isinstance(loc[0], str) else None
-    cause = (error.get("ctx") or {}).get("error")
-    reason = str(cause) if error["type"] == "value_error" and cause is not None else error["msg"]
-    code = _VALIDATION_CODES.get(error["type"]) or (
-        "invalid_type" if error["type"].endswith("_type") else "invalid_value"
-    )
-    return error_body(
-        RequestError(f"{param}: {reason}" if param else reason, param=param, code=code)
-    )
-
-
-def _dotted(loc: Sequence[str | int]) -> str:
-    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
-
-
 def check_model(
-    requested: str | None, served_model: str, adapters: Collection[str] = (), param: str = "model"
+    requested: str | None,
+    served_model: str,
+    lora_adapters: Collection[str] = (),
+    param: str = "model",
 ) -> str | None:
     """The LoRA adapter `requested` names (None: the base model, also when `model` is
     omitted). A request for another model is an error rather than silently served by this
     one."""
     if requested is None or requested == served_model:
         return None
-    if requested in adapters:
+    if requested in lora_adapters:
         return requested
-    served = ", ".join(repr(m) for m in (served_model, *adapters))
+    served = ", ".join(repr(m) for m in (served_model, *lora_adapters))
     raise RequestError(
         f"the model {requested!r} does not exist; this server serves {served}",
         param=param,
@@ -235,12 +178,9 @@ def to_sampling_params(
         _check_int64(params)
     except ValueError as exc:
         raise _renamed(str(exc), names, prefix) from None
-    if params.logprob_start_len >= prompt_len:
-        param = names.get("logprob_start_len", prefix + "logprob_start_len")
-        raise RequestError(
-            f"{param} is {params.logprob_start_len}, but the prompt has {prompt_len} tokens",
-            param=param,
-        )
+    param = names.get("logprob_start_len", prefix + "logprob_start_len")
+    if (error := logprob_start_error(params.logprob_start_len, prompt_len, param)) is not None:
+        raise RequestError(error, param=param)
     if params.grammar is not None:
         kind, source = params.grammar
         try:
@@ -450,14 +390,9 @@ def _max_new_tokens(
     max_tokens_cap: int,
     context_len: int,
 ) -> object:
+    if (error := prompt_length_error(prompt_len, context_len)) is not None:
+        raise RequestError(error, param=prompt_param, code="context_length_exceeded")
     room = context_len - prompt_len
-    if room <= 0:
-        raise RequestError(
-            f"the prompt is {prompt_len} tokens, but this model's context is {context_len} tokens: "
-            "no room is left to generate",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
     if requested is None:
         return min(default, room, max_tokens_cap)
     if not isinstance(requested, int) or isinstance(requested, bool):

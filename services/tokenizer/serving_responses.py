@@ -1,6 +1,6 @@
 """`/v1/responses`, OpenAI's Responses API, as a translation over chat completions: the
 request becomes a chat body, the chat answer becomes a Response and the chat stream's
-chunks become Responses events. Pure and synchronous: the route runs the chat flow.
+typed chunks become Responses events (`ResponsesEndpoint`, served by the chat flow).
 
 The server is stateless: nothing is stored, so `previous_response_id` and `conversation`
 are refused and a client sends the whole conversation in `input` every time. Fields follow
@@ -12,6 +12,7 @@ ignored. Every refusal is a `RequestError` naming the field (`tools[1].type`).
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -27,8 +28,19 @@ from pydantic import (
     model_validator,
 )
 
-from services.tokenizer.adapters import RequestError
-from services.tokenizer.protocol import FUNCTION_NAME
+from services.tokenizer.chat_output import ChatParsers
+from services.tokenizer.choice_output import ChoiceOutput
+from services.tokenizer.errors import RequestError
+from services.tokenizer.manager import ReqOutput
+from services.tokenizer.protocol import (
+    FUNCTION_NAME,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ToolCallDelta,
+)
+from services.tokenizer.serving_base import ChoiceAccumulator
+from services.tokenizer.serving_chat import ChatEndpoint
+from services.tokenizer.sse import Chunk, NamedEvent, TextDelta
 
 # ----------------------------------------------------------------------------- request
 
@@ -647,8 +659,8 @@ def _response(
 
 
 class ResponsesStream:
-    """The Responses events of one streamed request, from the chat.completion.chunk dicts
-    of `to_chat_request(req)`'s stream, as OpenAI orders them: the response created and in
+    """The Responses events of one streamed request, from the typed chunks of
+    `to_chat_request(req)`'s chat stream, as OpenAI orders them: the response created and in
     progress; each output item added, its deltas and done before the next is added; then
     the response completed (or incomplete) with the usage of the final chunk.
 
@@ -672,37 +684,39 @@ class ResponsesStream:
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
 
-    def start(self) -> list[str]:
+    def start(self) -> list[NamedEvent]:
         response = self._response("in_progress")
         return [
             self._event("response.created", response=response),
             self._event("response.in_progress", response=response),
         ]
 
-    def feed(self, chunk: dict[str, Any]) -> list[str]:
-        """Events for one chat chunk (none for the role-only first one and the usage one)."""
-        if chunk.get("usage"):
-            self.usage = _usage(chunk["usage"])
-        events: list[str] = []
-        for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
+    def feed(self, chunk: ChatCompletionChunk | TextDelta) -> list[NamedEvent]:
+        """Events for one chat chunk (none for the role-only first one and the usage one);
+        a `TextDelta` is plain content."""
+        if isinstance(chunk, TextDelta):
+            return self._text(MESSAGE, chunk.text)
+        if chunk.usage is not None:
+            self.usage = _usage(chunk.usage.model_dump())
+        events: list[NamedEvent] = []
+        for choice in chunk.choices:
             for kind in (REASONING, MESSAGE):
-                if delta.get(kind.chat_field):
-                    events += self._text(kind, delta[kind.chat_field])
-            for call in delta.get("tool_calls") or []:
+                if text := getattr(choice.delta, kind.chat_field):
+                    events += self._text(kind, text)
+            for call in choice.delta.tool_calls or ():
                 events += self._call(call)
-            if choice.get("finish_reason") is not None:
-                self.finish_reason = choice["finish_reason"]
+            if choice.finish_reason is not None:
+                self.finish_reason = choice.finish_reason
         return events
 
-    def finish(self) -> list[str]:
+    def finish(self) -> list[NamedEvent]:
         """The closing events, once the chat stream has ended (its usage chunk fed)."""
         status = _status(self.finish_reason)
         events = self._close(status)
         kind = "response.incomplete" if status == "incomplete" else "response.completed"
         return [*events, self._event(kind, response=self._response(status))]
 
-    def error(self, err: RequestError) -> list[str]:
+    def error(self, err: RequestError) -> list[NamedEvent]:
         """A stream cannot change its HTTP status once started: the error is an event."""
         return [self._event("error", code=err.code, message=err.message, param=err.param)]
 
@@ -710,8 +724,8 @@ class ResponsesStream:
         item = self.output[-1] if self.output else None
         return item if item is not None and item["status"] == "in_progress" else None
 
-    def _text(self, kind: TextKind, text: str) -> list[str]:
-        events: list[str] = []
+    def _text(self, kind: TextKind, text: str) -> list[NamedEvent]:
+        events: list[NamedEvent] = []
         item = self._open_item()
         if item is None or item["type"] != kind.item_type:
             events += self._close("completed")
@@ -719,7 +733,7 @@ class ResponsesStream:
             events.append(self._add(item))
             part = kind.part("")
             item["content"].append(part)
-            events.append(self._event("response.content_part.added", **self._at(), part=part))
+            events.append(self._event("response.content_part.added", **self._at(), part=dict(part)))
         item["content"][0]["text"] += text
         events.append(
             self._event(
@@ -728,37 +742,42 @@ class ResponsesStream:
         )
         return events
 
-    def _call(self, call: dict[str, Any]) -> list[str]:
-        index, function = call["index"], call.get("function") or {}
-        events: list[str] = []
+    def _call(self, call: ToolCallDelta) -> list[NamedEvent]:
+        index, function = call.index, call.function
+        events: list[NamedEvent] = []
         item = self._open_item()
         if item is None or item["type"] != "function_call" or self.open_call != index:
             if index in self.calls_seen:
                 raise ValueError(f"the chat stream went back to tool call {index}")
+            if call.id is None or function.name is None:
+                raise ValueError(f"the chat stream's tool call {index} opens with no id or name")
             events += self._close("completed")
             item_id = self._next_id("fc")
-            item = _function_call_item(item_id, call["id"], function["name"], "", "in_progress")
+            item = _function_call_item(item_id, call.id, function.name, "", "in_progress")
             events.append(self._add(item))
             self.open_call = index
             self.calls_seen.add(index)
-        if function.get("arguments"):
-            item["arguments"] += function["arguments"]
+        if function.arguments:
+            item["arguments"] += function.arguments
             events.append(
                 self._event(
                     "response.function_call_arguments.delta",
                     **self._at(content=False),
-                    delta=function["arguments"],
+                    delta=function.arguments,
                 )
             )
         return events
 
-    def _add(self, item: dict[str, Any]) -> str:
+    def _add(self, item: dict[str, Any]) -> NamedEvent:
+        """The event shows `item` as it is now: the stream goes on filling it."""
         self.output.append(item)
         return self._event(
-            "response.output_item.added", output_index=len(self.output) - 1, item=item
+            "response.output_item.added",
+            output_index=len(self.output) - 1,
+            item=copy.deepcopy(item),
         )
 
-    def _close(self, status: Status) -> list[str]:
+    def _close(self, status: Status) -> list[NamedEvent]:
         """The done events of the open item, if any, which ends with `status`."""
         item = self._open_item()
         if item is None:
@@ -815,11 +834,53 @@ class ResponsesStream:
             usage=usage,
         )
 
-    def _event(self, kind: str, **fields: Any) -> str:
-        """One SSE event, named as OpenAI names it on both its lines; the payload is
-        serialised now, so later changes to the items it holds do not reach it. NaN and
-        infinities are refused: they are not JSON."""
+    def _event(self, kind: str, **fields: Any) -> NamedEvent:
+        """One event, named as OpenAI names it; nothing it holds changes afterwards (an
+        item or part still being filled is given as a copy)."""
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        data = json.dumps(payload, ensure_ascii=False, allow_nan=False)
-        return f"event: {kind}\ndata: {data}\n\n"
+        return NamedEvent(kind, payload)
+
+
+# ---------------------------------------------------------------------------- the endpoint
+
+
+class ResponsesEndpoint(ChatEndpoint):
+    """The request translated into a chat completion (`to_chat_request`), served as one,
+    and its answer or chunks translated back into a Response and its events. Stateless:
+    nothing is stored. Its stream ends with its last event, not `[DONE]`."""
+
+    id_prefix = "resp"
+    prompt_param = "input"
+    ends_with_done = False
+
+    def __init__(self, request: ResponsesRequest, model: str, parsers: ChatParsers):
+        body = ChatCompletionRequest.model_validate(to_chat_request(request))
+        super().__init__(body, model, parsers)
+        self.request = request
+        self.responses = ResponsesStream(request, self.id, self.header.created, model)
+        self.started = False
+
+    def events(
+        self, out: ReqOutput, choice: ChoiceOutput | None, acc: ChoiceAccumulator
+    ) -> list[Chunk]:
+        opening = [] if self.started else self.responses.start()
+        self.started = True
+        return [*opening, *self._translated(super().events(out, choice, acc))]
+
+    def end(self) -> list[Chunk]:
+        return [*self._translated(super().end()), *self.responses.finish()]
+
+    def error(self, err: RequestError) -> list[Chunk]:
+        return [*self.responses.error(responses_error(err))]
+
+    def answer(self, choices: list[ChoiceOutput]) -> Any:
+        chat = super().answer(choices)
+        return to_response(self.request, chat, self.id, self.header.created)
+
+    def _translated(self, chunks: list[Chunk]) -> list[NamedEvent]:
+        events: list[NamedEvent] = []
+        for chunk in chunks:
+            assert isinstance(chunk, ChatCompletionChunk | TextDelta), "a chat stream's chunk"
+            events += self.responses.feed(chunk)
+        return events

@@ -1,5 +1,5 @@
-"""Results out: usage counting, response objects, the SSE chunk sequence and the native
-/generate answer."""
+"""Results out: usage counting, response objects, the chunk sequence of a stream as SSE
+events, and the native /generate answer. (`[DONE]` is the edge's: test_serving_base.)"""
 
 from __future__ import annotations
 
@@ -10,22 +10,15 @@ import pytest
 from engine.outputs import GenerateMeta, GenerateResult
 from engine.sched.req import FinishReason as EngineFinishReason
 from services.io_struct import FinishReason
-from services.tokenizer.adapters import RequestError
+from services.tokenizer.choice_output import ChoiceOutput, TokenLogprob
+from services.tokenizer.errors import RequestError
 from services.tokenizer.protocol import ChatCompletionChunk, CompletionChunk
-from services.tokenizer.responses import (
-    SSE_DONE,
-    ChatCompletionStream,
-    ChoiceOutput,
-    CompletionStream,
-    ResponseHeader,
-    TokenLogprob,
-    chat_completion_response,
-    completion_response,
-    generate_response,
-    model_list,
-    sse_event,
-    usage_info,
-)
+from services.tokenizer.routes import model_list
+from services.tokenizer.serving_chat import ChatCompletionStream, chat_completion_response
+from services.tokenizer.serving_completions import CompletionStream, completion_response
+from services.tokenizer.serving_generate import generate_response
+from services.tokenizer.serving_openai import ChunkStream, ResponseHeader, usage_info
+from services.tokenizer.sse import SSE_DONE, Chunk, DeltaEvents, frame, sse_event
 
 HEADER = ResponseHeader(id="chatcmpl-1", model="smollm2", created=1_700_000_000)
 STOP, LENGTH = FinishReason("stop", matched=2), FinishReason("length")
@@ -42,13 +35,33 @@ def choice(
     return ChoiceOutput(text, list(range(completion)), reason, prompt, completion, cached, logprobs)
 
 
-def parse(events: list[str]) -> list[dict | str]:
-    """SSE events back into JSON objects, with "[DONE]" kept as a string."""
+def framed(stream: ChunkStream, chunks: list[Chunk]) -> list[str]:
+    """Each chunk as the edge frames it, one event each."""
+    deltas = DeltaEvents(stream.text_chunk)
+    return [frame([chunk], deltas) for chunk in chunks]
+
+
+def from_engine_result(result: GenerateResult) -> ChoiceOutput:
+    """A finished result of the offline Engine as the tokenizer service's choice."""
+    meta, reason = result.meta, result.meta.finish_reason
+    if reason is None:
+        raise ValueError("an unfinished engine result has no choice")
+    return ChoiceOutput(
+        text=result.text,
+        output_ids=list(result.output_ids),
+        finish_reason=FinishReason(reason.type, reason.matched, reason.message, reason.status_code),
+        prompt_tokens=meta.prompt_tokens,
+        completion_tokens=meta.completion_tokens,
+        cached_tokens=meta.cached_tokens,
+    )
+
+
+def parse(events: list[str]) -> list[dict]:
+    """SSE events back into JSON objects."""
     out = []
     for event in events:
         assert event.startswith("data: ") and event.endswith("\n\n")
-        data = event[len("data: ") : -2]
-        out.append(data if data == "[DONE]" else json.loads(data))
+        out.append(json.loads(event[len("data: ") : -2]))
     return out
 
 
@@ -137,9 +150,7 @@ def test_chat_stream_opens_with_the_role_then_deltas_then_finish_then_usage_then
     events = [*stream.delta(0, "Hel"), *stream.delta(0, ""), *stream.delta(0, "lo")]
     events += stream.finish(0, choice("Hello", STOP, prompt=9, completion=3, cached=8), text="!")
     events += stream.end()
-    chunks = parse(events)
-    assert chunks[-1] == "[DONE]"
-    chunks = chunks[:-1]
+    chunks = parse(framed(stream, events))
     for chunk in chunks:
         ChatCompletionChunk.model_validate(chunk)
         assert chunk["object"] == "chat.completion.chunk" and chunk["id"] == HEADER.id
@@ -172,11 +183,11 @@ def test_chat_stream_with_n_2_opens_each_choice_once():
     events += stream.finish(0, choice("a", completion=1)) + stream.finish(
         1, choice("bb", LENGTH, completion=2)
     )
-    chunks = parse(events + stream.end())
-    roles = [c["choices"][0]["index"] for c in chunks[:-2] if c["choices"][0]["delta"].get("role")]
+    chunks = parse(framed(stream, events + stream.end()))
+    roles = [c["choices"][0]["index"] for c in chunks[:-1] if c["choices"][0]["delta"].get("role")]
     assert roles == [1, 0]
     assert (
-        chunks[-2]["usage"]["completion_tokens"] == 3 and chunks[-2]["usage"]["prompt_tokens"] == 10
+        chunks[-1]["usage"]["completion_tokens"] == 3 and chunks[-1]["usage"]["prompt_tokens"] == 10
     )
 
 
@@ -184,24 +195,23 @@ def test_completion_stream_has_no_role_chunk_and_continues_logprob_offsets():
     stream = CompletionStream(HEADER, n=1, include_usage=False)
     events = stream.delta(0, "ab", [TokenLogprob(1, "ab", -1.0)])
     events += stream.finish(0, choice("abc"), text="c", logprobs=[TokenLogprob(2, "c", -2.0)])
-    chunks = parse(events + stream.end())
-    for chunk in chunks[:-1]:
+    chunks = parse(framed(stream, events + stream.end()))
+    for chunk in chunks:
         CompletionChunk.model_validate(chunk)
         assert chunk["object"] == "text_completion"
-    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks[:-1]] == [
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
         ("ab", None),
         ("c", None),
         ("", "stop"),
     ]
     assert chunks[1]["choices"][0]["logprobs"]["text_offset"] == [2]
-    assert chunks[-1] == "[DONE]"
 
 
-def test_a_stream_that_fails_ends_with_an_error_event_and_done():
+def test_a_stream_that_fails_ends_with_an_error_event():
     stream = ChatCompletionStream(HEADER)
     with pytest.raises(RequestError) as raised:
         stream.finish(0, choice(reason=FinishReason("abort", message="worker died")))
-    chunks = parse(stream.error(raised.value))
+    chunks = parse(framed(stream, stream.error(raised.value)))
     assert chunks == [
         {
             "error": {
@@ -211,7 +221,6 @@ def test_a_stream_that_fails_ends_with_an_error_event_and_done():
                 "code": "request_aborted",
             }
         },
-        "[DONE]",
     ]
 
 
@@ -235,7 +244,7 @@ def test_generate_response_is_sglangs_native_shape():
             finish_reason=EngineFinishReason("stop", matched=2),
         ),
     )
-    assert generate_response(ChoiceOutput.from_engine_result(result)) == {
+    assert generate_response(from_engine_result(result)) == {
         "text": "Hi!",
         "output_ids": [3, 4, 2],
         "meta_info": {

@@ -1,0 +1,57 @@
+"""The running requests' side of scheduling (mini-sglang's `DecodeManager`): the batch
+that decodes a token per request each step, room for those tokens (evict, then retract),
+and the new-token ratio that overcommit admission reserves with."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from engine.sched.cache_manager import CacheManager
+from engine.sched.new_token_ratio import NewTokenRatioTracker
+from engine.sched.retract import RetractResult, retract_decode
+from engine.sched.running_batch import RunningBatch
+from engine.sched.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeManager:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device,
+        cache_manager: CacheManager,
+        stats: SchedulerStats,
+        schedule_conservativeness: float,
+    ):
+        self.running = RunningBatch(vocab_size, device)
+        self.ratio = NewTokenRatioTracker(schedule_conservativeness)
+        self.cache_manager = cache_manager
+        self.stats = stats
+
+    def make_room(self, resolve_in_flight: Callable[[], None]) -> RetractResult | None:
+        """Free slots for one more token per running request: the cache evicts first; then
+        the in-flight batch is processed (nothing retracted may be in flight) and, if that
+        is still not enough, requests are retracted. The retraction, if one happened: the
+        caller queues its requests again."""
+        if self.cache_manager.make_room(len(self.running)):
+            self.ratio.on_decode_step()
+            return None
+        resolve_in_flight()
+        if not self.running or self.cache_manager.make_room(len(self.running)):
+            return None
+        result = retract_decode(self.running.reqs, self.cache_manager)
+        kept = {id(r) for r in result.kept}
+        self.running.keep([i for i, r in enumerate(self.running.reqs) if id(r) in kept])
+        self.stats.count_retracted(result.retracted)
+        if result.kept:
+            self.ratio.on_retract(result.kept)
+        logger.info(
+            "retracted %d request(s); new_token_ratio %.3f",
+            len(result.retracted),
+            self.ratio.new_token_ratio,
+        )
+        return result
