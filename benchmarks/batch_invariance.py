@@ -4,6 +4,10 @@ other lengths), compared bitwise; batch sizes that give the same logits form one
 A batch-invariant step has one regime.
 
     RADIXSERVE_CPU_ISA=avx2 .venv/bin/python -m benchmarks.batch_invariance
+    .venv/bin/python -m benchmarks.batch_invariance --library-gemm
+
+`--library-gemm` asks the same of the CPU's library GEMM (`torch.mm`, oneDNN or MKL) alone:
+row 0 of `x[:m] @ w.T` for m = 1 … 4096, per dtype, at the embedded model's MLP shape.
 
 Prints one JSON object; results are recorded in docs/benchmarks/determinism.md.
 """
@@ -23,13 +27,40 @@ from testing.batches import ExtendInput, build_forward_batch
 PROBE = [1, 504, 3100, 280, 9012, 42, 77, 1234, 18, 99] * 3
 
 
+def regimes(outputs: dict[int, torch.Tensor]) -> dict[int, int]:
+    """Batch size -> its regime: sizes whose outputs are equal bit for bit share one."""
+    seen: list[torch.Tensor] = []
+    regime_of: dict[int, int] = {}
+    for size, out in outputs.items():
+        same = [i for i, s in enumerate(seen) if torch.equal(s, out)]
+        if not same:
+            seen.append(out)
+        regime_of[size] = same[0] if same else len(seen) - 1
+    return regime_of
+
+
+def library_gemm_regimes() -> dict[str, dict[int, int]]:
+    torch.manual_seed(0)
+    sizes = [1, 2, 3, 4, 8, 16, 17, 32, 64, 100, 128, 256, 512, 1000, 1024, 2048, 4096]
+    report = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(1536, 576).to(dtype)
+        x = torch.randn(max(sizes), 576).to(dtype)
+        report[str(dtype)] = regimes({m: torch.mm(x[:m], w.t())[0] for m in sizes})
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--quantization", default="gguf", help="gguf (as stored) or none")
     parser.add_argument("--quantized-activations", default="int16", help="int16, int8 or float")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16, 17, 32])
+    parser.add_argument("--library-gemm", action="store_true")
     args = parser.parse_args()
+    if args.library_gemm:
+        print(json.dumps({"cpu": cpu_isa().describe(), **library_gemm_regimes()}, indent=2))
+        return
     cpu = torch.device("cpu")
     dtype = resolve_dtype(args.dtype, cpu)
     largest = max(args.batch_sizes)
@@ -59,21 +90,15 @@ def main() -> None:
         runner.token_to_kv_pool_allocator.free(forward_batch.out_cache_loc)
         return logits
 
-    regimes: list[torch.Tensor] = []
-    regime_of: dict[int, int] = {}
-    for batch_size in args.batch_sizes:
-        logits = probe_logits(batch_size)
-        same = [i for i, seen in enumerate(regimes) if torch.equal(seen, logits)]
-        if not same:
-            regimes.append(logits)
-        regime_of[batch_size] = same[0] if same else len(regimes) - 1
+    logits = {batch_size: probe_logits(batch_size) for batch_size in args.batch_sizes}
+    regime_of = regimes(logits)
     report = {
         "cpu": cpu_isa().describe(),
         "dtype": dtype,
         "weights": runner.weights_format,
         "regime_of_batch_size": regime_of,
         "max_abs_diff_from_alone": {
-            b: (regimes[r] - regimes[0]).abs().max().item() for b, r in regime_of.items()
+            b: (out - logits[args.batch_sizes[0]]).abs().max().item() for b, out in logits.items()
         },
     }
     print(json.dumps(report, indent=2))
