@@ -9,8 +9,12 @@ generator keyed by (seed, output position), so any difference between two of its
 comes from the logits, that is from what else shared its batches and whether its prompt's
 prefix came from the radix cache or was computed again.
 
-    flock /tmp/radixserve-bench.lock .venv/bin/python -m benchmarks.determinism
+    flock /tmp/radixserve-bench.lock .venv/bin/python -m benchmarks.determinism \
+        --modes default deterministic
     .venv/bin/python -m benchmarks.determinism --requests 200 --concurrency 1 8 -- --dtype bfloat16
+
+With two modes, both servers run for the whole benchmark and take each wave in turn (the
+same neighbours for both), so their throughputs are measured side by side.
 
 Flags after `--` go to the server (default: the embedded model as `radixserve serve` runs
 it). Prints one JSON object; results are recorded in docs/benchmarks/determinism.md.
@@ -25,6 +29,7 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,8 @@ PROBE = {
     "seed": 1234,
     "max_tokens": 24,
 }
+MODES = {"default": [], "deterministic": ["--enable-deterministic-inference"]}
+"""Each server's flags beside the shared ones."""
 WORDS = "river stone lamp winter letter garden engine market violin harbour candle".split()
 
 
@@ -74,45 +81,60 @@ def run_wave(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=1000, help="probes in all")
+    parser.add_argument("--requests", type=int, default=1000, help="probes in all, per server")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--seed", type=int, default=0, help="of the neighbours")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=tuple(MODES),
+        default=["default"],
+        help="servers to run side by side, each wave sent to one then the other with the "
+        "same neighbours: default, and deterministic (--enable-deterministic-inference)",
+    )
     parser.add_argument("server_flags", nargs="*", help="after --: radixserve's flags")
     args = parser.parse_args()
-    rng = random.Random(args.seed)
     per_wave = args.requests // len(args.concurrency)
-    waves = []
-    wave_texts: list[Counter[str]] = []
-    all_texts: Counter[str] = Counter()
-    with tempfile.TemporaryDirectory() as logs:
-        launcher = ServiceLauncher(Path(logs), heartbeat_interval=None, show_logs=False)
-        with launcher.serve(args.server_flags, timeout=600) as url:
-            with httpx2.Client(base_url=url, timeout=600) as client:
-                for concurrency in args.concurrency:
-                    texts, tokens, seconds = run_wave(client, per_wave, concurrency, rng)
-                    counts = Counter(texts)
-                    wave_texts.append(counts)
-                    all_texts.update(counts)
-                    waves.append(
-                        {
-                            "concurrency": concurrency,
-                            "probes": len(texts),
-                            "distinct": len(counts),
-                            "most_common_share": counts.most_common(1)[0][1] / len(texts),
-                            "output_tok_s": round(tokens / seconds, 1),
-                        }
-                    )
-                    print(json.dumps(waves[-1]), flush=True)
-    completions = [text for text, _ in all_texts.most_common()]
-    for wave, counts in zip(waves, wave_texts):  # which completions each wave gave
-        wave["counts"] = {completions.index(text): n for text, n in counts.most_common()}
-    report = {
-        "server_flags": args.server_flags,
-        "probes": sum(all_texts.values()),
-        "distinct_completions": len(all_texts),
-        "waves": waves,
-        "completions": completions,
-    }
+    report: dict[str, Any] = {"server_flags": args.server_flags, "modes": {}}
+    with tempfile.TemporaryDirectory() as logs, ExitStack() as stack:
+        clients = {}
+        for mode in args.modes:
+            launcher = ServiceLauncher(Path(logs) / mode, heartbeat_interval=None, show_logs=False)
+            url = stack.enter_context(
+                launcher.serve([*args.server_flags, *MODES[mode]], timeout=600)
+            )
+            clients[mode] = stack.enter_context(httpx2.Client(base_url=url, timeout=600))
+            info = clients[mode].get("/get_server_info").json()
+            report["modes"][mode] = {
+                "enable_deterministic_inference": info["enable_deterministic_inference"],
+                "cpu_isa": info["cpu_isa"],
+                "waves": [],
+            }
+        texts: dict[str, Counter[str]] = {mode: Counter() for mode in args.modes}
+        for concurrency in args.concurrency:
+            for mode, client in clients.items():
+                rng = random.Random(args.seed * 1000 + concurrency)  # the same jobs per mode
+                probe_texts, tokens, seconds = run_wave(client, per_wave, concurrency, rng)
+                counts = Counter(probe_texts)
+                texts[mode].update(counts)
+                wave = {
+                    "mode": mode,
+                    "concurrency": concurrency,
+                    "probes": len(probe_texts),
+                    "distinct": len(counts),
+                    "output_tok_s": round(tokens / seconds, 1),
+                    "counts": counts,
+                }
+                report["modes"][mode]["waves"].append(wave)
+                print(json.dumps({k: v for k, v in wave.items() if k != "counts"}), flush=True)
+    for mode, all_texts in texts.items():
+        completions = [text for text, _ in all_texts.most_common()]
+        summary = report["modes"][mode]
+        for wave in summary["waves"]:  # which completions each wave gave
+            wave["counts"] = {completions.index(t): n for t, n in wave["counts"].most_common()}
+        summary["probes"] = sum(all_texts.values())
+        summary["distinct_completions"] = len(all_texts)
+        summary["completions"] = completions
     print(json.dumps(report, indent=2))
 
 

@@ -109,6 +109,12 @@ class EngineArgs:
         8, "largest decode batch run compiled under --enable-torch-compile; larger run eagerly"
     )
     random_seed: int = _opt(0, "seed for the random schedule policy and unseeded sampling")
+    enable_deterministic_inference: bool = _opt(
+        False,
+        "CPU: the same request gives the same tokens whatever shares its batches and whatever "
+        "the cache holds: batch-invariant kernels (float activations), and unseeded sampled "
+        "requests drawn from --random-seed; docs/operations.md",
+    )
     grammar_backend: str = _opt(
         "xgrammar",
         "structured output backend; none refuses json_schema, regex and ebnf with a 400",
@@ -184,6 +190,11 @@ class EngineArgs:
             raise ValueError(
                 "chunked_prefill_size must be >= 0 (0: the device's default; none: off), "
                 f"got {self.chunked_prefill_size}"
+            )
+        if self.enable_deterministic_inference and self.enable_torch_compile:
+            raise ValueError(
+                "enable_deterministic_inference runs the batch-invariant kernels eagerly: "
+                "drop enable_torch_compile"
             )
         if self.enable_jump_forward and self.disable_radix_cache:
             raise ValueError(

@@ -126,6 +126,7 @@ def _build_rank(
         enable_lora=args.enable_lora,
         max_loras_per_batch=args.max_loras_per_batch,
         max_lora_rank=args.max_lora_rank,
+        enable_deterministic_inference=args.enable_deterministic_inference,
     )
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)
     scheduler = Scheduler(

@@ -127,6 +127,8 @@ class CpuInfo(NamedTuple):
     """How the weights are held: the dtype's name or the quantized format (`gguf:Q4_1`)."""
     kv_cache_dtype: str
     """What the KV cache holds (`--kv-cache-dtype`)."""
+    deterministic: str
+    """"true" under --enable-deterministic-inference (the batch-invariant kernels), else "false"."""
 
 
 class _Rolling:

@@ -74,6 +74,7 @@ class LoRALayer:
             else {"": (_whole(base.output_size), 0)}
         )
         self.num_slots, self.max_rank, self.batch = num_slots, max_rank, batch
+        self.batch_invariant = base.batch_invariant
         self.slot_width = len(self.outputs) * max_rank
         width = num_slots * self.slot_width
         # in the activations' dtype: a quantized base holds uint8 blocks
@@ -120,9 +121,11 @@ class LoRALayer:
                 batch.max_seg_len,
             )
         assert batch.token_weights is not None
-        xa = linear(x, self.lora_a, self.packed_a).view(len(x), self.num_slots, self.slot_width)
+        invariant = self.batch_invariant
+        xa = linear(x, self.lora_a, self.packed_a, batch_invariant=invariant)
+        xa = xa.view(len(x), self.num_slots, self.slot_width)
         xa = (xa * batch.token_weights.unsqueeze(-1)).view(len(x), -1)
-        return y.add_(linear(xa, self.lora_b, self.packed_b))
+        return y.add_(linear(xa, self.lora_b, self.packed_b, batch_invariant=invariant))
 
     def slot_weights(
         self, subs: dict[str, dict[str, torch.Tensor]], rank: int, key_hint: str

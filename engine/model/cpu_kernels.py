@@ -22,6 +22,10 @@ arithmetic.
 - `quant_linear` (`csrc/quant_linear.cpp`): matmuls over weights kept quantized (GGUF's
   Q4_0/Q4_1/Q8_0 blocks, int8 rows), widened in registers for decode rows and per band
   for a prefill's GEMM: a decode step reads 4.5-8.5 bits a weight instead of 16.
+- `linear_rows` (`csrc/linear_rows.cpp`): the matmul of plain weights under
+  `--enable-deterministic-inference`, each row summed in one order at any row count (with
+  `quant_linear`'s `batch_invariant` for quantized ones, and `decode_attention` over every
+  token of a prefill): a library GEMM's order changes with the number of rows.
 - `decode_layer` (`csrc/decode_layer.cpp`): a whole Llama layer of a decode batch, the
   kernels above called from C++ in the modules' order: one Python dispatch per layer where
   the modules make about fifteen, whose Python and dispatch were a large share of a small
@@ -69,6 +73,7 @@ SOURCES = [
         "activation.cpp",
         "decode_layer.cpp",
         "quant_linear.cpp",
+        "linear_rows.cpp",
     )
 ]
 HEADERS = [CSRC / "vec16.h", CSRC / "simd.h", CSRC / "amx.h", CSRC / "parallel.h"]
@@ -172,11 +177,14 @@ def decode_attention(
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
     scaling: float,
+    slot_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[n, heads, dim]` attention of one-token queries over the first `seq_lens[r]` slots
-    of row r of `slots` (`[n, max_len]` int64), the pool buffers `[slots, kv_heads, dim]`."""
+    of row r of `slots` (`[n, max_len]` int64), the pool buffers `[slots, kv_heads, dim]`;
+    with `slot_index` (`[n]` int64), query r reads row `slot_index[r]` of `slots` instead,
+    so that the tokens of one request share its row."""
     out: torch.Tensor = torch.ops.radixserve_cpu.decode_attention(
-        q, k_buffer, v_buffer, slots, seq_lens, scaling
+        q, k_buffer, v_buffer, slots, seq_lens, scaling, slot_index
     )
     return out
 
@@ -313,13 +321,25 @@ def quant_linear(
     format: int,
     bias: torch.Tensor | None = None,
     activation_bits: int = 32,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """`x @ W^T + bias` for float/bf16/half `x` `[rows, K]` over `weight` held quantized
     (`engine/model/layers/quantization.py`: uint8 rows of `format`), in `x`'s dtype; decode
-    rows rounded to `activation_bits` (16 or 8) per block of 32 first, or kept float (32)."""
+    rows rounded to `activation_bits` (16 or 8) per block of 32 first, or kept float (32).
+    `batch_invariant` (float activations only): every row summed in one order at any row
+    count."""
     out: torch.Tensor = torch.ops.radixserve_cpu.quant_linear(
-        x, weight, format, bias, activation_bits
+        x, weight, format, bias, activation_bits, batch_invariant
     )
+    return out
+
+
+def linear_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x @ W^T + bias` for `x` `[rows, K]` over a plain float/bf16/half `weight`, in `x`'s
+    dtype, each row summed in one order at any row count (`csrc/linear_rows.cpp`)."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.linear_rows(x, weight, bias)
     return out
 
 

@@ -14,6 +14,7 @@ from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.attention import create_attention_backend, default_attention_backend
+from engine.model.batch_invariant import check_supported, make_batch_invariant
 from engine.model.forward_batch import ForwardBatch
 from engine.model.graph_runner import (
     CudaGraphBackend,
@@ -57,7 +58,8 @@ class ModelRunner:
     `enable_torch_compile` compiles the decode step of batches up to `torch_compile_max_bs`
     instead (off by default: minutes of compiling at start, docs/benchmarks/model.md).
     `capture_graphs=False` leaves the capture to the caller: the scheduler captures once,
-    with its FutureMap's lookup baked in, rather than twice.
+    with its FutureMap's lookup baked in, rather than twice. `enable_deterministic_inference`
+    switches the model to its batch-invariant kernels (`engine/model/batch_invariant.py`).
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class ModelRunner:
         max_lora_rank: int = 16,
         quantization: str = "none",
         quantized_activations: str = "int16",
+        enable_deterministic_inference: bool = False,
     ):
         self.device = torch.device(device)
         if enable_torch_compile and self.device.type != "cpu":
@@ -105,6 +108,12 @@ class ModelRunner:
             head_dim=config.head_dim,
             device=self.device,
         )
+        self.deterministic = enable_deterministic_inference
+        if self.deterministic:
+            check_supported(self.device, self.attn_backend)
+            if enable_torch_compile:
+                raise ValueError("enable_deterministic_inference runs eagerly: no torch.compile")
+            quantized_activations = "float"
         self.quantization = resolve_quantization(
             quantization, checkpoint, self.device, self.tp_size
         )
@@ -116,10 +125,13 @@ class ModelRunner:
             quantization=self.quantization,
             quantized_activations=quantized_activations,
         )
-        for module in self.model.modules():
-            if isinstance(module, Linear):
-                module.pack_weight()
-        self.model.logits_processor.pack_lm_head(self.model.lm_head)
+        if self.deterministic:  # before LoRA layers attach: they take their base's setting
+            make_batch_invariant(self.model, self.attn_backend)
+        else:  # the packed copies serve the default kernels only
+            for module in self.model.modules():
+                if isinstance(module, Linear):
+                    module.pack_weight()
+            self.model.logits_processor.pack_lm_head(self.model.lm_head)
         self.weights_format = weights_format(self.model, self.dtype)
         """How the linear layers' weights are held: the dtype's name, or the quantized
         format (`gguf:Q4_1`, `int8`); shown in /get_server_info and the cpu_info metric."""

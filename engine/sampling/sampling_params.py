@@ -58,6 +58,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
+    """The request's draws are a function of (seed, output position) alone
+    (`seeded_uniform`); `sampling_seed` (SGLang's name) is accepted for it in `from_dict`."""
     n: int = 1
     logprobs: bool = False
     top_logprobs_num: int = 0
@@ -96,6 +98,11 @@ class SamplingParams:
         """Build from a request body's `sampling_params`; a misspelt key is an error, not a
         no-op."""
         known = {f.name for f in fields(cls)}
+        if "sampling_seed" in params:
+            params = dict(params)
+            seed = params.pop("sampling_seed")
+            if params.setdefault("seed", seed) != seed:
+                raise ValueError("sampling_seed and seed name one seed: give one of them")
         unknown = sorted(set(params) - known)
         if unknown:
             raise ValueError(

@@ -148,6 +148,8 @@ class Scheduler:
         waits that could not."""
         self.limits.check(req)
         self.lora.check_request(req)
+        if self.args.enable_deterministic_inference and req.sampling_params.seed is None:
+            req.sampling_params.seed = self.args.random_seed  # same request, same draws
         req.set_stops(frozenset(self.model_config.eos_token_ids))
         req.status = ReqStatus.WAITING
         grammar = req.sampling_params.grammar

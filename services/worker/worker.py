@@ -121,14 +121,16 @@ class Worker(Service):
             dtype=str(runner.dtype).removeprefix("torch."),
             weights=runner.weights_format,
             kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
+            deterministic=str(runner.deterministic).lower(),
         )
         if self.cpu_isa is not None:
             logger.info(
-                "CPU: %s, dtype %s, weights %s, KV cache %s",
+                "CPU: %s, dtype %s, weights %s, KV cache %s, deterministic %s",
                 self.cpu_isa.describe(),
                 self.cpu_info.dtype,
                 self.cpu_info.weights,
                 self.cpu_info.kv_cache_dtype,
+                self.cpu_info.deterministic,
             )
         super().__init__(settings, settings.zmq_address("worker_port"))
         self.to_detokenizer = self.outbox(settings.zmq_address("detokenizer_port"))
@@ -491,6 +493,7 @@ class Worker(Service):
             "scheduler_stats": now.counters,
             "lora_adapters": sched.lora.adapters(),
             "cpu_isa": self.cpu_info.isa,
+            "enable_deterministic_inference": self.core.model_runner.deterministic,
             "cpu_flags": [] if self.cpu_isa is None else list(self.cpu_isa.flags),
             # The port it bound: the one given, or the free one it chose.
             "worker_metrics_port": (

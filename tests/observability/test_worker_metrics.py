@@ -125,7 +125,9 @@ def test_grammar_compiles_and_refusals_are_counted_apart():
 
 def test_cpu_info_labels_what_runs_the_model_and_is_there_before_any_sample():
     registry = CollectorRegistry()
-    WorkerMetrics(registry, "m", cpu_info=CpuInfo("avx2", "float32", "gguf:Q4_1", "float16"))
+    WorkerMetrics(
+        registry, "m", cpu_info=CpuInfo("avx2", "float32", "gguf:Q4_1", "float16", "true")
+    )
     assert (
         value(
             registry,
@@ -134,6 +136,7 @@ def test_cpu_info_labels_what_runs_the_model_and_is_there_before_any_sample():
             dtype="float32",
             weights="gguf:Q4_1",
             kv_cache_dtype="float16",
+            deterministic="true",
         )
         == 1
     )
@@ -231,6 +234,7 @@ def test_worker_serves_metrics_and_a_healthz_that_fails_when_the_loop_stalls(wor
 def test_worker_reports_its_cpu_kernel_path_in_metrics_and_server_info(worker: Worker):
     info = worker.server_info()
     assert info["cpu_isa"] in PATHS
+    assert info["enable_deterministic_inference"] is False
     assert set(info["cpu_flags"]) <= set(ISA_FLAGS)
     if info["cpu_isa"] != "none":
         assert {"avx2", "fma", "f16c"} <= set(info["cpu_flags"])
@@ -250,6 +254,7 @@ def test_worker_reports_its_cpu_kernel_path_in_metrics_and_server_info(worker: W
                 "dtype": "float32",
                 "weights": "float32",
                 "kv_cache_dtype": "float32",  # the dtype set explicitly: so is the cache's
+                "deterministic": "false",
             },
             1,
         )

@@ -57,6 +57,8 @@ class DecodeGroup:
     seq_lens: torch.Tensor  # [n] int64
     rows: TorchDecodeRows | None  # None when the C++ kernel attends
     max_seq_len: int
+    slot_index: torch.Tensor | None = None
+    """[n] int64: the row of `slots` each query reads (the C++ kernel only); None: its own."""
 
 
 @dataclass
@@ -98,7 +100,15 @@ class TorchAttnBackend(AttentionBackend):
     CPU has AMX (head_dim a multiple of 64): one call for all its multi-token requests, the
     products on tiles, where SDPA takes them at float speed. `cpu_kernel=False` keeps the
     torch ops.
+
+    `batch_invariant` (--enable-deterministic-inference, the C++ kernel only): every token
+    of an extend batch attends as a one-token query of the decode kernel over its request's
+    first `position + 1` keys (`_token_group`), so a token's attention is summed in the one
+    order a decode step sums it, whether its keys came from the radix cache, an earlier
+    chunk, this extend or decode steps (a retracted request's re-prefill).
     """
+
+    batch_invariant = False
 
     def __init__(
         self,
@@ -126,6 +136,9 @@ class TorchAttnBackend(AttentionBackend):
                 fb, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc, max(fb.seq_lens_cpu)
             )
             self.forward_metadata = ForwardMetadata([], group)
+            return
+        if self.batch_invariant:
+            self.forward_metadata = ForwardMetadata([], self._token_group(fb))
             return
         extend_kernel = self.amx_extend and fb.token_to_kv_pool.dtype == torch.bfloat16
         extend_seqs, single, single_starts, start = [], [], [], 0
@@ -159,6 +172,19 @@ class TorchAttnBackend(AttentionBackend):
             )
         self.forward_metadata = ForwardMetadata(extend_seqs, decode, extend_group)
 
+    def _token_group(self, fb: ForwardBatch) -> DecodeGroup:
+        """Every new token of an extend batch as one row of the decode kernel: token i of
+        request r reads row r of `slots` (its prefix's table entries, then its new tokens'
+        slots, which the table may not hold yet) up to its position."""
+        max_seq_len = max(fb.seq_lens_cpu)
+        slots = fb.req_to_token_pool.req_to_token[:, :max_seq_len]
+        slots = slots.index_select(0, fb.req_pool_indices).long()
+        token_req = torch.repeat_interleave(
+            torch.arange(len(fb.extend_lens_cpu), device=self.device), fb.extend_lens
+        )
+        slots.index_put_((token_req, fb.positions), fb.out_cache_loc.long())
+        return DecodeGroup(None, slots, fb.positions + 1, None, max_seq_len, token_req)
+
     def _extend_group(self, fb: ForwardBatch, extend_seqs: list[ExtendSeq]) -> ExtendGroup:
         extend_lens = [seq.end - seq.start for seq in extend_seqs]
         seq_lens = [len(seq.kv_indices) for seq in extend_seqs]
@@ -189,7 +215,9 @@ class TorchAttnBackend(AttentionBackend):
         self, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> CpuDecodeInputs | None:
         md = self.forward_metadata
-        decode = None if md is None or md.captured or md.extend_seqs else md.decode
+        if md is None or md.captured or md.extend_seqs or self.batch_invariant:
+            return None
+        decode = md.decode
         if decode is None or decode.rows is not None or decode.token_indices is not None:
             return None
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
@@ -374,7 +402,7 @@ def attend_decode(
     rows = group.rows
     if rows is None:
         return cpu_kernels.decode_attention(
-            q, k_buffer, v_buffer, group.slots, group.seq_lens, scaling
+            q, k_buffer, v_buffer, group.slots, group.seq_lens, scaling, group.slot_index
         )
     num_reqs, num_heads, d = q.shape
     blocks = (num_reqs * num_kv_heads, group.max_seq_len, d)

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -188,6 +189,7 @@ void decode_attention_kernel(
     const at::Tensor& k_buffer,
     const at::Tensor& v_buffer,
     const at::Tensor& slots,
+    const int64_t* slot_index,
     const at::Tensor& seq_lens,
     double scaling,
     at::Tensor& out) {
@@ -219,7 +221,7 @@ void decode_attention_kernel(
       const int64_t r = task / tasks_per_req;
       const int64_t first_head = (task % tasks_per_req) * heads_per_task;
       const int64_t len = std::clamp<int64_t>(len_ptr[r], 0, max_len);
-      const int64_t* row = slot_ptr + r * max_len;
+      const int64_t* row = slot_ptr + (slot_index == nullptr ? r : slot_index[r]) * max_len;
       const int64_t offset = first_head * head_dim;  // of this task's heads in a token row
       const scalar_t* q_row = q_ptr + (r * num_heads + first_head * group) * head_dim;
       for (int64_t i = 0; i < task_heads * head_dim; ++i) {
@@ -382,7 +384,8 @@ at::Tensor decode_attention(
     const at::Tensor& v_buffer,
     const at::Tensor& slots,
     const at::Tensor& seq_lens,
-    double scaling) {
+    double scaling,
+    const std::optional<at::Tensor>& slot_index) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
               "q is [n, heads, dim] and the buffers [slots, kv_heads, dim]");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "contiguous KV buffers");
@@ -395,8 +398,19 @@ at::Tensor decode_attention(
   TORCH_CHECK(q.size(1) % k_buffer.size(1) == 0, "query heads are a multiple of KV heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "int64 slots and seq_lens");
-  TORCH_CHECK(slots.size(0) == q.size(0) && seq_lens.size(0) == q.size(0),
-              "one row of slots and one length per query");
+  TORCH_CHECK(seq_lens.size(0) == q.size(0), "one length per query");
+  at::Tensor index;
+  if (slot_index.has_value()) {
+    TORCH_CHECK(slot_index->scalar_type() == at::kLong && slot_index->size(0) == q.size(0),
+                "one int64 row of slots per query");
+    index = slot_index->contiguous();
+    TORCH_CHECK(q.size(0) == 0 || (index.min().item<int64_t>() >= 0 &&
+                                   index.max().item<int64_t>() < slots.size(0)),
+                "slot_index names rows of slots");
+  } else {
+    TORCH_CHECK(slots.size(0) == q.size(0), "one row of slots per query");
+  }
+  const int64_t* index_ptr = index.defined() ? index.const_data_ptr<int64_t>() : nullptr;
   const at::Tensor queries = q.contiguous();
   const at::Tensor slot_rows = slots.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
@@ -404,14 +418,14 @@ at::Tensor decode_attention(
   if (q.scalar_type() != kv_type) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(kv_type, "radixserve_decode_attention_16bit_pool", [&] {
       decode_attention_kernel<float, scalar_t>(
-          queries, k_buffer, v_buffer, slot_rows, lens, scaling, out);
+          queries, k_buffer, v_buffer, slot_rows, index_ptr, lens, scaling, out);
     });
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, q.scalar_type(), "radixserve_decode_attention", [&] {
         decode_attention_kernel<scalar_t, scalar_t>(
-            queries, k_buffer, v_buffer, slot_rows, lens, scaling, out);
+            queries, k_buffer, v_buffer, slot_rows, index_ptr, lens, scaling, out);
       });
   return out;
 }
@@ -421,7 +435,7 @@ at::Tensor decode_attention(
 TORCH_LIBRARY(radixserve_cpu, m) {
   m.def(
       "decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor slots, "
-      "Tensor seq_lens, float scaling) -> Tensor");
+      "Tensor seq_lens, float scaling, Tensor? slot_index=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {

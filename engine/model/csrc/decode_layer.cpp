@@ -41,12 +41,12 @@ class Kernels {
         linear_few_rows_(
             kernel<Tensor(const Tensor&, const Tensor&)>("radixserve_cpu::linear_few_rows")),
         quant_linear_(kernel<Tensor(const Tensor&, const Tensor&, int64_t,
-                                    const std::optional<Tensor>&, int64_t)>(
+                                    const std::optional<Tensor>&, int64_t, bool)>(
             "radixserve_cpu::quant_linear")),
         rotary_(kernel<void(Tensor&, const Tensor&)>("radixserve_cpu::rotary")),
         silu_and_mul_(kernel<Tensor(const Tensor&)>("radixserve_cpu::silu_and_mul")),
         decode_attention_(kernel<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                        const Tensor&, double)>(
+                                        const Tensor&, double, const std::optional<Tensor>&)>(
             "radixserve_cpu::decode_attention")) {}
 
   Tensor rms_norm(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight,
@@ -58,7 +58,7 @@ class Kernels {
   // quantized rows (`format` >= 0) the quantized matmul, else bf16 ones.
   Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& packed, int64_t format,
                 int64_t activation_bits, int64_t few_rows) const {
-    if (format >= 0) return quant_linear_.call(x, weight, format, std::nullopt, activation_bits);
+    if (format >= 0) return quant_linear_.call(x, weight, format, std::nullopt, activation_bits, false);
     if (x.size(0) <= few_rows) return linear_few_rows_.call(x, weight);
     return linear_amx_.call(x, packed, weight.size(0), std::nullopt);
   }
@@ -69,7 +69,7 @@ class Kernels {
 
   Tensor decode_attention(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
                           const Tensor& slots, const Tensor& seq_lens, double scaling) const {
-    return decode_attention_.call(q, k_buffer, v_buffer, slots, seq_lens, scaling);
+    return decode_attention_.call(q, k_buffer, v_buffer, slots, seq_lens, scaling, std::nullopt);
   }
 
  private:
@@ -81,12 +81,12 @@ class Kernels {
       linear_amx_;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&)> linear_few_rows_;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t,
-                                  const std::optional<Tensor>&, int64_t)>
+                                  const std::optional<Tensor>&, int64_t, bool)>
       quant_linear_;
   c10::TypedOperatorHandle<void(Tensor&, const Tensor&)> rotary_;
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul_;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  const Tensor&, double)>
+                                  const Tensor&, double, const std::optional<Tensor>&)>
       decode_attention_;
 };
 

@@ -50,4 +50,23 @@ inline int64_t chunk_for(int64_t tasks, int64_t per_thread = 8) {
   return std::max<int64_t>(1, tasks / (per_thread * at::get_num_threads()));
 }
 
+// A matmul's weight rows [0, n_size) in groups of `group` that the threads claim; each group
+// stays in L1 while every row of x passes over it, `tile` rows at a time:
+// `fn(m, rows, n, claimed_end)` for each tile of x (its first row and row count) and each
+// weight row n of the group (`claimed_end`: the end of the chunk n was claimed in).
+template <typename Fn>
+void for_each_weight_row_tile(int64_t m_size, int64_t n_size, int64_t group, int64_t tile,
+                              const Fn& fn) {
+  const int64_t tasks = (n_size + group - 1) / group;
+  parallel_claim(tasks, chunk_for(tasks), [&](auto& queue) {
+    for (int64_t begin, end; queue.claim(begin, end);) {
+      const int64_t n_begin = begin * group, n_end = std::min(n_size, end * group);
+      for (int64_t m = 0; m < m_size; m += tile) {
+        const int64_t rows = std::min(tile, m_size - m);
+        for (int64_t n = n_begin; n < n_end; ++n) fn(m, rows, n, n_end);
+      }
+    }
+  });
+}
+
 }  // namespace radixserve

@@ -14,11 +14,15 @@
 //
 // quant_linear, few rows (decode), by `activation_bits`: 32 widens each block to floats in
 // registers (F16C for the scale, byte-to-int32-to-float conversions for the weights) and
-// multiplies it into up to four rows of x at once; 16 and 8 round x per block of 32 to
+// multiplies it into up to eight rows of x at once (four on AVX2); 16 and 8 round x per block of 32 to
 // integers and multiply integers (below). Either way a group of weight rows stays in L1
 // across the tiles of x, so the packed weights are read once. More rows (prefill): bands of the weight are
 // widened once into a float block and multiplied by the CPU's GEMM (oneDNN/MKL through
-// at::mm), the band reused for every row of x.
+// at::mm), the band reused for every row of x. With `batch_invariant`
+// (--enable-deterministic-inference) every row count takes the float register path: each
+// output is then summed in one order that depends on K alone, the same bits for a row
+// whatever rows share the call (the GEMM's order changes with the rows, and the integer
+// path rounds x).
 
 #include "parallel.h"
 #include "simd.h"
@@ -41,7 +45,13 @@ namespace {
 enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kInt8Rows = 1000 };
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kTileRows = 4;  // rows of x multiplied into each widened block
+// Rows of x multiplied into each widened block: as many as the registers hold two running
+// sums for, beside the block.
+#if defined(RADIXSERVE_AVX512)
+constexpr int64_t kTileRows = 8;
+#else
+constexpr int64_t kTileRows = 4;
+#endif
 constexpr int64_t kGemvRows = 16;  // up to this many rows of x, the register path
 // Up to this many rows of x, integer activations where asked for; beyond, a block widened
 // once to floats for four rows of x costs less than the integer products' per-block scaling
@@ -273,26 +283,30 @@ template <int64_t F>
 void gemv_blocks(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
                  int64_t n_size, float* y) {
   const int64_t stride = row_bytes(F, k_size);
-  const int64_t tasks = (n_size + kRowsPerGroup - 1) / kRowsPerGroup;
-  radixserve::parallel_claim(tasks, radixserve::chunk_for(tasks), [&](auto& queue) {
-    for (int64_t begin, end; queue.claim(begin, end);) {
-      const int64_t n_begin = begin * kRowsPerGroup, n_end = std::min(n_size, end * kRowsPerGroup);
-      for (int64_t m = 0; m < m_size; m += kTileRows) {
-        const float* xm = x + m * k_size;
-        for (int64_t n = n_begin; n < n_end; ++n) {
-          const uint8_t* row = weight + n * stride;
-          if (m == 0 && n + kPrefetchRows < n_end) prefetch_row(row + kPrefetchRows * stride, stride);
-          float* yn = y + m * n_size + n;
-          switch (std::min(kTileRows, m_size - m)) {
-            case 1: dot_rows<F, 1>(xm, k_size, row, yn, n_size); break;
-            case 2: dot_rows<F, 2>(xm, k_size, row, yn, n_size); break;
-            case 3: dot_rows<F, 3>(xm, k_size, row, yn, n_size); break;
-            default: dot_rows<F, 4>(xm, k_size, row, yn, n_size); break;
-          }
+  radixserve::for_each_weight_row_tile(
+      m_size, n_size, kRowsPerGroup, kTileRows,
+      [&](int64_t m, int64_t rows, int64_t n, int64_t claimed_end) {
+        const uint8_t* row = weight + n * stride;
+        if (m == 0 && n + kPrefetchRows < claimed_end) {
+          prefetch_row(row + kPrefetchRows * stride, stride);
         }
-      }
-    }
-  });
+        const float* xm = x + m * k_size;
+        float* yn = y + m * n_size + n;
+        switch (rows) {
+          case 1: dot_rows<F, 1>(xm, k_size, row, yn, n_size); break;
+          case 2: dot_rows<F, 2>(xm, k_size, row, yn, n_size); break;
+          case 3: dot_rows<F, 3>(xm, k_size, row, yn, n_size); break;
+#if defined(RADIXSERVE_AVX512)
+          case 4: dot_rows<F, 4>(xm, k_size, row, yn, n_size); break;
+          case 5: dot_rows<F, 5>(xm, k_size, row, yn, n_size); break;
+          case 6: dot_rows<F, 6>(xm, k_size, row, yn, n_size); break;
+          case 7: dot_rows<F, 7>(xm, k_size, row, yn, n_size); break;
+          default: dot_rows<F, 8>(xm, k_size, row, yn, n_size); break;
+#else
+          default: dot_rows<F, 4>(xm, k_size, row, yn, n_size); break;
+#endif
+        }
+      });
 }
 
 // Super-blocks (K-quants): each weight row widened once into a float row, then multiplied
@@ -641,15 +655,18 @@ at::Tensor quant_dequantize(const at::Tensor& weight, int64_t format, int64_t k_
 constexpr int64_t kBandBytes = 2 << 20;
 
 at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64_t format,
-                        const std::optional<at::Tensor>& bias, int64_t activation_bits) {
+                        const std::optional<at::Tensor>& bias, int64_t activation_bits,
+                        bool batch_invariant) {
   TORCH_CHECK(input.dim() == 2, "input [rows, K]");
   TORCH_CHECK(activation_bits == 32 || activation_bits == 16 || activation_bits == 8,
               "decode activations of 32 (float), 16 or 8 bits, got ", activation_bits);
   const int64_t m_size = input.size(0), k_size = input.size(1), n_size = weight.size(0);
+  TORCH_CHECK(!batch_invariant || activation_bits == 32,
+              "batch-invariant rows keep float activations");
   check_weight(weight, format, k_size);
   const uint8_t* w_ptr = weight.const_data_ptr<uint8_t>();
   at::Tensor out;
-  if (m_size <= kGemvRows) {
+  if (m_size <= kGemvRows || batch_invariant) {
     const at::Tensor x = input.to(at::kFloat).contiguous();
     out = at::empty({m_size, n_size}, x.options());
     with_format(format, [&](auto f) {
@@ -695,7 +712,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
 TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def(
       "quant_linear(Tensor input, Tensor weight, int format, Tensor? bias, "
-      "int activation_bits) -> Tensor");
+      "int activation_bits, bool batch_invariant=False) -> Tensor");
   m.def("quant_dequantize(Tensor weight, int format, int k_size) -> Tensor");
 }
 

@@ -122,11 +122,23 @@ def linear(
     bias: torch.Tensor | None = None,
     quant_format: int | None = None,
     activation_bits: int = 32,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """F.linear through the CPU's faster kernels where they apply: over a quantized weight
     (`quant_format`, engine/model/layers/quantization.py) `cpu_kernels.quant_linear`; for
     the few rows of a small bf16 decode batch `cpu_kernels.linear_few_rows`, else the packed
-    copy of `weight` (AMX or oneDNN). Under `torch.compile`, torch's own matmul."""
+    copy of `weight` (AMX or oneDNN). Under `torch.compile`, torch's own matmul.
+
+    `batch_invariant` (--enable-deterministic-inference): kernels that sum each row in one
+    order whatever the number of rows, float activations over quantized weights; each of
+    the others changes its order, or its rounding of `x`, with the row count."""
+    if batch_invariant:
+        rows = x.reshape(-1, x.shape[-1])
+        if quant_format is None:
+            out = cpu_kernels.linear_rows(rows, weight, bias)
+        else:
+            out = cpu_kernels.quant_linear(rows, weight, quant_format, bias, 32, True)
+        return out.view(*x.shape[:-1], out.shape[-1])
     if quant_format is not None:
         rows = x.reshape(-1, x.shape[-1])
         out = cpu_kernels.quant_linear(rows, weight, quant_format, bias, activation_bits)
@@ -160,6 +172,8 @@ class Linear(nn.Module):
     quant_format: int | None = None
     """Set when `weight` holds quantized rows (`quantization.hold_blocks`)."""
     activation_bits = 32
+    batch_invariant = False
+    """Set by --enable-deterministic-inference (`engine/model/batch_invariant.py`)."""
     lora: LoRAHook | None = None
     """Set on the layers adapters target when LoRA is on (engine/lora)."""
 
@@ -186,7 +200,13 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(
-            x, self.weight, self.packed_weight, self.bias, self.quant_format, self.activation_bits
+            x,
+            self.weight,
+            self.packed_weight,
+            self.bias,
+            self.quant_format,
+            self.activation_bits,
+            self.batch_invariant,
         )
         return self.with_lora(x, y)
 
@@ -287,7 +307,13 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
         y = linear(
-            x, self.weight, self.packed_weight, bias, self.quant_format, self.activation_bits
+            x,
+            self.weight,
+            self.packed_weight,
+            bias,
+            self.quant_format,
+            self.activation_bits,
+            self.batch_invariant,
         )
         partial = self.with_lora(x, y)
         return get_tp_group().all_reduce(partial)

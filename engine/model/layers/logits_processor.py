@@ -39,6 +39,8 @@ class LogitsProcessor(nn.Module):
     softmax and penalties want the precision."""
 
     packed_lm_head: torch.Tensor | None = None
+    batch_invariant = False
+    """Set by --enable-deterministic-inference (`engine/model/batch_invariant.py`)."""
 
     def pack_lm_head(self, lm_head: VocabParallelEmbedding) -> None:
         """Once the weights are loaded (see `pack_weight`): the vocabulary projection is the
@@ -73,6 +75,7 @@ class LogitsProcessor(nn.Module):
             self.packed_lm_head,
             quant_format=lm_head.quant_format,
             activation_bits=lm_head.activation_bits,
+            batch_invariant=self.batch_invariant,
         )
         logits = get_tp_group().all_gather(logits, dim=-1)[:, : lm_head.num_embeddings]
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -184,6 +184,7 @@ def test_lower_kernel_paths_pass_the_same_tests(path):
     files = [
         __file__,
         os.path.join(here, "test_cpu_kernels.py"),
+        os.path.join(here, "test_batch_invariant.py"),
         os.path.join(here, "attention", "test_torch_backend.py"),
     ]
     env = {**os.environ, FORCE_ENV: path, "ATEN_CPU_CAPABILITY": ATEN_CAPABILITY.get(path, "")}
