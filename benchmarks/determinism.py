@@ -99,6 +99,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as logs, ExitStack() as stack:
         clients = {}
         for mode in args.modes:
+            (Path(logs) / mode).mkdir()
             launcher = ServiceLauncher(Path(logs) / mode, heartbeat_interval=None, show_logs=False)
             url = stack.enter_context(
                 launcher.serve([*args.server_flags, *MODES[mode]], timeout=600)

@@ -34,12 +34,22 @@ from engine.model.layers.linear import Linear
 from engine.model.layers.logits_processor import LogitsProcessor
 
 
-def check_supported(device: torch.device, attn_backend: AttentionBackend) -> None:
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+"""The activations the batch-invariant kernels take (float64 has no vector path)."""
+
+
+def check_supported(
+    device: torch.device, dtype: torch.dtype, attn_backend: AttentionBackend
+) -> None:
     """Refuse the mode where its kernels cannot run: they are the CPU ones."""
     if device.type != "cpu":
         raise ValueError(
             "--enable-deterministic-inference runs the CPU kernels: "
             f"not supported on {device.type} yet"
+        )
+    if dtype not in KERNEL_DTYPES:
+        raise ValueError(
+            f"--enable-deterministic-inference runs float32 or bfloat16 activations, not {dtype}"
         )
     if not isinstance(attn_backend, TorchAttnBackend) or not attn_backend.cpu_kernel:
         raise ValueError(

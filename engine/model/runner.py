@@ -110,7 +110,7 @@ class ModelRunner:
         )
         self.deterministic = enable_deterministic_inference
         if self.deterministic:
-            check_supported(self.device, self.attn_backend)
+            check_supported(self.device, self.dtype, self.attn_backend)
             if enable_torch_compile:
                 raise ValueError("enable_deterministic_inference runs eagerly: no torch.compile")
             quantized_activations = "float"

@@ -134,7 +134,9 @@ def test_retracted_requests_finish_with_the_same_bits(engine, overlap):
 
 def test_the_mode_is_refused_where_its_kernels_cannot_run(engine):
     with pytest.raises(ValueError, match="not supported on cuda"):
-        check_supported(torch.device("cuda"), engine.model_runner.attn_backend)
+        check_supported(torch.device("cuda"), torch.float32, engine.model_runner.attn_backend)
+    with pytest.raises(ValueError, match="not torch.float64"):
+        check_supported(torch.device("cpu"), torch.float64, engine.model_runner.attn_backend)
     with pytest.raises(ValueError, match="drop enable_torch_compile"):
         Engine(enable_deterministic_inference=True, enable_torch_compile=True)
 

@@ -379,3 +379,35 @@ def test_embedded_model_mixed_batch_matches_peft(tmp_path: Path):
     with hf.disable_adapter():
         assert results[0].output_ids == hf_greedy(prompts[0])
     assert results[1].output_ids == hf_greedy(prompts[1])
+
+
+def test_deterministic_inference_gives_an_adapters_request_the_same_bits_in_any_batch(
+    tiny_model_dir: Path, adapters: dict[str, Path]
+):
+    """--enable-deterministic-inference with LoRA: the LoRA terms go through the mode's
+    row-invariant matmul too, so a request of one adapter gets the same tokens and logprobs
+    alone as among requests of other adapters, of other lengths, chunked."""
+    paths = " ".join(f"{name}={path}" for name, path in adapters.items())
+    params = {**GREEDY, "max_new_tokens": 8, "logprobs": True, "top_logprobs_num": 2}
+    probe = prompt(99, 70)
+    with Engine(
+        str(tiny_model_dir),
+        dtype="float32",
+        lora_paths=paths,
+        enable_deterministic_inference=True,
+        **OPTIONS,
+    ) as engine:
+
+        def answer(result: Any) -> tuple[Any, ...]:
+            return result.output_ids, result.meta.output_token_logprobs
+
+        alone = answer(engine.generate(probe, params, lora_name="all")[0])
+        others = [prompt(seed, 5 + 9 * seed) for seed in range(6)]
+        results = engine.generate(
+            [*others[:3], probe, *others[3:]],
+            [{**GREEDY, "max_new_tokens": 3 + seed} for seed in range(3)]
+            + [params]
+            + [{**GREEDY, "max_new_tokens": 3 + seed} for seed in range(3)],
+            lora_name=[*MIXED[:3], "all", *MIXED[1:]],
+        )
+        assert answer(results[3]) == alone

@@ -58,16 +58,24 @@ def test_linear_rows_keeps_a_nan_in_its_row_and_refuses_double_weights():
         cpu_kernels.linear_rows(x.double(), weight.double())
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("format", "n", "k"), cases([(20, 512)]))
-def test_quant_linear_batch_invariant_rows_match_at_every_count(format, n, k):
+def test_quant_linear_batch_invariant_rows_match_at_every_count(format, n, k, x_dtype):
+    """bf16 x is widened to float as the weights are: float products and sums."""
     rows, dequantized = quantized(format, random_weight(n, k, seed=7))
     x = torch.from_numpy(np.random.default_rng(3).standard_normal((4096, k)).astype(np.float32))
+    x = x.to(x_dtype)
 
     def invariant(part: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.quant_linear(part, rows, int(format), None, 32, True)
 
     out = assert_rows_invariant(invariant, x)
-    torch.testing.assert_close(out.double(), x.double() @ dequantized.T, rtol=1e-4, atol=1e-3)
+    assert out.dtype == x_dtype
+    expected = x.double() @ dequantized.T
+    if x_dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, rtol=1e-4, atol=1e-3)
+    else:  # float sums rounded once to bf16
+        torch.testing.assert_close(out.double(), expected, rtol=2**-7, atol=1e-3)
 
 
 def test_the_default_quantized_rows_change_with_the_row_count():
