@@ -13,8 +13,9 @@ prefix came from the radix cache or was computed again.
         --modes default deterministic
     .venv/bin/python -m benchmarks.determinism --requests 200 --concurrency 1 8 -- --dtype bfloat16
 
-With two modes, both servers run for the whole benchmark and take each wave in turn (the
-same neighbours for both), so their throughputs are measured side by side.
+With two modes, both servers run for the whole benchmark and take each wave in turns
+(`--rounds` parts, the same neighbours for both, the order alternating), so their
+throughputs are measured side by side on a host whose speed drifts.
 
 Flags after `--` go to the server (default: the embedded model as `radixserve serve` runs
 it). Prints one JSON object; results are recorded in docs/benchmarks/determinism.md.
@@ -92,6 +93,9 @@ def main() -> None:
         help="servers to run side by side, each wave sent to one then the other with the "
         "same neighbours: default, and deterministic (--enable-deterministic-inference)",
     )
+    parser.add_argument(
+        "--rounds", type=int, default=5, help="turns each mode takes per wave (side by side)"
+    )
     parser.add_argument("server_flags", nargs="*", help="after --: radixserve's flags")
     args = parser.parse_args()
     per_wave = args.requests // len(args.concurrency)
@@ -113,17 +117,25 @@ def main() -> None:
             }
         texts: dict[str, Counter[str]] = {mode: Counter() for mode in args.modes}
         for concurrency in args.concurrency:
-            for mode, client in clients.items():
-                rng = random.Random(args.seed * 1000 + concurrency)  # the same jobs per mode
-                probe_texts, tokens, seconds = run_wave(client, per_wave, concurrency, rng)
-                counts = Counter(probe_texts)
+            waves = {mode: Counter[str]() for mode in clients}
+            tokens = dict.fromkeys(clients, 0)
+            seconds = dict.fromkeys(clients, 0.0)
+            for part in range(args.rounds):  # the modes take turns, so drift hits both
+                order = list(clients) if part % 2 == 0 else list(reversed(clients))
+                for mode in order:
+                    rng = random.Random(f"{args.seed}-{concurrency}-{part}")  # same jobs each
+                    got = run_wave(clients[mode], per_wave // args.rounds, concurrency, rng)
+                    waves[mode].update(got[0])
+                    tokens[mode] += got[1]
+                    seconds[mode] += got[2]
+            for mode, counts in waves.items():
                 texts[mode].update(counts)
                 wave = {
                     "mode": mode,
                     "concurrency": concurrency,
-                    "probes": len(probe_texts),
+                    "probes": sum(counts.values()),
                     "distinct": len(counts),
-                    "output_tok_s": round(tokens / seconds, 1),
+                    "output_tok_s": round(tokens[mode] / seconds[mode], 1),
                     "counts": counts,
                 }
                 report["modes"][mode]["waves"].append(wave)

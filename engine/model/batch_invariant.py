@@ -33,7 +33,6 @@ from engine.model.attention.torch_backend import TorchAttnBackend
 from engine.model.layers.linear import Linear
 from engine.model.layers.logits_processor import LogitsProcessor
 
-
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 """The activations the batch-invariant kernels take (float64 has no vector path)."""
 
