@@ -6,7 +6,8 @@ the matmuls (a library GEMM blocks, and so sums, by the number of rows; `quant_l
 the activations of one or two rows to integers and hands more than 16 to the GEMM), the
 prefill's attention (SDPA or the AMX kernel tile a request's queries and keys by its extend
 length, so a prefix read from the radix cache or computed in another chunk sums in another
-order), and the one-op decode layer (the default matmuls inside). In this mode:
+order), and the one-op decode layer (decode batches only, the default matmuls inside). In
+this mode:
 
 - every `Linear`, the LM head and the LoRA terms call `cpu_kernels.linear_rows` (plain
   weights) or `quant_linear`'s register path with float activations (quantized ones): one
@@ -15,7 +16,9 @@ order), and the one-op decode layer (the default matmuls inside). In this mode:
   its request's first `position + 1` keys (`TorchAttnBackend._token_group`), so prefill,
   chunked prefill, a radix hit, a retracted request's re-prefill and decode all sum a
   position's attention the same way;
-- the one-op decode layer is off (the backend gives the model no `cpu_decode_inputs`).
+- the one-op layer (`cpu_kernels.decode_layer`, the same kernels called from C++) runs
+  every batch, prefill tokens as one-token rows, where the model can use it; else the
+  modules run every batch.
 
 RMSNorm, rotary, SiLU-and-mul and the sampler's softmax are per row already, and the
 sampler's draws depend on (seed, output position) alone (`seeded_uniform`). Tests:

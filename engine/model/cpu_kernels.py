@@ -283,6 +283,8 @@ def decode_layer(
     out_cache_loc: torch.Tensor,
     slots: torch.Tensor,
     seq_lens: torch.Tensor,
+    slot_index: torch.Tensor | None,
+    batch_invariant: bool,
     num_heads: int,
     num_kv_heads: int,
     scaling: float,
@@ -304,6 +306,7 @@ def decode_layer(
         out_cache_loc,
         slots,
         seq_lens,
+        slot_index,
         num_heads,
         num_kv_heads,
         scaling,
@@ -311,6 +314,7 @@ def decode_layer(
         formats,
         activation_bits,
         FEW_ROWS,
+        batch_invariant,
     )
     return out
 

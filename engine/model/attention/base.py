@@ -25,13 +25,16 @@ class AttentionLayer:
 class CpuDecodeInputs(NamedTuple):
     """What a layer run as one C++ op (`cpu_kernels.decode_layer`) needs to write its new K/V
     and attend: the layer's pool buffers, the new tokens' slots, and each request's slots and
-    length as the CPU decode kernel reads them."""
+    length as the CPU decode kernel reads them (with `slot_index`, the row of `slots` each
+    token reads: a prefill's tokens under `batch_invariant`)."""
 
     k_buffer: torch.Tensor
     v_buffer: torch.Tensor
     out_cache_loc: torch.Tensor
     slots: torch.Tensor
     seq_lens: torch.Tensor
+    slot_index: torch.Tensor | None = None
+    batch_invariant: bool = False
 
 
 class AttentionBackend(ABC):
@@ -81,7 +84,8 @@ class AttentionBackend(ABC):
         self, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> CpuDecodeInputs | None:
         """For a batch whose every request decodes, where this backend would attend with the
-        CPU decode kernel: what lets the model run the layer as one op. None otherwise."""
+        CPU decode kernel: what lets the model run the layer as one op (under
+        --enable-deterministic-inference, for every batch). None otherwise."""
         return None
 
     def forward(

@@ -105,7 +105,9 @@ class TorchAttnBackend(AttentionBackend):
     of an extend batch attends as a one-token query of the decode kernel over its request's
     first `position + 1` keys (`_token_group`), so a token's attention is summed in the one
     order a decode step sums it, whether its keys came from the radix cache, an earlier
-    chunk, this extend or decode steps (a retracted request's re-prefill).
+    chunk, this extend or decode steps (a retracted request's re-prefill); and
+    `cpu_decode_inputs` lets every batch, not only decode ones, run its layers as one op
+    where the model can.
     """
 
     batch_invariant = False
@@ -215,9 +217,20 @@ class TorchAttnBackend(AttentionBackend):
         self, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> CpuDecodeInputs | None:
         md = self.forward_metadata
-        if md is None or md.captured or md.extend_seqs or self.batch_invariant:
+        if md is None or md.captured or md.extend_seqs:
             return None
         decode = md.decode
+        if self.batch_invariant and decode is not None:  # every batch: decode rows or tokens
+            k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+            return CpuDecodeInputs(
+                k_buffer,
+                v_buffer,
+                forward_batch.out_cache_loc,
+                decode.slots,
+                decode.seq_lens,
+                decode.slot_index,
+                batch_invariant=True,
+            )
         if decode is None or decode.rows is not None or decode.token_indices is not None:
             return None
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)

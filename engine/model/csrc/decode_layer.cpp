@@ -10,7 +10,10 @@
 // bias-free: over quantized rows the quantized matmul (`formats`, one per projection, -1
 // for bf16 weights), else the few-rows matmul for up to `few_rows` rows, else the AMX one.
 // Hidden states are bf16, or float32 where every projection is quantized; the KV pool holds
-// their dtype, or 16 bits under float32; `activation_bits` as `quant_linear` takes it.
+// their dtype, or 16 bits under float32; `activation_bits` and `batch_invariant` as
+// `quant_linear` takes them. Under --enable-deterministic-inference a prefill's tokens run
+// it too, as one-token rows of their requests (`slot_index`, as decode_attention takes it),
+// so that prefill and decode go through one path.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -57,8 +60,11 @@ class Kernels {
   // x W^T as engine/model/layers/linear.py's `linear` chooses for bias-free rows: over
   // quantized rows (`format` >= 0) the quantized matmul, else bf16 ones.
   Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& packed, int64_t format,
-                int64_t activation_bits, int64_t few_rows) const {
-    if (format >= 0) return quant_linear_.call(x, weight, format, std::nullopt, activation_bits, false);
+                int64_t activation_bits, int64_t few_rows, bool batch_invariant) const {
+    if (format >= 0) {
+      return quant_linear_.call(x, weight, format, std::nullopt, activation_bits, batch_invariant);
+    }
+    TORCH_CHECK(!batch_invariant, "batch-invariant layers hold quantized projections");
     if (x.size(0) <= few_rows) return linear_few_rows_.call(x, weight);
     return linear_amx_.call(x, packed, weight.size(0), std::nullopt);
   }
@@ -68,8 +74,9 @@ class Kernels {
   Tensor silu_and_mul(const Tensor& x) const { return silu_and_mul_.call(x); }
 
   Tensor decode_attention(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
-                          const Tensor& slots, const Tensor& seq_lens, double scaling) const {
-    return decode_attention_.call(q, k_buffer, v_buffer, slots, seq_lens, scaling, std::nullopt);
+                          const Tensor& slots, const Tensor& seq_lens, double scaling,
+                          const std::optional<Tensor>& slot_index) const {
+    return decode_attention_.call(q, k_buffer, v_buffer, slots, seq_lens, scaling, slot_index);
   }
 
  private:
@@ -96,9 +103,10 @@ class Kernels {
 Tensor decode_layer(
     const Tensor& hidden, const std::optional<Tensor>& residual, at::TensorList weights,
     const Tensor& cos_sin, const Tensor& k_buffer, const Tensor& v_buffer,
-    const Tensor& out_cache_loc, const Tensor& slots, const Tensor& seq_lens, int64_t num_heads,
-    int64_t num_kv_heads, double scaling, double eps, at::IntArrayRef formats,
-    int64_t activation_bits, int64_t few_rows) {
+    const Tensor& out_cache_loc, const Tensor& slots, const Tensor& seq_lens,
+    const std::optional<Tensor>& slot_index, int64_t num_heads, int64_t num_kv_heads,
+    double scaling, double eps, at::IntArrayRef formats, int64_t activation_bits,
+    int64_t few_rows, bool batch_invariant) {
   TORCH_CHECK(weights.size() == kWeights, "the layer's ", static_cast<int>(kWeights), " weights");
   TORCH_CHECK(formats.size() == 4, "a format for each of the four projections");
   TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kBFloat16 ||
@@ -118,7 +126,7 @@ Tensor decode_layer(
   Tensor h = kernels.rms_norm(hidden.contiguous(), residual, weights[kInputNorm], eps);
 
   Tensor qkv = kernels.linear(h, weights[kQkv], weights[kQkvPacked], formats[0],
-                              activation_bits, few_rows)
+                              activation_bits, few_rows, batch_invariant)
                    .view({tokens, num_heads + 2 * num_kv_heads, head_dim});
   Tensor qk = qkv.narrow(1, 0, num_heads + num_kv_heads);
   kernels.rotary(qk, cos_sin);
@@ -128,16 +136,16 @@ Tensor decode_layer(
   v_buffer.index_copy_(0, out_cache_loc,
                        qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads).to(kv_type));
   const Tensor attn =
-      kernels.decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scaling)
+      kernels.decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scaling, slot_index)
           .view({tokens, num_heads * head_dim});
 
   const Tensor o = kernels.linear(attn, weights[kO], weights[kOPacked], formats[1],
-                                  activation_bits, few_rows);
+                                  activation_bits, few_rows, batch_invariant);
   h = kernels.rms_norm(o, stream, weights[kPostNorm], eps);
   const Tensor gate_up = kernels.linear(h, weights[kGateUp], weights[kGateUpPacked], formats[2],
-                                        activation_bits, few_rows);
+                                        activation_bits, few_rows, batch_invariant);
   return kernels.linear(kernels.silu_and_mul(gate_up), weights[kDown], weights[kDownPacked],
-                        formats[3], activation_bits, few_rows);
+                        formats[3], activation_bits, few_rows, batch_invariant);
 }
 
 }  // namespace
@@ -146,8 +154,9 @@ TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
   m.def(
       "decode_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor[] weights, Tensor cos_sin, "
       "Tensor(c!) k_buffer, Tensor(d!) v_buffer, Tensor out_cache_loc, Tensor slots, "
-      "Tensor seq_lens, int num_heads, int num_kv_heads, float scaling, float eps, "
-      "int[] formats, int activation_bits, int few_rows) -> Tensor");
+      "Tensor seq_lens, Tensor? slot_index, int num_heads, int num_kv_heads, float scaling, "
+      "float eps, int[] formats, int activation_bits, int few_rows, bool batch_invariant) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
