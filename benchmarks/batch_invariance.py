@@ -5,6 +5,7 @@ A batch-invariant step has one regime.
 
     RADIXSERVE_CPU_ISA=avx2 .venv/bin/python -m benchmarks.batch_invariance
     .venv/bin/python -m benchmarks.batch_invariance --library-gemm
+    .venv/bin/python -m benchmarks.batch_invariance --deterministic
 
 `--library-gemm` asks the same of the CPU's library GEMM (`torch.mm`, oneDNN or MKL) alone:
 row 0 of `x[:m] @ w.T` for m = 1 … 4096, per dtype, at the embedded model's MLP shape.
@@ -57,6 +58,9 @@ def main() -> None:
     parser.add_argument("--quantized-activations", default="int16", help="int16, int8 or float")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 3, 4, 8, 16, 17, 32])
     parser.add_argument("--library-gemm", action="store_true")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="with --enable-deterministic-inference"
+    )
     args = parser.parse_args()
     if args.library_gemm:
         print(json.dumps({"cpu": cpu_isa().describe(), **library_gemm_regimes()}, indent=2))
@@ -72,6 +76,7 @@ def main() -> None:
         kv_cache_dtype=resolve_kv_cache_dtype("auto", args.dtype, dtype, cpu),
         max_total_tokens=8192,
         max_running_requests=largest + 1,
+        enable_deterministic_inference=args.deterministic,
     )
     prompts = [PROBE] + [[(7 * i + j) % 4000 + 10 for j in range(20 + i)] for i in range(largest)]
     rows = runner.req_to_token_pool.alloc(largest)

@@ -165,6 +165,29 @@ def worker(tiny_llama_dir: Path) -> Iterator[Worker]:
     worker.close()
 
 
+def test_a_deterministic_worker_says_so_in_server_info_and_metrics(tiny_llama_dir: Path):
+    ports = dict(zip(PORT_FIELDS, free_ports(len(PORT_FIELDS))))
+    settings = Settings(
+        model=str(tiny_llama_dir),
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=512,
+        host="127.0.0.1",
+        served_model_name="m",
+        enable_deterministic_inference=True,
+        **ports,
+    )
+    worker = Worker(settings)
+    try:
+        assert worker.server_info()["enable_deterministic_inference"] is True
+        url = f"http://127.0.0.1:{worker.settings.worker_metrics_port}"
+        families = text_string_to_metric_families(httpx2.get(f"{url}/metrics").text)
+        [info] = [s for f in families for s in f.samples if s.name == "radixserve_cpu_info"]
+        assert info.labels["deterministic"] == "true"
+    finally:
+        worker.close()
+
+
 def run(worker: Worker, *reqs: TokenizedGenerateReqInput) -> None:
     for req in reqs:
         worker.handle(req)
