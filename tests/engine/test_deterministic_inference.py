@@ -1,6 +1,6 @@
 """--enable-deterministic-inference on the embedded model (its GGUF blocks, the dtype --dtype
 auto picks for this CPU): one request's tokens and logprobs, greedy and seeded at
-temperature 1, are the same bits alone, among 1-31 neighbours of other lengths and
+temperature 1, are the same bits alone, among 4 or 31 neighbours of other lengths and
 settings, after a radix hit of its prompt, under chunked and mixed prefill at several chunk
 sizes, after retraction, and in both event loops."""
 
@@ -83,7 +83,7 @@ def generate_among(
 
 @pytest.mark.parametrize("name", PARAMS)
 def test_the_probe_repeats_alone_among_neighbours_and_from_the_cache(engine, alone, name):
-    for n in (1, 4, 12, 31):
+    for n in (4, 31):
         probe = generate_among(engine, n, seed=n, params=PARAMS[name])[0]
         assert answer(probe) == alone[name], f"among {n} neighbours"
     assert answer(engine.generate(PROBE, PARAMS[name])[0]) == alone[name]  # a radix hit
@@ -101,10 +101,9 @@ def test_an_unseeded_sampled_request_is_drawn_from_the_server_seed(engine):
     "options",
     [
         {"chunked_prefill_size": 16},
-        {"chunked_prefill_size": 40, "enable_mixed_chunk": True},
-        {"chunked_prefill_size": 64, "disable_overlap_schedule": False},
+        {"chunked_prefill_size": 40, "enable_mixed_chunk": True, "disable_overlap_schedule": False},
     ],
-    ids=["chunk16", "chunk40-mixed", "chunk64-overlap"],
+    ids=["chunk16", "chunk40-mixed-overlap"],
 )
 def test_chunked_prefill_and_the_overlap_loop_give_the_same_bits(alone, options):
     with Engine(enable_deterministic_inference=True, **options) as chunked:
