@@ -8,6 +8,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx2
 import pytest
@@ -146,38 +147,37 @@ def test_cpu_info_labels_what_runs_the_model_and_is_there_before_any_sample():
 # ----- a real Worker ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def worker(tiny_llama_dir: Path) -> Iterator[Worker]:
+def tiny_worker_settings(model: Path, **options: Any) -> Settings:
+    """A worker on free ports serving the tiny model as "m" in float32."""
     ports = dict(zip(PORT_FIELDS, free_ports(len(PORT_FIELDS))))
-    settings = Settings(
-        model=str(tiny_llama_dir),
+    return Settings(
+        model=str(model),
         dtype="float32",
         device="cpu",
-        max_total_tokens=2048,
-        chunked_prefill_size=32,
         host="127.0.0.1",
         served_model_name="m",
-        heartbeat_interval=0.2,
         **ports,
+        **options,
     )
-    worker = Worker(settings)
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_llama_dir: Path) -> Iterator[Worker]:
+    worker = Worker(
+        tiny_worker_settings(
+            tiny_llama_dir, max_total_tokens=2048, chunked_prefill_size=32, heartbeat_interval=0.2
+        )
+    )
     yield worker
     worker.close()
 
 
 def test_a_deterministic_worker_says_so_in_server_info_and_metrics(tiny_llama_dir: Path):
-    ports = dict(zip(PORT_FIELDS, free_ports(len(PORT_FIELDS))))
-    settings = Settings(
-        model=str(tiny_llama_dir),
-        dtype="float32",
-        device="cpu",
-        max_total_tokens=512,
-        host="127.0.0.1",
-        served_model_name="m",
-        enable_deterministic_inference=True,
-        **ports,
+    worker = Worker(
+        tiny_worker_settings(
+            tiny_llama_dir, max_total_tokens=512, enable_deterministic_inference=True
+        )
     )
-    worker = Worker(settings)
     try:
         assert worker.server_info()["enable_deterministic_inference"] is True
         url = f"http://127.0.0.1:{worker.settings.worker_metrics_port}"
