@@ -162,6 +162,8 @@ def _meta(req: Req) -> GenerateMeta:
         input_top_logprobs=list(req.input_top_logprobs)
         if prompt_logprobs and params.prompt_top_logprobs_num
         else None,
+        spec_verify_ct=req.spec_verify_ct,
+        spec_accept_length=req.spec_accept_length,
     )
 
 

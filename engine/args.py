@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from engine import constants
 from engine.cache.evict_policy import EVICTION_POLICIES
+from engine.spec.ngram import NgramConfig
 
 _T = TypeVar("_T")
 
@@ -115,6 +116,47 @@ class EngineArgs:
         "the cache holds: batch-invariant kernels (float activations), and unseeded sampled "
         "requests drawn from --random-seed; docs/operations.md",
     )
+    speculative_algorithm: str | None = _opt(
+        None,
+        "speculative decoding: NGRAM drafts the tokens that followed the request's latest "
+        "tokens in earlier prompts and outputs (a token trie), and the model verifies each "
+        "request's draft tree in one forward pass, lossless; docs/operations.md",
+        choices=constants.SPECULATIVE_ALGORITHMS,
+    )
+    speculative_num_draft_tokens: int = _opt(
+        8,
+        "tokens per request in a verify pass: the last sampled token and up to this many "
+        "minus one drafts (docs/benchmarks/speculative.md sizes it from the verify cost)",
+    )
+    speculative_ngram_min_match_window_size: int = _opt(
+        1, "NGRAM: shortest suffix of a request matched against the trie"
+    )
+    speculative_ngram_max_match_window_size: int = _opt(
+        12, "NGRAM: longest suffix matched (the longest match with continuations drafts first)"
+    )
+    speculative_ngram_min_bfs_breadth: int = _opt(
+        1, "NGRAM BFS: continuations taken per node after the longest match"
+    )
+    speculative_ngram_max_bfs_breadth: int = _opt(
+        10, "NGRAM BFS: continuations taken per node after the shortest match"
+    )
+    speculative_ngram_match_type: str = _opt(
+        "BFS",
+        "NGRAM: BFS expands a match's continuations breadth-first, the most recent first; "
+        "PROB best-first by how often each path followed",
+        choices=("BFS", "PROB"),
+    )
+    speculative_ngram_max_trie_depth: int = _opt(
+        18, "NGRAM: longest n-gram the trie holds (a match plus its drafts)"
+    )
+    speculative_ngram_capacity: int = _opt(
+        1_000_000, "NGRAM: trie nodes kept; past it the least recently extended are dropped"
+    )
+    speculative_adaptive: bool = _opt(
+        True,
+        "a request whose drafts keep being rejected stops drafting for a while (doubling), so "
+        "text that does not repeat itself pays almost nothing for speculation",
+    )
     grammar_backend: str = _opt(
         "xgrammar",
         "structured output backend; none refuses json_schema, regex and ebnf with a 400",
@@ -203,6 +245,25 @@ class EngineArgs:
             )
         self.check_parallel()
         self.lora_entries()
+        if self.speculative_algorithm is not None:
+            self.ngram_config()
+            if self.tp_size > 1:
+                raise ValueError(
+                    "speculative_algorithm runs at tp_size 1: the verify walk's draws are not "
+                    "agreed across tensor-parallel ranks yet"
+                )
+
+    def ngram_config(self) -> NgramConfig:
+        """The `--speculative-ngram-*` options, checked."""
+        return NgramConfig(
+            max_trie_depth=self.speculative_ngram_max_trie_depth,
+            capacity=self.speculative_ngram_capacity,
+            min_match_window_size=self.speculative_ngram_min_match_window_size,
+            max_match_window_size=self.speculative_ngram_max_match_window_size,
+            min_bfs_breadth=self.speculative_ngram_min_bfs_breadth,
+            max_bfs_breadth=self.speculative_ngram_max_bfs_breadth,
+            match_type=self.speculative_ngram_match_type,
+        )
 
     def check_parallel(self) -> None:
         """Refuse a rank layout that cannot start, before any process is spawned."""

@@ -55,3 +55,15 @@ LPM_MAX_QUEUE_LEN: int = _env("LPM_MAX_QUEUE_LEN", 128)
 REASONING_PARSERS = {"deepseek_r1": "</think>", "qwen3": "</think>"}
 """`--reasoning-parser` names (SGLang's and vLLM's), each with the token that ends the
 reasoning section: a grammar constrains only what follows it."""
+
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+"""`--speculative-algorithm` (SGLang's names): NGRAM drafts from a token trie over prompts and
+outputs (engine/spec/ngram.py)."""
+SPEC_ADAPTIVE_MIN_ACCEPT: float = _env("SPEC_ADAPTIVE_MIN_ACCEPT", 0.5)
+"""Adaptive drafting: a request whose recent drafted steps accepted fewer drafted tokens than
+this on average (an exponential average over about 3 steps) stops drafting for a while..."""
+SPEC_ADAPTIVE_WARMUP_STEPS: int = _env("SPEC_ADAPTIVE_WARMUP_STEPS", 4)
+"""...judged only after this many drafted steps..."""
+SPEC_ADAPTIVE_BACKOFF_STEPS: int = _env("SPEC_ADAPTIVE_BACKOFF_STEPS", 16)
+"""...and tries again after this many decode steps, doubling up to 16 times as long each
+time it fails again."""

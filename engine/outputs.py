@@ -31,6 +31,10 @@ class GenerateMeta:
     input_top_logprobs: list[list[tuple[float, int]]] | None = None
     """The likeliest (logprob, token id) at each of those positions ([] at position 0);
     None unless `logprob_start_len` >= 0 and `prompt_top_logprobs_num` were asked."""
+    spec_verify_ct: int = 0
+    """Speculative verify passes the request took part in (SGLang's name; 0 when off)."""
+    spec_accept_length: float = 0.0
+    """Its tokens per verify pass: 1 + the drafted tokens accepted per pass (0 without any)."""
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,16 @@ class ForwardMode(enum.Enum):
     """Each request adds exactly one token."""
     MIXED = enum.auto()
     """Extend requests first, then decode requests riding along (extend_len 1)."""
+    TARGET_VERIFY = enum.auto()
+    """Speculative verification: each request adds its draft tree (`tree_ancestors`), every
+    node at `prefix_len + depth`, attending to the prefix and its own path; every node
+    gets logits."""
 
     def is_decode(self) -> bool:
         return self is ForwardMode.DECODE
+
+    def is_verify(self) -> bool:
+        return self is ForwardMode.TARGET_VERIFY
 
 
 @dataclass
@@ -73,6 +80,9 @@ class ForwardBatch:
     on_layer_end: Callable[[], None] | None = None
     """Called by the model after each layer of a prefill: a long forward shows progress to
     a watchdog that would otherwise see only a turn that has not ended."""
+    tree_ancestors: torch.Tensor | None = None
+    """TARGET_VERIFY: `[num_tokens, max_depth + 1]` int64, row t the batch token of node t's
+    ancestor at each depth (node t itself at its own), -1 past its depth."""
 
     @classmethod
     def from_host(
@@ -85,13 +95,17 @@ class ForwardBatch:
         out_cache_loc: torch.Tensor,
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool: MHATokenToKVPool,
+        tree_depths: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """Lay out per-request host vectors (int64) on the pool's device, positions
         included, in a fixed number of tensor ops whatever the batch size; the vectors stay
-        on the host as the `*_cpu` mirrors."""
+        on the host as the `*_cpu` mirrors. `tree_depths` (TARGET_VERIFY): each token's
+        depth in its request's draft tree, which places it."""
         seq_lens = prefix_lens + extend_lens
         if forward_mode.is_decode():
             positions = prefix_lens
+        elif tree_depths is not None:
+            positions = torch.repeat_interleave(prefix_lens, extend_lens) + tree_depths
         else:
             # Token t of request i sits at prefix_lens[i] + (t - first token of i).
             starts = torch.cumsum(extend_lens, 0) - extend_lens

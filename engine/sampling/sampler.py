@@ -49,14 +49,14 @@ class Sampler(nn.Module):
         else:
             logits = logits.to(torch.float32)
         if info.is_all_greedy:
-            next_token_ids = _argmax_rows(logits)
+            next_token_ids = argmax_rows(logits)
         else:
             # Greedy rows have temperature 1, so their scaled logits are their logits.
-            logits = _scaled(logits, info.temperatures)
+            logits = scaled_logits(logits, info.temperatures)
             probs = torch.softmax(logits, dim=-1)
-            _apply_top_k_top_p_min_p(probs, info)
+            apply_top_k_top_p_min_p(probs, info)
             sampled = _sample_from_probs(probs, info)
-            next_token_ids = torch.where(info.is_greedy, _argmax_rows(logits), sampled)
+            next_token_ids = torch.where(info.is_greedy, argmax_rows(logits), sampled)
         if not info.return_logprob:
             return SamplerOutput(next_token_ids, None, None, None)
         logprobs = torch.log_softmax(logits, dim=-1).nan_to_num_(
@@ -73,7 +73,7 @@ _FLOAT32_MIN = torch.finfo(torch.float32).min
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def _scaled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+def scaled_logits(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """`logits / temperatures`, a new tensor, with +inf clamped to float32's largest value.
 
     Why: a huge logit (the largest bf16 over a small temperature or repetition penalty)
@@ -83,14 +83,14 @@ def _scaled(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     return (logits / temperatures).clamp_(max=_FLOAT32_MAX)
 
 
-def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first largest index, as `argmax(dim=-1)` gives it (ties and NaN alike):
     `max` returns the same index and, on CPU, in a half to a tenth of argmax's time over a
     49k vocabulary."""
     return logits.max(dim=-1).indices
 
 
-def _apply_top_k_top_p_min_p(probs: torch.Tensor, info: SamplingBatchInfo) -> None:
+def apply_top_k_top_p_min_p(probs: torch.Tensor, info: SamplingBatchInfo) -> None:
     """Zero, in place, the probabilities the filters remove.
 
     One sort serves top-k and top-p, and only as wide as it must be (`info.sort_width`): a

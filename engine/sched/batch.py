@@ -15,6 +15,7 @@ from engine.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRows
 from engine.sched.cache_manager import CacheManager, req_row
 from engine.sched.req import Req
 from engine.sched.running_batch import RunningBatch
+from engine.spec.draft_tree import DraftTree
 
 
 @dataclass
@@ -33,6 +34,8 @@ class ScheduleBatch:
     faults: list[tuple[Req, Exception]] = field(default_factory=list)
     """Requests whose grammar raised while masking this batch's row, with the error: the
     scheduler fails each alone when it processes the batch (its sampled token is void)."""
+    trees: list[DraftTree] | None = None
+    """TARGET_VERIFY: each request's draft tree, whose nodes are its rows."""
 
     @property
     def forward_mode(self) -> ForwardMode:
@@ -155,6 +158,68 @@ class ScheduleBatch:
         else:
             sampling_info = decodes.sampling_info()
         return cls(reqs, decodes.ones_list, 0, frozenset(), forward_batch, sampling_info, faults)
+
+    @classmethod
+    def verify(
+        cls,
+        decodes: RunningBatch,
+        trees: list[DraftTree],
+        cache_manager: CacheManager,
+        token_to_kv_pool: MHATokenToKVPool,
+        eos_token_ids: Collection[int],
+    ) -> ScheduleBatch:
+        """A verify step of every running request: its draft tree's nodes as new tokens,
+        node 0 (the last sampled token, known here: nothing is in flight) where a decode
+        step's input would be. The slots are taken for every node but not written into
+        the requests' rows: which of them a request keeps is known only after the pass
+        (`CacheManager.keep_verified`)."""
+        reqs = decodes.reqs
+        sizes = [len(tree) for tree in trees]
+        depths = _ints([depth for tree in trees for depth in tree.depths])
+        device = token_to_kv_pool.device
+        forward_batch = ForwardBatch.from_host(
+            ForwardMode.TARGET_VERIFY,
+            _ints([token for tree in trees for token in tree.tokens]),
+            decodes.req_pool_indices,
+            decodes.seq_lens,
+            _ints(sizes),
+            cache_manager.alloc_slots(sum(sizes)),
+            cache_manager.req_to_token_pool,
+            token_to_kv_pool,
+            tree_depths=depths,
+        )
+        forward_batch.tree_ancestors = _ancestor_table(trees).to(device, non_blocking=True)
+        token_req = torch.repeat_interleave(torch.arange(len(reqs)), _ints(sizes))
+        rows = decodes.sampling_rows.select(token_req)
+        sampling_info = SamplingBatchInfo.from_rows(rows, decodes.vocab_size, device)
+        faults: list[tuple[Req, Exception]] = []
+        if decodes.num_req_state:  # only requests without drafts have any (`DraftManager`)
+            row_reqs = [req for req, size in zip(reqs, sizes) for _ in range(size)]
+            if bool(rows.needs_req_state.any()):
+                sampling_info.add_req_state(row_reqs, rows, eos_token_ids)
+                seeded = sampling_info.seeded_rows
+                if seeded is not None and sampling_info.seed_steps is not None:
+                    # A node at depth d samples the output token n + d, if accepted.
+                    offsets = depths.index_select(0, seeded.cpu()).to(device)
+                    sampling_info.seed_steps = sampling_info.seed_steps + offsets
+            sampling_info.vocab_mask, faults = build_vocab_mask(
+                row_reqs, frozenset(), decodes.vocab_size, device
+            )
+        return cls(reqs, sizes, 0, frozenset(), forward_batch, sampling_info, faults, trees)
+
+
+def _ancestor_table(trees: list[DraftTree]) -> torch.Tensor:
+    """`[nodes, max depth + 1]`: for each node of the batch, the batch row of its ancestor
+    at each depth (itself at its own), -1 deeper."""
+    width = max(max(tree.depths) for tree in trees) + 1
+    table: list[list[int]] = []
+    start = 0
+    for tree in trees:
+        for node in range(len(tree)):
+            path = [start + n for n in tree.path(node)]
+            table.append(path + [-1] * (width - len(path)))
+        start += len(tree)
+    return torch.tensor(table, dtype=torch.int64)
 
 
 def _ints(values: list[int]) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 from engine.model.forward_batch import PromptLogprobsInput
 from engine.model.layers.logits_processor import LogitsProcessorOutput
 from engine.sampling.sampler import SamplerOutput
+from engine.spec.verify import VerifyOutput
 
 T = TypeVar("T")
 
@@ -31,6 +32,9 @@ class BatchResult(NamedTuple):
     `PromptLogprobsInput`); None when no request has any."""
     input_top_logprobs: list[list[list[tuple[float, int]]]] | None = None
     """Per request, per one of those rows, the likeliest (logprob, token id)."""
+    verify: VerifyOutput | None = None
+    """A verify batch's accepted tokens and paths (`next_token_ids` is each request's last
+    token)."""
 
 
 class PendingResult:
@@ -39,10 +43,11 @@ class PendingResult:
     def __init__(
         self,
         sampled: SamplerOutput,
-        logits_output: LogitsProcessorOutput,
+        logits_output: LogitsProcessorOutput | None,
         prompt_logprobs: PromptLogprobsInput | None,
         started: float,
         start_event: torch.cuda.Event | None = None,
+        verify: VerifyOutput | None = None,
     ) -> None:
         self.next_token_ids = _to_host(sampled.next_token_ids)
         self.logprobs = _maybe_to_host(sampled.next_token_logprobs)
@@ -50,7 +55,8 @@ class PendingResult:
         self.top_ids = _maybe_to_host(sampled.next_token_top_logprobs_idx)
         self.rows_per_req = None if prompt_logprobs is None else prompt_logprobs.rows_per_req
         self.input_logprobs = self.input_top_values = self.input_top_ids = None
-        if self.rows_per_req is not None:
+        self.verify = verify
+        if self.rows_per_req is not None and logits_output is not None:
             self.input_logprobs = _maybe_to_host(logits_output.input_token_logprobs)
             self.input_top_values = _maybe_to_host(logits_output.input_top_logprobs_val)
             self.input_top_ids = _maybe_to_host(logits_output.input_top_logprobs_idx)
@@ -83,6 +89,7 @@ class PendingResult:
             top,
             input_logprobs,
             input_top,
+            self.verify,
         )
 
     def forward_seconds(self) -> float:

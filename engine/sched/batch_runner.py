@@ -17,6 +17,7 @@ from engine.sched.batch import ScheduleBatch
 from engine.sched.batch_result import PendingResult
 from engine.sched.forward_thread import ForwardThread
 from engine.sched.future_map import FutureMap
+from engine.spec.verify import walk_trees
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -62,6 +63,8 @@ class BatchRunner:
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
         forward_batch = batch.forward_batch
+        if batch.trees is not None:
+            return self._verify(batch, started)
         if on_progress is not None and not forward_batch.forward_mode.is_decode():
             forward_batch.on_layer_end = on_progress
         if self.future_map.debug:  # its poison check syncs: not for a graph
@@ -77,6 +80,21 @@ class BatchRunner:
         self.future_map.store(forward_batch.req_pool_indices, out.next_token_ids)
         return PendingResult(
             out, logits_output, forward_batch.prompt_logprobs, started, start_event
+        )
+
+    def _verify(self, batch: ScheduleBatch, started: float) -> PendingResult:
+        """The target's draw at every draft-tree node, and each request's walk of its tree
+        (`walk_trees`). The step's last token of each request goes to the FutureMap, as a
+        decode step's token would, for a later batch that rides it as a future."""
+        assert batch.trees is not None, "a verify batch"
+        forward_batch = batch.forward_batch
+        logits_output = self.model_runner.forward_output(forward_batch)
+        sampled = self.sampler(logits_output.next_token_logits, batch.sampling_info)
+        verify = walk_trees(batch.trees, sampled)
+        last = torch.tensor([tokens[-1] for tokens in verify.tokens], device=self.device)
+        self.future_map.store(forward_batch.req_pool_indices, last)
+        return PendingResult(
+            SamplerOutput(last, None, None, None), None, None, started, verify=verify
         )
 
     def launch(

@@ -130,6 +130,19 @@ class CacheManager:
             for req, extend_len in zip(reqs, forward_batch.extend_lens_cpu):
                 req.kv_allocated_len += extend_len
 
+    def keep_verified(self, req: Req, slots: torch.Tensor) -> None:
+        """A verify pass wrote K/V for the request's accepted path, root first, at `slots`:
+        they become its next positions, written and committed (no copy: the row points at
+        them where the pass wrote them)."""
+        start = req.kv_allocated_len
+        self.req_to_token_pool.write(req_row(req), start, slots)
+        req.kv_allocated_len = start + len(slots)
+        req.kv_committed_len += len(slots)
+
+    def free_slots(self, slots: torch.Tensor) -> None:
+        """Return slots no request or cache holds: a verify pass's rejected drafts."""
+        self.allocator.free(slots)
+
     def commit(self, req: Req, num_tokens: int) -> None:
         """The forward pass wrote K/V for the request's next `num_tokens` allocated slots."""
         req.kv_committed_len += num_tokens

@@ -15,6 +15,7 @@ from engine.sched.finish_reason import FinishReason
 if TYPE_CHECKING:
     from engine.cache.base_prefix_cache import CacheHandle
     from engine.grammar import GrammarMatcher, PendingGrammar, ReasoningGrammarMatcher
+    from engine.sched.draft_manager import DraftState
 
 
 class OutputRead(NamedTuple):
@@ -114,6 +115,12 @@ class Req:
     output was last read (`read_output`)."""
     output_read: int = 0
     """Output ids the reader of the output (the worker, or the offline stream) has taken."""
+    draft_state: DraftState | None = None
+    """Its speculative drafting state (engine/sched/draft_manager.py owns it)."""
+    spec_verify_ct: int = 0
+    """Verify passes it took part in (SGLang's meta_info name)."""
+    spec_accepted_drafts: int = 0
+    """Drafted tokens those passes accepted (and the request kept)."""
 
     @classmethod
     def of(cls, spec: ReqSpec) -> Req:
@@ -151,6 +158,13 @@ class Req:
         """It asks for prompt logprobs and has them all (an abort mid-prefill leaves them
         part-done: those are never reported)."""
         return self.sampling_params.logprob_start_len >= 0 and not self.prompt_logprobs_pending
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens per verify pass it took part in (SGLang's meta_info name); 0 without any."""
+        if not self.spec_verify_ct:
+            return 0.0
+        return 1.0 + self.spec_accepted_drafts / self.spec_verify_ct
 
     def read_output(self) -> OutputRead:
         """What of the output is new since the last read, for its one reader: the ids from

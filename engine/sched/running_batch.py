@@ -119,6 +119,10 @@ class RunningBatch:
         batch)."""
         self.seq_lens = self.seq_lens + 1
 
+    def resync_lens(self) -> None:
+        """A verify batch gave each request as many KV slots as it accepted tokens."""
+        self.seq_lens = _ints([r.kv_allocated_len for r in self.reqs])
+
     # ----- checking ---------------------------------------------------------------------
 
     def check_consistent(self) -> None:

@@ -30,12 +30,14 @@ from engine.args import EngineArgs
 from engine.detokenize import StopStringMatcher
 from engine.distributed import get_tp_group
 from engine.grammar import GrammarBackend
+from engine.model.attention.torch_backend import TorchAttnBackend
 from engine.sched.batch import ScheduleBatch
 from engine.sched.batch_result import BatchResult, PendingResult
 from engine.sched.batch_runner import BatchRunner
 from engine.sched.cache_manager import CacheManager
 from engine.sched.chunk_size import resolve_chunked_prefill_size
 from engine.sched.decode_manager import DecodeManager
+from engine.sched.draft_manager import DraftManager
 from engine.sched.grammar_queue import GrammarQueue
 from engine.sched.lora_slots import LoRASlots
 from engine.sched.output_processor import OutputProcessor
@@ -54,6 +56,7 @@ from engine.sched.tp_sync import (
     LoadLoRA,
     UnloadLoRA,
 )
+from engine.spec.draft_tree import DraftTree
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -131,6 +134,20 @@ class Scheduler:
         self.in_flight: tuple[ScheduleBatch, Future[PendingResult]] | None = None
         self.input_sync = InputSync(self.tp_group) if self.tp_group.size > 1 else None
         """At TP > 1: rank 0 broadcasts each turn's inputs, the other ranks apply them."""
+        self.drafts: DraftManager | None = None
+        """Speculative decoding's drafter (`--speculative-algorithm`), None when off."""
+        if args.speculative_algorithm is not None:
+            if not isinstance(model_runner.attn_backend, TorchAttnBackend):
+                raise ValueError(
+                    "speculative_algorithm verifies draft trees with the torch attention "
+                    "backend only: pass attention_backend torch"
+                )
+            self.drafts = DraftManager(
+                args.ngram_config(),
+                args.speculative_num_draft_tokens,
+                self.context_len,
+                args.speculative_adaptive,
+            )
         self.lora = LoRASlots(model_runner.lora_manager, args, self.device)
         self.prefill = PrefillManager(
             args,
@@ -347,6 +364,10 @@ class Scheduler:
             )
         processed = self.output_processor.process_batch_result(batch, result)
         self.running.remove(processed.leaving)
+        if result.verify is not None:
+            assert self.drafts is not None and batch.trees is not None, "a verify batch"
+            self.running.resync_lens()
+            self.drafts.on_verified(batch.reqs, batch.trees, result.verify)
         for req in processed.requeued:
             self.prefill.waiting.insert(0, req)
         if any(req.finished for req in self.prefill.chunked()):  # failed mid-prompt
@@ -390,13 +411,39 @@ class Scheduler:
 
     def update_running_batch(self) -> ScheduleBatch | None:
         """A decode step for every running request, once there is room for it (the
-        requests a retraction sends back queue first)."""
+        requests a retraction sends back queue first); with speculative decoding, a verify
+        step of their drafts where any request drafts, in the room left."""
+        if self.drafts is not None:
+            self.resolve_in_flight()  # drafts continue the tokens the last batch sampled
         retracted = self.decode.make_room(self.resolve_in_flight)
         if retracted is not None:
             self.prefill.waiting[:0] = retracted.retracted
             if retracted.aborted is not None:
                 self.output_processor.outputs.append(retracted.aborted)
-        return self._prepare([], with_decodes=True) if self.running else None
+        if not self.running:
+            return None
+        if self.drafts is not None:
+            tree_cache = self.cache_manager.tree_cache
+            room = self.cache_manager.allocator.available_size() + tree_cache.evictable_size()
+            trees = self.drafts.propose(self.running.reqs, room - len(self.running))
+            if trees is not None:
+                return self._prepare_verify(trees)
+        return self._prepare([], with_decodes=True)
+
+    def _prepare_verify(self, trees: list[DraftTree]) -> ScheduleBatch:
+        """The verify batch of the running requests' draft trees (nothing is in flight)."""
+        batch = ScheduleBatch.verify(
+            self.running,
+            trees,
+            self.cache_manager,
+            self.model_runner.token_to_kv_pool,
+            self.model_config.eos_token_ids,
+        )
+        if self.lora.manager is not None:
+            batch.forward_batch.lora_slots = self.lora.slot_ids(batch)
+        modes = self.stats.forward_modes
+        modes["target_verify"] = modes.get("target_verify", 0) + 1
+        return batch
 
     def _prepare(self, extend_reqs: list[Req], with_decodes: bool) -> ScheduleBatch | None:
         """The batch of `extend_reqs` and, `with_decodes`, a decode step of the running batch."""

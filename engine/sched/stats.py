@@ -45,7 +45,23 @@ class SchedulerStats:
     jump_forwards: int = 0
     jump_forward_tokens: int = 0
     """Output tokens taken from grammar-forced text: each is a decode pass saved."""
+    spec_verify_steps: int = 0
+    """Request-steps of verify batches: each request in each verify pass."""
+    spec_proposed_tokens: int = 0
+    """Drafted tokens verified."""
+    spec_accepted_tokens: int = 0
+    """Drafted tokens accepted and kept (a step's last token, sampled by the target, is not
+    one of them)."""
+    spec_accept_lengths: dict[int, int] = field(default_factory=dict)
+    """Tokens a request took from one verify pass (1 + drafts accepted) → how often."""
     observer: SchedulerObserver | None = field(default=None, repr=False, compare=False)
+
+    def count_verified(self, proposed: int, taken: int) -> None:
+        """A request proposed `proposed` drafts and took `taken` tokens from a verify pass."""
+        self.spec_verify_steps += 1
+        self.spec_proposed_tokens += proposed
+        self.spec_accepted_tokens += taken - 1
+        self.spec_accept_lengths[taken] = self.spec_accept_lengths.get(taken, 0) + 1
 
     def count_retracted(self, reqs: list[Req]) -> None:
         self.num_retractions += len(reqs)

@@ -139,6 +139,9 @@ class TorchAttnBackend(AttentionBackend):
             )
             self.forward_metadata = ForwardMetadata([], group)
             return
+        if fb.forward_mode.is_verify():
+            self.forward_metadata = ForwardMetadata([], self._tree_group(fb))
+            return
         if self.batch_invariant:
             self.forward_metadata = ForwardMetadata([], self._token_group(fb))
             return
@@ -186,6 +189,35 @@ class TorchAttnBackend(AttentionBackend):
         )
         slots.index_put_((token_req, fb.positions), fb.out_cache_loc.long())
         return DecodeGroup(None, slots, fb.positions + 1, None, max_seq_len, token_req)
+
+    def _tree_group(self, fb: ForwardBatch) -> DecodeGroup:
+        """Every node of a verify batch's draft trees as one row of the decode group, with
+        a row of slots of its own: its request's prefix, then the slots of its path from
+        the root (`tree_ancestors`) at the positions they take if accepted. A node thus
+        attends exactly as a decode step at its position would, over the same keys in the
+        same order: siblings and their subtrees stay out of sight."""
+        assert fb.tree_ancestors is not None, "a verify batch carries its trees"
+        max_seq_len = max(fb.seq_lens_cpu)
+        token_req = torch.repeat_interleave(
+            torch.arange(fb.batch_size, device=self.device),
+            fb.extend_lens,
+            output_size=len(fb.out_cache_loc),
+        )
+        table = fb.req_to_token_pool.req_to_token[:, :max_seq_len]
+        slots = table.index_select(0, fb.req_pool_indices.index_select(0, token_req)).long()
+        ancestors = fb.tree_ancestors
+        token, depth = (ancestors >= 0).nonzero(as_tuple=True)
+        column = fb.prefix_lens.index_select(0, token_req.index_select(0, token)) + depth
+        path = fb.out_cache_loc.index_select(0, ancestors[token, depth]).long()
+        slots.index_put_((token, column), path)
+        return group_over_slots(
+            slots,
+            fb.positions + 1,
+            max_seq_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.cpu_kernel,
+        )
 
     def _extend_group(self, fb: ForwardBatch, extend_seqs: list[ExtendSeq]) -> ExtendGroup:
         extend_lens = [seq.end - seq.start for seq in extend_seqs]
@@ -388,9 +420,25 @@ def decode_group(
     slot): the kernel stops at the length, the torch ops' bias hides them. For the torch
     ops each slot then becomes its `num_kv_heads` rows of the pool. Static shapes only, so
     a graph can replay it."""
-    device = req_to_token.device
     slots = req_to_token[:, :max_seq_len].index_select(0, req_pool_indices).long()
     slots.scatter_(1, (seq_lens - 1)[:, None], out_cache_loc[:, None])
+    return group_over_slots(
+        slots, seq_lens, max_seq_len, num_heads, num_kv_heads, cpu_kernel, token_indices
+    )
+
+
+def group_over_slots(
+    slots: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    cpu_kernel: bool,
+    token_indices: torch.Tensor | None = None,
+) -> DecodeGroup:
+    """One-token queries over rows of slots, query r reading the first `seq_lens[r]` of
+    row r: as the C++ kernel reads them, or with the torch ops' gather rows and padding."""
+    device = slots.device
     if cpu_kernel:
         return DecodeGroup(token_indices, slots, seq_lens, None, max_seq_len)
     heads = torch.arange(num_kv_heads, device=device)

@@ -22,7 +22,8 @@ class LogitsProcessorOutput(NamedTuple):
     """What the model's forward returns (SGLang's name)."""
 
     next_token_logits: torch.Tensor
-    """[batch, vocab]: one row per request, for the position it samples next."""
+    """[batch, vocab]: one row per request, for the position it samples next (TARGET_VERIFY:
+    one row per draft-tree node)."""
     input_token_logprobs: torch.Tensor | None = None
     """[N], in the logits' dtype: the logprob of the prompt token after each row of
     `forward_batch.prompt_logprobs` (None when it is None)."""
@@ -34,9 +35,9 @@ class LogitsProcessorOutput(NamedTuple):
 
 class LogitsProcessor(nn.Module):
     """Projects only the positions that get sampled: the last new token of each extend
-    request and every decode token, plus the rows `forward_batch.prompt_logprobs` asks for.
-    Logits come out in at least float32, whatever the model's dtype, because the sampler's
-    softmax and penalties want the precision."""
+    request, every decode token and every draft-tree node, plus the rows
+    `forward_batch.prompt_logprobs` asks for. Logits come out in at least float32, whatever
+    the model's dtype, because the sampler's softmax and penalties want the precision."""
 
     packed_lm_head: torch.Tensor | None = None
     batch_invariant = False
@@ -55,7 +56,8 @@ class LogitsProcessor(nn.Module):
         forward_batch: ForwardBatch,
     ) -> LogitsProcessorOutput:
         last = hidden_states
-        if not forward_batch.forward_mode.is_decode():
+        mode = forward_batch.forward_mode
+        if not (mode.is_decode() or mode.is_verify()):
             last = hidden_states.index_select(0, torch.cumsum(forward_batch.extend_lens, 0) - 1)
         logits = self._project(last, lm_head)
         spec = forward_batch.prompt_logprobs

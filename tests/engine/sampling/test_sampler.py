@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.sampling import sampler
-from engine.sampling.sampler import Sampler, SamplerOutput, _apply_top_k_top_p_min_p, seeded_uniform
+from engine.sampling.sampler import Sampler, SamplerOutput, apply_top_k_top_p_min_p, seeded_uniform
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.sampling.sampling_params import (
     MAX_TEMPERATURE,
@@ -175,7 +175,7 @@ def test_top_p_one_keeps_a_tail_that_float_rounding_absorbs(make_info: MakeInfo)
     vocab_size = 100_000
     probs = torch.full((2, vocab_size), 2e-8)
     probs[:, 0] = 1 - (vocab_size - 1) * 2e-8
-    _apply_top_k_top_p_min_p(
+    apply_top_k_top_p_min_p(
         probs, make_info([SamplingParams(), SamplingParams(top_p=0.5)], vocab_size)
     )
     assert bool((probs[0] > 0).all())

@@ -1,0 +1,120 @@
+"""The drafting side of speculative decoding: each decode step, which running requests
+draft and their draft trees (NGRAM), within the KV room there is; and the adaptive
+off-switch, which stops a request drafting while its drafts keep being rejected.
+
+A draft needs the tokens the last step sampled, so the scheduler hands this manager the
+running requests once nothing of theirs is in flight. When no request drafts anything the
+step is a plain decode batch (its fast path, its CUDA graph); otherwise every running
+request joins one verify batch, a request without drafts as a tree of its root alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine import constants
+from engine.sched.req import Req
+from engine.spec.draft_tree import DraftTree
+from engine.spec.ngram import NgramConfig, NgramState, NgramTrie
+from engine.spec.verify import VerifyOutput
+
+_EMA_WEIGHT = 0.3
+
+
+@dataclass
+class DraftState:
+    """One request's drafting state (`Req.draft_state`, written here only)."""
+
+    ngram: NgramState = field(default_factory=NgramState)
+    recent_accepted: float = 1.0
+    """Exponential average of the drafted tokens its drafted steps accepted."""
+    drafted_steps: int = 0
+    """Drafted steps since it last (re)started drafting."""
+    paused_until: int = 0
+    """The decode step it drafts again from."""
+    backoff: int = constants.SPEC_ADAPTIVE_BACKOFF_STEPS
+
+
+class DraftManager:
+    def __init__(
+        self, config: NgramConfig, num_draft_tokens: int, context_len: int, adaptive: bool
+    ) -> None:
+        if num_draft_tokens < 2:
+            raise ValueError(
+                "speculative_num_draft_tokens counts the tree's root (the last sampled token) "
+                f"and its drafts: it must be >= 2, got {num_draft_tokens}"
+            )
+        self.trie = NgramTrie(config)
+        self.budget = num_draft_tokens - 1
+        """Drafted tokens per request and step, at most."""
+        self.context_len = context_len
+        self.adaptive = adaptive
+        self.step = 0
+
+    def propose(self, reqs: list[Req], room: int) -> list[DraftTree] | None:
+        """Each request's draft tree for this step, `room` drafted tokens in all at most;
+        None when nobody drafts (the step is then a plain decode). Every request's new
+        tokens go into the trie first, drafting or not."""
+        self.step += 1
+        trees, drafted = [], 0
+        for req in reqs:
+            state = req.draft_state
+            if state is None:
+                state = req.draft_state = DraftState()
+            tokens = req.all_token_ids()
+            if state.ngram.fed > len(tokens):  # a jump-forward replaced output tokens
+                state.ngram = NgramState(fed=len(tokens))
+            self.trie.feed(state.ngram, tokens[state.ngram.fed :])
+            budget = min(self.budget, room - drafted, self._depth_left(req))
+            if budget <= 0 or not self._drafts(req, state):
+                trees.append(DraftTree.root(tokens[-1]))
+                continue
+            tree = self.trie.draft(state.ngram, tokens[-1], budget, budget)
+            drafted += tree.num_drafts
+            trees.append(tree)
+        return trees if drafted else None
+
+    def on_verified(self, reqs: list[Req], trees: list[DraftTree], verify: VerifyOutput) -> None:
+        """Adaptive drafting: each drafted request's acceptance this step updates its
+        average; a request below `SPEC_ADAPTIVE_MIN_ACCEPT` after the warm-up pauses for
+        its back-off, which doubles each time (up to 16x) and resets once drafts pay."""
+        if not self.adaptive:
+            return
+        for req, tree, tokens in zip(reqs, trees, verify.tokens):
+            state = req.draft_state
+            if state is None or not tree.num_drafts:
+                continue
+            accepted = len(tokens) - 1
+            state.recent_accepted += _EMA_WEIGHT * (accepted - state.recent_accepted)
+            state.drafted_steps += 1
+            if state.drafted_steps < constants.SPEC_ADAPTIVE_WARMUP_STEPS:
+                continue
+            if state.recent_accepted < constants.SPEC_ADAPTIVE_MIN_ACCEPT:
+                state.paused_until = self.step + state.backoff
+                state.backoff = min(state.backoff * 2, constants.SPEC_ADAPTIVE_BACKOFF_STEPS * 16)
+                state.drafted_steps, state.recent_accepted = 0, 1.0
+            else:
+                state.backoff = constants.SPEC_ADAPTIVE_BACKOFF_STEPS
+
+    def _drafts(self, req: Req, state: DraftState) -> bool:
+        """Whether `req` drafts this step. Not while paused; not under a grammar, penalties,
+        logit_bias or min_new_tokens, whose masks and biases depend on the tokens before
+        each position (such a request decodes one token per step in the verify batch)."""
+        params = req.sampling_params
+        return (
+            state.paused_until <= self.step
+            and req.grammar is None
+            and not (
+                params.frequency_penalty
+                or params.presence_penalty
+                or params.repetition_penalty != 1.0
+                or params.logit_bias
+                or len(req.output_ids) < params.min_new_tokens
+            )
+        )
+
+    def _depth_left(self, req: Req) -> int:
+        """Drafts past the request's last token are wasted: a step also samples one more."""
+        by_length = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
+        by_context = self.context_len - req.seqlen - 1
+        return min(by_length, by_context)
