@@ -2,7 +2,7 @@
 auto picks for this CPU): one request's tokens and logprobs, greedy and seeded at
 temperature 1, are the same bits alone, among 4 or 31 neighbours of other lengths and
 settings, after a radix hit of its prompt, under chunked and mixed prefill at several chunk
-sizes, after retraction, and in both event loops."""
+sizes, after retraction, in both event loops, and with speculative decoding."""
 
 from __future__ import annotations
 
@@ -110,6 +110,22 @@ def test_chunked_prefill_and_the_overlap_loop_give_the_same_bits(alone, options)
         for name in ("greedy", "seeded"):
             probe = generate_among(chunked, 5, seed=11, params=PARAMS[name])[0]
             assert answer(probe) == alone[name]
+
+
+def test_speculative_decoding_gives_the_same_bits(alone):
+    """NGRAM drafts verified in one pass: each node reduces as a decode step at its position
+    does, and every row is sampled as that step would sample it, so greedy, seeded and
+    grammar-constrained probes keep their ids and logprobs bit for bit; the second round
+    drafts from the first round's outputs, which the target accepts."""
+    with Engine(
+        enable_deterministic_inference=True, speculative_algorithm="NGRAM", max_total_tokens=16384
+    ) as spec:
+        for round in range(2):
+            for name in PARAMS:
+                probe = generate_among(spec, 4, seed=round, params=PARAMS[name])[0]
+                assert answer(probe) == alone[name], f"round {round}"
+        stats = spec.scheduler.stats
+        assert stats.spec_accepted_tokens > stats.generation_tokens // 10
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -147,6 +147,32 @@ def test_retraction_keeps_each_adapters_tokens(
         assert kv_idle_and_whole(engine)
 
 
+def test_speculative_drafts_are_verified_under_each_requests_adapter(
+    tiny_model_dir: Path,
+    adapters: dict[str, Path],
+    reference: Reference,
+):
+    """NGRAM drafts in a batch mixing three adapters and the base model: each request's
+    tokens are its adapter's greedy tokens (peft's), the first time and the second, when the
+    trie drafts the first run's outputs and the target accepts them."""
+    paths = " ".join(f"{name}={path}" for name, path in adapters.items())
+    with Engine(
+        str(tiny_model_dir),
+        dtype="float32",
+        lora_paths=paths,
+        speculative_algorithm="NGRAM",
+        **OPTIONS,
+    ) as engine:
+        prompts = [prompt(20 + i, 12) for i in range(8)]
+        names = MIXED * 2
+        for _ in range(2):
+            results = engine.generate(prompts, {**GREEDY, "max_new_tokens": 16}, lora_name=names)
+            for name, ids, result in zip(names, prompts, results):
+                assert result.output_ids == greedy(reference, name, ids, 16), name
+        assert engine.scheduler.stats.spec_accepted_tokens > 8 * 16 // 3
+        assert kv_idle_and_whole(engine)
+
+
 Record = tuple[Req, int, torch.Tensor]
 """(request, context length, the logits for the token at that position)."""
 
