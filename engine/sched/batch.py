@@ -16,6 +16,7 @@ from engine.sched.cache_manager import CacheManager, req_row
 from engine.sched.req import Req
 from engine.sched.running_batch import RunningBatch
 from engine.spec.draft_tree import DraftTree
+from engine.spec.grammar import fill_tree_masks
 
 
 @dataclass
@@ -202,8 +203,8 @@ class ScheduleBatch:
                     # A node at depth d samples the output token n + d, if accepted.
                     offsets = depths.index_select(0, seeded.cpu()).to(device)
                     sampling_info.seed_steps = sampling_info.seed_steps + offsets
-            sampling_info.vocab_mask, faults = build_vocab_mask(
-                row_reqs, frozenset(), decodes.vocab_size, device
+            sampling_info.vocab_mask, faults = build_tree_vocab_mask(
+                reqs, trees, decodes.vocab_size, device
             )
         return cls(reqs, sizes, 0, frozenset(), forward_batch, sampling_info, faults, trees)
 
@@ -265,6 +266,28 @@ def prompt_logprobs_input(
         top_k,
         rows_per_req,
     )
+
+
+def build_tree_vocab_mask(
+    reqs: list[Req], trees: list[DraftTree], vocab_size: int, device: torch.device
+) -> VocabMask:
+    """`build_vocab_mask` for a verify batch: each grammar request's rows are its tree's
+    nodes, each masked with the grammar's state after the node's path."""
+    if all(r.grammar is None for r in reqs):
+        return VocabMask(None, [])
+    vocab_mask = allocate_vocab_mask(sum(len(tree) for tree in trees), vocab_size)
+    faults: list[tuple[Req, Exception]] = []
+    start = 0
+    for req, tree in zip(reqs, trees):
+        grammar = req.grammar
+        if grammar is not None:
+            try:
+                fill_tree_masks(tree, grammar, vocab_mask, start)
+            except Exception as e:
+                vocab_mask[start : start + len(tree)] = -1
+                faults.append((req, e))
+        start += len(tree)
+    return VocabMask(vocab_mask.to(device, non_blocking=True), faults)
 
 
 class VocabMask(NamedTuple):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from engine import constants
 from engine.sched.req import Req
 from engine.spec.draft_tree import DraftTree
+from engine.spec.grammar import constrain
 from engine.spec.ngram import NgramConfig, NgramState, NgramTrie
 from engine.spec.verify import VerifyOutput
 
@@ -70,6 +71,8 @@ class DraftManager:
                 trees.append(DraftTree.root(tokens[-1]))
                 continue
             tree = self.trie.draft(state.ngram, tokens[-1], budget, budget)
+            if req.grammar is not None:
+                tree = constrain(tree, req.grammar)
             drafted += tree.num_drafts
             trees.append(tree)
         return trees if drafted else None
@@ -97,20 +100,17 @@ class DraftManager:
                 state.backoff = constants.SPEC_ADAPTIVE_BACKOFF_STEPS
 
     def _drafts(self, req: Req, state: DraftState) -> bool:
-        """Whether `req` drafts this step. Not while paused; not under a grammar, penalties,
-        logit_bias or min_new_tokens, whose masks and biases depend on the tokens before
-        each position (such a request decodes one token per step in the verify batch)."""
+        """Whether `req` drafts this step. Not while paused; not under penalties, logit_bias
+        or min_new_tokens, whose biases depend on the tokens before each position (such a
+        request decodes one token per step in the verify batch). A grammar's drafts are
+        filtered and masked per node (engine/spec/grammar.py)."""
         params = req.sampling_params
-        return (
-            state.paused_until <= self.step
-            and req.grammar is None
-            and not (
-                params.frequency_penalty
-                or params.presence_penalty
-                or params.repetition_penalty != 1.0
-                or params.logit_bias
-                or len(req.output_ids) < params.min_new_tokens
-            )
+        return state.paused_until <= self.step and not (
+            params.frequency_penalty
+            or params.presence_penalty
+            or params.repetition_penalty != 1.0
+            or params.logit_bias
+            or len(req.output_ids) < params.min_new_tokens
         )
 
     def _depth_left(self, req: Req) -> int:

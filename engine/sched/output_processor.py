@@ -198,10 +198,10 @@ class OutputProcessor:
     def _take_verified(
         self, req: Req, verify: VerifyOutput, i: int, processed: Processed
     ) -> tuple[int, FinishReason | None]:
-        """Append row `i`'s accepted tokens but the last, checking the stops after each;
-        the last is appended too and left to `_after_token` (its grammar, jump-forward,
-        sending). (How many were appended, why the request ends if it ends before the last.)
-        Only a request without a grammar drafts, so the tokens before the last advance none."""
+        """Append row `i`'s accepted tokens but the last, advancing the grammar and checking
+        the stops after each; the last is appended too and left to `_after_token` (its
+        grammar, jump-forward, sending). (How many were appended, why the request ends if
+        it ends before the last.)"""
         tokens = verify.tokens[i]
         for k, token in enumerate(tokens[:-1]):
             req.output_ids.append(token)

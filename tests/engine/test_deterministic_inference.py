@@ -6,6 +6,7 @@ sizes, after retraction, in both event loops, and with speculative decoding."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -112,11 +113,26 @@ def test_chunked_prefill_and_the_overlap_loop_give_the_same_bits(alone, options)
             assert answer(probe) == alone[name]
 
 
-def test_speculative_decoding_gives_the_same_bits(alone):
+EXTRACT = (
+    "Extract the person from this sentence as JSON with the keys name and city. "
+    "Sentence: Margaret Hamilton, who lived in Boston, wrote the onboard flight software."
+)
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "city": {"type": "string"}},
+    "required": ["name", "city"],
+}
+
+
+def test_speculative_decoding_gives_the_same_bits(engine, alone):
     """NGRAM drafts verified in one pass: each node reduces as a decode step at its position
-    does, and every row is sampled as that step would sample it, so greedy, seeded and
-    grammar-constrained probes keep their ids and logprobs bit for bit; the second round
-    drafts from the first round's outputs, which the target accepts."""
+    does, and every row is sampled as that step would sample it, so greedy, seeded, regex
+    and json_schema requests keep their ids and logprobs bit for bit (a grammar's drafts
+    filtered and masked node by node); the second round drafts from the first round's
+    outputs, which the target accepts."""
+    extract = {**ASK, "temperature": 0.0, "max_new_tokens": 40, "json_schema": json.dumps(PERSON)}
+    extract.pop("ignore_eos")
+    plain_json = answer(engine.generate(EXTRACT, extract)[0])
     with Engine(
         enable_deterministic_inference=True, speculative_algorithm="NGRAM", max_total_tokens=16384
     ) as spec:
@@ -124,6 +140,9 @@ def test_speculative_decoding_gives_the_same_bits(alone):
             for name in PARAMS:
                 probe = generate_among(spec, 4, seed=round, params=PARAMS[name])[0]
                 assert answer(probe) == alone[name], f"round {round}"
+            result = spec.generate(EXTRACT, extract)[0]
+            assert answer(result) == plain_json, f"round {round}"
+        assert result.meta.spec_accept_length > 2.0  # the grammar request drafted too
         stats = spec.scheduler.stats
         assert stats.spec_accepted_tokens > stats.generation_tokens // 10
 
