@@ -17,7 +17,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 ROLLING_WINDOW_S = 60.0
@@ -71,6 +76,9 @@ FORWARD_TIME_BUCKETS = (
 GPU (docs/benchmarks/serving-gpu.md): the serving benchmark reads ITL minus the forward p50
 from this histogram, which coarser buckets could not resolve (docs/benchmarks/serving.md)."""
 COMPILE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
+SPEC_ACCEPT_LENGTH_BUCKETS = tuple(range(1, 17))
+"""Tokens a request takes from one speculative verify pass (1 + drafts accepted): one
+bucket per length up to 16; longer passes (more draft tokens) land in +Inf only."""
 
 # Label values of a layout with one rank and token-granular KV slots; dashboards read the
 # labels, so they stay.
@@ -107,6 +115,14 @@ class WorkerSample:
     """Adapters of the running batch's requests, sorted."""
     waiting_lora_adapters: tuple[str, ...] = ()
     """Adapters of waiting requests, sorted."""
+    spec_verify_steps: int = 0
+    """Request-steps of speculative verify passes (each request in each pass)."""
+    spec_proposed_tokens: int = 0
+    """Drafted tokens verified."""
+    spec_accepted_tokens: int = 0
+    """Drafted tokens accepted."""
+    spec_accept_lengths: tuple[tuple[int, int], ...] = ()
+    """(tokens a request took from one verify pass, how many times), by length."""
 
     @property
     def kv_usage(self) -> float:
@@ -312,6 +328,21 @@ class WorkerMetrics(Collector):
                 "KV-cache event batches dropped because the publisher queue was full",
                 s.kv_events_dropped,
             ),
+            (
+                "radixserve_spec_verify_steps",
+                "Request-steps of speculative verify passes (each request in each pass)",
+                s.spec_verify_steps,
+            ),
+            (
+                "radixserve_spec_proposed_tokens",
+                "Drafted tokens verified by speculative decoding",
+                s.spec_proposed_tokens,
+            ),
+            (
+                "radixserve_spec_accepted_tokens",
+                "Drafted tokens the verify passes accepted",
+                s.spec_accepted_tokens,
+            ),
         )
         for name, doc, value in counters:
             yield self._family(CounterMetricFamily, name, doc, value)
@@ -358,6 +389,12 @@ class WorkerMetrics(Collector):
         )
         for name, doc, value in gauges:
             yield self._family(GaugeMetricFamily, name, doc, value)
+        yield self._histogram(
+            "radixserve_spec_accept_length",
+            "Tokens a request took from one speculative verify pass (1 + drafts accepted)",
+            SPEC_ACCEPT_LENGTH_BUCKETS,
+            s.spec_accept_lengths,
+        )
         info = GaugeMetricFamily(
             "radixserve_cache_config_info",
             "KV cache layout (value 1)",
@@ -400,6 +437,23 @@ class WorkerMetrics(Collector):
     def _family(self, cls: type, name: str, doc: str, value: float) -> Metric:
         family = cls(name, doc, labels=list(self.labels))
         family.add_metric(list(self.labels.values()), value)
+        return family
+
+    def _histogram(
+        self, name: str, doc: str, bounds: tuple[int, ...], counts: tuple[tuple[int, int], ...]
+    ) -> Metric:
+        """A histogram of integer observations kept as (value, times seen) pairs: cumulative
+        buckets at `bounds`, then +Inf, with their sum and count. No pairs (also a falsy
+        placeholder, as in a sample built as all zeros) is an empty histogram."""
+        counts = counts or ()
+        buckets = [(str(bound), float(sum(n for v, n in counts if v <= bound))) for bound in bounds]
+        total = float(sum(n for _, n in counts))
+        family = HistogramMetricFamily(name, doc, labels=list(self.labels))
+        family.add_metric(
+            list(self.labels.values()),
+            [*buckets, ("+Inf", total)],
+            sum_value=float(sum(v * n for v, n in counts)),
+        )
         return family
 
 

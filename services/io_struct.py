@@ -222,6 +222,12 @@ class _BatchOutput(_Msg, kw_only=True):
     """Per rid, per one of those positions, the `prompt_top_logprobs_num` best logprobs
     ([] at position 0); `_idx` holds their token ids."""
     input_top_logprobs_idx: list[list[list[int]]] | None = None
+    spec_verify_ct: list[int] | None = None
+    """Per rid, the speculative verify passes it took part in so far (SGLang's name). None
+    when the worker runs without speculative decoding."""
+    spec_accept_length: list[float] | None = None
+    """Per rid, its tokens per verify pass so far: 1 + the drafts accepted per pass (0.0
+    before any). None when the worker runs without speculative decoding."""
 
     def __post_init__(self) -> None:
         n = len(self.rids)

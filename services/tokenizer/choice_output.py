@@ -57,3 +57,7 @@ class ChoiceOutput:
     """Present only when the request asked for logprobs."""
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     """Per prompt position from `logprob_start_len`; present only when asked."""
+    spec_verify_ct: int | None = None
+    """Speculative verify passes it took part in; None without speculative decoding."""
+    spec_accept_length: float | None = None
+    """Its tokens per verify pass (1 + drafts accepted per pass); None likewise."""

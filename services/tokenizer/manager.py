@@ -110,6 +110,11 @@ class ReqOutput:
     brings them (the first after the prefill; () in every other): the prompt token, its
     logprob and its `prompt_top_logprobs_num` alternatives. None at prompt position 0,
     which nothing predicts."""
+    spec_verify_ct: int | None = None
+    """Speculative verify passes the request took part in so far; None when the worker
+    runs without speculative decoding."""
+    spec_accept_length: float | None = None
+    """Its tokens per verify pass so far (1 + drafts accepted per pass); None likewise."""
 
 
 REQUESTED_ABORT = FinishReason(
@@ -498,6 +503,12 @@ class TokenizerManager:
                     cached_tokens=batch.cached_tokens[i],
                     logprobs=self._logprobs(batch, i),
                     rollback=batch.rollbacks[i] if batch.rollbacks else 0,
+                    spec_verify_ct=(
+                        None if batch.spec_verify_ct is None else batch.spec_verify_ct[i]
+                    ),
+                    spec_accept_length=(
+                        None if batch.spec_accept_length is None else batch.spec_accept_length[i]
+                    ),
                 )
             )
             raw = self._prompt_logprobs(batch, i, group)

@@ -437,6 +437,8 @@ class ChoiceAccumulator:
             cached_tokens=out.cached_tokens,
             logprobs=tuple(self.logprobs.get(index, ())) if self.want_logprobs else None,
             prompt_logprobs=self.prompt_logprobs.get(index),
+            spec_verify_ct=out.spec_verify_ct,
+            spec_accept_length=out.spec_accept_length,
         )
 
     def text(self, index: int) -> str:

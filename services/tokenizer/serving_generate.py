@@ -32,6 +32,8 @@ def generate_response(output: ChoiceOutput) -> dict[str, Any]:
         prompt_tokens=output.prompt_tokens,
         completion_tokens=output.completion_tokens,
         cached_tokens=output.cached_tokens,
+        spec_verify_ct=output.spec_verify_ct,
+        spec_accept_length=output.spec_accept_length,
     )
     meta_info = answer["meta_info"]
     meta_info["finish_reason"] = {k: v for k, v in finish_reason.items() if v is not None}
@@ -60,15 +62,22 @@ def generate_progress(
     prompt_tokens: int,
     completion_tokens: int,
     cached_tokens: int,
+    spec_verify_ct: int | None = None,
+    spec_accept_length: float | None = None,
 ) -> dict[str, Any]:
     """SGLang's native answer so far for a prompt still generating (a stream's event):
-    the text and ids until now, and a null `finish_reason`."""
+    the text and ids until now, and a null `finish_reason`. Under speculative decoding
+    (the worker sends the values) it has SGLang's `spec_verify_ct` and `spec_accept_length`."""
     meta_info: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "cached_tokens": cached_tokens,
         "finish_reason": None,
     }
+    if spec_verify_ct is not None:
+        meta_info["spec_verify_ct"] = spec_verify_ct
+    if spec_accept_length is not None:
+        meta_info["spec_accept_length"] = spec_accept_length
     return {"text": text, "output_ids": list(output_ids), "meta_info": meta_info}
 
 
@@ -111,6 +120,8 @@ class GenerateEndpoint(Endpoint):
                 prompt_tokens=out.prompt_tokens,
                 completion_tokens=out.completion_tokens,
                 cached_tokens=out.cached_tokens,
+                spec_verify_ct=out.spec_verify_ct,
+                spec_accept_length=out.spec_accept_length,
             )
         return [{**answer, "index": out.index}]
 

@@ -144,6 +144,8 @@ class Worker(Service):
         self.ready_pending = True
         """WorkerReady is owed to the tokenizer: not yet delivered, or the tokenizer restarted."""
         self.model_name = settings.model_id
+        self.speculative = settings.speculative_algorithm is not None
+        """Output batches carry the per-request speculative columns (`spec_verify_ct`)."""
         max_lora = settings.max_loras_per_batch if settings.enable_lora else 0
         self.metrics = WorkerMetrics(self.registry, self.model_name, max_lora, self.cpu_info)
         self.scheduler.observe(self)
@@ -346,6 +348,10 @@ class Worker(Service):
             input_token_logprobs_val=prompt.input_token_logprobs_val,
             input_top_logprobs_val=prompt.input_top_logprobs_val,
             input_top_logprobs_idx=prompt.input_top_logprobs_idx,
+            spec_verify_ct=[e.req.spec_verify_ct for e in entries] if self.speculative else None,
+            spec_accept_length=(
+                [e.req.spec_accept_length for e in entries] if self.speculative else None
+            ),
         )
 
         def fail(row: int, size: int) -> FinishReason:
@@ -494,6 +500,8 @@ class Worker(Service):
             "lora_adapters": sched.lora.adapters(),
             "cpu_isa": self.cpu_info.isa,
             "enable_deterministic_inference": self.core.model_runner.deterministic,
+            "speculative_algorithm": self.settings.speculative_algorithm,
+            "speculative_num_draft_tokens": self.settings.speculative_num_draft_tokens,
             "cpu_flags": [] if self.cpu_isa is None else list(self.cpu_isa.flags),
             # The port it bound: the one given, or the free one it chose.
             "worker_metrics_port": (
@@ -540,6 +548,10 @@ class Worker(Service):
             num_grammar_queue=now.compiling,
             kv_events_published=self.kv_publisher.published if self.kv_publisher else 0,
             kv_events_dropped=self.kv_publisher.dropped if self.kv_publisher else 0,
+            spec_verify_steps=stats["spec_verify_steps"],
+            spec_proposed_tokens=stats["spec_proposed_tokens"],
+            spec_accepted_tokens=stats["spec_accepted_tokens"],
+            spec_accept_lengths=tuple(sorted(stats["spec_accept_lengths"].items())),
             running_lora_adapters=now.running_lora_adapters,
             waiting_lora_adapters=now.waiting_lora_adapters,
         )

@@ -42,6 +42,9 @@ def test_the_cache_scheduler_and_latency_metrics_are_exported_with_their_types(s
         "radix_evicted_tokens",
         "prompt_tokens",
         "generation_tokens",
+        "spec_verify_steps",
+        "spec_proposed_tokens",
+        "spec_accepted_tokens",
     )
     gauges = (
         "cache_hit_rate",
@@ -63,6 +66,7 @@ def test_the_cache_scheduler_and_latency_metrics_are_exported_with_their_types(s
         "batch_size",
         "forward_time_seconds",
         "grammar_compile_time_seconds",
+        "spec_accept_length",
     )
     expected = {
         **{n: "counter" for n in counters},

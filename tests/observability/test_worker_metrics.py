@@ -19,7 +19,7 @@ from engine.model.cpu_isa import ISA_FLAGS, PATHS
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.scheduler import after_turns
 from observability.worker_metrics import ROLLING_WINDOW_S, CpuInfo, WorkerMetrics, WorkerSample
-from services.io_struct import TokenizedGenerateReqInput
+from services.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
 from services.settings import PORT_FIELDS, Settings
 from services.worker.worker import METRICS_SAMPLE_INTERVAL_S, Worker
 from testing.net import free_ports
@@ -124,6 +124,35 @@ def test_grammar_compiles_and_refusals_are_counted_apart():
     assert value(registry, "radixserve_grammar_compile_failures_total") == 1
 
 
+def test_spec_counters_and_the_accept_length_histogram_come_from_the_sample():
+    registry, m = metrics()
+    m.publish(IDLE)  # speculation off: zeros, so the dashboard's queries still find series
+    assert value(registry, "radixserve_spec_verify_steps_total") == 0
+    assert value(registry, "radixserve_spec_accept_length_bucket", le="+Inf") == 0
+    m.publish(
+        dataclasses.replace(
+            IDLE,
+            spec_verify_steps=6,
+            spec_proposed_tokens=30,
+            spec_accepted_tokens=9,
+            spec_accept_lengths=((1, 2), (3, 2), (4, 1), (20, 1)),  # 20: past the last bucket
+        )
+    )
+    assert value(registry, "radixserve_spec_verify_steps_total") == 6
+    assert value(registry, "radixserve_spec_proposed_tokens_total") == 30
+    assert value(registry, "radixserve_spec_accepted_tokens_total") == 9
+    buckets = {
+        s.labels["le"]: s.value
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in f.samples
+        if s.name == "radixserve_spec_accept_length_bucket"
+    }
+    cumulative = [2, 2, 4, 5] + [5] * 12
+    assert buckets == {**{str(le): float(n) for le, n in zip(range(1, 17), cumulative)}, "+Inf": 6}
+    assert value(registry, "radixserve_spec_accept_length_count") == 6
+    assert value(registry, "radixserve_spec_accept_length_sum") == 1 * 2 + 3 * 2 + 4 + 20
+
+
 def test_cpu_info_labels_what_runs_the_model_and_is_there_before_any_sample():
     registry = CollectorRegistry()
     WorkerMetrics(
@@ -184,6 +213,66 @@ def test_a_deterministic_worker_says_so_in_server_info_and_metrics(tiny_llama_di
         families = text_string_to_metric_families(httpx2.get(f"{url}/metrics").text)
         [info] = [s for f in families for s in f.samples if s.name == "radixserve_cpu_info"]
         assert info.labels["deterministic"] == "true"
+    finally:
+        worker.close()
+
+
+def sent_outputs(worker: Worker, monkeypatch: pytest.MonkeyPatch) -> list[BatchTokenIDOutput]:
+    """The output batches the worker sends to the detokenizer from now on (still sent)."""
+    sent: list[BatchTokenIDOutput] = []
+    put = worker.to_detokenizer.put
+
+    def keep(batch: BatchTokenIDOutput) -> None:
+        sent.append(batch)
+        put(batch)
+
+    monkeypatch.setattr(worker.to_detokenizer, "put", keep)
+    return sent
+
+
+def test_a_speculative_worker_counts_its_verify_passes_and_sends_each_requests_share(
+    tiny_llama_dir: Path, tokenizer, monkeypatch: pytest.MonkeyPatch
+):
+    """NGRAM: a greedy request repeating an earlier one is drafted from the trie the first
+    fed, so its drafts are accepted; the counters reach /metrics, and the output batches
+    carry each request's `spec_verify_ct` and `spec_accept_length`."""
+    worker = Worker(
+        tiny_worker_settings(tiny_llama_dir, max_total_tokens=512, speculative_algorithm="NGRAM")
+    )
+    sent = sent_outputs(worker, monkeypatch)
+    try:
+        info = worker.server_info()
+        assert info["speculative_algorithm"] == "NGRAM"
+        assert info["speculative_num_draft_tokens"] == worker.settings.speculative_num_draft_tokens
+        prompt = tokenizer.encode("one two three four five six seven eight. " * 4)
+        params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+        for rid in ("first", "again"):
+            run(
+                worker,
+                TokenizedGenerateReqInput(rid=rid, input_ids=prompt, sampling_params=params),
+            )
+        url = f"http://127.0.0.1:{worker.settings.worker_metrics_port}"
+        samples = {
+            (s.name, s.labels.get("le")): s.value
+            for f in text_string_to_metric_families(httpx2.get(f"{url}/metrics").text)
+            for s in f.samples
+        }
+        steps = samples["radixserve_spec_verify_steps_total", None]
+        accepted = samples["radixserve_spec_accepted_tokens_total", None]
+        assert steps > 0 and 0 < accepted <= samples["radixserve_spec_proposed_tokens_total", None]
+        assert samples["radixserve_spec_accept_length_count", None] == steps
+        assert samples["radixserve_spec_accept_length_bucket", "+Inf"] == steps
+        assert samples["radixserve_spec_accept_length_sum", None] == steps + accepted
+        assert worker.server_info()["scheduler_stats"]["spec_verify_steps"] == steps
+        last = {
+            rid: (batch.spec_verify_ct[i], batch.spec_accept_length[i])
+            for batch in sent
+            for i, rid in enumerate(batch.rids)
+            if batch.spec_verify_ct is not None and batch.spec_accept_length is not None
+        }
+        assert set(last) == {"first", "again"}  # every row carries them, zeros included
+        verify_ct, accept_length = last["again"]
+        assert verify_ct > 0 and accept_length > 1
     finally:
         worker.close()
 
@@ -282,3 +371,14 @@ def test_worker_reports_its_cpu_kernel_path_in_metrics_and_server_info(worker: W
             1,
         )
     ]
+
+
+def test_a_worker_without_speculation_sends_no_spec_columns(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch
+):
+    sent = sent_outputs(worker, monkeypatch)
+    params = SamplingParams(temperature=0, max_new_tokens=2)
+    run(worker, TokenizedGenerateReqInput(rid="plain", input_ids=[1, 2, 3], sampling_params=params))
+    assert sent and all(b.spec_verify_ct is None and b.spec_accept_length is None for b in sent)
+    assert worker.server_info()["speculative_algorithm"] is None
+    assert value(worker.registry, "radixserve_spec_verify_steps_total") == 0

@@ -46,6 +46,8 @@ def _batch_columns(n: int) -> dict:
         "input_token_logprobs_val": [[None, -2.5, -0.25]] + [[]] * (n - 1),
         "input_top_logprobs_val": [[[], [-0.5, -2.5], [-0.25, -4.0]]] + [[]] * (n - 1),
         "input_top_logprobs_idx": [[[], [11, 12], [13, 14]]] + [[]] * (n - 1),
+        "spec_verify_ct": [3] + [0] * (n - 1),
+        "spec_accept_length": [2.5] + [0.0] * (n - 1),
     }
 
 

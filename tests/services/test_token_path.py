@@ -23,8 +23,10 @@ from services.io_struct import (
 )
 from services.ipc import MAX_MESSAGE_BYTES
 from services.tokenizer.manager import TokenizerManager, _Group
+from services.tokenizer.serving_base import ChoiceAccumulator
 from services.tokenizer.serving_chat import ChatCompletionStream
 from services.tokenizer.serving_completions import CompletionStream
+from services.tokenizer.serving_generate import generate_response
 from services.tokenizer.serving_openai import ResponseHeader
 from services.tokenizer.sse import DeltaEvents, sse_event
 from services.worker.worker import Worker, _ReqState
@@ -52,6 +54,7 @@ def bare_worker() -> tuple[Worker, _Wire]:
     worker.kv_events = worker.kv_publisher = None
     worker.epoch = "worker-epoch"
     worker.max_output_bytes = MAX_MESSAGE_BYTES - FRAME_HEADROOM_BYTES
+    worker.speculative = False
     return worker, wire
 
 
@@ -166,6 +169,42 @@ def test_the_tokenizer_wakes_a_group_once_per_batch_with_every_row_it_brought():
         assert manager.num_queued == 2 and not alone.queued
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_spec_decoding_stats_cross_the_wire_into_generate_meta_info(tokenizer, speculative):
+    """Under speculative decoding a request's verify passes and tokens per pass go from the
+    worker through the detokenizer to the native answer's meta_info; without it, neither
+    the wire nor the answer carries them."""
+    worker, wire = bare_worker()
+    worker.speculative = speculative
+    req = submit(worker, "s", SamplingParams())
+    req.output_ids += tokenizer.encode("one two three four five six")
+    req.spec_verify_ct, req.spec_accepted_drafts = 2, 3  # 1 + 3/2 tokens per pass
+    req.finish(EngineFinishReason("length"))
+    worker.send_outputs([req])
+    (data,) = wire.sent
+    batch = decode(data)
+    assert isinstance(batch, BatchTokenIDOutput)
+    out = BatchDetokenizer(tokenizer).detokenize(batch)
+    manager = TokenizerManager.__new__(TokenizerManager)  # routing only: no sockets
+    manager.tokenizer, manager.num_queued = None, 0
+    group = _Group(index={"s": 0}, unfinished={"s"})
+    manager.groups = {"s": group}
+    manager._route(out)
+    outputs = group.queue.get_nowait()
+    assert isinstance(outputs, list)
+    choice = ChoiceAccumulator(want_logprobs=False).add(outputs[0])
+    assert choice is not None
+    meta_info = generate_response(choice)["meta_info"]
+    if speculative:
+        assert (batch.spec_verify_ct, batch.spec_accept_length) == ([2], [2.5])
+        assert (out.spec_verify_ct, out.spec_accept_length) == ([2], [2.5])
+        assert (meta_info["spec_verify_ct"], meta_info["spec_accept_length"]) == (2, 2.5)
+    else:
+        assert batch.spec_verify_ct is None and batch.spec_accept_length is None
+        assert b"spec_" not in data  # omitted from the wire, not sent as nulls
+        assert "spec_verify_ct" not in meta_info and "spec_accept_length" not in meta_info
 
 
 TEXTS = [

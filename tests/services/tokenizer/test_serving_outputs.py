@@ -16,7 +16,7 @@ from services.tokenizer.protocol import ChatCompletionChunk, CompletionChunk
 from services.tokenizer.routes import model_list
 from services.tokenizer.serving_chat import ChatCompletionStream, chat_completion_response
 from services.tokenizer.serving_completions import CompletionStream, completion_response
-from services.tokenizer.serving_generate import generate_response
+from services.tokenizer.serving_generate import generate_progress, generate_response
 from services.tokenizer.serving_openai import ChunkStream, ResponseHeader, usage_info
 from services.tokenizer.sse import SSE_DONE, Chunk, DeltaEvents, frame, sse_event
 
@@ -258,6 +258,25 @@ def test_generate_response_is_sglangs_native_shape():
     meta = generate_response(with_logprobs)["meta_info"]
     assert meta["output_token_logprobs"] == [[-0.5, 3, "Hi"]]
     assert meta["output_top_logprobs"] == [[[-0.5, 3, "Hi"]]]
+
+
+def test_generate_meta_info_has_sglangs_spec_fields_only_under_speculative_decoding():
+    spec = ChoiceOutput("hi", [1, 2], STOP, 10, 2, spec_verify_ct=4, spec_accept_length=1.75)
+    meta = generate_response(spec)["meta_info"]
+    assert (meta["spec_verify_ct"], meta["spec_accept_length"]) == (4, 1.75)
+    streamed = generate_progress(
+        "h",
+        [1],
+        prompt_tokens=10,
+        completion_tokens=1,
+        cached_tokens=0,
+        spec_verify_ct=0,
+        spec_accept_length=0.0,
+    )["meta_info"]
+    assert (streamed["spec_verify_ct"], streamed["spec_accept_length"]) == (0, 0.0)
+    assert not {"spec_verify_ct", "spec_accept_length"} & set(
+        generate_response(choice())["meta_info"]
+    )
 
 
 def test_generate_reports_an_abort_in_finish_reason():
