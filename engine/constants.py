@@ -59,9 +59,19 @@ reasoning section: a grammar constrains only what follows it."""
 SPECULATIVE_ALGORITHMS = ("NGRAM",)
 """`--speculative-algorithm` (SGLang's names): NGRAM drafts from a token trie over prompts and
 outputs (engine/spec/ngram.py)."""
-SPEC_ADAPTIVE_MIN_ACCEPT: float = _env("SPEC_ADAPTIVE_MIN_ACCEPT", 0.5)
-"""Adaptive drafting: a request whose recent drafted steps accepted fewer drafted tokens than
-this on average (an exponential average over about 3 steps) stops drafting for a while..."""
+SPEC_ROW_COST_RATIO: float = _env("SPEC_ROW_COST_RATIO", 3.0)
+"""Adaptive drafting's cost model: what a decode step of one request spends outside its
+row's arithmetic (reading the weights), over what one more row costs (a fifth to a third
+of a step on CPU: docs/benchmarks/speculative.md). In a verify pass of a batch of B
+requests a drafted row pays off when it is accepted with probability above
+B / (B + ratio): a quarter alone, three quarters among 8. A request whose recent drafts
+(an exponential average over about 3 drafted steps) were accepted less often than that
+stops drafting for a while..."""
+SPEC_MAX_VERIFY_ROWS: int = _env("SPEC_MAX_VERIFY_ROWS", 16)
+"""Rows of a verify pass (every running request's root and drafts) at most: up to 16 rows a
+quantized matmul runs its register path, above it widens the weights into a GEMM and a
+row costs several times more (engine/model/csrc/quant_linear.cpp, `kGemvRows`;
+docs/benchmarks/speculative.md). A batch of 16 or more running requests does not draft."""
 SPEC_ADAPTIVE_WARMUP_STEPS: int = _env("SPEC_ADAPTIVE_WARMUP_STEPS", 4)
 """...judged only after this many drafted steps..."""
 SPEC_ADAPTIVE_BACKOFF_STEPS: int = _env("SPEC_ADAPTIVE_BACKOFF_STEPS", 16)

@@ -27,13 +27,16 @@ class DraftState:
     """One request's drafting state (`Req.draft_state`, written here only)."""
 
     ngram: NgramState = field(default_factory=NgramState)
-    recent_accepted: float = 1.0
-    """Exponential average of the drafted tokens its drafted steps accepted."""
+    acceptance: float = 1.0
+    """Exponential average of the share of its drafted tokens accepted, per drafted step."""
     drafted_steps: int = 0
     """Drafted steps since it last (re)started drafting."""
     paused_until: int = 0
     """The decode step it drafts again from."""
     backoff: int = constants.SPEC_ADAPTIVE_BACKOFF_STEPS
+    draft_len: int = 1 << 30
+    """Drafted tokens it proposes next, at most: halved to what was accepted after a miss,
+    doubled after a draft accepted to its end."""
 
 
 class DraftManager:
@@ -66,7 +69,7 @@ class DraftManager:
             if state.ngram.fed > len(tokens):  # a jump-forward replaced output tokens
                 state.ngram = NgramState(fed=len(tokens))
             self.trie.feed(state.ngram, tokens[state.ngram.fed :])
-            budget = min(self.budget, room - drafted, self._depth_left(req))
+            budget = min(self.budget, state.draft_len, room - drafted, self._depth_left(req))
             if budget <= 0 or not self._drafts(req, state):
                 trees.append(DraftTree.root(tokens[-1]))
                 continue
@@ -78,24 +81,30 @@ class DraftManager:
         return trees if drafted else None
 
     def on_verified(self, reqs: list[Req], trees: list[DraftTree], verify: VerifyOutput) -> None:
-        """Adaptive drafting: each drafted request's acceptance this step updates its
-        average; a request below `SPEC_ADAPTIVE_MIN_ACCEPT` after the warm-up pauses for
-        its back-off, which doubles each time (up to 16x) and resets once drafts pay."""
+        """Adaptive drafting. Each drafted request's next draft length follows its last
+        outcome: a draft accepted to its deepest node doubles it, a miss cuts it to the
+        accepted length plus one, so that rows the target would reject are not paid for.
+        Its acceptance also updates its average; below what a row costs at this batch size
+        (`SPEC_ROW_COST_RATIO`) after the warm-up, it pauses for its back-off, which
+        doubles each time (up to 16x) and resets once drafts pay."""
         if not self.adaptive:
             return
+        pays = len(reqs) / (len(reqs) + constants.SPEC_ROW_COST_RATIO)
         for req, tree, tokens in zip(reqs, trees, verify.tokens):
             state = req.draft_state
             if state is None or not tree.num_drafts:
                 continue
             accepted = len(tokens) - 1
-            state.recent_accepted += _EMA_WEIGHT * (accepted - state.recent_accepted)
+            deepest = max(tree.depths)
+            state.draft_len = min(self.budget, 2 * deepest) if accepted >= deepest else accepted + 1
+            state.acceptance += _EMA_WEIGHT * (accepted / tree.num_drafts - state.acceptance)
             state.drafted_steps += 1
             if state.drafted_steps < constants.SPEC_ADAPTIVE_WARMUP_STEPS:
                 continue
-            if state.recent_accepted < constants.SPEC_ADAPTIVE_MIN_ACCEPT:
+            if state.acceptance < pays:
                 state.paused_until = self.step + state.backoff
                 state.backoff = min(state.backoff * 2, constants.SPEC_ADAPTIVE_BACKOFF_STEPS * 16)
-                state.drafted_steps, state.recent_accepted = 0, 1.0
+                state.drafted_steps, state.acceptance = 0, 1.0
             else:
                 state.backoff = constants.SPEC_ADAPTIVE_BACKOFF_STEPS
 

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
+from engine import constants
 from engine.args import EngineArgs
 from engine.detokenize import StopStringMatcher
 from engine.distributed import get_tp_group
@@ -425,7 +426,8 @@ class Scheduler:
         if self.drafts is not None:
             tree_cache = self.cache_manager.tree_cache
             room = self.cache_manager.allocator.available_size() + tree_cache.evictable_size()
-            trees = self.drafts.propose(self.running.reqs, room - len(self.running))
+            room = min(room, constants.SPEC_MAX_VERIFY_ROWS) - len(self.running)
+            trees = self.drafts.propose(self.running.reqs, room)
             if trees is not None:
                 return self._prepare_verify(trees)
         return self._prepare([], with_decodes=True)

@@ -17,8 +17,10 @@ from typing import Any
 import pytest
 import torch
 
+from engine import constants
 from engine.api import Engine
 from engine.outputs import GenerateResult
+from engine.sched.batch import ScheduleBatch
 from engine.sched.draft_manager import DraftManager, DraftState
 from engine.sched.req import Req
 from engine.spec.draft_tree import DraftTree
@@ -66,6 +68,12 @@ def twice(
     generated = sum(len(r.output_ids) for r in second)
     assert accepted(spec) - before > generated // 3
     return first, second
+
+
+@pytest.fixture(autouse=True)
+def rows_uncapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny model's rows cost nothing: let every request of a batch draft."""
+    monkeypatch.setattr(constants, "SPEC_MAX_VERIFY_ROWS", 1024)
 
 
 @pytest.fixture
@@ -195,6 +203,28 @@ def test_penalised_requests_decode_one_token_a_step_beside_drafting_ones(pair):
     first, got = twice(spec, batch, params)
     assert answers(first) == answers(got) == answers(plain.generate(batch, params))
     assert all(r.meta.spec_accept_length == 1.0 for r in got[1::2])
+
+
+def test_a_verify_pass_stays_within_the_row_cap(pair, monkeypatch: pytest.MonkeyPatch):
+    """`SPEC_MAX_VERIFY_ROWS` bounds the rows of every verify pass (roots and drafts); a
+    batch as large as the cap does not draft at all."""
+    monkeypatch.setattr(constants, "SPEC_MAX_VERIFY_ROWS", 10)
+    rows: list[int] = []
+    verify = ScheduleBatch.verify
+
+    def spy(*args: Any, **kwargs: Any) -> ScheduleBatch:
+        batch = verify(*args, **kwargs)
+        rows.append(len(batch.forward_batch.out_cache_loc))
+        return batch
+
+    monkeypatch.setattr(ScheduleBatch, "verify", spy)
+    plain, spec = pair()
+    for n in (4, 10):
+        batch = prompts(n, seed=8)
+        want = answers(plain.generate(batch, GREEDY))
+        assert [answers(spec.generate(batch, GREEDY)) for _ in range(2)] == [want, want]
+    assert rows and max(rows) <= 10
+    assert accepted(spec) > 0
 
 
 def test_speculative_options_are_checked(make_engine):
