@@ -7,7 +7,7 @@ Field names are the snake_case of the server's CLI flags (`--max-total-tokens` i
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 from engine import constants
@@ -119,9 +119,18 @@ class EngineArgs:
     speculative_algorithm: str | None = _opt(
         None,
         "speculative decoding: NGRAM drafts the tokens that followed the request's latest "
-        "tokens in earlier prompts and outputs (a token trie), and the model verifies each "
-        "request's draft tree in one forward pass, lossless; docs/operations.md",
+        "tokens in earlier prompts and outputs (a token trie), STANDALONE a smaller draft "
+        "model's greedy tokens; the model verifies each request's drafts in one forward "
+        "pass, lossless; docs/operations.md",
         choices=constants.SPECULATIVE_ALGORITHMS,
+    )
+    speculative_draft_model_path: str | None = _opt(
+        None,
+        "STANDALONE: the draft model (a path or Hub id, as --model), a smaller model of the "
+        "same tokenizer; it runs on the same device and dtype with a KV pool of its own",
+    )
+    speculative_draft_max_total_tokens: int = _opt(
+        16384, "STANDALONE: the draft model's KV pool, in tokens (its radix tree keeps what fits)"
     )
     speculative_num_draft_tokens: int = _opt(
         8,
@@ -245,6 +254,11 @@ class EngineArgs:
             )
         self.check_parallel()
         self.lora_entries()
+        if (self.speculative_algorithm == "STANDALONE") != bool(self.speculative_draft_model_path):
+            raise ValueError(
+                "speculative_draft_model_path goes with speculative_algorithm STANDALONE, "
+                "and STANDALONE needs it"
+            )
         if self.speculative_algorithm is not None:
             self.ngram_config()
             if self.tp_size > 1:
@@ -252,6 +266,25 @@ class EngineArgs:
                     "speculative_algorithm runs at tp_size 1: the verify walk's draws are not "
                     "agreed across tensor-parallel ranks yet"
                 )
+
+    def draft_model_args(self) -> EngineArgs:
+        """STANDALONE: the draft model's engine options — this engine's device, dtype and
+        kernels, its own pool, the normal loop, no speculation, adapters or grammars."""
+        assert self.speculative_draft_model_path is not None, "STANDALONE"
+        return replace(
+            self,
+            model=self.speculative_draft_model_path,
+            tokenizer=None,
+            skip_tokenizer_init=True,
+            max_total_tokens=self.speculative_draft_max_total_tokens,
+            speculative_algorithm=None,
+            speculative_draft_model_path=None,
+            disable_overlap_schedule=True,
+            enable_torch_compile=False,
+            grammar_backend="none",
+            lora_paths=None,
+            enable_lora_runtime_update=False,
+        )
 
     def ngram_config(self) -> NgramConfig:
         """The `--speculative-ngram-*` options, checked."""

@@ -39,6 +39,7 @@ from engine.grammar import GrammarBackend
 from engine.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
+from engine.sched.model_drafter import ModelDrafter
 from engine.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -103,8 +104,29 @@ def _build_rank(
         init_distributed(config, torch.device(device), ranks.check if ranks else None)
         if ranks is not None:
             ranks.joined()
+    model_runner = _model_runner(args, device)
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)
+    drafter = None
+    if args.speculative_draft_model_path is not None:
+        draft_args = args.draft_model_args()
+        draft_runner = _model_runner(draft_args, device)
+        drafter = ModelDrafter(
+            Scheduler(draft_args, draft_runner), draft_runner.model_config.vocab_size
+        )
+    scheduler = Scheduler(
+        args,
+        model_runner,
+        StopStringMatcher(tokenizer) if tokenizer is not None else None,
+        _grammar_backend(args, model_runner, tokenizer),
+        drafter,
+    )
+    get_tp_group().start_serving()
+    return EngineCore(args, model_runner, tokenizer, scheduler, ranks)
+
+
+def _model_runner(args: EngineArgs, device: str) -> ModelRunner:
     dtype = resolve_dtype(args.dtype, torch.device(device))
-    model_runner = ModelRunner(
+    return ModelRunner(
         args.model,
         device=device,
         dtype=dtype,
@@ -128,15 +150,6 @@ def _build_rank(
         max_lora_rank=args.max_lora_rank,
         enable_deterministic_inference=args.enable_deterministic_inference,
     )
-    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)
-    scheduler = Scheduler(
-        args,
-        model_runner,
-        StopStringMatcher(tokenizer) if tokenizer is not None else None,
-        _grammar_backend(args, model_runner, tokenizer),
-    )
-    get_tp_group().start_serving()
-    return EngineCore(args, model_runner, tokenizer, scheduler, ranks)
 
 
 def _grammar_backend(

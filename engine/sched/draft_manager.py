@@ -10,10 +10,14 @@ request joins one verify batch, a request without drafts as a tree of its root a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine import constants
 from engine.sched.req import Req
+
+if TYPE_CHECKING:
+    from engine.sched.model_drafter import ModelDrafter
+from engine.spec.draft_state import DraftState
 from engine.spec.draft_tree import DraftTree
 from engine.spec.grammar import constrain
 from engine.spec.ngram import NgramConfig, NgramState, NgramTrie
@@ -22,27 +26,16 @@ from engine.spec.verify import VerifyOutput
 _EMA_WEIGHT = 0.3
 
 
-@dataclass
-class DraftState:
-    """One request's drafting state (`Req.draft_state`, written here only)."""
-
-    ngram: NgramState = field(default_factory=NgramState)
-    acceptance: float = 1.0
-    """Exponential average of the share of its drafted tokens accepted, per drafted step."""
-    drafted_steps: int = 0
-    """Drafted steps since it last (re)started drafting."""
-    paused_until: int = 0
-    """The decode step it drafts again from."""
-    backoff: int = constants.SPEC_ADAPTIVE_BACKOFF_STEPS
-    draft_len: int = 1 << 30
-    """Drafted tokens it proposes next, at most: halved to what was accepted after a miss,
-    doubled after a draft accepted to its end."""
-
-
 class DraftManager:
     def __init__(
-        self, config: NgramConfig, num_draft_tokens: int, context_len: int, adaptive: bool
+        self,
+        config: NgramConfig,
+        num_draft_tokens: int,
+        context_len: int,
+        adaptive: bool,
+        drafter: ModelDrafter | None = None,
     ) -> None:
+        """NGRAM drafts from the trie; with `drafter` (STANDALONE), from a draft model."""
         if num_draft_tokens < 2:
             raise ValueError(
                 "speculative_num_draft_tokens counts the tree's root (the last sampled token) "
@@ -53,32 +46,53 @@ class DraftManager:
         """Drafted tokens per request and step, at most."""
         self.context_len = context_len
         self.adaptive = adaptive
+        self.drafter = drafter
         self.step = 0
 
     def propose(self, reqs: list[Req], room: int) -> list[DraftTree] | None:
         """Each request's draft tree for this step, `room` drafted tokens in all at most;
-        None when nobody drafts (the step is then a plain decode). Every request's new
-        tokens go into the trie first, drafting or not."""
+        None when nobody drafts (the step is then a plain decode). Under NGRAM every
+        request's new tokens go into the trie first, drafting or not."""
         self.step += 1
-        trees, drafted = [], 0
+        budgets: list[int] = []
+        drafted = 0
         for req in reqs:
             state = req.draft_state
             if state is None:
                 state = req.draft_state = DraftState()
-            tokens = req.all_token_ids()
-            if state.ngram.fed > len(tokens):  # a jump-forward replaced output tokens
-                state.ngram = NgramState(fed=len(tokens))
-            self.trie.feed(state.ngram, tokens[state.ngram.fed :])
+            if self.drafter is None:
+                self._feed(req, state)
             budget = min(self.budget, state.draft_len, room - drafted, self._depth_left(req))
-            if budget <= 0 or not self._drafts(req, state):
-                trees.append(DraftTree.root(tokens[-1]))
-                continue
-            tree = self.trie.draft(state.ngram, tokens[-1], budget, budget)
-            if req.grammar is not None:
-                tree = constrain(tree, req.grammar)
-            drafted += tree.num_drafts
-            trees.append(tree)
-        return trees if drafted else None
+            budgets.append(budget if budget > 0 and self._drafts(req, state) else 0)
+            drafted += budgets[-1]
+        if not drafted:
+            return None
+        if self.drafter is not None:
+            trees = self.drafter.draft(reqs, budgets)
+        else:
+            trees = [self._ngram_tree(req, budget) for req, budget in zip(reqs, budgets)]
+        trees = [
+            constrain(tree, req.grammar) if req.grammar is not None and tree.num_drafts else tree
+            for req, tree in zip(reqs, trees)
+        ]
+        return trees if any(tree.num_drafts for tree in trees) else None
+
+    def _feed(self, req: Req, state: DraftState) -> None:
+        tokens = req.all_token_ids()
+        if state.ngram.fed > len(tokens):  # a jump-forward replaced output tokens
+            state.ngram = NgramState(fed=len(tokens))
+        self.trie.feed(state.ngram, tokens[state.ngram.fed :])
+
+    def _ngram_tree(self, req: Req, budget: int) -> DraftTree:
+        last = req.all_token_ids()[-1]
+        if not budget:
+            return DraftTree.root(last)
+        assert req.draft_state is not None, "fed before"
+        return self.trie.draft(req.draft_state.ngram, last, budget, budget)
+
+    def shutdown(self) -> None:
+        if self.drafter is not None:
+            self.drafter.shutdown()
 
     def on_verified(self, reqs: list[Req], trees: list[DraftTree], verify: VerifyOutput) -> None:
         """Adaptive drafting. Each drafted request's next draft length follows its last

@@ -15,7 +15,7 @@ from engine.sched.finish_reason import FinishReason
 if TYPE_CHECKING:
     from engine.cache.base_prefix_cache import CacheHandle
     from engine.grammar import GrammarMatcher, PendingGrammar, ReasoningGrammarMatcher
-    from engine.sched.draft_manager import DraftState
+    from engine.spec.draft_state import DraftState
 
 
 class OutputRead(NamedTuple):

@@ -41,6 +41,7 @@ from engine.sched.decode_manager import DecodeManager
 from engine.sched.draft_manager import DraftManager
 from engine.sched.grammar_queue import GrammarQueue
 from engine.sched.lora_slots import LoRASlots
+from engine.sched.model_drafter import ModelDrafter
 from engine.sched.output_processor import OutputProcessor
 from engine.sched.prefill_manager import PrefillManager
 from engine.sched.req import FinishReason, Req, ReqStatus
@@ -79,7 +80,9 @@ class Scheduler:
         model_runner: ModelRunner,
         stop_strings: StopStringMatcher | None = None,
         grammar_backend: GrammarBackend | None = None,
+        drafter: ModelDrafter | None = None,
     ):
+        """`drafter`: STANDALONE speculative decoding's draft model and its scheduler."""
         self.args = args
         self.model_runner = model_runner
         self.device = model_runner.device
@@ -143,11 +146,19 @@ class Scheduler:
                     "speculative_algorithm verifies draft trees with the torch attention "
                     "backend only: pass attention_backend torch"
                 )
+            if (args.speculative_algorithm == "STANDALONE") != (drafter is not None):
+                raise ValueError("STANDALONE speculative decoding drafts with a draft model")
+            if drafter is not None and drafter.vocab_size != self.model_config.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary ({drafter.vocab_size} tokens) is not the "
+                    f"model's ({self.model_config.vocab_size}): it needs the same tokenizer"
+                )
             self.drafts = DraftManager(
                 args.ngram_config(),
                 args.speculative_num_draft_tokens,
                 self.context_len,
                 args.speculative_adaptive,
+                drafter,
             )
         self.lora = LoRASlots(model_runner.lora_manager, args, self.device)
         self.prefill = PrefillManager(
@@ -385,6 +396,8 @@ class Scheduler:
         if self.input_sync is not None:
             self.input_sync.stop()
         self.batch_runner.shutdown()
+        if self.drafts is not None:
+            self.drafts.shutdown()
         if self.grammar_backend is not None:
             self.grammar_backend.shutdown()
 

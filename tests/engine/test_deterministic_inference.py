@@ -147,6 +147,25 @@ def test_speculative_decoding_gives_the_same_bits(engine, alone):
         assert stats.spec_accepted_tokens > stats.generation_tokens // 10
 
 
+def test_the_embedded_model_drafting_for_itself_has_every_greedy_draft_accepted(alone):
+    """STANDALONE with the embedded model as its own draft model: both run the same
+    batch-invariant kernels, so each greedy draft is the token the target samples."""
+    with Engine(
+        enable_deterministic_inference=True,
+        speculative_algorithm="STANDALONE",
+        speculative_draft_model_path="embedded",
+        speculative_adaptive=False,
+        max_total_tokens=16384,
+    ) as spec:
+        prompts, settings = neighbours(3, seed=0)
+        greedy = [{**s, "temperature": 0.0} for s in settings]
+        results = spec.generate([PROBE, *prompts], [PARAMS["greedy"], *greedy])
+        assert answer(results[0]) == alone["greedy"]
+        stats = spec.scheduler.stats
+        assert stats.spec_proposed_tokens > 0
+        assert stats.spec_accepted_tokens == stats.spec_proposed_tokens
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_retracted_requests_finish_with_the_same_bits(engine, overlap):
     """A pool too small for every request's output: the scheduler retracts some, which

@@ -21,8 +21,9 @@ from engine import constants
 from engine.api import Engine
 from engine.outputs import GenerateResult
 from engine.sched.batch import ScheduleBatch
-from engine.sched.draft_manager import DraftManager, DraftState
+from engine.sched.draft_manager import DraftManager
 from engine.sched.req import Req
+from engine.spec.draft_state import DraftState
 from engine.spec.draft_tree import DraftTree
 from engine.spec.ngram import NgramConfig
 from engine.spec.verify import VerifyOutput
