@@ -68,11 +68,12 @@ requests a drafted row pays off when it is accepted with probability above
 B / (B + ratio): a quarter alone, three quarters among 8. A request whose recent drafts
 (an exponential average over about 3 drafted steps) were accepted less often than that
 stops drafting for a while..."""
-SPEC_MAX_VERIFY_ROWS: int = _env("SPEC_MAX_VERIFY_ROWS", 16)
-"""Rows of a verify pass (every running request's root and drafts) at most: up to 16 rows a
-quantized matmul runs its register path, above it widens the weights into a GEMM and a
-row costs several times more (engine/model/csrc/quant_linear.cpp, `kGemvRows`;
-docs/benchmarks/speculative.md). A batch of 16 or more running requests does not draft."""
+SPEC_MAX_VERIFY_ROWS: int = _env("SPEC_MAX_VERIFY_ROWS", 8)
+"""Rows of a verify pass (every running request's root and drafts) at most. A quantized
+matmul widens each weight block once for a tile of up to 8 rows (4 on AVX2): rows filling
+the first tile are cheap, rows past it pay a second widening, and among 8 running requests
+a drafted row measured dearer than a decoded token (docs/benchmarks/speculative.md). So a
+batch of 8 running requests or more does not draft."""
 SPEC_ADAPTIVE_WARMUP_STEPS: int = _env("SPEC_ADAPTIVE_WARMUP_STEPS", 4)
 """...judged only after this many drafted steps..."""
 SPEC_ADAPTIVE_BACKOFF_STEPS: int = _env("SPEC_ADAPTIVE_BACKOFF_STEPS", 16)

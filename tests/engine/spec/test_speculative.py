@@ -71,12 +71,6 @@ def twice(
     return first, second
 
 
-@pytest.fixture(autouse=True)
-def rows_uncapped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiny model's rows cost nothing: let every request of a batch draft."""
-    monkeypatch.setattr(constants, "SPEC_MAX_VERIFY_ROWS", 1024)
-
-
 @pytest.fixture
 def pair(make_engine: Callable[..., Engine]) -> Callable[..., tuple[Engine, Engine]]:
     """`pair(**options)`: a plain engine and a speculative one, both with `options`."""
