@@ -133,6 +133,10 @@ def test_speculative_decoding_gives_the_same_bits(engine, alone):
     extract = {**ASK, "temperature": 0.0, "max_new_tokens": 40, "json_schema": json.dumps(PERSON)}
     extract.pop("ignore_eos")
     plain_json = answer(engine.generate(EXTRACT, extract)[0])
+    # A stop string inside what a verify pass accepts ends the request where it ends plainly.
+    text = engine.generate(PROBE, PARAMS["greedy"])[0].text
+    stopped = {**PARAMS["greedy"], "stop": [text.split()[len(text.split()) // 2]]}
+    plain_stopped = engine.generate(PROBE, stopped)[0]
     with Engine(
         enable_deterministic_inference=True, speculative_algorithm="NGRAM", max_total_tokens=16384
     ) as spec:
@@ -142,6 +146,8 @@ def test_speculative_decoding_gives_the_same_bits(engine, alone):
                 assert answer(probe) == alone[name], f"round {round}"
             result = spec.generate(EXTRACT, extract)[0]
             assert answer(result) == plain_json, f"round {round}"
+            halted = spec.generate(PROBE, stopped)[0]
+            assert (halted.text, answer(halted)) == (plain_stopped.text, answer(plain_stopped))
         assert result.meta.spec_accept_length > 2.0  # the grammar request drafted too
         stats = spec.scheduler.stats
         assert stats.spec_accepted_tokens > stats.generation_tokens // 10

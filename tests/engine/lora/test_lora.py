@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine import constants
 from engine.api import Engine
 from engine.lora import LoRAError, LoRAManager
 from engine.model.forward_batch import ForwardMode
@@ -151,10 +152,12 @@ def test_speculative_drafts_are_verified_under_each_requests_adapter(
     tiny_model_dir: Path,
     adapters: dict[str, Path],
     reference: Reference,
+    monkeypatch: pytest.MonkeyPatch,
 ):
     """NGRAM drafts in a batch mixing three adapters and the base model: each request's
     tokens are its adapter's greedy tokens (peft's), the first time and the second, when the
     trie drafts the first run's outputs and the target accepts them."""
+    monkeypatch.setattr(constants, "SPEC_MAX_VERIFY_ROWS", 1024)  # every request drafts
     paths = " ".join(f"{name}={path}" for name, path in adapters.items())
     with Engine(
         str(tiny_model_dir),
