@@ -58,6 +58,7 @@ FORCEABLE = PATHS[1:]
 
 AVX2_CFLAGS = ["-mavx2", "-mfma", "-mf16c", "-mbmi2"]
 AVX512_CFLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+AMX_CFLAGS = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
 OPTIONAL_AVX512_CFLAGS = {"avx512_bf16": "-mavx512bf16", "avx512_vnni": "-mavx512vnni"}
 """Added to an avx512 build where the CPU has them (and `-mavxvnni` with avx_vnni)."""
 
@@ -136,15 +137,19 @@ def cpu_isa() -> CpuIsa:
 
 def compile_flags(path: str, flags: Iterable[str] | None = None) -> list[str]:
     """The gcc flags of the kernels' build for `path` on a CPU with `flags` (this one's when
-    None). Below AMX the path's instruction sets are named one by one, never -march=native:
-    an avx2 build must hold no AVX-512 instruction, whatever CPU builds it."""
+    None). Every path's instruction sets are named one by one, never -march=native: an avx2
+    build must hold no AVX-512 instruction, whatever CPU builds it, and a build's arithmetic
+    must not follow the building CPU's tuning: two CPUs of one path build the same code
+    (what --enable-deterministic-inference's "same build, same path" rests on), and the
+    one-op layer stays within float32 rounding of the modules (-march=native's -mtune moved
+    their float32 logits apart by 1e-4 on a Sapphire Rapids-class Xeon; the tuning was worth
+    3-6% of a decode step there, docs/benchmarks/cpu-paths.md)."""
     present = set(cpu_isa().flags if flags is None else flags)
-    if path == "amx":
-        return ["-march=native"]
-    if path == "avx512":
+    if path in ("amx", "avx512"):
         optional = [cflag for flag, cflag in OPTIONAL_AVX512_CFLAGS.items() if flag in present]
         vnni = ["-mavxvnni"] if "avx_vnni" in present else []
-        return [*AVX2_CFLAGS, *AVX512_CFLAGS, *optional, *vnni]
+        amx = AMX_CFLAGS if path == "amx" else []
+        return [*AVX2_CFLAGS, *AVX512_CFLAGS, *optional, *vnni, *amx]
     if path == "avx2":
         return list(AVX2_CFLAGS)
     if path == "none":

@@ -81,7 +81,7 @@ def test_an_unknown_path_is_refused():
         choose(parse_flags(SAPPHIRE_RAPIDS), "avx512bf16")
 
 
-def test_an_avx2_build_names_no_avx512_instruction_and_only_amx_builds_native():
+def test_an_avx2_build_names_no_avx512_instruction_and_no_path_builds_native():
     flags = parse_flags(SAPPHIRE_RAPIDS)
     avx2 = compile_flags("avx2", flags)
     assert avx2 == ["-mavx2", "-mfma", "-mf16c", "-mbmi2"]
@@ -99,7 +99,7 @@ def test_an_avx2_build_names_no_avx512_instruction_and_only_amx_builds_native():
         "-mavx512vl",
         "-mavx512dq",
     ]
-    assert compile_flags("amx", flags) == ["-march=native"]
+    assert compile_flags("amx", flags) == [*avx512, "-mamx-tile", "-mamx-bf16", "-mamx-int8"]
     assert compile_flags("none", flags) == []
     with pytest.raises(ValueError, match="unknown kernel path"):
         compile_flags("sse", flags)
