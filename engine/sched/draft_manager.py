@@ -1,6 +1,7 @@
 """The drafting side of speculative decoding: each decode step, which running requests
-draft and their draft trees (NGRAM), within the KV room there is; and the adaptive
-off-switch, which stops a request drafting while its drafts keep being rejected.
+draft and their draft trees (from NGRAM's trie or STANDALONE's draft model), within the
+KV room and the verify rows there are; and adaptive drafting, which sizes each request's
+drafts by what was accepted and stops a request drafting while its drafts do not pay.
 
 A draft needs the tokens the last step sampled, so the scheduler hands this manager the
 running requests once nothing of theirs is in flight. When no request drafts anything the
@@ -14,14 +15,14 @@ from typing import TYPE_CHECKING
 
 from engine import constants
 from engine.sched.req import Req
-
-if TYPE_CHECKING:
-    from engine.sched.model_drafter import ModelDrafter
 from engine.spec.draft_state import DraftState
 from engine.spec.draft_tree import DraftTree
 from engine.spec.grammar import constrain
 from engine.spec.ngram import NgramConfig, NgramState, NgramTrie
 from engine.spec.verify import VerifyOutput
+
+if TYPE_CHECKING:
+    from engine.sched.model_drafter import ModelDrafter
 
 _EMA_WEIGHT = 0.3
 
