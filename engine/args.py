@@ -261,10 +261,10 @@ class EngineArgs:
             )
         if self.speculative_algorithm is not None:
             self.ngram_config()
-            if self.tp_size > 1:
+            if self.speculative_algorithm == "STANDALONE" and self.tp_size > 1:
                 raise ValueError(
-                    "speculative_algorithm runs at tp_size 1: the verify walk's draws are not "
-                    "agreed across tensor-parallel ranks yet"
+                    "speculative_algorithm STANDALONE runs at tp_size 1: its draft model's "
+                    "scheduler is not split over the ranks"
                 )
 
     def draft_model_args(self) -> EngineArgs:

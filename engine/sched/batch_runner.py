@@ -90,7 +90,9 @@ class BatchRunner:
         forward_batch = batch.forward_batch
         logits_output = self.model_runner.forward_output(forward_batch)
         sampled = self.sampler(logits_output.next_token_logits, batch.sampling_info)
-        verify = walk_trees(batch.trees, sampled)
+        # Every rank walks the same trees (each feeds its trie the same tokens) over rank
+        # 0's draws, so all accept alike.
+        verify = walk_trees(batch.trees, self._agree_on_tokens(batch, sampled))
         last = torch.tensor([tokens[-1] for tokens in verify.tokens], device=self.device)
         self.future_map.store(forward_batch.req_pool_indices, last)
         return PendingResult(
