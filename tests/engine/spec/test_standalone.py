@@ -69,6 +69,8 @@ def test_standalone_options_are_checked(make_engine, tmp_path):
         make_engine(speculative_algorithm="STANDALONE")
     with pytest.raises(ValueError, match="speculative_draft_model_path"):
         make_engine(speculative_algorithm="NGRAM", speculative_draft_model_path="x")
+    with pytest.raises(ValueError, match="STANDALONE runs at tp_size 1"):
+        make_engine(speculative_algorithm="STANDALONE", speculative_draft_model_path="x", tp_size=2)
     wider = save_tiny_model(tmp_path / "wider", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary"):
         standalone(make_engine, wider)
