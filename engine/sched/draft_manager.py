@@ -79,13 +79,18 @@ class DraftManager:
         return trees if any(tree.num_drafts for tree in trees) else None
 
     def _feed(self, req: Req, state: DraftState) -> None:
-        tokens = req.all_token_ids()
-        if state.ngram.fed > len(tokens):  # a jump-forward replaced output tokens
-            state.ngram = NgramState(fed=len(tokens))
-        self.trie.feed(state.ngram, tokens[state.ngram.fed :])
+        """The request's tokens the trie has not seen, without copying the ones it has
+        (`all_token_ids` would copy the whole prompt every step)."""
+        if state.ngram.fed > req.seqlen:  # a jump-forward replaced output tokens
+            state.ngram = NgramState(fed=req.seqlen)
+        start, prompt = state.ngram.fed, req.origin_input_ids
+        if start >= len(prompt):
+            self.trie.feed(state.ngram, req.output_ids[start - len(prompt) :])
+        else:
+            self.trie.feed(state.ngram, prompt[start:] + req.output_ids)
 
     def _ngram_tree(self, req: Req, budget: int) -> DraftTree:
-        last = req.all_token_ids()[-1]
+        last = req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
         if not budget:
             return DraftTree.root(last)
         assert req.draft_state is not None, "fed before"
