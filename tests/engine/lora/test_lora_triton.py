@@ -14,7 +14,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from engine.lora import LoRABatchInfo, LoRALayer, LoRAManager
 from engine.lora import triton_ops as lora_triton
 from engine.model import layers
-from engine.model.forward_batch import ForwardMode
+from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from engine.model.runner import ModelRunner
 from testing.batches import ExtendInput, build_forward_batch
@@ -120,7 +120,9 @@ def test_model_forward_through_the_kernel_equals_the_torch_path(
 ):
     """The tiny model's mixed prefill (segments of 1 to 40 tokens) and decode step, three
     adapters and the base model, with the LoRA layers on the kernel or on torch ops."""
-    runner = ModelRunner(tiny_model_dir, dtype="float32", max_total_tokens=1024, enable_lora=True)
+    runner = ModelRunner(
+        tiny_model_dir, dtype="float32", max_total_tokens=1024, enable_lora=True, device=DEVICE
+    )
     manager = runner.lora_manager
     assert isinstance(manager, LoRAManager)
     for name, path in adapters.items():
@@ -129,15 +131,18 @@ def test_model_forward_through_the_kernel_equals_the_torch_path(
     prompts = [prompt(100 + i, n) for i, n in enumerate((5, 40, 17, 1, 23))]
     rows = runner.req_to_token_pool.alloc(len(prompts))
     assert rows is not None
-    slots = torch.tensor(manager.acquire(names))
+    slots = torch.tensor(manager.acquire(names), device=DEVICE)
+
+    def forward(batch: ForwardBatch, kernels: bool) -> torch.Tensor:
+        with monkeypatch.context() as patch:
+            patch.setattr(layers, "uses_triton", lambda x: kernels)
+            return runner.forward(batch)
 
     def both_paths(reqs: list[ExtendInput], mode: ForwardMode) -> torch.Tensor:
         batch = build_forward_batch(runner, reqs, mode)
         batch.lora_slots = slots
-        torch_logits = runner.forward(batch)
-        with monkeypatch.context() as patch:
-            patch.setattr(layers, "uses_triton", lambda x: True)
-            kernel_logits = runner.forward(batch)  # rewrites the same KV
+        torch_logits = forward(batch, kernels=False)
+        kernel_logits = forward(batch, kernels=True)  # rewrites the same KV
         # float32 through the model, the kernel summing each LoRA product in its own order
         # (and the CPU's GEMM in its own per ISA: 2.7e-5 apart on AVX-512)
         torch.testing.assert_close(kernel_logits, torch_logits, rtol=1e-4, atol=5e-5)

@@ -18,6 +18,8 @@ from engine.model.models.llama import LlamaDecoderLayer
 from engine.model.runner import ModelRunner
 from testing.batches import ExtendInput, build_forward_batch
 
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 MAX_OPS_PER_LAYER = 22
 """Ops one decoder layer dispatches outside attention on CPU in bf16: 57 before the fusions
 (75 with the torch backend's attention)."""
@@ -38,9 +40,11 @@ def prefill_then_decode(runner: ModelRunner, prompts: list[list[int]]) -> list[t
 def test_triton_kernels_give_the_torch_paths_logits(
     arch, hf_model_factory, runner_factory, prompts_factory, tmp_path, monkeypatch
 ):
+    """On CUDA tensors with CUDA, under Triton's interpreter on CPU tensors without."""
     hf_model_factory(arch).save_pretrained(tmp_path)
-    runner = runner_factory(tmp_path, dtype="float32")
+    runner = runner_factory(tmp_path, dtype="float32", device=TRITON_DEVICE)
     prompts = prompts_factory([6, 1, 9])
+    monkeypatch.setattr(layers, "uses_triton", lambda x: False)
     expected = prefill_then_decode(runner, prompts)
     monkeypatch.setattr(layers, "uses_triton", lambda x: True)
     for ours, reference in zip(prefill_then_decode(runner, prompts), expected):
