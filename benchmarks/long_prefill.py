@@ -1,11 +1,11 @@
 """The forward time of one long prompt's prefill in the CPU's chunks (a 2,048-token prompt
 in 256-token chunks by default): what a dropped long prompt holds the worker for, and the
-bulk of its TTFT. Works on older checkouts too (no option newer than `dtype` is needed),
-so that a `git worktree` of an earlier commit runs it side by side
-(docs/benchmarks/cpu-paths.md).
+bulk of its TTFT. Works on older checkouts too (no option newer than `dtype` is needed;
+`testing/` comes from this checkout, after the old one on PYTHONPATH), so that a
+`git worktree` of an earlier commit runs it side by side (docs/benchmarks/cpu-paths.md).
 
     python -m benchmarks.long_prefill --dtype float32 --quantization gguf
-    cd /tmp/base && PYTHONPATH=. python /work/main/benchmarks/long_prefill.py --dtype bfloat16
+    cd /tmp/base && PYTHONPATH=.:/work/main python /work/main/benchmarks/long_prefill.py --dtype bfloat16
 """
 
 from __future__ import annotations
