@@ -181,7 +181,8 @@ def decode_worker(args: argparse.Namespace) -> None:
     tokens per request when it is set)."""
     shapes = parse_shapes(args.shapes)
     spare = max(b for b, _ in shapes) * args.prefill
-    bench = DecodeBench(args.dtypes[0], shapes, args.max_steps, spare_tokens=spare)
+    options = {"quantization": args.quantization} if args.quantization else {}
+    bench = DecodeBench(args.dtypes[0], shapes, args.max_steps, spare_tokens=spare, **options)
     print(json.dumps(bench.sizes()), flush=True)
     for line in sys.stdin:
         shape, steps = json.loads(line)
@@ -197,12 +198,21 @@ class Worker:
     """A `--decode-worker` subprocess importing `engine` from `tree`; started at once, ready
     (model loaded, contexts prefilled) after `wait_ready`, so that workers load side by side."""
 
-    def __init__(self, tree: Path, dtype: str, shapes: str, max_steps: int, prefill: int):
+    def __init__(
+        self,
+        tree: Path,
+        dtype: str,
+        shapes: str,
+        max_steps: int,
+        prefill: int,
+        quantization: str | None = None,
+    ):
         env = {k: v for k, v in os.environ.items() if k not in engine.OPENMP_SET_HERE}
         env["PYTHONPATH"] = f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--decode-worker", "--dtypes", dtype, "--shapes", shapes]
-            + ["--max-steps", str(max_steps), "--prefill", str(prefill)],
+            + ["--max-steps", str(max_steps), "--prefill", str(prefill)]
+            + (["--quantization", quantization] if quantization else []),
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -250,7 +260,7 @@ def compare_with_baseline(args: argparse.Namespace) -> None:
     max_steps = args.rounds * (args.steps + 1)
     trees = {"this tree": REPO, "baseline": Path(args.baseline).resolve()}
     workers = {
-        name: Worker(tree, args.dtypes[0], args.shapes, max_steps, args.prefill)
+        name: Worker(tree, args.dtypes[0], args.shapes, max_steps, args.prefill, args.quantization)
         for name, tree in trees.items()
     }
     for worker in workers.values():
@@ -433,6 +443,11 @@ def main() -> None:
         default=0,
         help="with --baseline: time a prefill of this many new tokens per request over each "
         "shape's context instead of a decode step",
+    )
+    parser.add_argument(
+        "--quantization",
+        help="with --baseline: the runners' weight format (gguf, int8; default: the bf16/float "
+        "copy, which every checkout can load)",
     )
     parser.add_argument(
         "--background-load",

@@ -14,7 +14,7 @@
 //
 // quant_linear, few rows (decode), by `activation_bits`: 32 widens each block to floats in
 // registers (F16C for the scale, byte-to-int32-to-float conversions for the weights) and
-// multiplies it into up to eight rows of x at once (four on AVX2); 16 and 8 round x per block of 32 to
+// multiplies it into up to eight rows of x at once (`kTileRows`); 16 and 8 round x per block of 32 to
 // integers and multiply integers (below). Either way a group of weight rows stays in L1
 // across the tiles of x, so the packed weights are read once. More rows (prefill): bands of the weight are
 // widened once into a float block and multiplied by the CPU's GEMM (oneDNN/MKL through
@@ -45,12 +45,18 @@ namespace {
 enum Format : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14, kInt8Rows = 1000 };
 
 constexpr int64_t kBlock = 32;
-// Rows of x multiplied into each widened block: as many as the registers hold two running
-// sums for, beside the block.
-#if defined(RADIXSERVE_AVX512)
+// Rows of x multiplied into each widened block. AVX-512's 32 registers hold two running sums
+// for each of 8 rows beside the block. AVX2's 16 hold two for 4 rows, or one for 8: a tile of
+// 5-8 rows keeps one sum per row, which widens each block half as often at 8 rows as tiles
+// of 4 do. Under batch_invariant, AVX2 keeps tiles of 4, so that every row is summed in the
+// same order whatever rows share the call.
 constexpr int64_t kTileRows = 8;
+#if defined(RADIXSERVE_AVX512)
+constexpr int kWideTileChains = 2;  // running sums per row in a tile of 5-8 rows
+constexpr int64_t kInvariantTileRows = 8;
 #else
-constexpr int64_t kTileRows = 4;
+constexpr int kWideTileChains = 1;
+constexpr int64_t kInvariantTileRows = 4;
 #endif
 constexpr int64_t kGemvRows = 16;  // up to this many rows of x, the register path
 // Up to this many rows of x, integer activations where asked for; beyond, a block widened
@@ -236,24 +242,31 @@ void widen_row(const uint8_t* row, int64_t k_size, float* out) {
 }
 
 // `R` rows of float x (stride k_size) times one weight row: y[r * n_size] for each r.
-template <int64_t F, int R>
+template <int64_t F, int R, int Chains = 2>
 inline void dot_rows(const float* x, int64_t k_size, const uint8_t* row, float* y,
                      int64_t n_size) {
   const float scale = row_scale(F, row, k_size);
 #if defined(RADIXSERVE_SIMD)
-  fvec acc[R][2];  // two chains per row of x
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = simd::zero();
+  fvec acc[R][Chains];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < Chains; ++c) acc[r][c] = simd::zero();
+  }
   for (int64_t b = 0; b < k_size / kBlock; ++b) {
     fvec w[kVecs];
     widen_block<F>(row + b * block_bytes(F), scale, w);
     for (int r = 0; r < R; ++r) {
       const float* xb = x + r * k_size + b * kBlock;
       for (int i = 0; i < kVecs; ++i) {
-        acc[r][i & 1] = simd::fmadd(w[i], simd::load(xb + i * simd::kLanes), acc[r][i & 1]);
+        acc[r][i % Chains] =
+            simd::fmadd(w[i], simd::load(xb + i * simd::kLanes), acc[r][i % Chains]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) y[r * n_size] = simd::sum(simd::add(acc[r][0], acc[r][1]));
+  for (int r = 0; r < R; ++r) {
+    fvec total = acc[r][0];
+    for (int c = 1; c < Chains; ++c) total = simd::add(total, acc[r][c]);
+    y[r * n_size] = simd::sum(total);
+  }
 #else
   float acc[R] = {};
   float w[kBlock];
@@ -281,10 +294,10 @@ inline void prefetch_row(const uint8_t* row, int64_t bytes) {
 
 template <int64_t F>
 void gemv_blocks(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
-                 int64_t n_size, float* y) {
+                 int64_t n_size, float* y, bool batch_invariant) {
   const int64_t stride = row_bytes(F, k_size);
   radixserve::for_each_weight_row_tile(
-      m_size, n_size, kRowsPerGroup, kTileRows,
+      m_size, n_size, kRowsPerGroup, batch_invariant ? kInvariantTileRows : kTileRows,
       [&](int64_t m, int64_t rows, int64_t n, int64_t claimed_end) {
         const uint8_t* row = weight + n * stride;
         if (m == 0 && n + kPrefetchRows < claimed_end) {
@@ -296,15 +309,11 @@ void gemv_blocks(const float* x, int64_t m_size, int64_t k_size, const uint8_t* 
           case 1: dot_rows<F, 1>(xm, k_size, row, yn, n_size); break;
           case 2: dot_rows<F, 2>(xm, k_size, row, yn, n_size); break;
           case 3: dot_rows<F, 3>(xm, k_size, row, yn, n_size); break;
-#if defined(RADIXSERVE_AVX512)
           case 4: dot_rows<F, 4>(xm, k_size, row, yn, n_size); break;
-          case 5: dot_rows<F, 5>(xm, k_size, row, yn, n_size); break;
-          case 6: dot_rows<F, 6>(xm, k_size, row, yn, n_size); break;
-          case 7: dot_rows<F, 7>(xm, k_size, row, yn, n_size); break;
-          default: dot_rows<F, 8>(xm, k_size, row, yn, n_size); break;
-#else
-          default: dot_rows<F, 4>(xm, k_size, row, yn, n_size); break;
-#endif
+          case 5: dot_rows<F, 5, kWideTileChains>(xm, k_size, row, yn, n_size); break;
+          case 6: dot_rows<F, 6, kWideTileChains>(xm, k_size, row, yn, n_size); break;
+          case 7: dot_rows<F, 7, kWideTileChains>(xm, k_size, row, yn, n_size); break;
+          default: dot_rows<F, 8, kWideTileChains>(xm, k_size, row, yn, n_size); break;
         }
       });
 }
@@ -342,11 +351,11 @@ void gemv_widened(const float* x, int64_t m_size, int64_t k_size, const uint8_t*
 
 template <int64_t F>
 void gemv(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
-          int64_t n_size, float* y) {
+          int64_t n_size, float* y, bool batch_invariant) {
   if constexpr (is_k_quant(F)) {
     gemv_widened<F>(x, m_size, k_size, weight, n_size, y);
   } else {
-    gemv_blocks<F>(x, m_size, k_size, weight, n_size, y);
+    gemv_blocks<F>(x, m_size, k_size, weight, n_size, y, batch_invariant);
   }
 }
 
@@ -686,7 +695,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
       }
 #endif
       gemv<decltype(f)::value>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
-                               out.data_ptr<float>());
+                               out.data_ptr<float>(), batch_invariant);
     });
     if (bias.has_value()) out.add_(*bias);
     return out.to(input.scalar_type());

@@ -73,7 +73,7 @@ def test_dequantize_reads_the_blocks_as_gguf_does(format, n, k):
     assert out.dtype == torch.float32 and torch.equal(out.double(), expected.float().double())
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, GEMV_ROWS, GEMV_ROWS + 1, 70])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 12, GEMV_ROWS, GEMV_ROWS + 1, 70])
 @pytest.mark.parametrize(
     ("format", "n", "k"), cases([(33, 32), (200, 576), (9, 1536), (64, 128), (40, 768)])
 )
