@@ -5,7 +5,8 @@ bulk of its TTFT. Works on older checkouts too (no option newer than `dtype` is 
 `git worktree` of an earlier commit runs it side by side (docs/benchmarks/cpu-paths.md).
 
     python -m benchmarks.long_prefill --dtype float32 --quantization gguf
-    cd /tmp/base && PYTHONPATH=.:/work/main python /work/main/benchmarks/long_prefill.py --dtype bfloat16
+    cd /tmp/base && PYTHONPATH=.:/work/main \
+        python /work/main/benchmarks/long_prefill.py --dtype bfloat16
 """
 
 from __future__ import annotations
