@@ -34,9 +34,12 @@ from testing.net import all_kv_free, server_info, wait_until
 from tests.services.conftest import keys_env
 
 STREAMS = 8
-MAX_TOKENS = 1024
-"""Long enough that the streams still flow once every attack was refused, on a fast CPU too
-(256 let them finish first on an AMX Xeon about one run in three)."""
+MAX_TOKENS = 3072
+"""Long enough that the streams still flow once every attack was refused (256 let them finish
+first on an AMX Xeon about one run in three, 1,024 once in a whole suite there, about 4.5 s
+of streams against the attacks' handshakes)."""
+POOL_TOKENS = 32768
+"""The KV pool: every stream's prompt and tokens at once, so none is retracted."""
 PORTS = {  # ZMQ port flag → the role that legitimately connects to it
     "worker-port": "tokenizer",
     "detokenizer-port": "worker",
@@ -65,7 +68,7 @@ def server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     keys_dir = create_wire_keys(tmp_path_factory.mktemp("wire-auth") / "keys")
     launcher = ServiceLauncher(tmp_path_factory.mktemp("wire-auth-logs"), env=keys_env(keys_dir))
     ports = server_ports()
-    with launcher.serve(cpu_flags(8192, tiny_llama_dir), ports=ports) as url:
+    with launcher.serve(cpu_flags(POOL_TOKENS, tiny_llama_dir), ports=ports) as url:
         yield Server(url, ports, keys_dir, launcher)
 
 
