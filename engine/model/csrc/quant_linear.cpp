@@ -373,7 +373,7 @@ void gemv(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
 // at about twice the rate (docs/benchmarks/quantization.md).
 template <typename A>
 struct IntegerRows {
-  std::vector<A> values;  // [rows, K]
+  std::vector<A> values;  // [rows, K]; int16: each block's even values, then its odd ones
   std::vector<float> scales, sums;  // [rows, K / 32]: the scale, and it times the block's sum
 };
 
@@ -408,12 +408,19 @@ IntegerRows<A> round_rows(const float* x, int64_t m_size, int64_t k_size) {
     sum4 = _mm_add_epi32(sum4, _mm_shuffle_epi32(sum4, _MM_SHUFFLE(2, 3, 0, 1)));
     // int32 -> A, then undo the lane interleaving of the packs
     auto* out = reinterpret_cast<__m256i*>(q.values.data() + b * kBlock);
-    if constexpr (std::is_same_v<A, int16_t>) {
+    if constexpr (std::is_same_v<A, int16_t>) {  // [x0, x2, .., x30 | x1, x3, .., x31]
+      const __m256i evens_first = _mm256_setr_epi8(
+          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+          0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+      __m256i halves[2];  // x0-15 and x16-31: [evens | odds] of each
       for (int h = 0; h < 2; ++h) {
-        _mm256_storeu_si256(out + h, _mm256_permute4x64_epi64(
-                                         _mm256_packs_epi32(ints[2 * h], ints[2 * h + 1]),
-                                         _MM_SHUFFLE(3, 1, 2, 0)));
+        const __m256i words = _mm256_permute4x64_epi64(
+            _mm256_packs_epi32(ints[2 * h], ints[2 * h + 1]), _MM_SHUFFLE(3, 1, 2, 0));
+        halves[h] = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, evens_first),
+                                             _MM_SHUFFLE(3, 1, 2, 0));
       }
+      _mm256_storeu_si256(out, _mm256_permute2x128_si256(halves[0], halves[1], 0x20));
+      _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(halves[0], halves[1], 0x31));
     } else {
       const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(ints[0], ints[1]),
                                                 _mm256_packs_epi32(ints[2], ints[3]));
@@ -426,104 +433,89 @@ IntegerRows<A> round_rows(const float* x, int64_t m_size, int64_t k_size) {
   return q;
 }
 
-// One block's 32 weights as integers, ready to be multiplied with blocks of x of type A.
-// With AVX-512, int16 takes the whole block in one vector (one vpmaddwd per block).
-template <int64_t F, typename A>
-struct BlockIntegers {
-  static constexpr bool kWide = simd::kLanes == 16 && std::is_same_v<A, int16_t>;
-  // int16: weights 0-15 and 16-31 (AVX2) or all 32 (AVX-512, in the low half's place);
-  // int8: the 32 weights and their magnitudes
-  __m256i w[2];
-#if defined(RADIXSERVE_AVX512)
-  __m512i wide;
-#endif
+// int8 activations: one block's 32 weights as the bytes vpmaddubsw / vpdpbusd multiply,
+// unsigned by signed: nibbles as they are; signed weights as their magnitudes, x then taking
+// their signs.
+template <int64_t F>
+struct BlockBytes {
+  __m256i weights, magnitudes;
 
   // The block's nibbles or int8 weights; Q4_K: 32 bytes whose nibbles at `shift` they are.
-  explicit BlockIntegers(const uint8_t* qs, int shift = 0) {
+  explicit BlockBytes(const uint8_t* qs, int shift = 0) {
     if constexpr (F == kQ4_K) {
-      const __m256i nibbles = _mm256_and_si256(
-          _mm256_srli_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)), shift),
+      weights = magnitudes = _mm256_and_si256(
+          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)),
+                           _mm_cvtsi32_si128(shift)),
           _mm256_set1_epi8(0x0F));
-#if defined(RADIXSERVE_AVX512)
-      if constexpr (kWide) {
-        wide = _mm512_cvtepu8_epi16(nibbles);
-        return;
-      }
-#endif
-      if constexpr (std::is_same_v<A, int16_t>) {
-        w[0] = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(nibbles));
-        w[1] = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(nibbles, 1));
-      } else {
-        w[0] = w[1] = nibbles;
-      }
     } else if constexpr (F == kQ4_0 || F == kQ4_1) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
       const __m128i nibble = _mm_set1_epi8(0x0F);
-      const __m128i low = _mm_and_si128(bytes, nibble);
-      const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-#if defined(RADIXSERVE_AVX512)
-      if constexpr (kWide) {
-        wide = _mm512_cvtepu8_epi16(_mm256_set_m128i(high, low));
-        return;
-      }
-#endif
-      if constexpr (std::is_same_v<A, int16_t>) {
-        w[0] = _mm256_cvtepu8_epi16(low);
-        w[1] = _mm256_cvtepu8_epi16(high);
-      } else {
-        w[0] = w[1] = _mm256_set_m128i(high, low);
-      }
-    } else if constexpr (std::is_same_v<A, int16_t>) {
-#if defined(RADIXSERVE_AVX512)
-      if constexpr (kWide) {
-        wide = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)));
-        return;
-      }
-#endif
-      w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-      w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16)));
-    } else {  // signed weights: |w| times x signed as w
-      w[0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-      w[1] = _mm256_sign_epi8(w[0], w[0]);
+      weights = magnitudes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble),
+                                              _mm_and_si128(bytes, nibble));
+    } else {
+      weights = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+      magnitudes = _mm256_sign_epi8(weights, weights);
     }
   }
 
-  // The dot product with 32 integers of x, as int32 lanes to be summed (as floats).
-  fvec dot(const A* x) const {
-    if constexpr (std::is_same_v<A, int16_t>) {  // 2 x 32767 x 255 at most: int32
-#if defined(RADIXSERVE_AVX512)
-      return _mm512_cvtepi32_ps(_mm512_madd_epi16(wide, _mm512_loadu_si512(x)));
-#else
-      const __m256i* xs = reinterpret_cast<const __m256i*>(x);
-      return _mm256_cvtepi32_ps(_mm256_add_epi32(
-          _mm256_madd_epi16(w[0], _mm256_loadu_si256(xs)),
-          _mm256_madd_epi16(w[1], _mm256_loadu_si256(xs + 1))));
-#endif
-    } else {
-      __m256i u = w[1], v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-      if constexpr (F == kQ8_0 || F == kInt8Rows) v = _mm256_sign_epi8(v, w[0]);
+  // The dot product with 32 int8 of x, as int32 lanes to be summed (as floats).
+  fvec dot(const int8_t* x) const {
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    if constexpr (F == kQ8_0 || F == kInt8Rows) v = _mm256_sign_epi8(v, weights);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-      const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, v);
+    const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitudes, v);
 #elif defined(__AVXVNNI__)
-      const __m256i sums = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, v);
+    const __m256i sums = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), magnitudes, v);
 #else  // pairs first: 2 x 15 x 127 (nibbles) or 2 x 127 x 127 (int8) fit int16
-      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1));
+    const __m256i sums =
+        _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, v), _mm256_set1_epi16(1));
 #endif
 #if defined(RADIXSERVE_AVX512)
-      return _mm512_zextps256_ps512(_mm256_cvtepi32_ps(sums));  // the upper lanes zero
+    return _mm512_zextps256_ps512(_mm256_cvtepi32_ps(sums));  // the upper lanes zero
 #else
-      return _mm256_cvtepi32_ps(sums);
+    return _mm256_cvtepi32_ps(sums);
 #endif
-    }
   }
 };
 
-// Rows m..m+R of integer x times weight rows n..n+NR (R * NR <= 4 running sums): each
-// weight block is widened once for the R rows of x, each block of x loaded once for the NR
-// weight rows.
-template <int64_t F, typename A, int R, int NR>
-inline void dot_tile(const IntegerRows<A>& xq, int64_t m, int64_t k_size, const uint8_t* rows,
-                     int64_t stride, float* y, int64_t n_size) {
+// The scale d and offset (w = d * q + shift) of block b of a weight row.
+template <int64_t F>
+inline void block_factors(const uint8_t* row, int64_t b, int64_t k_size, float& d,
+                          float& shift) {
+  shift = 0.0f;
+  if constexpr (F == kQ4_K) {  // sub-block b % 8 of super-block b / 8
+    const Q4KSubBlock sub(row + b / 8 * block_bytes(F), static_cast<int>(b % 8));
+    d = sub.scale;
+    shift = -sub.min;
+  } else {
+    const uint8_t* block = row + b * block_bytes(F);
+    if constexpr (F == kQ4_0 || F == kQ4_1) {
+      d = simd::half_to_float(load_u16(block));
+      shift = F == kQ4_1 ? simd::half_to_float(load_u16(block + 2)) : -8.0f * d;
+    } else {
+      d = F == kQ8_0 ? simd::half_to_float(load_u16(block)) : row_scale(F, row, k_size);
+    }
+  }
+}
+
+// The integers of block b of a weight row: its nibbles (Q4_K: their 32 bytes and shift) or
+// int8 weights.
+template <int64_t F>
+inline const uint8_t* block_integers(const uint8_t* row, int64_t b, int& shift) {
+  shift = 0;
+  if constexpr (F == kQ4_K) {
+    shift = static_cast<int>(b % 8 % 2 * 4);
+    return row + b / 8 * block_bytes(F) + 16 + b % 8 / 2 * 32;
+  } else {
+    return row + b * block_bytes(F) + (F == kQ4_1 ? 4 : F == kInt8Rows ? 0 : 2);
+  }
+}
+
+// Rows m..m+R of int8 x times weight rows n..n+NR (R * NR <= 4 running sums): each weight
+// block is read once for the R rows of x, each block of x loaded once for the NR weight rows.
+template <int64_t F, int R, int NR>
+inline void dot_tile(const IntegerRows<int8_t>& xq, int64_t m, int64_t k_size,
+                     const uint8_t* rows, int64_t stride, float* y, int64_t n_size) {
   static_assert(R * NR <= 4);
   const int64_t blocks = k_size / kBlock;
   fvec acc[R * NR];
@@ -532,24 +524,11 @@ inline void dot_tile(const IntegerRows<A>& xq, int64_t m, int64_t k_size, const 
   for (int64_t b = 0; b < blocks; ++b) {
     for (int j = 0; j < NR; ++j) {
       const uint8_t* row = rows + j * stride;
-      float d, shift = 0.0f;  // w = d * q + shift
-      const auto w = [&] {
-        if constexpr (F == kQ4_K) {  // sub-block b % 8 of super-block b / 8
-          const Q4KSubBlock sub(row + b / 8 * block_bytes(F), static_cast<int>(b % 8));
-          d = sub.scale;
-          shift = -sub.min;
-          return BlockIntegers<F, A>(sub.bytes, sub.shift);
-        } else {
-          const uint8_t* block = row + b * block_bytes(F);
-          if constexpr (F == kQ4_0 || F == kQ4_1) {
-            d = simd::half_to_float(load_u16(block));
-            shift = F == kQ4_1 ? simd::half_to_float(load_u16(block + 2)) : -8.0f * d;
-          } else {
-            d = F == kQ8_0 ? simd::half_to_float(load_u16(block)) : row_scale(F, row, k_size);
-          }
-          return BlockIntegers<F, A>(block + (F == kQ4_1 ? 4 : F == kInt8Rows ? 0 : 2));
-        }
-      }();
+      float d, shift;
+      block_factors<F>(row, b, k_size, d, shift);
+      int nibble_shift;
+      const uint8_t* qs = block_integers<F>(row, b, nibble_shift);
+      const BlockBytes<F> w(qs, nibble_shift);
       for (int r = 0; r < R; ++r) {
         const int64_t xb = (m + r) * blocks + b;
         acc[r * NR + j] = simd::fmadd(w.dot(xq.values.data() + xb * kBlock),
@@ -565,11 +544,11 @@ inline void dot_tile(const IntegerRows<A>& xq, int64_t m, int64_t k_size, const 
   }
 }
 
-// Weight rows [n, group_end) times rows m..m+R of x, NR weight rows per tile (one at a time
-// for the last few); with `prefetch`, each tile first touches the rows one group ahead,
-// up to `n_end`.
-template <int64_t F, typename A, int R>
-inline void dot_group(const IntegerRows<A>& xq, int64_t m, int64_t k_size,
+// Weight rows [n, group_end) times rows m..m+R of int8 x, NR weight rows per tile (one at a
+// time for the last few); with `prefetch`, each tile first touches the rows one group
+// ahead, up to `n_end`.
+template <int64_t F, int R>
+inline void dot_group(const IntegerRows<int8_t>& xq, int64_t m, int64_t k_size,
                       const uint8_t* weight, int64_t stride, int64_t n, int64_t group_end,
                       int64_t n_end, bool prefetch, float* y, int64_t n_size) {
   constexpr int NR = 4 / R;
@@ -580,19 +559,19 @@ inline void dot_group(const IntegerRows<A>& xq, int64_t m, int64_t k_size,
     }
     const uint8_t* rows = weight + n * stride;
     if (tile == NR) {
-      dot_tile<F, A, R, NR>(xq, m, k_size, rows, stride, y + n, n_size);
+      dot_tile<F, R, NR>(xq, m, k_size, rows, stride, y + n, n_size);
     } else {
       for (int64_t j = 0; j < tile; ++j) {
-        dot_tile<F, A, R, 1>(xq, m, k_size, rows + j * stride, stride, y + n + j, n_size);
+        dot_tile<F, R, 1>(xq, m, k_size, rows + j * stride, stride, y + n + j, n_size);
       }
     }
   }
 }
 
-template <int64_t F, typename A>
-void gemv_integer(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
-                  int64_t n_size, float* y) {
-  const IntegerRows<A> xq = round_rows<A>(x, m_size, k_size);
+template <int64_t F>
+void gemv_int8(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
+               int64_t n_size, float* y) {
+  const IntegerRows<int8_t> xq = round_rows<int8_t>(x, m_size, k_size);
   const int64_t stride = row_bytes(F, k_size);
   const int64_t groups = (n_size + kRowsPerGroup - 1) / kRowsPerGroup;
   radixserve::parallel_claim(groups, radixserve::chunk_for(groups), [&](auto& queue) {
@@ -602,11 +581,176 @@ void gemv_integer(const float* x, int64_t m_size, int64_t k_size, const uint8_t*
         const int64_t group_end = std::min(n_end, n + kRowsPerGroup);
         for (int64_t m = 0; m < m_size; m += 2) {  // a group's weight rows stay in L1
           if (m + 1 == m_size) {
-            dot_group<F, A, 1>(xq, m, k_size, weight, stride, n, group_end, n_end, m == 0, y,
-                               n_size);
+            dot_group<F, 1>(xq, m, k_size, weight, stride, n, group_end, n_end, m == 0, y,
+                            n_size);
           } else {
-            dot_group<F, A, 2>(xq, m, k_size, weight, stride, n, group_end, n_end, m == 0, y,
-                               n_size);
+            dot_group<F, 2>(xq, m, k_size, weight, stride, n, group_end, n_end, m == 0, y,
+                            n_size);
+          }
+        }
+      }
+    }
+  });
+}
+
+// int16 activations take eight weight rows at a time, and each block costs the rows no
+// scalar work:
+// - A block's weights split into its 16 even and 16 odd ones (int16) by shifts and masks
+//   alone: a nibble format reads its 16 bytes into both halves of a vector and shifts each
+//   32-bit lane by 0 and 4 (evens) or 8 and 12 (odds); byte formats shift 16-bit lanes.
+//   round_rows stores each block of x in the same order, so two vpmaddwd multiply a row's
+//   block into 8 int32 lanes.
+// - The 8 rows' lanes are summed into one vector, one int32 per row (exact: at most
+//   32 x 32767 x 128), converted to float once and scaled by the 8 rows' block scales as a
+//   vector, loaded from the 8 block headers together.
+constexpr int64_t kRowsPerTile16 = 8;
+constexpr int64_t kPrefetchTiles = 2;
+
+template <int64_t F>
+inline void block_words(const uint8_t* qs, int shift, __m256i& even, __m256i& odd) {
+  const __m256i low4 = _mm256_set1_epi16(0x000F);
+  if constexpr (F == kQ4_0 || F == kQ4_1) {
+    const __m256i bytes =
+        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    even = _mm256_and_si256(
+        _mm256_srlv_epi32(bytes, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), low4);
+    odd = _mm256_and_si256(
+        _mm256_srlv_epi32(bytes, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), low4);
+  } else {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+    if constexpr (F == kQ4_K) {
+      even = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), low4);
+      odd = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift + 8)), low4);
+    } else {
+      even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
+      odd = _mm256_srai_epi16(bytes, 8);
+    }
+  }
+}
+
+// The scales d and offsets of block b of 8 weight rows, as vectors.
+template <int64_t F>
+inline void block_factors8(const uint8_t* const* rows, int64_t b, int64_t k_size, __m256& d,
+                           __m256& shift) {
+  if constexpr (F == kQ4_0 || F == kQ4_1 || F == kQ8_0) {
+    // the headers' first 4 bytes, [d | m] for Q4_1, then d0..d7 and m0..m7 as halves
+    __m128i quads[2];
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* const* q = rows + 4 * h;
+      const int64_t at = b * block_bytes(F);
+      quads[h] = _mm_unpacklo_epi64(
+          _mm_unpacklo_epi32(_mm_loadu_si32(q[0] + at), _mm_loadu_si32(q[1] + at)),
+          _mm_unpacklo_epi32(_mm_loadu_si32(q[2] + at), _mm_loadu_si32(q[3] + at)));
+    }
+    const __m256i halves = _mm256_permute4x64_epi64(
+        _mm256_shuffle_epi8(_mm256_set_m128i(quads[1], quads[0]),
+                            _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14,
+                                             15, 0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11,
+                                             14, 15)),
+        _MM_SHUFFLE(3, 1, 2, 0));
+    d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+    shift = F == kQ4_1   ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))
+            : F == kQ4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
+                         : _mm256_setzero_ps();
+  } else if constexpr (F == kInt8Rows) {  // one scale per row, set once by dot_rows8
+    shift = _mm256_setzero_ps();
+  } else {  // Q4_K: the sub-blocks' factors of 6 bits
+    alignas(32) float ds[8], shifts[8];
+    for (int j = 0; j < 8; ++j) block_factors<F>(rows[j], b, k_size, ds[j], shifts[j]);
+    d = _mm256_load_ps(ds);
+    shift = _mm256_load_ps(shifts);
+  }
+}
+
+// Rows m..m+R of int16 x times the 8 weight rows `rows`: the first `count` outputs of each
+// row of x go to y.
+template <int64_t F, int R>
+inline void dot_rows8(const IntegerRows<int16_t>& xq, int64_t m, int64_t k_size,
+                      const uint8_t* const* rows, const uint8_t* ahead, float* y,
+                      int64_t n_size, int64_t count) {
+  const int64_t blocks = k_size / kBlock;
+  const int64_t ahead_step = (kRowsPerTile16 * row_bytes(F, k_size) + blocks - 1) / blocks;
+  __m256 acc[R], offset[R];
+  for (int r = 0; r < R; ++r) acc[r] = offset[r] = _mm256_setzero_ps();
+  __m256 d, shift;
+  if constexpr (F == kInt8Rows) {
+    alignas(32) float scales[8];
+    for (int j = 0; j < 8; ++j) scales[j] = row_scale(F, rows[j], k_size);
+    d = _mm256_load_ps(scales);
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    if (ahead != nullptr) {  // the tile ahead's share for one block, spread over the blocks
+      for (int64_t byte = 0; byte < ahead_step; byte += 64) {
+        __builtin_prefetch(ahead + b * ahead_step + byte);
+      }
+    }
+    __m256i x_even[R], x_odd[R];
+    for (int r = 0; r < R; ++r) {
+      const auto* xb =
+          reinterpret_cast<const __m256i*>(xq.values.data() + ((m + r) * blocks + b) * kBlock);
+      x_even[r] = _mm256_loadu_si256(xb);
+      x_odd[r] = _mm256_loadu_si256(xb + 1);
+    }
+    __m256i pairs[R][4];  // lane sums of rows 2i and 2i + 1, in hadd's order
+    for (int j = 0; j < 8; j += 2) {
+      __m256i dots[R][2];
+      for (int t = 0; t < 2; ++t) {
+        int shift;
+        const uint8_t* qs = block_integers<F>(rows[j + t], b, shift);
+        __m256i even, odd;
+        block_words<F>(qs, shift, even, odd);
+        for (int r = 0; r < R; ++r) {
+          dots[r][t] = _mm256_add_epi32(_mm256_madd_epi16(even, x_even[r]),
+                                        _mm256_madd_epi16(odd, x_odd[r]));
+        }
+      }
+      for (int r = 0; r < R; ++r) pairs[r][j / 2] = _mm256_hadd_epi32(dots[r][0], dots[r][1]);
+    }
+    block_factors8<F>(rows, b, k_size, d, shift);
+    for (int r = 0; r < R; ++r) {
+      // [rows 0-3 | 0-3] of lanes 0-3, and of lanes 4-7: one int32 per row once added
+      const __m256i low = _mm256_hadd_epi32(pairs[r][0], pairs[r][1]);
+      const __m256i high = _mm256_hadd_epi32(pairs[r][2], pairs[r][3]);
+      const __m256i totals = _mm256_add_epi32(_mm256_permute2x128_si256(low, high, 0x20),
+                                              _mm256_permute2x128_si256(low, high, 0x31));
+      const int64_t xb = (m + r) * blocks + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(totals),
+                               _mm256_mul_ps(d, _mm256_set1_ps(xq.scales[xb])), acc[r]);
+      if constexpr (has_offset(F)) {
+        offset[r] = _mm256_fmadd_ps(shift, _mm256_set1_ps(xq.sums[xb]), offset[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float out[8];
+    _mm256_store_ps(out, _mm256_add_ps(acc[r], offset[r]));
+    std::copy_n(out, count, y + (m + r) * n_size);
+  }
+}
+
+template <int64_t F>
+void gemv_int16(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
+                int64_t n_size, float* y) {
+  const IntegerRows<int16_t> xq = round_rows<int16_t>(x, m_size, k_size);
+  const int64_t stride = row_bytes(F, k_size);
+  const int64_t tiles = (n_size + kRowsPerTile16 - 1) / kRowsPerTile16;
+  radixserve::parallel_claim(tiles, radixserve::chunk_for(tiles), [&](auto& queue) {
+    for (int64_t begin, end; queue.claim(begin, end);) {
+      const int64_t n_end = std::min(n_size, end * kRowsPerTile16);
+      for (int64_t n = begin * kRowsPerTile16; n < n_end; n += kRowsPerTile16) {
+        const int64_t count = std::min(kRowsPerTile16, n_size - n);
+        const int64_t ahead_row = n + kPrefetchTiles * kRowsPerTile16;
+        const uint8_t* ahead =
+            ahead_row + kRowsPerTile16 <= n_end ? weight + ahead_row * stride : nullptr;
+        const uint8_t* rows[kRowsPerTile16];  // the last tile repeats its last row
+        for (int64_t j = 0; j < kRowsPerTile16; ++j) {
+          rows[j] = weight + (n + std::min(j, count - 1)) * stride;
+        }
+        for (int64_t m = 0; m < m_size; m += 2) {
+          if (m + 1 == m_size) {
+            dot_rows8<F, 1>(xq, m, k_size, rows, m == 0 ? ahead : nullptr, y + n, n_size, count);
+          } else {
+            dot_rows8<F, 2>(xq, m, k_size, rows, m == 0 ? ahead : nullptr, y + n, n_size, count);
           }
         }
       }
@@ -683,13 +827,13 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
       constexpr int64_t F = decltype(f)::value;
       if constexpr (has_integer_path(F)) {  // else floats (gemv_widened)
         if (m_size <= kIntegerRows && activation_bits == 16) {
-          gemv_integer<F, int16_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
-                                   out.data_ptr<float>());
+          gemv_int16<F>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
+                        out.data_ptr<float>());
           return;
         }
         if (m_size <= kIntegerRows && activation_bits == 8) {
-          gemv_integer<F, int8_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
-                                  out.data_ptr<float>());
+          gemv_int8<F>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
+                       out.data_ptr<float>());
           return;
         }
       }
