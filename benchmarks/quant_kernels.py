@@ -4,7 +4,8 @@ point m + 8d; `_weight_int8pack_mm`, int8 rows with one scale each, as `--quanti
 int8` holds them) against radixserve's `quant_linear` over the same weights, with float, int16
 and int8 activations. Both libraries are asked for the activation dtype they are fastest
 at on this path (PyTorch's CPU kernels: bf16). Median microseconds per call over weights
-that stay in cache (each call reads its weight from L2/L3): the kernels' own speed.
+that stay in cache (each call reads its weight from L2/L3): the kernels' own speed; then
+one row over more and more copies of a weight, until it streams from memory as in a step.
 Results: docs/benchmarks/quantization.md.
 
     flock /tmp/radixserve-bench.lock .venv/bin/python -m benchmarks.quant_kernels
@@ -84,6 +85,40 @@ def main() -> None:
                 flush=True,
             )
     k_quants()
+    streamed()
+
+
+def streamed(copies: tuple[int, ...] = (1, 4, 30, 90)) -> None:
+    """One row against gate_up's Q4_1 weight, cycling through `copies` copies of it, so that
+    from 30 copies on each call reads its weight from L3 or memory, as a decode step does
+    (a step reads about 92 MiB). Float sums over as many bytes are the machine's read rate."""
+    n, k = 3072, 576
+    gguf_blocks = gguf.quants.quantize(
+        np.random.default_rng(1).standard_normal((n, k)).astype(np.float32),
+        gguf.GGMLQuantizationType.Q4_1,
+    )
+    weight = torch.from_numpy(gguf_blocks.view(np.uint8).reshape(n, -1).copy())
+    x = torch.randn(1, k)
+    print("| gate_up Q4_1 copies | MiB | int16 act. per call | GB/s read | float sum GB/s |")
+    print("|---|---|---|---|---|")
+    for count in copies:
+        weights = [weight.clone() for _ in range(count)]
+        rounds = max(1, 300 // count)
+
+        def each_copy(weights: list[torch.Tensor] = weights, rounds: int = rounds) -> None:
+            for _ in range(rounds):
+                for w in weights:
+                    cpu_kernels.quant_linear(x, w, int(WeightFormat.Q4_1), None, 16)
+
+        per_call = micros(each_copy, calls=1) / (rounds * count)
+        floats = torch.rand(count * weight.numel() // 4)
+        total = count * weight.numel()
+        read_rate = total / micros(floats.sum, 5) / 1e3
+        print(
+            f"| {count} | {total / 2**20:.0f} | {per_call:.0f} us "
+            f"| {weight.numel() / per_call / 1e3:.1f} | {read_rate:.1f} |",
+            flush=True,
+        )
 
 
 def k_quants() -> None:

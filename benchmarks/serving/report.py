@@ -379,7 +379,8 @@ def stream_lines(cfg: dict[str, Any]) -> list[str]:
     ]
 
 
-def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
+def markdown(record: dict[str, Any], plots_dir: str | None, notes: str) -> str:
+    """The report; its plots section links `plots_dir`'s images (None: they were not drawn)."""
     m = record["machine"]
     cfg = record["workload_config"]
     isa = ", ".join(name for name in ("amx_bf16", "avx512_bf16") if m.get(name)) or "neither"
@@ -472,7 +473,7 @@ def markdown(record: dict[str, Any], plots_dir: str, notes: str) -> str:
             "|---|---|---:|---:|---|---|",
             *targets,
         ]
-    if record["workloads"]:
+    if record["workloads"] and plots_dir is not None:
         lines += [
             "",
             "### Plots",
@@ -488,11 +489,17 @@ def write(record: dict[str, Any], out: Path) -> None:
     """`<out>.md`, keeping what follows NOTES_MARKER in an existing one, and the plots."""
     doc = out.with_suffix(".md")
     notes = doc.read_text().partition(NOTES_MARKER)[2].lstrip("\n") if doc.exists() else ""
-    doc.write_text(markdown(record, os.path.relpath(out, doc.parent), notes))
-    if record["workloads"]:
-        try:
-            from benchmarks.serving.plots import plot_all
-        except ImportError as e:  # matplotlib is an extra (`pip install matplotlib`)
-            print(f"no plots: {e}")
-            return
-        plot_all(record, out)
+    plot = plotter() if record["workloads"] else None
+    doc.write_text(markdown(record, os.path.relpath(out, doc.parent) if plot else None, notes))
+    if plot is not None:
+        plot(record, out)
+
+
+def plotter() -> Callable[[dict[str, Any], Path], None] | None:
+    """plots.plot_all, or None without matplotlib (an extra: `pip install matplotlib`)."""
+    try:
+        from benchmarks.serving.plots import plot_all
+    except ImportError as e:
+        print(f"no plots: {e}")
+        return None
+    return plot_all

@@ -117,6 +117,12 @@ def test_targets_are_ratios_between_peers_of_the_run():
     assert not any("random" in row for row in rows)  # no random cells were run
 
 
+def test_the_markdown_links_plots_only_where_they_were_drawn():
+    data = record(RESULTS, ["shared-prefix"])
+    assert "![TTFT distribution](serving/ttft.png)" in report.markdown(data, "serving", notes="")
+    assert "### Plots" not in report.markdown(data, None, notes="")
+
+
 def test_the_markdown_names_the_command_the_machine_and_every_cell():
     text = report.markdown(record(RESULTS, ["shared-prefix"]), "serving", notes="")
     assert (
