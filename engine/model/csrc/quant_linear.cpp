@@ -433,205 +433,99 @@ IntegerRows<A> round_rows(const float* x, int64_t m_size, int64_t k_size) {
   return q;
 }
 
-// int8 activations: one block's 32 weights as the bytes vpmaddubsw / vpdpbusd multiply,
-// unsigned by signed: nibbles as they are; signed weights as their magnitudes, x then taking
-// their signs.
+// The integer paths take eight weight rows at a time, and each block costs the rows no
+// scalar work:
+// - A block's weights are unpacked by shifts and masks alone (no shuffle port), into the
+//   order round_rows stores x in. int16: the 16 even and 16 odd weights: a nibble block's 16
+//   bytes go into both halves of a vector, each 32-bit lane shifted by 0 and 4 (evens) or
+//   8 and 12 (odds); byte formats shift 16-bit lanes. int8: the 32 weights in order, a
+//   nibble block's 64-bit lanes shifted by 0 (low nibbles) or 4 (high ones).
+// - A row's block against a block of x gives 8 int32 lanes; the 8 rows' lanes are summed
+//   into one vector, one int32 per row (exact: at most 32 x 32767 x 128), converted to float
+//   once and scaled by the 8 rows' block scales as a vector, loaded from the 8 block headers
+//   together.
+constexpr int64_t kIntegerTileRows = 8;
+constexpr int64_t kPrefetchTiles = 2;  // a tile's block steps prefetch the tile this far ahead
+
+// One weight row's block, unpacked for blocks of x of type A; `dot` gives its products with
+// one, as 8 int32 lanes to be summed.
+template <int64_t F, typename A>
+struct BlockOperand;
+
 template <int64_t F>
-struct BlockBytes {
-  __m256i weights, magnitudes;
+struct BlockOperand<F, int16_t> {
+  __m256i even, odd;
 
   // The block's nibbles or int8 weights; Q4_K: 32 bytes whose nibbles at `shift` they are.
-  explicit BlockBytes(const uint8_t* qs, int shift = 0) {
-    if constexpr (F == kQ4_K) {
+  BlockOperand(const uint8_t* qs, int shift) {
+    const __m256i low4 = _mm256_set1_epi16(0x000F);
+    if constexpr (F == kQ4_0 || F == kQ4_1) {
+      const __m256i bytes =
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+      even = _mm256_and_si256(
+          _mm256_srlv_epi32(bytes, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), low4);
+      odd = _mm256_and_si256(
+          _mm256_srlv_epi32(bytes, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), low4);
+    } else {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+      if constexpr (F == kQ4_K) {
+        even = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), low4);
+        odd = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift + 8)), low4);
+      } else {
+        even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
+        odd = _mm256_srai_epi16(bytes, 8);
+      }
+    }
+  }
+
+  __m256i dot(const int16_t* x) const {  // 2 x 32767 x 128 at most per product pair
+    const __m256i* xs = reinterpret_cast<const __m256i*>(x);
+    return _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xs)),
+                            _mm256_madd_epi16(odd, _mm256_loadu_si256(xs + 1)));
+  }
+};
+
+// vpmaddubsw / vpdpbusd multiply unsigned by signed bytes: nibbles as they are; signed
+// weights as their magnitudes, x then taking their signs.
+template <int64_t F>
+struct BlockOperand<F, int8_t> {
+  __m256i weights, magnitudes;
+
+  BlockOperand(const uint8_t* qs, int shift) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    if constexpr (F == kQ4_0 || F == kQ4_1) {
+      const __m256i bytes =
+          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+      weights = magnitudes = _mm256_and_si256(
+          _mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)), low4);
+    } else if constexpr (F == kQ4_K) {
       weights = magnitudes = _mm256_and_si256(
           _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)),
                            _mm_cvtsi32_si128(shift)),
-          _mm256_set1_epi8(0x0F));
-    } else if constexpr (F == kQ4_0 || F == kQ4_1) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-      const __m128i nibble = _mm_set1_epi8(0x0F);
-      weights = magnitudes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble),
-                                              _mm_and_si128(bytes, nibble));
+          low4);
     } else {
       weights = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
       magnitudes = _mm256_sign_epi8(weights, weights);
     }
   }
 
-  // The dot product with 32 int8 of x, as int32 lanes to be summed (as floats).
-  fvec dot(const int8_t* x) const {
+  __m256i dot(const int8_t* x) const {
     __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
     if constexpr (F == kQ8_0 || F == kInt8Rows) v = _mm256_sign_epi8(v, weights);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitudes, v);
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitudes, v);
 #elif defined(__AVXVNNI__)
-    const __m256i sums = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), magnitudes, v);
-#else  // pairs first: 2 x 15 x 127 (nibbles) or 2 x 127 x 127 (int8) fit int16
-    const __m256i sums =
-        _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, v), _mm256_set1_epi16(1));
-#endif
-#if defined(RADIXSERVE_AVX512)
-    return _mm512_zextps256_ps512(_mm256_cvtepi32_ps(sums));  // the upper lanes zero
-#else
-    return _mm256_cvtepi32_ps(sums);
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), magnitudes, v);
+#else  // pairs first: 2 x 15 x 127 (nibbles) or 2 x 128 x 127 (int8) fit int16
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, v), _mm256_set1_epi16(1));
 #endif
   }
 };
 
-// The scale d and offset (w = d * q + shift) of block b of a weight row.
+// The scales d and offsets (w = d * q + shift) of block b of 8 weight rows, as vectors
+// (int8 rows: their scales are set once per tile by dot_rows8).
 template <int64_t F>
-inline void block_factors(const uint8_t* row, int64_t b, int64_t k_size, float& d,
-                          float& shift) {
-  shift = 0.0f;
-  if constexpr (F == kQ4_K) {  // sub-block b % 8 of super-block b / 8
-    const Q4KSubBlock sub(row + b / 8 * block_bytes(F), static_cast<int>(b % 8));
-    d = sub.scale;
-    shift = -sub.min;
-  } else {
-    const uint8_t* block = row + b * block_bytes(F);
-    if constexpr (F == kQ4_0 || F == kQ4_1) {
-      d = simd::half_to_float(load_u16(block));
-      shift = F == kQ4_1 ? simd::half_to_float(load_u16(block + 2)) : -8.0f * d;
-    } else {
-      d = F == kQ8_0 ? simd::half_to_float(load_u16(block)) : row_scale(F, row, k_size);
-    }
-  }
-}
-
-// The integers of block b of a weight row: its nibbles (Q4_K: their 32 bytes and shift) or
-// int8 weights.
-template <int64_t F>
-inline const uint8_t* block_integers(const uint8_t* row, int64_t b, int& shift) {
-  shift = 0;
-  if constexpr (F == kQ4_K) {
-    shift = static_cast<int>(b % 8 % 2 * 4);
-    return row + b / 8 * block_bytes(F) + 16 + b % 8 / 2 * 32;
-  } else {
-    return row + b * block_bytes(F) + (F == kQ4_1 ? 4 : F == kInt8Rows ? 0 : 2);
-  }
-}
-
-// Rows m..m+R of int8 x times weight rows n..n+NR (R * NR <= 4 running sums): each weight
-// block is read once for the R rows of x, each block of x loaded once for the NR weight rows.
-template <int64_t F, int R, int NR>
-inline void dot_tile(const IntegerRows<int8_t>& xq, int64_t m, int64_t k_size,
-                     const uint8_t* rows, int64_t stride, float* y, int64_t n_size) {
-  static_assert(R * NR <= 4);
-  const int64_t blocks = k_size / kBlock;
-  fvec acc[R * NR];
-  float offset[R * NR] = {};
-  for (int i = 0; i < R * NR; ++i) acc[i] = simd::zero();
-  for (int64_t b = 0; b < blocks; ++b) {
-    for (int j = 0; j < NR; ++j) {
-      const uint8_t* row = rows + j * stride;
-      float d, shift;
-      block_factors<F>(row, b, k_size, d, shift);
-      int nibble_shift;
-      const uint8_t* qs = block_integers<F>(row, b, nibble_shift);
-      const BlockBytes<F> w(qs, nibble_shift);
-      for (int r = 0; r < R; ++r) {
-        const int64_t xb = (m + r) * blocks + b;
-        acc[r * NR + j] = simd::fmadd(w.dot(xq.values.data() + xb * kBlock),
-                                      simd::set1(d * xq.scales[xb]), acc[r * NR + j]);
-        if constexpr (has_offset(F)) offset[r * NR + j] += shift * xq.sums[xb];
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < NR; ++j) {
-      y[(m + r) * n_size + j] = simd::sum(acc[r * NR + j]) + offset[r * NR + j];
-    }
-  }
-}
-
-// Weight rows [n, group_end) times rows m..m+R of int8 x, NR weight rows per tile (one at a
-// time for the last few); with `prefetch`, each tile first touches the rows one group
-// ahead, up to `n_end`.
-template <int64_t F, int R>
-inline void dot_group(const IntegerRows<int8_t>& xq, int64_t m, int64_t k_size,
-                      const uint8_t* weight, int64_t stride, int64_t n, int64_t group_end,
-                      int64_t n_end, bool prefetch, float* y, int64_t n_size) {
-  constexpr int NR = 4 / R;
-  for (; n < group_end; n += NR) {
-    const int64_t tile = std::min<int64_t>(NR, group_end - n);
-    if (prefetch && n + kRowsPerGroup + tile <= n_end) {
-      prefetch_row(weight + (n + kRowsPerGroup) * stride, tile * stride);
-    }
-    const uint8_t* rows = weight + n * stride;
-    if (tile == NR) {
-      dot_tile<F, R, NR>(xq, m, k_size, rows, stride, y + n, n_size);
-    } else {
-      for (int64_t j = 0; j < tile; ++j) {
-        dot_tile<F, R, 1>(xq, m, k_size, rows + j * stride, stride, y + n + j, n_size);
-      }
-    }
-  }
-}
-
-template <int64_t F>
-void gemv_int8(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
-               int64_t n_size, float* y) {
-  const IntegerRows<int8_t> xq = round_rows<int8_t>(x, m_size, k_size);
-  const int64_t stride = row_bytes(F, k_size);
-  const int64_t groups = (n_size + kRowsPerGroup - 1) / kRowsPerGroup;
-  radixserve::parallel_claim(groups, radixserve::chunk_for(groups), [&](auto& queue) {
-    for (int64_t begin, end; queue.claim(begin, end);) {
-      const int64_t n_end = std::min(n_size, end * kRowsPerGroup);
-      for (int64_t n = begin * kRowsPerGroup; n < n_end; n += kRowsPerGroup) {
-        const int64_t group_end = std::min(n_end, n + kRowsPerGroup);
-        for (int64_t m = 0; m < m_size; m += 2) {  // a group's weight rows stay in L1
-          if (m + 1 == m_size) {
-            dot_group<F, 1>(xq, m, k_size, weight, stride, n, group_end, n_end, m == 0, y,
-                            n_size);
-          } else {
-            dot_group<F, 2>(xq, m, k_size, weight, stride, n, group_end, n_end, m == 0, y,
-                            n_size);
-          }
-        }
-      }
-    }
-  });
-}
-
-// int16 activations take eight weight rows at a time, and each block costs the rows no
-// scalar work:
-// - A block's weights split into its 16 even and 16 odd ones (int16) by shifts and masks
-//   alone: a nibble format reads its 16 bytes into both halves of a vector and shifts each
-//   32-bit lane by 0 and 4 (evens) or 8 and 12 (odds); byte formats shift 16-bit lanes.
-//   round_rows stores each block of x in the same order, so two vpmaddwd multiply a row's
-//   block into 8 int32 lanes.
-// - The 8 rows' lanes are summed into one vector, one int32 per row (exact: at most
-//   32 x 32767 x 128), converted to float once and scaled by the 8 rows' block scales as a
-//   vector, loaded from the 8 block headers together.
-constexpr int64_t kRowsPerTile16 = 8;
-constexpr int64_t kPrefetchTiles = 2;
-
-template <int64_t F>
-inline void block_words(const uint8_t* qs, int shift, __m256i& even, __m256i& odd) {
-  const __m256i low4 = _mm256_set1_epi16(0x000F);
-  if constexpr (F == kQ4_0 || F == kQ4_1) {
-    const __m256i bytes =
-        _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-    even = _mm256_and_si256(
-        _mm256_srlv_epi32(bytes, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), low4);
-    odd = _mm256_and_si256(
-        _mm256_srlv_epi32(bytes, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), low4);
-  } else {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-    if constexpr (F == kQ4_K) {
-      even = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), low4);
-      odd = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift + 8)), low4);
-    } else {
-      even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
-      odd = _mm256_srai_epi16(bytes, 8);
-    }
-  }
-}
-
-// The scales d and offsets of block b of 8 weight rows, as vectors.
-template <int64_t F>
-inline void block_factors8(const uint8_t* const* rows, int64_t b, int64_t k_size, __m256& d,
-                           __m256& shift) {
+inline void block_factors8(const uint8_t* const* rows, int64_t b, __m256& d, __m256& shift) {
   if constexpr (F == kQ4_0 || F == kQ4_1 || F == kQ8_0) {
     // the headers' first 4 bytes, [d | m] for Q4_1, then d0..d7 and m0..m7 as halves
     __m128i quads[2];
@@ -652,24 +546,42 @@ inline void block_factors8(const uint8_t* const* rows, int64_t b, int64_t k_size
     shift = F == kQ4_1   ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))
             : F == kQ4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
                          : _mm256_setzero_ps();
-  } else if constexpr (F == kInt8Rows) {  // one scale per row, set once by dot_rows8
+  } else if constexpr (F == kInt8Rows) {
     shift = _mm256_setzero_ps();
   } else {  // Q4_K: the sub-blocks' factors of 6 bits
     alignas(32) float ds[8], shifts[8];
-    for (int j = 0; j < 8; ++j) block_factors<F>(rows[j], b, k_size, ds[j], shifts[j]);
+    for (int j = 0; j < 8; ++j) {  // sub-block b % 8 of super-block b / 8
+      const Q4KSubBlock sub(rows[j] + b / 8 * block_bytes(F), static_cast<int>(b % 8));
+      ds[j] = sub.scale;
+      shifts[j] = -sub.min;
+    }
     d = _mm256_load_ps(ds);
     shift = _mm256_load_ps(shifts);
   }
 }
 
-// Rows m..m+R of int16 x times the 8 weight rows `rows`: the first `count` outputs of each
-// row of x go to y.
-template <int64_t F, int R>
-inline void dot_rows8(const IntegerRows<int16_t>& xq, int64_t m, int64_t k_size,
+// The integers of block b of a weight row: its nibbles (Q4_K: their 32 bytes and shift) or
+// int8 weights.
+template <int64_t F>
+inline const uint8_t* block_integers(const uint8_t* row, int64_t b, int& shift) {
+  shift = 0;
+  if constexpr (F == kQ4_K) {
+    shift = static_cast<int>(b % 8 % 2 * 4);
+    return row + b / 8 * block_bytes(F) + 16 + b % 8 / 2 * 32;
+  } else {
+    return row + b * block_bytes(F) + (F == kQ4_1 ? 4 : F == kInt8Rows ? 0 : 2);
+  }
+}
+
+// Rows m..m+R of integer x times the 8 weight rows `rows`: the first `count` outputs of
+// each row of x go to y. With `ahead`, each block step prefetches its share of the 8 rows
+// there.
+template <int64_t F, typename A, int R>
+inline void dot_rows8(const IntegerRows<A>& xq, int64_t m, int64_t k_size,
                       const uint8_t* const* rows, const uint8_t* ahead, float* y,
                       int64_t n_size, int64_t count) {
   const int64_t blocks = k_size / kBlock;
-  const int64_t ahead_step = (kRowsPerTile16 * row_bytes(F, k_size) + blocks - 1) / blocks;
+  const int64_t ahead_step = (kIntegerTileRows * row_bytes(F, k_size) + blocks - 1) / blocks;
   __m256 acc[R], offset[R];
   for (int r = 0; r < R; ++r) acc[r] = offset[r] = _mm256_setzero_ps();
   __m256 d, shift;
@@ -679,34 +591,25 @@ inline void dot_rows8(const IntegerRows<int16_t>& xq, int64_t m, int64_t k_size,
     d = _mm256_load_ps(scales);
   }
   for (int64_t b = 0; b < blocks; ++b) {
-    if (ahead != nullptr) {  // the tile ahead's share for one block, spread over the blocks
+    if (ahead != nullptr) {
       for (int64_t byte = 0; byte < ahead_step; byte += 64) {
         __builtin_prefetch(ahead + b * ahead_step + byte);
       }
-    }
-    __m256i x_even[R], x_odd[R];
-    for (int r = 0; r < R; ++r) {
-      const auto* xb =
-          reinterpret_cast<const __m256i*>(xq.values.data() + ((m + r) * blocks + b) * kBlock);
-      x_even[r] = _mm256_loadu_si256(xb);
-      x_odd[r] = _mm256_loadu_si256(xb + 1);
     }
     __m256i pairs[R][4];  // lane sums of rows 2i and 2i + 1, in hadd's order
     for (int j = 0; j < 8; j += 2) {
       __m256i dots[R][2];
       for (int t = 0; t < 2; ++t) {
-        int shift;
-        const uint8_t* qs = block_integers<F>(rows[j + t], b, shift);
-        __m256i even, odd;
-        block_words<F>(qs, shift, even, odd);
+        int shift_bits;
+        const uint8_t* qs = block_integers<F>(rows[j + t], b, shift_bits);
+        const BlockOperand<F, A> w(qs, shift_bits);
         for (int r = 0; r < R; ++r) {
-          dots[r][t] = _mm256_add_epi32(_mm256_madd_epi16(even, x_even[r]),
-                                        _mm256_madd_epi16(odd, x_odd[r]));
+          dots[r][t] = w.dot(xq.values.data() + ((m + r) * blocks + b) * kBlock);
         }
       }
       for (int r = 0; r < R; ++r) pairs[r][j / 2] = _mm256_hadd_epi32(dots[r][0], dots[r][1]);
     }
-    block_factors8<F>(rows, b, k_size, d, shift);
+    block_factors8<F>(rows, b, d, shift);
     for (int r = 0; r < R; ++r) {
       // [rows 0-3 | 0-3] of lanes 0-3, and of lanes 4-7: one int32 per row once added
       const __m256i low = _mm256_hadd_epi32(pairs[r][0], pairs[r][1]);
@@ -728,29 +631,30 @@ inline void dot_rows8(const IntegerRows<int16_t>& xq, int64_t m, int64_t k_size,
   }
 }
 
-template <int64_t F>
-void gemv_int16(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
-                int64_t n_size, float* y) {
-  const IntegerRows<int16_t> xq = round_rows<int16_t>(x, m_size, k_size);
+template <int64_t F, typename A>
+void gemv_integer(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
+                  int64_t n_size, float* y) {
+  const IntegerRows<A> xq = round_rows<A>(x, m_size, k_size);
   const int64_t stride = row_bytes(F, k_size);
-  const int64_t tiles = (n_size + kRowsPerTile16 - 1) / kRowsPerTile16;
+  const int64_t tiles = (n_size + kIntegerTileRows - 1) / kIntegerTileRows;
   radixserve::parallel_claim(tiles, radixserve::chunk_for(tiles), [&](auto& queue) {
     for (int64_t begin, end; queue.claim(begin, end);) {
-      const int64_t n_end = std::min(n_size, end * kRowsPerTile16);
-      for (int64_t n = begin * kRowsPerTile16; n < n_end; n += kRowsPerTile16) {
-        const int64_t count = std::min(kRowsPerTile16, n_size - n);
-        const int64_t ahead_row = n + kPrefetchTiles * kRowsPerTile16;
+      const int64_t n_end = std::min(n_size, end * kIntegerTileRows);
+      for (int64_t n = begin * kIntegerTileRows; n < n_end; n += kIntegerTileRows) {
+        const int64_t count = std::min(kIntegerTileRows, n_size - n);
+        const int64_t ahead_row = n + kPrefetchTiles * kIntegerTileRows;
         const uint8_t* ahead =
-            ahead_row + kRowsPerTile16 <= n_end ? weight + ahead_row * stride : nullptr;
-        const uint8_t* rows[kRowsPerTile16];  // the last tile repeats its last row
-        for (int64_t j = 0; j < kRowsPerTile16; ++j) {
+            ahead_row + kIntegerTileRows <= n_end ? weight + ahead_row * stride : nullptr;
+        const uint8_t* rows[kIntegerTileRows];  // the last tile repeats its last row
+        for (int64_t j = 0; j < kIntegerTileRows; ++j) {
           rows[j] = weight + (n + std::min(j, count - 1)) * stride;
         }
-        for (int64_t m = 0; m < m_size; m += 2) {
+        for (int64_t m = 0; m < m_size; m += 2) {  // the tile's rows stay in L1
+          const uint8_t* first_ahead = m == 0 ? ahead : nullptr;
           if (m + 1 == m_size) {
-            dot_rows8<F, 1>(xq, m, k_size, rows, m == 0 ? ahead : nullptr, y + n, n_size, count);
+            dot_rows8<F, A, 1>(xq, m, k_size, rows, first_ahead, y + n, n_size, count);
           } else {
-            dot_rows8<F, 2>(xq, m, k_size, rows, m == 0 ? ahead : nullptr, y + n, n_size, count);
+            dot_rows8<F, A, 2>(xq, m, k_size, rows, first_ahead, y + n, n_size, count);
           }
         }
       }
@@ -827,13 +731,13 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
       constexpr int64_t F = decltype(f)::value;
       if constexpr (has_integer_path(F)) {  // else floats (gemv_widened)
         if (m_size <= kIntegerRows && activation_bits == 16) {
-          gemv_int16<F>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
-                        out.data_ptr<float>());
+          gemv_integer<F, int16_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
+                                   out.data_ptr<float>());
           return;
         }
         if (m_size <= kIntegerRows && activation_bits == 8) {
-          gemv_int8<F>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
-                       out.data_ptr<float>());
+          gemv_integer<F, int8_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
+                                  out.data_ptr<float>());
           return;
         }
       }
