@@ -89,7 +89,7 @@ def test_float_activations_match_float64(format, rows, n, k):
 
 
 @pytest.mark.parametrize("bits", [16, 8])
-# rows: tiles of one and two rows of x; n: tiles of 8 weight rows (int16) and 4 (int8), tails
+# rows: tiles of one and two rows of x; n: tiles of 8 weight rows, with tails
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, GEMV_ROWS])
 @pytest.mark.parametrize(
     ("format", "n", "k"), cases([(33, 32), (200, 576), (9, 1536), (18, 64), (6, 512)])
