@@ -649,6 +649,9 @@ void gemv_integer(const float* x, int64_t m_size, int64_t k_size, const uint8_t*
         for (int64_t j = 0; j < kIntegerTileRows; ++j) {
           rows[j] = weight + (n + std::min(j, count - 1)) * stride;
         }
+        // The pointers stay in memory, each loaded where it is used: GCC otherwise holds
+        // them in one vector register, and extracts each one again at every block.
+        asm volatile("" : : "r"(rows) : "memory");
         for (int64_t m = 0; m < m_size; m += 2) {  // the tile's rows stay in L1
           const uint8_t* first_ahead = m == 0 ? ahead : nullptr;
           if (m + 1 == m_size) {
