@@ -45,7 +45,7 @@ LABEL org.opencontainers.image.title="radixserve" \
 # mounts emptyDirs over them so that the root filesystem can be read-only.
 # Compilers for what is built on first use, into XDG_CACHE_HOME: Triton's small C launcher
 # per kernel (CUDA image: gcc), and the CPU decode step's C++ kernels
-# (engine/model/cpu_kernels.py, with the ninja wheel; CPU image: g++), built for the node's
+# (engine/kernels/cpu/build.py, with the ninja wheel; CPU image: g++), built for the node's
 # own CPU at the worker's start (about 35 s on two cores). Without them the CPU decode step
 # would run on torch ops, about half as fast. A base image that has the compiler already
 # (deploy/pod_test.py's offline one) is left as it is.

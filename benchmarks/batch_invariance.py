@@ -20,7 +20,7 @@ import json
 
 import torch
 
-from engine.model.cpu_isa import cpu_isa
+from engine.kernels.cpu.isa import cpu_isa
 from engine.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from engine.model.runner import ModelRunner
 from testing.batches import ExtendInput, build_forward_batch

@@ -49,7 +49,7 @@ def measure(
     import torch
 
     from benchmarks.model_bench import DecodeBench, copy_bandwidth
-    from engine.model.cpu_isa import cpu_isa
+    from engine.kernels.cpu.isa import cpu_isa
 
     benches = []
     for config in configs:
@@ -154,7 +154,7 @@ def main() -> None:
         apply_first()
         print(json.dumps(measure(args.child, SHAPES, args.steps, args.prefill)))
         return
-    from engine.model.cpu_isa import FORCEABLE, PATHS, cpu_isa
+    from engine.kernels.cpu.isa import FORCEABLE, PATHS, cpu_isa
 
     machine = cpu_isa()
     paths = args.paths or [p for p in FORCEABLE if PATHS.index(p) <= PATHS.index(machine.path)]
@@ -184,7 +184,7 @@ def main() -> None:
 
 def apply_first() -> None:
     """Apply the forced path before torch's first dispatch in this process."""
-    from engine.model.cpu_isa import apply_forced_isa
+    from engine.kernels.cpu.isa import apply_forced_isa
 
     apply_forced_isa()
 

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from engine.model.cpu_isa import cpu_isa
+from engine.kernels.cpu.isa import cpu_isa
 from engine.model.dtype import resolve_dtype
 from engine.model.layers.linear import Linear, linear
 from engine.model.runner import ModelRunner

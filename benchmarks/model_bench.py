@@ -56,7 +56,7 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
 def kernel_path() -> str:
     """This tree's CPU kernel path. Imported here, not at the top: a `--baseline` tree's
     decode workers import this file over an older `engine`, which may have no cpu_isa."""
-    from engine.model.cpu_isa import cpu_isa
+    from engine.kernels.cpu.isa import cpu_isa
 
     return cpu_isa().path
 

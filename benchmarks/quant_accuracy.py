@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.cpu_isa import cpu_isa
+from engine.kernels.cpu.isa import cpu_isa
 from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
 from testing.batches import ExtendInput, build_forward_batch

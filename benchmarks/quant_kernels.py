@@ -24,8 +24,9 @@ import gguf
 import numpy as np
 import torch
 
-from engine.model import cpu_kernels
-from engine.model.cpu_isa import cpu_isa
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.isa import cpu_isa
 from engine.model.layers.quantization import WeightFormat, quantize_int8_rows
 
 SHAPES = [(960, 576, "qkv"), (3072, 576, "gate_up"), (576, 1536, "down"), (49152, 576, "lm_head")]
@@ -44,7 +45,7 @@ def micros(fn: Callable[[], object], calls: int = 50) -> float:
 
 
 def main() -> None:
-    assert cpu_kernels.available(), "the kernels need a compiler"
+    assert cpu_build.available(), "the kernels need a compiler"
     isa = cpu_isa()
     print(
         f"kernel path {isa.path}, ATen {torch.backends.cpu.get_cpu_capability()}, "
@@ -72,7 +73,7 @@ def main() -> None:
             x = torch.randn(m, k)
             xb = x.bfloat16()
             int4pack = torch.ops.aten._weight_int4pack_mm_for_cpu
-            ours = cpu_kernels.quant_linear
+            ours = cpu_ops.quant_linear
             calls = [
                 partial(int4pack, xb, int4, 32, scale_zeros),
                 *(partial(ours, x, blocks, int(WeightFormat.Q4_1), None, b) for b in (32, 16, 8)),
@@ -108,7 +109,7 @@ def streamed(copies: tuple[int, ...] = (1, 4, 30, 90)) -> None:
         def each_copy(weights: list[torch.Tensor] = weights, rounds: int = rounds) -> None:
             for _ in range(rounds):
                 for w in weights:
-                    cpu_kernels.quant_linear(x, w, int(WeightFormat.Q4_1), None, 16)
+                    cpu_ops.quant_linear(x, w, int(WeightFormat.Q4_1), None, 16)
 
         per_call = micros(each_copy, calls=1) / (rounds * count)
         floats = torch.rand(count * weight.numel() // 4)
@@ -125,16 +126,16 @@ def k_quants() -> None:
     """One row against a 4096 x 4096 weight in Q4_1, Q4_K and Q6_K (the K-quants' blocks from
     the tests' quantizer: gguf-py only dequantizes them), beside torch's linear over the
     dense weight in bf16."""
-    from tests.engine.model.test_loader import quantize_blocks
+    from testing.quant import quantize_blocks
 
-    assert cpu_kernels.available(), "the kernels need a compiler"
+    assert cpu_build.available(), "the kernels need a compiler"
     weight = np.random.default_rng(0).standard_normal((4096, 4096)).astype(np.float32)
     x = torch.randn(1, 4096)
     cells = []
     for kind, bits in [("Q4_1", 32), ("Q4_1", 16), ("Q4_K", 16), ("Q6_K", 16)]:
         qtype = gguf.GGMLQuantizationType[kind]
         rows = torch.from_numpy(np.ascontiguousarray(quantize_blocks(weight, qtype)))
-        cells.append(micros(partial(cpu_kernels.quant_linear, x, rows, int(qtype), None, bits)))
+        cells.append(micros(partial(cpu_ops.quant_linear, x, rows, int(qtype), None, bits)))
     dense = torch.from_numpy(weight).bfloat16()
     cells.append(micros(partial(torch.nn.functional.linear, x.bfloat16(), dense)))
     print("| 4096 x 4096, one row | Q4_1 float act. | Q4_1 int16 act. | Q4_K | Q6_K | bf16 dense |")

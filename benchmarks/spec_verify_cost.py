@@ -28,7 +28,7 @@ import statistics
 import torch
 
 from benchmarks.model_bench import DecodeBench
-from engine.model.cpu_isa import cpu_isa
+from engine.kernels.cpu.isa import cpu_isa
 from engine.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 
 

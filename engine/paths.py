@@ -21,7 +21,7 @@ def cache_root() -> Path:
 
 def cpu_kernels_dir() -> Path:
     """The CPU kernels' builds, one per machine, kernel path and sources
-    (`engine/model/cpu_kernels.py`)."""
+    (`engine/model/cpu_ops.py`)."""
     return cache_root() / "cpu_kernels"
 
 

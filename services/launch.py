@@ -91,7 +91,7 @@ def serve(argv: list[str]) -> int:
     """Run the three processes until a signal (exit 0) or until one of them exits (exit 1);
     exit 1 at once, with one line, when a port it was given is taken (or exit 2 when
     RADIXSERVE_CPU_ISA asks for more than this CPU has)."""
-    from engine.model.cpu_isa import apply_forced_isa
+    from engine.kernels.cpu.isa import apply_forced_isa
 
     # First, before anything loads torch: ATen and oneDNN fix their instruction set at their
     # first dispatch, and the three processes inherit the caps from this environment.

@@ -287,7 +287,7 @@ def peer_runs(args: argparse.Namespace) -> list[PeerRun]:
     """The peers asked for (default: every one whose server is there), each radixserve peer
     once per `--cpu-isa` path this CPU has; the others are left out with a line that says
     why."""
-    from engine.model.cpu_isa import PATHS, machine_path, read_flags
+    from engine.kernels.cpu.isa import PATHS, machine_path, read_flags
 
     peers = args.peers
     if peers is None:

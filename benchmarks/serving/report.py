@@ -100,7 +100,7 @@ def _git(*args: str) -> str:
 def machine_info() -> dict[str, Any]:
     import torch
 
-    from engine.model.cpu_isa import ISA_FLAGS
+    from engine.kernels.cpu.isa import ISA_FLAGS
 
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     all_flags = _cpuinfo_field(cpuinfo, "flags").split()

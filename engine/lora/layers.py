@@ -9,7 +9,7 @@ On CPU the whole batch then costs two matmuls whatever its adapters:
 
 where `w` (`LoRABatchInfo.token_weights`, [tokens, slots]) is each token's adapter scaling
 in its slot's column and zeros elsewhere: no loop over tokens or slots, no device sync. On
-CUDA a segment kernel (engine/lora/triton_ops.py) multiplies each request's tokens by its
+CUDA a segment kernel (engine/kernels/triton/lora.py) multiplies each request's tokens by its
 own slot only. Both read static buffers, so a decode graph captures either. Under tensor
 parallelism A and B shard like their base layer: column-parallel layers hold B's rows of
 this rank's outputs (A whole); row-parallel ones hold A's columns of this rank's inputs (B
@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.custom_op import uses_triton
 from engine.lora.errors import LoRAError
-from engine.model import layers
 from engine.model.layers.linear import (
     Linear,
     MergedColumnParallelLinear,
@@ -105,8 +105,8 @@ class LoRALayer:
         batch = self.batch
         if batch.seg_slots is None:
             return y
-        if layers.uses_triton(x):
-            from engine.lora.triton_ops import segment_lora  # imports Triton: CUDA only
+        if uses_triton(x):
+            from engine.kernels.triton.lora import segment_lora  # imports Triton: CUDA only
 
             assert batch.seg_indptr is not None
             return segment_lora(

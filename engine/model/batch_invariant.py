@@ -9,14 +9,14 @@ length, so a prefix read from the radix cache or computed in another chunk sums 
 order), and the one-op decode layer (decode batches only, the default matmuls inside). In
 this mode:
 
-- every `Linear`, the LM head and the LoRA terms call `cpu_kernels.linear_rows` (plain
+- every `Linear`, the LM head and the LoRA terms call `cpu_ops.linear_rows` (plain
   weights) or `quant_linear`'s register path with float activations (quantized ones): one
   dot product per output, summed over K in a fixed order, at any row count;
 - every new token of a prefill attends through the decode kernel as a one-token query over
   its request's first `position + 1` keys (`TorchAttnBackend._token_group`), so prefill,
   chunked prefill, a radix hit, a retracted request's re-prefill and decode all sum a
   position's attention the same way;
-- the one-op layer (`cpu_kernels.decode_layer`, the same kernels called from C++) runs
+- the one-op layer (`cpu_ops.decode_layer`, the same kernels called from C++) runs
   every batch, prefill tokens as one-token rows, where the model can use it; else the
   modules run every batch.
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model import cpu_kernels
+from engine.kernels.cpu import build as cpu_build
 from engine.model.attention import AttentionBackend
 from engine.model.attention.torch_backend import TorchAttnBackend
 from engine.model.layers.linear import Linear
@@ -64,7 +64,7 @@ def make_batch_invariant(model: nn.Module, attn_backend: AttentionBackend) -> No
     """Switch a loaded model and its attention backend (one `check_supported` passed) to
     the batch-invariant kernels, before any LoRA layer is attached (each takes the setting
     of its base layer)."""
-    assert isinstance(attn_backend, TorchAttnBackend) and cpu_kernels.available()
+    assert isinstance(attn_backend, TorchAttnBackend) and cpu_build.available()
     for module in model.modules():
         if isinstance(module, (Linear, LogitsProcessor)):
             module.batch_invariant = True

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.cpu_isa import CpuIsa, cpu_isa
+from engine.kernels.cpu.isa import CpuIsa, cpu_isa
 
 
 def resolve_dtype(dtype: str, device: torch.device, isa: CpuIsa | None = None) -> str:

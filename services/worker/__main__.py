@@ -4,7 +4,7 @@ With `--node-rank K` (K > 0) it runs node K's tensor-parallel ranks only: they f
 0, on node 0, and have no sockets to the tokenizer or the detokenizer."""
 
 # isort: off
-from engine.model.cpu_isa import apply_forced_isa
+from engine.kernels.cpu.isa import apply_forced_isa
 
 apply_forced_isa()  # before torch first dispatches: a forced kernel path caps ATen and oneDNN
 from engine.build import serve_node  # noqa: E402

@@ -28,8 +28,8 @@ import zmq
 
 from engine.build import build
 from engine.cache.kv_events import BlockEventRecorder
+from engine.kernels.cpu.isa import CpuIsa, cpu_isa
 from engine.lora import LoRAError
-from engine.model.cpu_isa import CpuIsa, cpu_isa
 from engine.sched.req import FinishReason, Req
 from observability.worker_metrics import CpuInfo, WorkerMetrics, WorkerSample
 from services.io_struct import (

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.model.cpu_isa import ISA_FLAGS, PATHS
+from engine.kernels.cpu.isa import ISA_FLAGS, PATHS
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.scheduler import after_turns
 from observability.worker_metrics import ROLLING_WINDOW_S, CpuInfo, WorkerMetrics, WorkerSample

@@ -122,7 +122,7 @@ def test_the_settings_address_unset_zmq_ports_in_the_ipc_dir_and_set_ones_on_loo
 def test_a_first_start_on_this_cpu_says_the_kernels_compile_before_they_do(tmp_path: Path):
     code = (
         "import logging; logging.basicConfig(level='INFO'); "
-        "from engine.model import cpu_kernels; print(cpu_kernels.available())"
+        "from engine.kernels.cpu import build; print(build.available())"
     )
     # A cold cache, and a compiler that fails at once: the line must come before the build.
     env = {**os.environ, "RADIXSERVE_CACHE_DIR": str(tmp_path), "CXX": "false"}

@@ -191,7 +191,7 @@ def test_sigterm_drains_16_streams_in_flight_to_their_full_output_then_exits_0(
 # ----- side by side, and a start a person can follow -----------------------------------------
 
 STARTUP_LINES = (
-    r"worker \w+ engine\.model\.cpu_kernels: CPU kernels(: \w+.* in \d+\.\d s| unavailable)",
+    r"worker \w+ engine\.kernels\.cpu\.build: CPU kernels(: \w+.* in \d+\.\d s| unavailable)",
     r"Loading weights: 100%",
     r"worker INFO engine\.model\.loader: weights: \d+ tensors, .* loaded in \d+\.\d s",
     r"worker INFO engine\.model\.runner: KV cache: 4096 tokens, .* sized in \d+\.\d s",

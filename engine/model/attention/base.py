@@ -23,7 +23,7 @@ class AttentionLayer:
 
 
 class CpuDecodeInputs(NamedTuple):
-    """What a layer run as one C++ op (`cpu_kernels.decode_layer`) needs to write its new K/V
+    """What a layer run as one C++ op (`cpu_ops.decode_layer`) needs to write its new K/V
     and attend: the layer's pool buffers, the new tokens' slots, and each request's slots and
     length as the CPU decode kernel reads them (with `slot_index`, the row of `slots` each
     token reads: a prefill's tokens under `batch_invariant`)."""

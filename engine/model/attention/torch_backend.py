@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.model import cpu_kernels
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu import ops as cpu_ops
 from engine.model.attention.base import AttentionBackend, AttentionLayer, CpuDecodeInputs
 from engine.model.forward_batch import ForwardBatch
 
@@ -27,7 +28,7 @@ class ExtendSeq:
 @dataclass
 class ExtendGroup:
     """All multi-token requests of a bf16 batch as the C++ extend kernel reads them, where
-    AMX runs it (`cpu_kernels.extend_attention`)."""
+    AMX runs it (`cpu_ops.extend_attention`)."""
 
     slots: torch.Tensor  # [n, longest] int64: each request's prefix slots, then its new ones
     prefix_lens: torch.Tensor  # [n] int64
@@ -96,7 +97,7 @@ class TorchAttnBackend(AttentionBackend):
     that replay Python (the CPU tests); eager decode pads only to the batch's longest.
 
     On CPU, decode attention runs in a C++ kernel that reads keys and values in place
-    (`cpu_kernels`) where it can be built, and so does the prefill of a bf16 batch where the
+    (`engine/kernels/cpu`) where it can be built, and so does the prefill of a bf16 batch where the
     CPU has AMX (head_dim a multiple of 64): one call for all its multi-token requests, the
     products on tiles, where SDPA takes them at float speed. `cpu_kernel=False` keeps the
     torch ops.
@@ -122,10 +123,10 @@ class TorchAttnBackend(AttentionBackend):
     ):
         super().__init__(num_heads, num_kv_heads, head_dim, device)
         self.cpu_kernel = (
-            cpu_kernel and torch.device(device).type == "cpu" and cpu_kernels.available()
+            cpu_kernel and torch.device(device).type == "cpu" and cpu_build.available()
         )
         self.amx_extend = (
-            self.cpu_kernel and head_dim % 64 == 0 and cpu_kernels.extend_attention_available()
+            self.cpu_kernel and head_dim % 64 == 0 and cpu_ops.extend_attention_available()
         )
         self.forward_metadata: ForwardMetadata | None = None
         self.graph_max_seq_len = 0
@@ -307,7 +308,7 @@ class TorchAttnBackend(AttentionBackend):
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         extend = md.extend_group
         if extend is not None:  # the pool is bf16, and so are the activations
-            out = cpu_kernels.extend_attention(
+            out = cpu_ops.extend_attention(
                 q,
                 k_buffer,
                 v_buffer,
@@ -355,7 +356,7 @@ class TorchAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
         group: DecodeGroup,
     ) -> torch.Tensor:
-        """The C++ kernel where it was built (`cpu_kernels`). Otherwise torch ops: scores
+        """The C++ kernel where it was built (`engine/kernels/cpu`). Otherwise torch ops: scores
         by one batched matmul over keys gathered head-major, so that each
         (request, KV head) is one contiguous `[max_seq_len, head_dim]` block that bmm reads
         in place; the query heads sharing a KV head are that block's queries (no GQA
@@ -462,7 +463,7 @@ def attend_decode(
     """`[n, num_heads, head_dim]` attention of one-token queries `q` over `group`."""
     rows = group.rows
     if rows is None:
-        return cpu_kernels.decode_attention(
+        return cpu_ops.decode_attention(
             q, k_buffer, v_buffer, group.slots, group.seq_lens, scaling, group.slot_index
         )
     num_reqs, num_heads, d = q.shape

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.triton.decode_attention import decode_attention_fwd
+from engine.kernels.triton.extend_attention import extend_attention_fwd
 from engine.model.attention.base import AttentionBackend, AttentionLayer
-from engine.model.attention.triton_ops import decode_attention_fwd, extend_attention_fwd
 from engine.model.forward_batch import ForwardBatch
 
 

@@ -4,27 +4,27 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from engine.model import cpu_kernels, layers
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(CustomOp):
     """`silu(gate) * up` over the output of the fused gate_up projection `[T, 2 * d]`: one
-    Triton kernel on CUDA, one C++ op for 16-bit rows on CPU (`cpu_kernels.silu_and_mul`),
+    Triton kernel on CUDA, one C++ op for 16-bit rows on CPU (`cpu_ops.silu_and_mul`),
     else two ops and one allocation."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if layers.uses_triton(x):
-            from engine.model.layers import triton_ops  # imports Triton: CUDA only
+    def cpu_supports(self, x: torch.Tensor) -> bool:
+        return x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 2
 
-            return triton_ops.silu_and_mul(x)
-        if (
-            x.dtype in (torch.bfloat16, torch.float16)
-            and x.device.type == "cpu"
-            and x.dim() == 2
-            and cpu_kernels.enabled()
-        ):
-            return cpu_kernels.silu_and_mul(x.contiguous())
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.silu_and_mul(x.contiguous())
+
+    def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+        from engine.kernels.triton import layers as triton_layers  # imports Triton
+
+        return triton_layers.silu_and_mul(x)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_group
-from engine.model import cpu_kernels
+from engine.kernels.cpu import ops as cpu_ops
 from engine.model.layers.linear import CheckpointTensor, copy_shard, set_weight_loader
 
 
@@ -50,7 +50,7 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quant_format is not None:  # one rank (quantization.py): widen the rows looked up
             rows = self.weight.index_select(0, input_ids.reshape(-1))
-            out = cpu_kernels.quant_dequantize(rows, self.quant_format, self.embedding_dim)
+            out = cpu_ops.quant_dequantize(rows, self.quant_format, self.embedding_dim)
             return out.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)

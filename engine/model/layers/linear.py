@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_group
-from engine.model import cpu_kernels
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.custom_op import cpu_kernels_on
 
 
 class CheckpointTensor(Protocol):
@@ -105,11 +106,11 @@ def mkldnn_packing_applies(weight: torch.Tensor) -> bool:
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` reordered once for the CPU's bf16 matmul, where that applies (else None): for
-    the AMX kernel (`cpu_kernels.amx_pack`) where the CPU has AMX, else into oneDNN's
+    the AMX kernel (`cpu_ops.amx_pack`) where the CPU has AMX, else into oneDNN's
     blocked layout. F.linear reorders a plain bf16 weight on every call, a cost paid again by
     every matmul and felt most by decode rows (docs/benchmarks/serving.md, "The decode work
     behind these figures")."""
-    amx = cpu_kernels.amx_pack(weight)
+    amx = cpu_ops.amx_pack(weight)
     if amx is not None or not mkldnn_packing_applies(weight):
         return amx
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
@@ -125,8 +126,8 @@ def linear(
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """F.linear through the CPU's faster kernels where they apply: over a quantized weight
-    (`quant_format`, engine/model/layers/quantization.py) `cpu_kernels.quant_linear`; for
-    the few rows of a small bf16 decode batch `cpu_kernels.linear_few_rows`, else the packed
+    (`quant_format`, engine/model/layers/quantization.py) `cpu_ops.quant_linear`; for
+    the few rows of a small bf16 decode batch `cpu_ops.linear_few_rows`, else the packed
     copy of `weight` (AMX or oneDNN). Under `torch.compile`, torch's own matmul.
 
     `batch_invariant` (--enable-deterministic-inference): kernels that sum each row in one
@@ -135,29 +136,29 @@ def linear(
     if batch_invariant:
         rows = x.reshape(-1, x.shape[-1])
         if quant_format is None:
-            out = cpu_kernels.linear_rows(rows, weight, bias)
+            out = cpu_ops.linear_rows(rows, weight, bias)
         else:
-            out = cpu_kernels.quant_linear(rows, weight, quant_format, bias, 32, True)
+            out = cpu_ops.quant_linear(rows, weight, quant_format, bias, 32, True)
         return out.view(*x.shape[:-1], out.shape[-1])
     if quant_format is not None:
         rows = x.reshape(-1, x.shape[-1])
-        out = cpu_kernels.quant_linear(rows, weight, quant_format, bias, activation_bits)
+        out = cpu_ops.quant_linear(rows, weight, quant_format, bias, activation_bits)
         return out.view(*x.shape[:-1], out.shape[-1])
-    kernels = x.device.type == "cpu" and cpu_kernels.enabled()
+    kernels = cpu_kernels_on(x)
     if (
         kernels
         and bias is None
         and x.dtype == torch.bfloat16
         and x.dim() == 2
-        and x.shape[0] <= cpu_kernels.FEW_ROWS
+        and x.shape[0] <= cpu_ops.FEW_ROWS
     ):
-        return cpu_kernels.linear_few_rows(x, weight)
-    if packed is not None and cpu_kernels.is_amx_packed(packed):
+        return cpu_ops.linear_few_rows(x, weight)
+    if packed is not None and cpu_ops.is_amx_packed(packed):
         if not kernels:
             return F.linear(x, weight, bias)
         if x.dim() == 2:  # a layer's hidden states: no reshape to dispatch
-            return cpu_kernels.linear_amx(x, packed, weight.shape[0], bias)
-        out = cpu_kernels.linear_amx(x.reshape(-1, x.shape[-1]), packed, weight.shape[0], bias)
+            return cpu_ops.linear_amx(x, packed, weight.shape[0], bias)
+        out = cpu_ops.linear_amx(x.reshape(-1, x.shape[-1]), packed, weight.shape[0], bias)
         return out.view(*x.shape[:-1], out.shape[-1])
     if packed is not None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

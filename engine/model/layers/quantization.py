@@ -8,7 +8,7 @@
   (`w ~ s * q`, `s = max|w| / 127`).
 
 A quantized module holds `weight` as uint8 rows of `row_bytes(format, K)` bytes and its
-`quant_format`; `cpu_kernels.quant_linear` widens the blocks in registers for decode rows
+`quant_format`; `cpu_ops.quant_linear` widens the blocks in registers for decode rows
 and per band for a prefill's GEMM (csrc/quant_linear.cpp, which documents the layouts).
 CPU only, one rank: a tensor-parallel shard of a row-parallel layer would split blocks.
 """

@@ -7,9 +7,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
-from engine.model import cpu_kernels, layers
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.custom_op import CustomOp
 
 
 def compute_inv_freq(
@@ -60,12 +60,12 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope_scaling: Mapping[str, Any]) ->
     return torch.where(is_medium_freq, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Rotates q and k by their token's position. cos/sin are tabulated once in float32 for
     every position up to `max_position` (one table shared by all layers), gathered once per
     forward for the batch's positions and cast to the activations' dtype, as transformers
     does; each layer then rotates its q and k heads together, in place: one Triton kernel on
-    CUDA, one C++ op on CPU (`cpu_kernels.rotary`), where torch dispatches four."""
+    CUDA, one C++ op on CPU (`cpu_ops.rotary`), where torch dispatches four."""
 
     cos_sin_cache: torch.Tensor  # [max_position, 2, head_dim / 2] float32: cos, sin
 
@@ -97,14 +97,20 @@ class RotaryEmbedding(nn.Module):
     def forward(self, qk: torch.Tensor, cos_sin: torch.Tensor) -> None:
         """Rotate `qk` `[T, heads, head_dim]` (q's heads, then k's: a view into the fused qkv
         projection's output) in place; `cos_sin` from `cos_sin`."""
-        if layers.uses_triton(qk):
-            from engine.model.layers import triton_ops  # imports Triton: CUDA only
+        self.dispatch(qk)(qk, cos_sin)
 
-            triton_ops.rotary_(qk, cos_sin)
-            return
-        if qk.dtype != torch.float64 and qk.device.type == "cpu" and cpu_kernels.enabled():
-            cpu_kernels.rotary(qk, cos_sin)
-            return
+    def cpu_supports(self, x: torch.Tensor) -> bool:
+        return x.dtype != torch.float64
+
+    def forward_cpu(self, qk: torch.Tensor, cos_sin: torch.Tensor) -> None:
+        cpu_ops.rotary(qk, cos_sin)
+
+    def forward_cuda(self, qk: torch.Tensor, cos_sin: torch.Tensor) -> None:
+        from engine.kernels.triton import layers as triton_layers  # imports Triton
+
+        triton_layers.rotary_(qk, cos_sin)
+
+    def forward_native(self, qk: torch.Tensor, cos_sin: torch.Tensor) -> None:
         cos, sin = cos_sin.unbind(1)
         rotated = torch.roll(qk, self.head_dim // 2, dims=-1).mul_(sin)
         qk.mul_(cos).add_(rotated)

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from engine.distributed import get_tp_group
-from engine.model import cpu_kernels
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.custom_op import cpu_kernels_on
 from engine.model.attention.base import AttentionBackend, AttentionLayer, CpuDecodeInputs
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
@@ -35,7 +36,7 @@ from engine.model.layers.rotary_embedding import RotaryEmbedding
 
 
 class DecodeOpWeights(NamedTuple):
-    """A layer's weights as `cpu_kernels.decode_layer` takes them, and each projection's
+    """A layer's weights as `cpu_ops.decode_layer` takes them, and each projection's
     format: a quantized one (`quantization.WeightFormat`), or -1 for bf16 packed for AMX."""
 
     tensors: list[torch.Tensor]
@@ -145,14 +146,14 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
     def decode_weights(self, dtype: torch.dtype) -> DecodeOpWeights | None:
-        """This layer's weights in `cpu_kernels.decode_layer`'s order, where that op can run
+        """This layer's weights in `cpu_ops.decode_layer`'s order, where that op can run
         the layer's `dtype` hidden states: eagerly on a CPU with the kernels, each projection
         quantized, or bf16 packed for AMX (as the runner packs them after loading) under
         bf16 hidden states; without biases, q/k norms or LoRA, on one rank. Anything else,
         the modules run it."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not cpu_kernels.enabled() or any(p.lora is not None for p in projections):
+        if not cpu_kernels_on(attn.qkv_proj.weight) or any(p.lora is not None for p in projections):
             return None
         if not self._decode_weights_checked:  # the runner packs the weights before a forward
             self._decode_weights = self._decode_op_weights(projections)
@@ -170,7 +171,7 @@ class LlamaDecoderLayer(nn.Module):
         activation_bits = 32
         for p in projections:
             packed = p.packed_weight
-            if p.bias is not None or p.weight.device.type != "cpu":
+            if p.bias is not None:
                 return None
             if p.quant_format is not None:
                 weights += [p.weight, p.weight]
@@ -179,7 +180,7 @@ class LlamaDecoderLayer(nn.Module):
             elif (
                 p.weight.dtype == torch.bfloat16
                 and packed is not None
-                and cpu_kernels.is_amx_packed(packed)
+                and cpu_ops.is_amx_packed(packed)
             ):
                 weights += [p.weight, packed]
                 formats.append(-1)
@@ -201,7 +202,7 @@ class LlamaDecoderLayer(nn.Module):
         """`forward` for a decode batch as one C++ op: the same kernels in the same order,
         without a Python dispatch for each."""
         attn = self.self_attn.attn.layer
-        out = cpu_kernels.decode_layer(
+        out = cpu_ops.decode_layer(
             hidden_states,
             residual,
             weights.tensors,

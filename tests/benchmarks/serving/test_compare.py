@@ -46,7 +46,7 @@ def test_the_decode_cell_comes_last_and_a_cell_asked_twice_runs_once():
 
 
 def test_radixserve_peers_run_once_per_kernel_path_this_cpu_has():
-    from engine.model.cpu_isa import PATHS, machine_path, read_flags
+    from engine.kernels.cpu.isa import PATHS, machine_path, read_flags
 
     highest = PATHS.index(machine_path(read_flags()))
     allowed = [p for p in ("avx2", "amx") if PATHS.index(p) <= highest]

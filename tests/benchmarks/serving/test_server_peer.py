@@ -50,7 +50,7 @@ def test_the_client_measures_radixserve_and_a_flush_starts_the_next_cell_cold(
 def test_a_forced_kernel_path_reaches_the_server_and_its_kernel_reads_what_it_runs_as(
     tiny_llama_dir: Path, tmp_path: Path
 ):
-    from engine.model.cpu_isa import PATHS, machine_path, read_flags
+    from engine.kernels.cpu.isa import PATHS, machine_path, read_flags
 
     if PATHS.index(machine_path(read_flags())) < PATHS.index("avx2"):
         pytest.skip("this CPU has no AVX2 kernel path to force")

@@ -1,4 +1,4 @@
-"""The LoRA segment kernel (engine/lora/triton_ops.py) against a float64 reference of each
+"""The LoRA segment kernel (engine/kernels/triton/lora.py) against a float64 reference of each
 request's own adapter, and, in the model, against the torch path on the same mixed batch.
 Without CUDA it runs under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1
 before anything imports Triton), on small shapes."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
+from engine.kernels import custom_op
+from engine.kernels.triton import lora as lora_triton
 from engine.lora import LoRABatchInfo, LoRALayer, LoRAManager
-from engine.lora import triton_ops as lora_triton
-from engine.model import layers
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from engine.model.runner import ModelRunner
@@ -41,7 +41,7 @@ SCALINGS = (0.5, 2.0, 1.25)
 @pytest.fixture
 def triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The layers take their Triton branch, here on CPU tensors under the interpreter."""
-    monkeypatch.setattr(layers, "uses_triton", lambda x: True)
+    monkeypatch.setattr(custom_op, "uses_triton", lambda x: True)
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
@@ -135,7 +135,7 @@ def test_model_forward_through_the_kernel_equals_the_torch_path(
 
     def forward(batch: ForwardBatch, kernels: bool) -> torch.Tensor:
         with monkeypatch.context() as patch:
-            patch.setattr(layers, "uses_triton", lambda x: kernels)
+            patch.setattr(custom_op, "uses_triton", lambda x: kernels)
             return runner.forward(batch)
 
     def both_paths(reqs: list[ExtendInput], mode: ForwardMode) -> torch.Tensor:

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model import cpu_kernels
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu import ops as cpu_ops
 from engine.model.layers.quantization import WeightFormat
-from tests.engine.model.test_quant_linear import cases, quantized, random_weight
+from testing.quant import cases, quantized, random_weight
 
 ROW_COUNTS = [*range(1, 34), 63, 64, 65, 255, 1000, 4096]
 """Every count a register tile could split differently, then prefill sizes."""
@@ -21,7 +22,7 @@ ROW_COUNTS = [*range(1, 34), 63, 64, 65, 255, 1000, 4096]
 
 @pytest.fixture(autouse=True)
 def kernels_built() -> None:
-    assert cpu_kernels.available(), "the suite's machines have a compiler"
+    assert cpu_build.available(), "the suite's machines have a compiler"
 
 
 def assert_rows_invariant(matmul, x: torch.Tensor) -> torch.Tensor:
@@ -41,7 +42,7 @@ def test_linear_rows_is_row_invariant_and_matches_float64(weight_dtype, x_dtype,
     weight = torch.randn(24, k, generator=generator).to(weight_dtype)
     bias = torch.randn(24, generator=generator)
     x = torch.randn(4096, k, generator=generator).to(x_dtype)
-    out = assert_rows_invariant(lambda rows: cpu_kernels.linear_rows(rows, weight, bias), x)
+    out = assert_rows_invariant(lambda rows: cpu_ops.linear_rows(rows, weight, bias), x)
     assert out.dtype == x_dtype
     expected = x.double() @ weight.double().T + bias.double()
     tolerance = 1e-4 if x_dtype == torch.float32 else 2**-7  # bf16: one rounding of the sum
@@ -52,10 +53,10 @@ def test_linear_rows_keeps_a_nan_in_its_row_and_refuses_double_weights():
     weight = torch.randn(8, 64)
     x = torch.randn(3, 64)
     x[1, 5] = float("nan")
-    out = cpu_kernels.linear_rows(x, weight)
+    out = cpu_ops.linear_rows(x, weight)
     assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
     with pytest.raises(RuntimeError, match="float, bf16 or half weight"):
-        cpu_kernels.linear_rows(x.double(), weight.double())
+        cpu_ops.linear_rows(x.double(), weight.double())
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
@@ -67,7 +68,7 @@ def test_quant_linear_batch_invariant_rows_match_at_every_count(format, n, k, x_
     x = x.to(x_dtype)
 
     def invariant(part: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.quant_linear(part, rows, int(format), None, 32, True)
+        return cpu_ops.quant_linear(part, rows, int(format), None, 32, True)
 
     out = assert_rows_invariant(invariant, x)
     assert out.dtype == x_dtype
@@ -83,11 +84,11 @@ def test_the_default_quantized_rows_change_with_the_row_count():
     format = WeightFormat.Q4_1
     rows, _ = quantized(format, random_weight(64, 512, seed=1))
     x = torch.from_numpy(np.random.default_rng(2).standard_normal((64, 512)).astype(np.float32))
-    alone = cpu_kernels.quant_linear(x[:1], rows, int(format), None, 16)
+    alone = cpu_ops.quant_linear(x[:1], rows, int(format), None, 16)
     differing = [
         m
         for m in (2, 3, 17, 64)
-        if not torch.equal(cpu_kernels.quant_linear(x[:m], rows, int(format), None, 16)[:1], alone)
+        if not torch.equal(cpu_ops.quant_linear(x[:m], rows, int(format), None, 16)[:1], alone)
     ]
     assert differing == [3, 17, 64]
 
@@ -95,7 +96,7 @@ def test_the_default_quantized_rows_change_with_the_row_count():
 def test_batch_invariant_rows_keep_float_activations():
     rows, _ = quantized(WeightFormat.Q8_0, random_weight(4, 64, seed=1))
     with pytest.raises(RuntimeError, match="float activations"):
-        cpu_kernels.quant_linear(torch.randn(2, 64), rows, int(WeightFormat.Q8_0), None, 16, True)
+        cpu_ops.quant_linear(torch.randn(2, 64), rows, int(WeightFormat.Q8_0), None, 16, True)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -118,15 +119,13 @@ def test_decode_attention_rows_read_their_request_row_through_slot_index(
     seq_lens = torch.tensor([1, 17, 40, 33, 90, 90])
     q = torch.randn(len(token_req), heads, head_dim, generator=generator).to(q_dtype)
     scaling = head_dim**-0.5
-    shared = cpu_kernels.decode_attention(
-        q, k_buffer, v_buffer, slots, seq_lens, scaling, token_req
-    )
+    shared = cpu_ops.decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scaling, token_req)
     own_rows = slots.index_select(0, token_req)
     assert torch.equal(
-        shared, cpu_kernels.decode_attention(q, k_buffer, v_buffer, own_rows, seq_lens, scaling)
+        shared, cpu_ops.decode_attention(q, k_buffer, v_buffer, own_rows, seq_lens, scaling)
     )
     for r in range(len(q)):
-        alone = cpu_kernels.decode_attention(
+        alone = cpu_ops.decode_attention(
             q[r : r + 1],
             k_buffer,
             v_buffer,
@@ -149,7 +148,7 @@ def test_decode_attention_refuses_a_slot_index_outside_slots():
     k_buffer = torch.randn(10, 1, 64)
     q = torch.randn(2, 1, 64)
     with pytest.raises(RuntimeError, match="slot_index names rows of slots"):
-        cpu_kernels.decode_attention(
+        cpu_ops.decode_attention(
             q,
             k_buffer,
             k_buffer,

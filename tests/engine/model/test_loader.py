@@ -24,6 +24,7 @@ from engine.model.loader import (
     resolve_model,
     unpermute_rotary,
 )
+from testing.quant import quantize_blocks
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 GGUF_ARCHS = {
@@ -63,74 +64,6 @@ def llama_cpp_rope_factors(head_dim: int, rope: dict) -> np.ndarray:
             )
             factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
     return np.array(factors, dtype=np.float32)
-
-
-def quantize_blocks(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
-    """`data` (float32, rows of a multiple of the block) in `kind`'s blocks, uint8 rows:
-    gguf-py's quantizer, and for the K-quants (which gguf-py only dequantizes) a plain one
-    of this test's: each sub-block's range to 4 or 6 bits, the sub-block scales to 6 or 8
-    bits of the super-block's. Not llama.cpp's search for the best scales, but blocks laid
-    out as llama.cpp's, which gguf-py dequantizes."""
-    if kind == gguf.GGMLQuantizationType.Q4_K:
-        return _quantize_q4_k(data)
-    if kind == gguf.GGMLQuantizationType.Q6_K:
-        return _quantize_q6_k(data)
-    return gguf.quants.quantize(data, kind)
-
-
-def _half(values: np.ndarray) -> np.ndarray:
-    return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
-
-
-def _quantize_q4_k(data: np.ndarray) -> np.ndarray:
-    rows, k = data.shape
-    w = data.reshape(rows, k // 256, 8, 32).astype(np.float32)
-    low = np.minimum(w.min(axis=-1), 0.0)  # w = d * sc * q - dmin * m, m >= 0
-    scale = (w.max(axis=-1) - low) / 15
-    d = np.maximum(scale.max(axis=-1), 1e-8) / 63
-    dmin = np.maximum((-low).max(axis=-1), 1e-8) / 63
-    d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
-    sc = np.clip(np.ceil(scale / d[..., None]), 1, 63).astype(np.uint8)
-    m = np.clip(np.ceil(-low / dmin[..., None]), 0, 63).astype(np.uint8)
-    step = (d[..., None] * sc.astype(np.float32))[..., None]
-    offset = (dmin[..., None] * m.astype(np.float32))[..., None]
-    q = np.clip(np.rint((w + offset) / step), 0, 15).astype(np.uint8)  # [rows, sb, 8, 32]
-    packed = np.empty((rows, k // 256, 12), dtype=np.uint8)
-    packed[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
-    packed[..., 4:8] = (m[..., 0:4] & 63) | ((m[..., 4:8] >> 4) << 6)
-    packed[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((m[..., 4:8] & 0x0F) << 4)
-    nibbles = q[..., 0::2, :] | (q[..., 1::2, :] << 4)  # sub-blocks 2i (low) and 2i + 1 (high)
-    blocks = np.concatenate(
-        [_half(d), _half(dmin), packed, nibbles.reshape(rows, k // 256, 128)], axis=-1
-    )
-    return blocks.reshape(rows, -1)
-
-
-def _quantize_q6_k(data: np.ndarray) -> np.ndarray:
-    rows, k = data.shape
-    w = data.reshape(rows, k // 256, 16, 16).astype(np.float32)
-    scale = np.abs(w).max(axis=-1) / 31
-    d = np.maximum(np.abs(scale).max(axis=-1), 1e-8) / 127
-    d = d.astype(np.float16).astype(np.float32)
-    sc = np.clip(np.ceil(scale / d[..., None]), 1, 127).astype(np.int8)
-    step = (d[..., None] * sc.astype(np.float32))[..., None]
-    q = (np.clip(np.rint(w / step), -32, 31) + 32).astype(np.uint8)
-    q = q.reshape(rows, k // 256, 2, 4, 32)  # per half of 128: 4 runs of 32
-    lo, hi = q & 0x0F, q >> 4
-    ql = np.concatenate(
-        [lo[:, :, :, 0] | (lo[:, :, :, 2] << 4), lo[:, :, :, 1] | (lo[:, :, :, 3] << 4)], axis=-1
-    )
-    qh = hi[:, :, :, 0] | (hi[:, :, :, 1] << 2) | (hi[:, :, :, 2] << 4) | (hi[:, :, :, 3] << 6)
-    blocks = np.concatenate(
-        [
-            ql.reshape(rows, k // 256, 128),
-            qh.reshape(rows, k // 256, 64),
-            sc.view(np.uint8).reshape(rows, k // 256, 16),
-            _half(d),
-        ],
-        axis=-1,
-    )
-    return blocks.reshape(rows, -1)
 
 
 def write_gguf(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model.cpu_isa import CpuIsa
+from engine.kernels.cpu.isa import CpuIsa
 from engine.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from engine.model.embedded import embedded_model_path
 from engine.model.layers.linear import Linear

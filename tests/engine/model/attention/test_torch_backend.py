@@ -11,9 +11,10 @@ import sys
 import pytest
 import torch
 
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu import ops as cpu_ops
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
-from engine.model import cpu_kernels
 from engine.model.attention import create_attention_backend
 from engine.model.attention.base import AttentionLayer
 from engine.model.attention.torch_backend import TorchAttnBackend
@@ -147,7 +148,7 @@ CASES = {
 
 def test_the_cpu_kernel_builds_here():
     """The suite's machines have a compiler: the kernel tests below must not fall back."""
-    assert cpu_kernels.available()
+    assert cpu_build.available()
 
 
 @pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "torch-ops"])
@@ -226,9 +227,7 @@ def test_decode_kernel_layouts_match_float64(layout, dtype, kv_dtype, tolerance,
     for r, n in enumerate(lens):
         slots[r, :n] = order[start : start + n]
         start += n
-    out = cpu_kernels.decode_attention(
-        q, k_buffer, v_buffer, slots, torch.tensor(lens), LAYER.scaling
-    )
+    out = cpu_ops.decode_attention(q, k_buffer, v_buffer, slots, torch.tensor(lens), LAYER.scaling)
     group = heads // kv_heads
     for r, n in enumerate(lens):
         keys, values = (
@@ -240,7 +239,7 @@ def test_decode_kernel_layouts_match_float64(layout, dtype, kv_dtype, tolerance,
 
 
 amx = pytest.mark.skipif(
-    not cpu_kernels.extend_attention_available(), reason="this CPU (or kernel build) has no AMX"
+    not cpu_ops.extend_attention_available(), reason="this CPU (or kernel build) has no AMX"
 )
 EXTEND_LAYOUTS = {
     "group3_dim64": (9, 3, 64),
@@ -290,7 +289,7 @@ def test_extend_kernel_matches_float64_and_sdpa(layout):
         start += n
     q_starts = [3 + sum(extend_lens[:r]) for r in range(len(seq_lens))]
     scaling = head_dim**-0.5
-    out = cpu_kernels.extend_attention(
+    out = cpu_ops.extend_attention(
         q,
         k_buffer,
         v_buffer,
@@ -328,9 +327,9 @@ def test_a_bf16_prefill_attends_through_the_extend_kernel(monkeypatch):
     fb, q, k, v = make_batch(
         ForwardMode.MIXED, [0, 20, 7, 50], [30, 12, 1, 1], dtype=torch.bfloat16, layer=layer
     )
-    calls, kernel = [], cpu_kernels.extend_attention
+    calls, kernel = [], cpu_ops.extend_attention
     monkeypatch.setattr(
-        cpu_kernels, "extend_attention", lambda *a: calls.append(a[3].shape) or kernel(*a)
+        cpu_ops, "extend_attention", lambda *a: calls.append(a[3].shape) or kernel(*a)
     )
     out = run(fb, q, k, v, layer=layer).double()
     assert calls == [(2, 32)]  # the two multi-token requests: 30 and 20 + 12 slots
@@ -423,8 +422,9 @@ def test_without_a_compiler_decode_stays_on_torch_ops(tmp_path):
 
 GUARDED_SWEEP = """
 import threading, torch
-from engine.model import cpu_kernels
-assert cpu_kernels.available()
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu import ops as cpu_ops
+assert cpu_build.available()
 torch.set_num_threads(1)  # the kernel runs on the calling thread, its scratch on its heap
 gen = torch.Generator().manual_seed(0)
 k_buffer, v_buffer = (torch.randn(4097, 1, 16, generator=gen) for _ in range(2))
@@ -434,7 +434,7 @@ def sweep(heads, swept):
     try:
         q = torch.randn(1, heads, 16, generator=gen)
         for n in range(1, slots.shape[1]):
-            out = cpu_kernels.decode_attention(
+            out = cpu_ops.decode_attention(
                 q, k_buffer, v_buffer, slots[:, :n], torch.tensor([n]), 1.0
             )
             assert out.isfinite().all()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from triton.runtime.interpreter import InterpretedFunction
 
+from engine.kernels.triton import extend_attention
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.attention.base import AttentionBackend, AttentionLayer
@@ -24,7 +25,6 @@ from engine.model.attention.triton_backend import (
     TritonAttnBackend,
     get_num_kv_splits,
 )
-from engine.model.attention.triton_ops import extend_attention
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from tests.engine.model.test_graph_runner import GraphSafetyMode
 
@@ -36,7 +36,7 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 # Without CUDA, the kernels must have been decorated after TRITON_INTERPRET=1 was set.
 assert torch.cuda.is_available() or INTERPRETED, (
-    "engine.model.attention.triton_ops was imported before TRITON_INTERPRET=1 was set; "
+    "engine.kernels.triton was imported before TRITON_INTERPRET=1 was set; "
     "set it in tests/conftest.py"
 )
 DEVICE_MARKS = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
-from engine.model import cpu_kernels
+from engine.kernels.cpu import ops as cpu_ops
 from engine.model.layers.activation import SiluAndMul
 
 
@@ -17,8 +17,8 @@ def test_silu_and_mul_equals_transformers(dtype: torch.dtype, path: str, monkeyp
     x = (torch.randn(7, 2 * 80, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
     gate, up = x.chunk(2, dim=-1)
     expected = ACT2FN["silu"](gate) * up
-    calls, kernel = [], cpu_kernels.silu_and_mul
-    monkeypatch.setattr(cpu_kernels, "silu_and_mul", lambda t: calls.append(t) or kernel(t))
+    calls, kernel = [], cpu_ops.silu_and_mul
+    monkeypatch.setattr(cpu_ops, "silu_and_mul", lambda t: calls.append(t) or kernel(t))
     out = SiluAndMul()(x)
     assert len(calls) == (path == "kernel" and dtype in (torch.bfloat16, torch.float16))
     if calls:

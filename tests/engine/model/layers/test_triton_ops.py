@@ -8,13 +8,13 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from engine.model import layers
-from engine.model.layers import triton_ops
+from engine.kernels import custom_op
+from engine.kernels.triton import layers as triton_layers
 from engine.model.layers.activation import SiluAndMul
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary_embedding import RotaryEmbedding
 
-INTERPRETED = isinstance(triton_ops._rmsnorm_kernel, InterpretedFunction)
+INTERPRETED = isinstance(triton_layers._rmsnorm_kernel, InterpretedFunction)
 DEVICE = "cpu" if INTERPRETED else "cuda"
 pytestmark = pytest.mark.skipif(
     not (INTERPRETED or torch.cuda.is_available()), reason="Triton needs CUDA or the interpreter"
@@ -28,7 +28,7 @@ TOL = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 @pytest.fixture
 def triton_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """The layers take their Triton branch, here on CPU tensors under the interpreter."""
-    monkeypatch.setattr(layers, "uses_triton", lambda x: True)
+    monkeypatch.setattr(custom_op, "uses_triton", lambda x: True)
 
 
 def randn(*shape: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
@@ -71,9 +71,9 @@ def test_rotary_kernel_rotates_q_and_k_in_place_as_the_torch_path(
     qkv = randn(3, 4 + 2 + 2, 32, dtype=dtype)
     qk = qkv[:, :6]
     expected, untouched = qk.clone(), qkv[:, 6:].clone()
-    monkeypatch.setattr(layers, "uses_triton", lambda x: False)
+    monkeypatch.setattr(custom_op, "uses_triton", lambda x: False)
     rotary(expected, cos_sin)
-    monkeypatch.setattr(layers, "uses_triton", lambda x: True)
+    monkeypatch.setattr(custom_op, "uses_triton", lambda x: True)
     rotary(qk, cos_sin)
     torch.testing.assert_close(qk, expected, atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(qkv[:, 6:], untouched)

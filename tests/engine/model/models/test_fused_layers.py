@@ -1,7 +1,7 @@
 """The decoder's fused steps: the Triton kernels give the torch path's logits (run on CPU
 under Triton's interpreter), the torch path stays short per layer on CPU, where every op
 costs its dispatch at decode sizes, and a bf16 decode layer runs as one C++ op
-(`cpu_kernels.decode_layer`) with the modules' results."""
+(`cpu_ops.decode_layer`) with the modules' results."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from engine.model import cpu_kernels, layers
+from engine.kernels import custom_op
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu import ops as cpu_ops
 from engine.model.layers.radix_attention import RadixAttention
 from engine.model.models.llama import LlamaDecoderLayer
 from engine.model.runner import ModelRunner
@@ -44,9 +46,9 @@ def test_triton_kernels_give_the_torch_paths_logits(
     hf_model_factory(arch).save_pretrained(tmp_path)
     runner = runner_factory(tmp_path, dtype="float32", device=TRITON_DEVICE)
     prompts = prompts_factory([6, 1, 9])
-    monkeypatch.setattr(layers, "uses_triton", lambda x: False)
+    monkeypatch.setattr(custom_op, "uses_triton", lambda x: False)
     expected = prefill_then_decode(runner, prompts)
-    monkeypatch.setattr(layers, "uses_triton", lambda x: True)
+    monkeypatch.setattr(custom_op, "uses_triton", lambda x: True)
     for ours, reference in zip(prefill_then_decode(runner, prompts), expected):
         torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-4)
 
@@ -78,21 +80,21 @@ def test_a_decode_layer_dispatches_few_ops_besides_attention(
 
 
 one_op_layers = pytest.mark.skipif(
-    not (cpu_kernels.available() and cpu_kernels.amx_available()),
+    not (cpu_build.available() and cpu_ops.amx_available()),
     reason="the one-op decode layer takes the AMX matmul, which this CPU lacks",
 )
 
 
 def count_decode_layer_calls(monkeypatch) -> list[int]:
-    """Counts calls of the real `cpu_kernels.decode_layer` (each call's batch size)."""
+    """Counts calls of the real `cpu_ops.decode_layer` (each call's batch size)."""
     calls: list[int] = []
-    real = cpu_kernels.decode_layer
+    real = cpu_ops.decode_layer
 
     def counted(hidden: torch.Tensor, *args: Any) -> torch.Tensor:
         calls.append(hidden.shape[0])
         return real(hidden, *args)
 
-    monkeypatch.setattr(cpu_kernels, "decode_layer", counted)
+    monkeypatch.setattr(cpu_ops, "decode_layer", counted)
     return calls
 
 

@@ -12,11 +12,12 @@
 // band in L2.
 //
 // linear_few_rows: x W^T over the plain weight for the one or two rows of the smallest
-// decode batches (FEW_ROWS in cpu_kernels.py), where it beats both the AMX kernel and
+// decode batches (FEW_ROWS in ops.py), where it beats both the AMX kernel and
 // oneDNN: 32 products per AVX512-BF16 instruction, four weight rows at a time with a
 // software prefetch of the next four.
 
-#include "amx.h"
+#include "ops.h"
+#include "x86/amx.h"
 #include "parallel.h"
 
 #include <ATen/ATen.h>
@@ -127,6 +128,65 @@ void amx_band_pair(const bf16* x, const bf16* x_next, int64_t k_size, const bf16
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// ROWS rows of x against NR consecutive weight rows: ROWS x NR float sums in registers, 32
+// products per instruction, the K tail by masked loads. Prefetches the next NR weight rows
+// at the same offsets.
+template <int ROWS, int NR>
+inline void dot_tile(const bf16* x, int64_t k_size, const bf16* w, bf16* y, int64_t n_size) {
+  __m512 acc[ROWS][NR];
+#pragma GCC unroll 4
+  for (int m = 0; m < ROWS; ++m) {
+#pragma GCC unroll 4
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_size; k += 32) {
+    const __mmask32 mask =
+        k + 32 <= k_size ? ~__mmask32(0) : static_cast<__mmask32>((1u << (k_size - k)) - 1);
+    __m512i weights[NR];
+#pragma GCC unroll 4
+    for (int n = 0; n < NR; ++n) {
+      weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * k_size + k);
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + NR) * k_size + k), _MM_HINT_T0);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512i row = _mm512_maskz_loadu_epi16(mask, x + m * k_size + k);
+#pragma GCC unroll 4
+      for (int n = 0; n < NR; ++n) {
+        acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)row, (__m512bh)weights[n]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < ROWS; ++m) {
+#pragma GCC unroll 4
+    for (int n = 0; n < NR; ++n) y[m * n_size + n] = bf16(_mm512_reduce_add_ps(acc[m][n]));
+  }
+}
+
+// Every row of x against weight rows [n, n + NR), four rows of x at a time: the weight rows
+// stay in L1 across the row blocks.
+template <int NR>
+void dot_rows(const bf16* x, int64_t m_size, const bf16* w, int64_t k_size, bf16* y,
+              int64_t n_size) {
+  int64_t m = 0;
+  for (; m + 4 <= m_size; m += 4) dot_tile<4, NR>(x + m * k_size, k_size, w, y + m * n_size, n_size);
+  const bf16* x_rest = x + m * k_size;
+  bf16* y_rest = y + m * n_size;
+  switch (m_size - m) {
+    case 3: dot_tile<3, NR>(x_rest, k_size, w, y_rest, n_size); break;
+    case 2: dot_tile<2, NR>(x_rest, k_size, w, y_rest, n_size); break;
+    case 1: dot_tile<1, NR>(x_rest, k_size, w, y_rest, n_size); break;
+    default: break;
+  }
+}
+#endif
+
+}  // namespace
+
+namespace radixserve {
+
 bool amx_available() {
 #if defined(RADIXSERVE_AMX)
   return amx_permitted();
@@ -214,61 +274,6 @@ at::Tensor linear_amx(const at::Tensor& input, const at::Tensor& packed, int64_t
 #endif
 }
 
-#if defined(__AVX512BF16__)
-// ROWS rows of x against NR consecutive weight rows: ROWS x NR float sums in registers, 32
-// products per instruction, the K tail by masked loads. Prefetches the next NR weight rows
-// at the same offsets.
-template <int ROWS, int NR>
-inline void dot_tile(const bf16* x, int64_t k_size, const bf16* w, bf16* y, int64_t n_size) {
-  __m512 acc[ROWS][NR];
-#pragma GCC unroll 4
-  for (int m = 0; m < ROWS; ++m) {
-#pragma GCC unroll 4
-    for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
-  }
-  for (int64_t k = 0; k < k_size; k += 32) {
-    const __mmask32 mask =
-        k + 32 <= k_size ? ~__mmask32(0) : static_cast<__mmask32>((1u << (k_size - k)) - 1);
-    __m512i weights[NR];
-#pragma GCC unroll 4
-    for (int n = 0; n < NR; ++n) {
-      weights[n] = _mm512_maskz_loadu_epi16(mask, w + n * k_size + k);
-      _mm_prefetch(reinterpret_cast<const char*>(w + (n + NR) * k_size + k), _MM_HINT_T0);
-    }
-#pragma GCC unroll 4
-    for (int m = 0; m < ROWS; ++m) {
-      const __m512i row = _mm512_maskz_loadu_epi16(mask, x + m * k_size + k);
-#pragma GCC unroll 4
-      for (int n = 0; n < NR; ++n) {
-        acc[m][n] = _mm512_dpbf16_ps(acc[m][n], (__m512bh)row, (__m512bh)weights[n]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int m = 0; m < ROWS; ++m) {
-#pragma GCC unroll 4
-    for (int n = 0; n < NR; ++n) y[m * n_size + n] = bf16(_mm512_reduce_add_ps(acc[m][n]));
-  }
-}
-
-// Every row of x against weight rows [n, n + NR), four rows of x at a time: the weight rows
-// stay in L1 across the row blocks.
-template <int NR>
-void dot_rows(const bf16* x, int64_t m_size, const bf16* w, int64_t k_size, bf16* y,
-              int64_t n_size) {
-  int64_t m = 0;
-  for (; m + 4 <= m_size; m += 4) dot_tile<4, NR>(x + m * k_size, k_size, w, y + m * n_size, n_size);
-  const bf16* x_rest = x + m * k_size;
-  bf16* y_rest = y + m * n_size;
-  switch (m_size - m) {
-    case 3: dot_tile<3, NR>(x_rest, k_size, w, y_rest, n_size); break;
-    case 2: dot_tile<2, NR>(x_rest, k_size, w, y_rest, n_size); break;
-    case 1: dot_tile<1, NR>(x_rest, k_size, w, y_rest, n_size); break;
-    default: break;
-  }
-}
-#endif
-
 at::Tensor linear_few_rows(const at::Tensor& input, const at::Tensor& weight) {
   TORCH_CHECK(input.dim() == 2 && weight.dim() == 2 && input.size(1) == weight.size(1),
               "input [rows, in] and weight [out, in]");
@@ -301,21 +306,4 @@ at::Tensor linear_few_rows(const at::Tensor& input, const at::Tensor& weight) {
 #endif
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("amx_available() -> bool");
-  m.def("amx_pack(Tensor weight) -> Tensor");
-  m.def("linear_amx(Tensor input, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("linear_few_rows(Tensor input, Tensor weight) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(radixserve_cpu, CompositeExplicitAutograd, m) {
-  m.impl("amx_available", &amx_available);
-}
-
-TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
-  m.impl("amx_pack", &amx_pack);
-  m.impl("linear_amx", &linear_amx);
-  m.impl("linear_few_rows", &linear_few_rows);
-}
+}  // namespace radixserve

@@ -5,6 +5,7 @@
 // polynomial within a float rounding of libm's (and with AVX-512 its reciprocal a Newton
 // step within two), so a value can round one unit apart from torch's.
 
+#include "ops.h"
 #include "simd.h"
 
 #include <ATen/ATen.h>
@@ -54,6 +55,10 @@ void silu_and_mul_rows(const scalar_t* x, scalar_t* out, int64_t rows, int64_t w
   });
 }
 
+}  // namespace
+
+namespace radixserve {
+
 at::Tensor silu_and_mul(const at::Tensor& input) {
   TORCH_CHECK(input.dim() == 2 && input.size(1) % 2 == 0 && input.is_contiguous(),
               "input is a contiguous [T, 2 * d]: gate, then up");
@@ -65,12 +70,4 @@ at::Tensor silu_and_mul(const at::Tensor& input) {
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("silu_and_mul(Tensor input) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
-  m.impl("silu_and_mul", &silu_and_mul);
-}
+}  // namespace radixserve

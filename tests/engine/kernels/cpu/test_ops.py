@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import cpu_kernels
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu import ops as cpu_ops
 from engine.model.layers.linear import Linear, linear
 
 BF16_ROUNDING = 2.0**-8
@@ -17,7 +18,7 @@ BF16_ROUNDING = 2.0**-8
 
 @pytest.fixture(autouse=True)
 def kernels_built() -> None:
-    assert cpu_kernels.available(), "the suite's machines have a compiler"
+    assert cpu_build.available(), "the suite's machines have a compiler"
 
 
 @pytest.mark.parametrize(
@@ -35,13 +36,13 @@ def test_linear_few_rows_matches_float64(rows: int, out_features: int, in_featur
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     expected = x.double() @ weight.double().T
-    out = cpu_kernels.linear_few_rows(x, weight)
+    out = cpu_ops.linear_few_rows(x, weight)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
     torch.testing.assert_close(out.double(), expected, rtol=BF16_ROUNDING, atol=1e-3)
 
 
 amx = pytest.mark.skipif(
-    not cpu_kernels.amx_available(), reason="this CPU (or kernel build) has no AMX"
+    not cpu_ops.amx_available(), reason="this CPU (or kernel build) has no AMX"
 )
 
 
@@ -64,9 +65,9 @@ def test_linear_amx_matches_float64(rows: int, out_features: int, in_features: i
     gen = torch.Generator().manual_seed(rows + out_features)
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
-    packed = cpu_kernels.amx_pack(weight)
-    assert packed is not None and cpu_kernels.is_amx_packed(packed)
-    out = cpu_kernels.linear_amx(x, packed, out_features)
+    packed = cpu_ops.amx_pack(weight)
+    assert packed is not None and cpu_ops.is_amx_packed(packed)
+    out = cpu_ops.linear_amx(x, packed, out_features)
     assert out.shape == (rows, out_features)
     torch.testing.assert_close(
         out.double(), x.double() @ weight.double().T, rtol=BF16_ROUNDING, atol=1e-3
@@ -75,9 +76,9 @@ def test_linear_amx_matches_float64(rows: int, out_features: int, in_features: i
 
 @amx
 def test_amx_pads_to_whole_tiles_and_packs_only_bf16():
-    packed = cpu_kernels.amx_pack(torch.randn(96, 48).bfloat16())
+    packed = cpu_ops.amx_pack(torch.randn(96, 48).bfloat16())
     assert packed is not None and packed.shape == (2, 2, 4, 16, 16, 2)  # 128 x 64 of zeros
-    assert cpu_kernels.amx_pack(torch.randn(64, 64)) is None  # float32
+    assert cpu_ops.amx_pack(torch.randn(64, 64)) is None  # float32
 
 
 @amx
@@ -90,12 +91,12 @@ def test_a_linear_layer_runs_on_its_amx_copy(rows: int, bias: bool, monkeypatch)
     if bias:
         layer.bias.data = torch.randn(100, generator=gen).bfloat16()
     layer.pack_weight()
-    assert layer.packed_weight is not None and cpu_kernels.is_amx_packed(layer.packed_weight)
+    assert layer.packed_weight is not None and cpu_ops.is_amx_packed(layer.packed_weight)
     x = torch.randn(rows, 64, generator=gen).bfloat16()
     calls: list[int] = []
-    kernel = cpu_kernels.linear_amx
+    kernel = cpu_ops.linear_amx
     monkeypatch.setattr(
-        cpu_kernels, "linear_amx", lambda x, p, n, b: calls.append(len(x)) or kernel(x, p, n, b)
+        cpu_ops, "linear_amx", lambda x, p, n, b: calls.append(len(x)) or kernel(x, p, n, b)
     )
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
     assert calls == [rows]
@@ -105,19 +106,19 @@ def test_linear_takes_the_kernel_for_few_bf16_rows_only(monkeypatch):
     """A decode batch of up to FEW_ROWS rows goes through the kernel; larger batches, a
     bias and other dtypes do not."""
     calls: list[int] = []
-    kernel = cpu_kernels.linear_few_rows
+    kernel = cpu_ops.linear_few_rows
     monkeypatch.setattr(
-        cpu_kernels, "linear_few_rows", lambda x, w: calls.append(len(x)) or kernel(x, w)
+        cpu_ops, "linear_few_rows", lambda x, w: calls.append(len(x)) or kernel(x, w)
     )
     weight = torch.randn(48, 32).bfloat16()
-    for rows in (1, cpu_kernels.FEW_ROWS, cpu_kernels.FEW_ROWS + 1):
+    for rows in (1, cpu_ops.FEW_ROWS, cpu_ops.FEW_ROWS + 1):
         x = torch.randn(rows, 32).bfloat16()
         torch.testing.assert_close(
             linear(x, weight, None), F.linear(x, weight), rtol=BF16_ROUNDING, atol=1e-3
         )
     linear(torch.randn(1, 32).bfloat16(), weight, None, torch.zeros(48).bfloat16())
     linear(torch.randn(1, 32), weight.float(), None)
-    assert calls == [1, cpu_kernels.FEW_ROWS]
+    assert calls == [1, cpu_ops.FEW_ROWS]
 
 
 def torch_rms_norm(
@@ -142,7 +143,7 @@ def test_rms_norm_matches_the_torch_ops(dtype: torch.dtype, rows: int, with_resi
     weight = torch.randn(576, generator=gen).to(dtype)
     theirs_residual = None if residual is None else residual.clone()
     expected = torch_rms_norm(x.clone(), theirs_residual, weight, 1e-5)
-    out = cpu_kernels.rms_norm(x, residual, weight, 1e-5)
+    out = cpu_ops.rms_norm(x, residual, weight, 1e-5)
     if residual is not None:  # the sum is written in place, rounded as torch's add rounds
         assert torch.equal(residual, theirs_residual)
     # Only the order of the float sum of squares differs: the normalised value may round one
@@ -175,7 +176,7 @@ def test_rotary_equals_the_torch_ops_bit_for_bit(dtype: torch.dtype, head_dim: i
     qkv = (torch.randn(tokens, 10, head_dim, generator=gen) * 4).to(dtype)
     expected = qkv.clone()
     torch_rotary(expected[:, :8], cos_sin)
-    cpu_kernels.rotary(qkv[:, :8], cos_sin)
+    cpu_ops.rotary(qkv[:, :8], cos_sin)
     assert torch.equal(qkv, expected)
 
 
@@ -190,7 +191,7 @@ def test_silu_and_mul_matches_the_torch_ops(dtype: torch.dtype, rows: int, width
     x[0, :9] = torch.tensor([-100.0, -88.0, 30.0, 0.0, -0.0, inf, -inf, 1.0, nan])
     gate, up = x.chunk(2, dim=-1)
     expected = F.silu(gate).mul_(up)
-    out = cpu_kernels.silu_and_mul(x)
+    out = cpu_ops.silu_and_mul(x)
     assert out.shape == (rows, width) and out.dtype == dtype
     # The sigmoid's exp and reciprocal are within two float units of torch's: a value may
     # round one unit apart. Below -87 the kernel gives -0 where torch's value is under 1e-35.
@@ -221,7 +222,7 @@ def test_each_task_runs_once_whatever_the_thread_count(restore_threads):
     # 203 bands of 64 outputs, 13 few-rows blocks of 64 (neither a multiple of the chunk)
     weight = torch.randn(203 * 64 - 5, 64, generator=gen).bfloat16()
     few_weight = weight[: 13 * 64 - 7]
-    packed = cpu_kernels.amx_pack(weight) if cpu_kernels.amx_available() else None
+    packed = cpu_ops.amx_pack(weight) if cpu_ops.amx_available() else None
     k_buffer, v_buffer = (torch.randn(400, 2, 64, generator=gen).bfloat16() for _ in range(2))
     slots = torch.randperm(400, generator=gen)[: 5 * 70].view(5, 70)
     seq_lens = torch.tensor([70, 1, 33, 64, 17])
@@ -229,11 +230,11 @@ def test_each_task_runs_once_whatever_the_thread_count(restore_threads):
 
     def run() -> list[torch.Tensor]:
         outs = [
-            cpu_kernels.linear_few_rows(x[:2], few_weight),
-            cpu_kernels.decode_attention(q, k_buffer, v_buffer, slots, seq_lens, 0.125),
+            cpu_ops.linear_few_rows(x[:2], few_weight),
+            cpu_ops.decode_attention(q, k_buffer, v_buffer, slots, seq_lens, 0.125),
         ]
         if packed is not None:
-            outs.append(cpu_kernels.linear_amx(x, packed, weight.shape[0]))
+            outs.append(cpu_ops.linear_amx(x, packed, weight.shape[0]))
         return outs
 
     torch.set_num_threads(1)

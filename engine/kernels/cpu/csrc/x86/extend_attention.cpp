@@ -9,9 +9,10 @@
 // rounded to bf16 (as SDPA's bf16 path rounds them), and their product with the values.
 // New token i of a request sees its prefix and new tokens 0..i.
 
-#include "amx.h"
+#include "ops.h"
+#include "x86/amx.h"
 #include "parallel.h"
-#include "vec16.h"
+#include "simd.h"
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -28,14 +29,6 @@ using radixserve::kAmxDepth, radixserve::kAmxRows, radixserve::round_up;
 
 constexpr int64_t kKeyBand = 64;  // keys scored per step: four 16-key tiles
 constexpr int64_t kTileElements = kAmxRows * kAmxDepth;  // bf16 in one operand tile
-
-bool extend_attention_supported() {
-#if defined(RADIXSERVE_AMX)
-  return radixserve::amx_permitted();
-#else
-  return false;
-#endif
-}
 
 #if defined(RADIXSERVE_AMX)
 // Keys [len, head_dim] of one KV head -> [key tile][depth step][16 pairs][16 keys][2]: tile
@@ -149,7 +142,7 @@ void softmax_rows(const float* scores, int64_t score_stride, const int64_t* visi
     for (int64_t j = 0; j < depth; j += 16) {
       const __mmask16 mask = first_lanes(len - j);  // none past the visible keys
       const __m512 e = _mm512_maskz_mov_ps(
-          mask, radixserve::exp16_nonpositive(
+          mask, radixserve::simd::exp_nonpositive(
                     _mm512_fmsub_ps(_mm512_maskz_loadu_ps(mask, row + j), scale, shift)));
       total = _mm512_add_ps(total, e);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j), (__m256i)_mm512_cvtneps_pbh(e));
@@ -185,6 +178,18 @@ void weigh_values(const bf16* weights, int64_t depth, const bf16* packed_values,
   }
 }
 #endif
+
+}  // namespace
+
+namespace radixserve {
+
+bool extend_attention_supported() {
+#if defined(RADIXSERVE_AMX)
+  return radixserve::amx_permitted();
+#else
+  return false;
+#endif
+}
 
 // q [T, heads, head_dim] (rows may be strided), the pool's buffers [slots, kv_heads,
 // head_dim], and per request: its slots [n, max_len] (prefix, then new tokens), prefix and
@@ -290,19 +295,4 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("extend_attention_supported() -> bool");
-  m.def(
-      "extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor slots, "
-      "Tensor prefix_lens, Tensor extend_lens, Tensor q_starts, float scaling) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(radixserve_cpu, CompositeExplicitAutograd, m) {
-  m.impl("extend_attention_supported", &extend_attention_supported);
-}
-
-TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
-  m.impl("extend_attention", &extend_attention);
-}
+}  // namespace radixserve

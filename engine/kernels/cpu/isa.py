@@ -1,6 +1,6 @@
 """Which CPU kernel path this machine runs: its instruction sets, and the path chosen.
 
-The C++ kernels (`cpu_kernels`, `csrc/`) have one code path per instruction-set class, lowest
+The C++ kernels (`build`, `csrc/`) have one code path per instruction-set class, lowest
 first: "none" (plain C++ loops; torch ops where there is no kernel), "avx2" (AVX2 + FMA +
 F16C, and BMI2, which every AVX2 CPU has), "avx512" (those and AVX-512 F/BW/VL/DQ, with
 AVX512-BF16 and the VNNI sets where present) and "amx" (those and AMX tiles with bf16). A

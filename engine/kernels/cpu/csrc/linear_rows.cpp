@@ -8,6 +8,7 @@
 // Weight rows go in groups of 16 that stay in L1 while every row of x passes over them,
 // four rows of x at a time, so a decode batch reads the weight once.
 
+#include "ops.h"
 #include "parallel.h"
 #include "simd.h"
 
@@ -68,6 +69,10 @@ void linear_rows_kernel(const float* x, int64_t m_size, int64_t k_size, const w_
       });
 }
 
+}  // namespace
+
+namespace radixserve {
+
 at::Tensor linear_rows(const at::Tensor& input, const at::Tensor& weight,
                        const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(input.dim() == 2 && weight.dim() == 2 && input.size(1) == weight.size(1),
@@ -100,12 +105,4 @@ at::Tensor linear_rows(const at::Tensor& input, const at::Tensor& weight,
   return out.to(input.scalar_type());
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("linear_rows(Tensor input, Tensor weight, Tensor? bias) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
-  m.impl("linear_rows", &linear_rows);
-}
+}  // namespace radixserve

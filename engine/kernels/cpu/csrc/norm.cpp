@@ -3,6 +3,7 @@
 // (the sum, the normalised row, the product with the weight), so that it differs from them
 // only by the order of the float sum of squares.
 
+#include "ops.h"
 #include "simd.h"
 
 #include <ATen/ATen.h>
@@ -76,6 +77,10 @@ void rms_norm_rows(
   });
 }
 
+}  // namespace
+
+namespace radixserve {
+
 at::Tensor rms_norm(
     const at::Tensor& input,
     const std::optional<at::Tensor>& residual,
@@ -104,12 +109,4 @@ at::Tensor rms_norm(
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("rms_norm(Tensor input, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-}
+}  // namespace radixserve

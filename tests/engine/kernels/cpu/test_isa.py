@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from engine.model import cpu_isa
-from engine.model.cpu_isa import (
+from engine.kernels.cpu import isa as cpu_isa
+from engine.kernels.cpu.isa import (
     ISA_FLAGS,
     CpuIsa,
     choose,
@@ -134,7 +134,7 @@ def _in_fresh_process(code: str, **env: str) -> subprocess.CompletedProcess[str]
 @pytest.mark.skipif(cpu_isa.cpu_isa().path == "none", reason="this CPU has no AVX2 path")
 def test_forcing_avx2_lowers_torchs_own_kernels_when_applied_before_torch_runs():
     result = _in_fresh_process(
-        "from engine.model.cpu_isa import apply_forced_isa\n"
+        "from engine.kernels.cpu.isa import apply_forced_isa\n"
         "print(apply_forced_isa().describe())\n"
         "import torch\n"
         "print(torch.backends.cpu.get_cpu_capability())\n",

@@ -3,6 +3,7 @@
 // dtype, exactly as those ops round, so the result is theirs bit for bit (the library is
 // built without contracting a product and a sum into one fused multiply-add).
 
+#include "ops.h"
 #include "simd.h"
 
 #include <ATen/ATen.h>
@@ -68,6 +69,10 @@ void rotate(at::Tensor& qk, const at::Tensor& cos_sin) {
                         qk.stride(0), cos_sin.const_data_ptr<scalar_t>());
 }
 
+}  // namespace
+
+namespace radixserve {
+
 // float32, bf16 or half (a product of two 16-bit values is exact in float).
 void rotary(at::Tensor& qk, const at::Tensor& cos_sin) {
   TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2) &&
@@ -82,12 +87,4 @@ void rotary(at::Tensor& qk, const at::Tensor& cos_sin) {
                      AT_DISPATCH_CASE(at::kHalf, [&] { rotate<scalar_t>(qk, cos_sin); }));
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def("rotary(Tensor(a!) qk, Tensor cos_sin) -> ()");
-}
-
-TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
-  m.impl("rotary", &rotary);
-}
+}  // namespace radixserve

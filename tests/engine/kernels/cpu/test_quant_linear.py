@@ -10,20 +10,17 @@ import os
 import subprocess
 import sys
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
-from engine.model import cpu_kernels
-from engine.model.cpu_isa import ATEN_CAPABILITY, FORCE_ENV, FORCEABLE, PATHS, cpu_isa
+from engine.kernels.cpu import build as cpu_build
+from engine.kernels.cpu import ops as cpu_ops
+from engine.kernels.cpu.isa import ATEN_CAPABILITY, FORCE_ENV, FORCEABLE, PATHS, cpu_isa
 from engine.model.layers.quantization import (
-    BLOCK_LAYOUTS,
     WeightFormat,
-    quantize_int8_rows,
     row_bytes,
 )
-from tests.engine.model.test_loader import quantize_blocks
+from testing.quant import cases, quantized, random_weight
 
 GEMV_ROWS = 16
 """Up to this many rows of x the kernel's register path runs (kGemvRows), beyond, the bands."""
@@ -31,36 +28,7 @@ GEMV_ROWS = 16
 
 @pytest.fixture(autouse=True)
 def kernels_built() -> None:
-    assert cpu_kernels.available(), "the suite's machines have a compiler"
-
-
-def quantized(format: WeightFormat, weight: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """`weight` in `format` (uint8 rows) and the float64 weights those rows hold."""
-    if format is WeightFormat.INT8:
-        rows = quantize_int8_rows(torch.from_numpy(weight))
-        k = weight.shape[1]
-        q = rows[:, :k].view(torch.int8).double()
-        scale = rows[:, k:].contiguous().view(torch.float32).double()
-        return rows, q * scale
-    blocks = quantize_blocks(weight, gguf.GGMLQuantizationType(int(format)))
-    reference = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(int(format)))
-    rows = torch.from_numpy(blocks.view(np.uint8).reshape(weight.shape[0], -1).copy())
-    return rows, torch.from_numpy(reference).double()
-
-
-def random_weight(n: int, k: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-
-
-def cases(shapes: list[tuple[int, int]]) -> list[tuple[WeightFormat, int, int]]:
-    """Each format with each (n, k) whose k is a whole number of the format's blocks (256
-    weights for the K-quants, 32 for the others)."""
-    return [
-        (format, n, k)
-        for format in WeightFormat
-        for n, k in shapes
-        if k % BLOCK_LAYOUTS.get(format, (32,))[0] == 0
-    ]
+    assert cpu_build.available(), "the suite's machines have a compiler"
 
 
 @pytest.mark.parametrize(
@@ -69,7 +37,7 @@ def cases(shapes: list[tuple[int, int]]) -> list[tuple[WeightFormat, int, int]]:
 def test_dequantize_reads_the_blocks_as_gguf_does(format, n, k):
     rows, expected = quantized(format, random_weight(n, k, seed=n + k))
     assert rows.shape == (n, row_bytes(format, k))
-    out = cpu_kernels.quant_dequantize(rows, int(format), k)
+    out = cpu_ops.quant_dequantize(rows, int(format), k)
     assert out.dtype == torch.float32 and torch.equal(out.double(), expected.float().double())
 
 
@@ -81,7 +49,7 @@ def test_float_activations_match_float64(format, rows, n, k):
     weight, reference = quantized(format, random_weight(n, k, seed=rows * n + k))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n))
     expected = x.double() @ reference.T
-    out = cpu_kernels.quant_linear(x, weight, int(format))
+    out = cpu_ops.quant_linear(x, weight, int(format))
     assert out.dtype == torch.float32 and out.shape == (rows, n)
     # float32 sums of k products: each within k float32 roundings of the largest partial sum
     bound = k * 2.0**-24 * (x.double().abs() @ reference.abs().T)
@@ -102,7 +70,7 @@ def test_integer_activations_are_within_their_rounding_of_float64(format, bits, 
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
     x[0, :5] = torch.tensor([0.0, -0.0, 1e-30, -7.5, 3e-39])  # zeros, a denormal, a large one
     expected = x.double() @ reference.T
-    out = cpu_kernels.quant_linear(x, weight, int(format), None, bits)
+    out = cpu_ops.quant_linear(x, weight, int(format), None, bits)
     blocks = x.double().view(rows, k // 32, 32)
     half_step = blocks.abs().amax(dim=2) / (2 ** (bits - 1) - 1) / 2  # [rows, blocks]
     w_sums = reference.abs().view(n, k // 32, 32).sum(dim=2)  # [n, blocks]
@@ -116,7 +84,7 @@ def test_integer_activations_are_within_their_rounding_of_float64(format, bits, 
 def test_integer_activations_of_a_zero_block_contribute_nothing(bits):
     weight, _ = quantized(WeightFormat.Q4_1, random_weight(8, 64, seed=1))
     x = torch.zeros(1, 64)
-    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q4_1), None, bits)
+    out = cpu_ops.quant_linear(x, weight, int(WeightFormat.Q4_1), None, bits)
     assert torch.equal(out, torch.zeros(1, 8))
 
 
@@ -125,14 +93,14 @@ def test_a_nan_in_x_reaches_every_output_of_its_row(bits):
     weight, _ = quantized(WeightFormat.Q4_1, random_weight(8, 64, seed=2))
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3))
     x[1, 40] = float("nan")
-    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q4_1), None, bits)
+    out = cpu_ops.quant_linear(x, weight, int(WeightFormat.Q4_1), None, bits)
     assert out[0].isfinite().all() and out[1].isnan().all()
 
 
 def test_activation_bits_other_than_32_16_8_are_refused():
     weight, _ = quantized(WeightFormat.Q4_1, random_weight(8, 64, seed=1))
     with pytest.raises(RuntimeError, match="32 \\(float\\), 16 or 8 bits, got 12"):
-        cpu_kernels.quant_linear(torch.zeros(1, 64), weight, int(WeightFormat.Q4_1), None, 12)
+        cpu_ops.quant_linear(torch.zeros(1, 64), weight, int(WeightFormat.Q4_1), None, 12)
 
 
 @pytest.mark.parametrize("activation_bits", [32, 16, 8])
@@ -141,8 +109,8 @@ def test_bf16_input_is_the_float_product_plus_bias_rounded_once(activation_bits,
     weight, _ = quantized(WeightFormat.Q8_0, random_weight(48, 96, seed=5))
     gen = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, 96, generator=gen).bfloat16(), torch.randn(48, generator=gen)
-    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q8_0), bias, activation_bits)
-    as_float = cpu_kernels.quant_linear(
+    out = cpu_ops.quant_linear(x, weight, int(WeightFormat.Q8_0), bias, activation_bits)
+    as_float = cpu_ops.quant_linear(
         x.float(), weight, int(WeightFormat.Q8_0), None, activation_bits
     )
     assert out.dtype == torch.bfloat16
@@ -156,16 +124,16 @@ def test_nan_in_a_row_of_x_stays_in_that_row():
     weight, _ = quantized(WeightFormat.Q4_0, random_weight(16, 64, seed=3))
     x = torch.randn(2, 64)
     x[1, 10] = float("nan")
-    out = cpu_kernels.quant_linear(x, weight, int(WeightFormat.Q4_0))
+    out = cpu_ops.quant_linear(x, weight, int(WeightFormat.Q4_0))
     assert out[1].isnan().all() and not out[0].isnan().any()
 
 
 def test_weights_of_the_wrong_width_are_refused():
     weight, _ = quantized(WeightFormat.Q4_1, random_weight(4, 64, seed=0))
     with pytest.raises(RuntimeError, match="uint8 weight rows of 60 bytes"):
-        cpu_kernels.quant_linear(torch.randn(1, 96), weight, int(WeightFormat.Q4_1))
+        cpu_ops.quant_linear(torch.randn(1, 96), weight, int(WeightFormat.Q4_1))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        cpu_kernels.quant_linear(torch.randn(1, 40), weight, int(WeightFormat.Q4_1))
+        cpu_ops.quant_linear(torch.randn(1, 40), weight, int(WeightFormat.Q4_1))
 
 
 LOWER_PATHS = [path for path in FORCEABLE if PATHS.index(path) < PATHS.index(cpu_isa().path)]
@@ -181,11 +149,12 @@ def test_lower_kernel_paths_pass_the_same_tests(path):
     (and ATen) forced down to `path`: an AVX-512 machine also checks what an AVX2 machine
     runs."""
     here = os.path.dirname(__file__)
+    model_tests = os.path.join(here, os.pardir, os.pardir, "model")
     files = [
         __file__,
-        os.path.join(here, "test_cpu_kernels.py"),
-        os.path.join(here, "test_batch_invariant.py"),
-        os.path.join(here, "attention", "test_torch_backend.py"),
+        os.path.join(here, "test_ops.py"),
+        os.path.join(model_tests, "test_batch_invariant.py"),
+        os.path.join(model_tests, "attention", "test_torch_backend.py"),
     ]
     env = {**os.environ, FORCE_ENV: path, "ATEN_CPU_CAPABILITY": ATEN_CAPABILITY.get(path, "")}
     done = subprocess.run(

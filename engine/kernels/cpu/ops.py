@@ -1,4 +1,8 @@
-"""The CPU kernels of the decode step (`csrc/`), built on first use.
+"""The Python face of the CPU kernel library (`csrc/`, one op schema each in
+`csrc/registration.cpp`): typed wrappers over `torch.ops.radixserve_cpu`, which
+`build.available()` loads. Layers reach them through `CustomOp.forward_cpu`
+(`engine/kernels/custom_op.py`); docs/cpu-kernels.md has the paths, formats and how to add
+a kernel.
 
 Why C++: at decode sizes a step's cost on CPU is per-op dispatch and memory traffic, not
 arithmetic.
@@ -6,21 +10,22 @@ arithmetic.
   gather every key of the batch into a new tensor before two batched matmuls; the kernel
   reads keys and values in place through each request's slots, one task per request (or
   per KV head of it, when requests are few).
-- `extend_attention` (`csrc/extend_attention.cpp`): the prefill attention of a bf16 batch's
-  multi-token requests in one call, the products on AMX tiles, where SDPA takes them at float
-  speed, one call per request over keys gathered first.
+- `extend_attention` (`csrc/x86/extend_attention.cpp`): the prefill attention of a bf16
+  batch's multi-token requests in one call, the products on AMX tiles, where SDPA takes them
+  at float speed, one call per request over keys gathered first.
 - `rms_norm` (`csrc/norm.cpp`): the residual add and RMSNorm of 16-bit activations in one
   op, where torch dispatches about eight.
 - `rotary` (`csrc/rotary.cpp`) and `silu_and_mul` (`csrc/activation.cpp`): a layer's
   rotary embedding and gated activation in one op each, where torch dispatches three or
   four.
-- `linear_amx` and `linear_few_rows` (`csrc/linear.cpp`): bf16 matmuls on AMX tiles over a
-  weight packed once for them (`amx_pack`), and by dot products over the plain weight for
-  the one or two rows (`FEW_ROWS`) of the smallest decode batches. oneDNN's packed kernels
-  pay a fixed cost per call and read small weights well below the bandwidth
+- `linear_amx` and `linear_few_rows` (`csrc/x86/linear_bf16.cpp`): bf16 matmuls on AMX tiles
+  over a weight packed once for them (`amx_pack`), and by dot products over the plain weight
+  for the one or two rows (`FEW_ROWS`) of the smallest decode batches. oneDNN's packed
+  kernels pay a fixed cost per call and read small weights well below the bandwidth
   (docs/benchmarks/model.md).
 - `quant_linear` (`csrc/quant_linear.cpp`): matmuls over weights kept quantized (GGUF's
-  Q4_0/Q4_1/Q8_0 blocks, int8 rows), widened in registers for decode rows and per band
+  blocks, int8 rows; the layouts in `csrc/quant_formats.h`), widened in registers for decode
+  rows (`csrc/quant_gemv.h`, or integer products in `csrc/x86/quant_integer.h`) and per band
   for a prefill's GEMM: a decode step reads 4.5-8.5 bits a weight instead of 16.
 - `linear_rows` (`csrc/linear_rows.cpp`): the matmul of plain weights under
   `--enable-deterministic-inference`, each row summed in one order at any row count (with
@@ -30,144 +35,19 @@ arithmetic.
   kernels above called from C++ in the modules' order: one Python dispatch per layer where
   the modules make about fifteen, whose Python and dispatch were a large share of a small
   batch's step on two cores (docs/benchmarks/model.md, "One op per decode layer").
-
-They are compiled with `torch.utils.cpp_extension` the first time one is needed (a CPU
-attention backend, a bf16 layer), the one long step of a first start (docs/benchmarks/model.md,
-"What a first start pays once"), into `<cache dir>/cpu_kernels/<machine>-<path>-<digest>`
-(`engine/paths.py`), for the kernel path `cpu_isa` chose (the machine's highest, or a lower
-one forced by RADIXSERVE_CPU_ISA) with that path's compiler flags only (an avx2 build holds
-no AVX-512 instruction, whichever CPU builds it), keyed by the path, its flags, the sources,
-the torch version and this CPU's instruction-set flags, and loaded from there afterwards.
-Never at `pip install` time: pip's isolated build environment would pull a CUDA torch.
-Without a compiler, or with `RADIXSERVE_CPU_KERNELS=0`, every one of these steps stays on
-torch ops.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-import platform
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 
-from engine.model import cpu_isa
-from engine.paths import cpu_kernels_dir
-
-logger = logging.getLogger(__name__)
-
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = [
-    CSRC / name
-    for name in (
-        "decode_attention.cpp",
-        "extend_attention.cpp",
-        "norm.cpp",
-        "linear.cpp",
-        "rotary.cpp",
-        "activation.cpp",
-        "decode_layer.cpp",
-        "quant_linear.cpp",
-        "linear_rows.cpp",
-    )
-]
-HEADERS = [CSRC / "vec16.h", CSRC / "simd.h", CSRC / "amx.h", CSRC / "parallel.h"]
-NAME = "radixserve_cpu_kernels"
-DISABLE_ENV = "RADIXSERVE_CPU_KERNELS"
-"""Set to 0 to keep the CPU decode step on torch ops."""
+from engine.kernels.cpu.build import available
 
 FEW_ROWS = 2
 """Up to this many rows `linear_few_rows` beats both oneDNN's packed bf16 matmul and the AMX
 kernel on the CPUs measured (docs/benchmarks/model.md)."""
-
-
-@functools.cache
-def available() -> bool:
-    """Load the kernels once per process, building them first if this machine has no build
-    of them yet; False (logged once) if they cannot be had."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return False
-    library = cpu_kernels_dir() / _build_key() / f"{NAME}.so"
-    started = time.perf_counter()
-    try:
-        if library.exists():
-            torch.ops.load_library(str(library))
-            done = "loaded (built for this CPU before)"
-        else:
-            # The one long silent step of a first start: say so before it begins.
-            logger.info(
-                "CPU kernels: compiling for this CPU (first start on this CPU, about a minute; "
-                "kept in %s)",
-                library.parent,
-            )
-            _build(library)
-            done = "compiled"
-    except Exception as e:  # no compiler, no headers, an unwritable cache: keep torch ops
-        logger.warning("CPU kernels unavailable, using torch ops: %s", e)
-        return False
-    logger.info("CPU kernels: %s in %.1f s", done, time.perf_counter() - started)
-    return True
-
-
-def enabled() -> bool:
-    """The kernels are loaded and the caller runs eagerly: under `torch.compile` the layer
-    steps stay torch ops, which inductor fuses itself."""
-    return not torch.compiler.is_compiling() and available()  # dynamo never traces available
-
-
-def _build(library: Path) -> None:
-    """Compile into a directory of this process's own and load it from there, then move the
-    library into place: processes that build at once never share a lock (torch's build
-    lock would outlive a process killed while holding it, and hang every later start).
-    Built for `cpu_isa`'s path: its `csrc/` code paths are chosen by the macros those flags
-    define (`__AVX2__`, `RADIXSERVE_AVX512`, `RADIXSERVE_AMX`)."""
-    from torch.utils import cpp_extension
-
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as build_dir:
-        cpp_extension.load(
-            name=NAME,
-            sources=[str(source) for source in SOURCES],
-            build_directory=build_dir,
-            # No fused multiply-adds where the source has a product and a sum: the kernels
-            # that mirror torch's ops round as those ops do (explicit FMA intrinsics stay).
-            extra_cflags=[
-                "-O3",
-                *cpu_isa.compile_flags(cpu_isa.cpu_isa().path),
-                "-fopenmp",
-                "-ffp-contract=off",
-            ],
-            is_python_module=False,
-            verbose=False,
-        )
-        os.replace(Path(build_dir) / f"{NAME}.so", library)
-
-
-def _build_key() -> str:
-    """The kernel path, then a digest of its compiler flags, the sources, headers, torch version
-    and the CPU's flags: each path's build is kept apart, and a cache shared by different
-    machines never hands one a kernel built for another's instructions."""
-    path = cpu_isa.cpu_isa().path
-    flags = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        flags = next(
-            (line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), ""
-        )
-    digest = hashlib.sha256()
-    for part in (
-        *(source.read_bytes() for source in (*SOURCES, *HEADERS)),
-        torch.__version__.encode(),
-        " ".join(cpu_isa.compile_flags(path)).encode(),
-        flags.encode(),
-    ):
-        digest.update(part)
-    return f"{platform.machine()}-{path}-{digest.hexdigest()[:16]}"
 
 
 def decode_attention(
@@ -351,3 +231,10 @@ def quant_dequantize(weight: torch.Tensor, format: int, in_features: int) -> tor
     """The float32 `[N, in_features]` weights of quantized rows `weight`."""
     out: torch.Tensor = torch.ops.radixserve_cpu.quant_dequantize(weight, format, in_features)
     return out
+
+
+def quant_format_table() -> list[int]:
+    """The kernels' block layouts, flat: (format, weights per block, bytes per block, bytes
+    after a row's blocks) for each format `quant_linear` takes."""
+    table: list[int] = torch.ops.radixserve_cpu.quant_format_table()
+    return table

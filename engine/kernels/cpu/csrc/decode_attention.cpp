@@ -18,9 +18,9 @@
 // loops, which also score the keys after the last full block: their dot products and
 // weighted sums vectorize (omp simd).
 
+#include "ops.h"
 #include "parallel.h"
 #include "simd.h"
-#include "vec16.h"
 
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -113,22 +113,6 @@ inline void score_block(
   simd::store(scores, simd::sum_lanes(dots));
 }
 
-#if defined(__AVX512BF16__)
-// The same for a bf16 query head and bf16 keys (head_dim a multiple of 32), as stored: 32
-// products per instruction, no widening; the scaling applied to the 16 scores.
-inline void score_block(const at::BFloat16* query, const at::BFloat16* const* keys,
-                        int64_t head_dim, float scaling, float* scores) {
-  __m512 dots[16];
-  for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += 32) {
-    const __m512bh q = (__m512bh)_mm512_loadu_si512(query + d);
-    for (int t = 0; t < 16; ++t) {
-      dots[t] = _mm512_dpbf16_ps(dots[t], q, (__m512bh)_mm512_loadu_si512(keys[t] + d));
-    }
-  }
-  _mm512_storeu_ps(scores, _mm512_mul_ps(simd::sum_lanes(dots), _mm512_set1_ps(scaling)));
-}
-#endif
 
 // Adds `scores[g * score_stride + t] * values[t]` over the `count` value rows (head_dim =
 // kLanes * CHUNKS floats each, at `offset` in each row) to `sums[g]` for G query heads: the
@@ -245,7 +229,8 @@ void decode_attention_kernel(
               if constexpr (std::is_same_v<scalar_t, at::BFloat16> &&
                             std::is_same_v<kv_t, at::BFloat16>) {
                 if (head_dim % 32 == 0) {
-                  score_block(q_row + qh * head_dim, head_keys, head_dim, scaling, head_scores);
+                  simd::score_block_bf16(q_row + qh * head_dim, head_keys, head_dim, scaling,
+                                         head_scores);
                   continue;
                 }
               }
@@ -272,57 +257,14 @@ void decode_attention_kernel(
         acc_t* score = scores.data() + qh * max_len;
         acc_t top = -std::numeric_limits<acc_t>::infinity();
         int64_t j = 0;
-#if defined(RADIXSERVE_AVX512)
-        if constexpr (std::is_same_v<acc_t, float>) {  // a scalar max is a serial chain
-          __m512 top16 = _mm512_set1_ps(top);
-          for (; j < len; j += 16) {
-            // A masked load: the last block's lanes past `len` may lie past the end of
-            // `scores`, on a page that is not mapped (a masked max of a full load would
-            // still read them).
-            const __mmask16 mask = radixserve::first_lanes(len - j);
-            top16 = _mm512_mask_max_ps(top16, mask, top16, _mm512_maskz_loadu_ps(mask, score + j));
-          }
-          top = _mm512_reduce_max_ps(top16);
-        }
-#elif defined(RADIXSERVE_SIMD)
-        if constexpr (std::is_same_v<acc_t, float>) {  // whole vectors; the tail below
-          namespace simd = radixserve::simd;
-          simd::fvec top_lanes = simd::set1(top);
-          for (; j + simd::kLanes <= len; j += simd::kLanes) {
-            top_lanes = simd::max(top_lanes, simd::load(score + j));
-          }
-          top = simd::max_lane(top_lanes);
-        }
+#if defined(RADIXSERVE_SIMD)
+        if constexpr (std::is_same_v<acc_t, float>) j = simd::max_prefix(score, len, top);
 #endif
         for (; j < len; ++j) top = std::max(top, score[j]);
         acc_t total = 0;
         j = 0;
-#if defined(RADIXSERVE_AVX512)
-        if constexpr (std::is_same_v<acc_t, float>) {
-          const __m512 top16 = _mm512_set1_ps(top);
-          __m512 total16 = _mm512_setzero_ps();
-          for (; j < len; j += 16) {
-            const __mmask16 mask = radixserve::first_lanes(len - j);
-            const __m512 weight = radixserve::exp16_nonpositive(
-                _mm512_sub_ps(_mm512_maskz_loadu_ps(mask, score + j), top16));
-            _mm512_mask_storeu_ps(score + j, mask, weight);
-            total16 = _mm512_add_ps(total16, _mm512_maskz_mov_ps(mask, weight));
-          }
-          total = _mm512_reduce_add_ps(total16);
-        }
-#elif defined(RADIXSERVE_SIMD)
-        if constexpr (std::is_same_v<acc_t, float>) {
-          namespace simd = radixserve::simd;
-          const simd::fvec top_lanes = simd::set1(top);
-          simd::fvec total_lanes = simd::zero();
-          for (; j + simd::kLanes <= len; j += simd::kLanes) {
-            const simd::fvec weight =
-                simd::exp_nonpositive(simd::sub(simd::load(score + j), top_lanes));
-            simd::store(score + j, weight);
-            total_lanes = simd::add(total_lanes, weight);
-          }
-          total = simd::sum(total_lanes);
-        }
+#if defined(RADIXSERVE_SIMD)
+        if constexpr (std::is_same_v<acc_t, float>) j = simd::exp_prefix(score, len, top, total);
 #endif
         for (; j < len; ++j) {
           score[j] = std::exp(score[j] - top);
@@ -378,6 +320,10 @@ void decode_attention_kernel(
   });
 }
 
+}  // namespace
+
+namespace radixserve {
+
 at::Tensor decode_attention(
     const at::Tensor& q,
     const at::Tensor& k_buffer,
@@ -430,14 +376,4 @@ at::Tensor decode_attention(
   return out;
 }
 
-}  // namespace
-
-TORCH_LIBRARY(radixserve_cpu, m) {
-  m.def(
-      "decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor slots, "
-      "Tensor seq_lens, float scaling, Tensor? slot_index=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
-  m.impl("decode_attention", &decode_attention);
-}
+}  // namespace radixserve

@@ -15,6 +15,7 @@
 // it too, as one-token rows of their requests (`slot_index`, as decode_attention takes it),
 // so that prefill and decode go through one path.
 
+#include "ops.h"
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -97,6 +98,10 @@ class Kernels {
       decode_attention_;
 };
 
+}  // namespace
+
+namespace radixserve {
+
 // Returns the layer's MLP output. The residual stream (`residual`, or for the first layer,
 // which has none, `hidden` itself) gets the attention output added in place, as
 // LlamaDecoderLayer's norms add it.
@@ -148,17 +153,4 @@ Tensor decode_layer(
                         formats[3], activation_bits, few_rows, batch_invariant);
 }
 
-}  // namespace
-
-TORCH_LIBRARY_FRAGMENT(radixserve_cpu, m) {
-  m.def(
-      "decode_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor[] weights, Tensor cos_sin, "
-      "Tensor(c!) k_buffer, Tensor(d!) v_buffer, Tensor out_cache_loc, Tensor slots, "
-      "Tensor seq_lens, Tensor? slot_index, int num_heads, int num_kv_heads, float scaling, "
-      "float eps, int[] formats, int activation_bits, int few_rows, bool batch_invariant) "
-      "-> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
-  m.impl("decode_layer", &decode_layer);
-}
+}  // namespace radixserve
