@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 from engine import constants
 from engine.cache.evict_policy import EVICTION_POLICIES
-from engine.spec.ngram import NgramConfig
+from engine.speculative.ngram import NgramConfig
 
 _T = TypeVar("_T")
 
@@ -261,11 +261,35 @@ class EngineArgs:
             )
         if self.speculative_algorithm is not None:
             self.ngram_config()
+            if self.speculative_num_draft_tokens < 2:
+                raise ValueError(
+                    "speculative_num_draft_tokens counts the tree's root (the last sampled "
+                    "token) and its drafts: it must be >= 2, "
+                    f"got {self.speculative_num_draft_tokens}"
+                )
             if self.speculative_algorithm == "STANDALONE" and self.tp_size > 1:
                 raise ValueError(
                     "speculative_algorithm STANDALONE runs at tp_size 1: its draft model's "
                     "scheduler is not split over the ranks"
                 )
+
+    def check_speculative(
+        self, attention_backend: str, vocab_size: int, draft_vocab_size: int | None
+    ) -> None:
+        """The speculative checks that need the device's attention backend and the loaded
+        models' vocabularies (`engine.build` asks once both are loaded)."""
+        if self.speculative_algorithm is None:
+            return
+        if attention_backend != "torch":
+            raise ValueError(
+                "speculative_algorithm verifies draft trees with the torch attention "
+                "backend only: pass attention_backend torch"
+            )
+        if draft_vocab_size is not None and draft_vocab_size != vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_vocab_size} tokens) is not the "
+                f"model's ({vocab_size}): it needs the same tokenizer"
+            )
 
     def draft_model_args(self) -> EngineArgs:
         """STANDALONE: the draft model's engine options — this engine's device, dtype and

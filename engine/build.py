@@ -1,5 +1,6 @@
 """One rank's engine from its arguments: `build(args, rank)`, the factory the offline
-`Engine` and the server's worker share, and the tensor-parallel ranks it runs.
+`Engine` and the server's worker share, and the tensor-parallel ranks it runs;
+`build_scheduler`, which wires the scheduler's managers.
 
 A rank's engine is its shard of the model, the tokenizer and the scheduler over them.
 At TP > 1 rank 0 spawns its node's other ranks first; each of them builds the same
@@ -36,11 +37,26 @@ from engine.distributed.tp_ranks import (
     rank_device,
 )
 from engine.grammar import GrammarBackend
+from engine.model.attention import default_attention_backend
 from engine.model.dtype import resolve_dtype, resolve_kv_cache_dtype
 from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
-from engine.sched.model_drafter import ModelDrafter
+from engine.sched.batch_runner import BatchRunner
+from engine.sched.cache_manager import CacheManager
+from engine.sched.chunk_size import resolve_chunked_prefill_size
+from engine.sched.decode_manager import DecodeManager
+from engine.sched.grammar_queue import GrammarQueue
+from engine.sched.lora_slots import LoRASlots
+from engine.sched.managers import Managers
+from engine.sched.output_processor import OutputProcessor
+from engine.sched.prefill_manager import PrefillManager
+from engine.sched.request_limits import RequestLimits
 from engine.sched.scheduler import Scheduler
+from engine.sched.stats import SchedulerStats
+from engine.sched.tp_sync import InputSync
+from engine.speculative.draft_manager import DraftManager
+from engine.speculative.drafter import Drafter, NgramDrafter
+from engine.speculative.standalone import StandaloneDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +72,8 @@ class EngineCore:
     scheduler: Scheduler
     ranks: RankProcesses | None
     """The processes of this node's other ranks, where this rank spawned them."""
+    draft_scheduler: Scheduler | None = None
+    """STANDALONE speculative decoding's: the draft model's own scheduler."""
 
     def shutdown(self) -> None:
         """Stop the scheduler; at TP > 1 rank 0's stop ends the other ranks' loops too,
@@ -63,6 +81,8 @@ class EngineCore:
         if self.ranks is not None:
             self.ranks.expect_exit()
         self.scheduler.shutdown()
+        if self.draft_scheduler is not None:
+            self.draft_scheduler.shutdown()
         if self.ranks is not None:
             self.ranks.join()
         if self.args.tp_size > 1:
@@ -106,22 +126,115 @@ def _build_rank(
             ranks.joined()
     model_runner = _model_runner(args, device)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.tokenizer or args.model)
-    drafter = None
+    draft_scheduler = None
     if args.speculative_draft_model_path is not None:
         draft_args = args.draft_model_args()
-        draft_runner = _model_runner(draft_args, device)
-        drafter = ModelDrafter(
-            Scheduler(draft_args, draft_runner), draft_runner.model_config.vocab_size
-        )
-    scheduler = Scheduler(
+        draft_scheduler = build_scheduler(draft_args, _model_runner(draft_args, device))
+    args.check_speculative(
+        args.attention_backend or default_attention_backend(device),
+        model_runner.model_config.vocab_size,
+        draft_scheduler.model_config.vocab_size if draft_scheduler is not None else None,
+    )
+    scheduler = build_scheduler(
         args,
         model_runner,
         StopStringMatcher(tokenizer) if tokenizer is not None else None,
         _grammar_backend(args, model_runner, tokenizer),
-        drafter,
+        draft_scheduler,
     )
     get_tp_group().start_serving()
-    return EngineCore(args, model_runner, tokenizer, scheduler, ranks)
+    return EngineCore(args, model_runner, tokenizer, scheduler, ranks, draft_scheduler)
+
+
+def build_scheduler(
+    args: EngineArgs,
+    model_runner: ModelRunner,
+    stop_strings: StopStringMatcher | None = None,
+    grammar_backend: GrammarBackend | None = None,
+    draft_scheduler: Scheduler | None = None,
+) -> Scheduler:
+    """The scheduler over `model_runner`, its managers wired over the same pools and
+    counters; `draft_scheduler` drafts for STANDALONE speculative decoding."""
+    config, device, context_len = (
+        model_runner.model_config,
+        model_runner.device,
+        model_runner.context_len,
+    )
+    cache_manager = CacheManager.over_pools(
+        model_runner, not args.disable_radix_cache, args.radix_eviction_policy
+    )
+    stats = SchedulerStats()
+    limits = RequestLimits(
+        config.vocab_size,
+        context_len,
+        model_runner.max_total_num_tokens,
+        args.clip_max_new_tokens,
+        stop_strings=stop_strings is not None,
+        grammars=grammar_backend is not None,
+    )
+    outputs = OutputProcessor(
+        cache_manager, stats, context_len, stop_strings, grammar_backend, args.enable_jump_forward
+    )
+    decode = DecodeManager(
+        config.vocab_size, device, cache_manager, stats, args.schedule_conservativeness
+    )
+    chunked_prefill_size = resolve_chunked_prefill_size(args.chunked_prefill_size, device)
+    lora = LoRASlots(model_runner.lora_manager, args, device)
+    prefill = PrefillManager(
+        args, cache_manager, lora, stats, chunked_prefill_size, model_runner.req_to_token_pool.size
+    )
+    if args.disable_overlap_schedule is None:
+        overlap = device.type == "cuda"
+    else:
+        overlap = not args.disable_overlap_schedule
+    tp_group = get_tp_group()
+    managers = Managers(
+        cache_manager,
+        limits,
+        stats,
+        outputs,
+        GrammarQueue(grammar_backend, outputs),
+        grammar_backend,
+        decode,
+        prefill,
+        lora,
+        BatchRunner(model_runner, tp_group, overlap, args.debug_future_map),
+        overlap,
+        InputSync(tp_group) if tp_group.size > 1 else None,
+        _draft_manager(args, model_runner, cache_manager, lora, outputs, draft_scheduler),
+    )
+    return Scheduler(args, model_runner, managers)
+
+
+def _draft_manager(
+    args: EngineArgs,
+    model_runner: ModelRunner,
+    cache_manager: CacheManager,
+    lora: LoRASlots,
+    outputs: OutputProcessor,
+    draft_scheduler: Scheduler | None,
+) -> DraftManager | None:
+    """Speculative decoding's manager over the drafter of `--speculative-algorithm`."""
+    if args.speculative_algorithm is None:
+        return None
+    num_draft_tokens, adaptive = args.speculative_num_draft_tokens, args.speculative_adaptive
+    drafter: Drafter
+    if draft_scheduler is not None:
+        drafter = StandaloneDrafter(
+            draft_scheduler, num_draft_tokens, model_runner.context_len, adaptive
+        )
+    else:
+        drafter = NgramDrafter(
+            args.ngram_config(), num_draft_tokens, model_runner.context_len, adaptive
+        )
+    return DraftManager(
+        drafter,
+        cache_manager,
+        model_runner.token_to_kv_pool,
+        model_runner.model_config.eos_token_ids,
+        lora,
+        outputs,
+    )
 
 
 def _model_runner(args: EngineArgs, device: str) -> ModelRunner:

@@ -58,8 +58,8 @@ reasoning section: a grammar constrains only what follows it."""
 
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 """`--speculative-algorithm` (SGLang's names): NGRAM drafts from a token trie over prompts and
-outputs (engine/spec/ngram.py); STANDALONE from a smaller model of the same tokenizer
-(engine/sched/model_drafter.py)."""
+outputs (engine/speculative/ngram.py); STANDALONE from a smaller model of the same tokenizer
+(engine/speculative/standalone.py)."""
 SPEC_ROW_COST_RATIO: float = _env("SPEC_ROW_COST_RATIO", 3.0)
 """Adaptive drafting's cost model: what a decode step of one request spends outside its
 row's arithmetic (reading the weights), over what one more row costs (a fifth to a third

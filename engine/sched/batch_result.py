@@ -18,7 +18,7 @@ import torch
 from engine.model.forward_batch import PromptLogprobsInput
 from engine.model.layers.logits_processor import LogitsProcessorOutput
 from engine.sampling.sampler import SamplerOutput
-from engine.spec.verify import VerifyOutput
+from engine.speculative.verify import VerifyOutput
 
 T = TypeVar("T")
 

@@ -17,7 +17,7 @@ from engine.sched.batch import ScheduleBatch
 from engine.sched.batch_result import PendingResult
 from engine.sched.forward_thread import ForwardThread
 from engine.sched.future_map import FutureMap
-from engine.spec.verify import walk_trees
+from engine.speculative.verify import walk_trees
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner

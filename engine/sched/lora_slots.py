@@ -88,6 +88,11 @@ class LoRASlots:
         """A batch of these adapters loads one into a slot (which a batch in flight may read)."""
         return self.manager is not None and self.manager.needs_swap(names)
 
+    def assign(self, batch: ScheduleBatch) -> None:
+        """Give the batch's rows their adapters' slots, where adapters are on."""
+        if self.manager is not None:
+            batch.forward_batch.lora_slots = self.slot_ids(batch)
+
     def slot_ids(self, batch: ScheduleBatch) -> torch.Tensor | None:
         """Each request's adapter slot id, or None when no request of the batch has one."""
         names = [r.lora_name for r in batch.reqs]

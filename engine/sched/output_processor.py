@@ -4,7 +4,9 @@
 `process_batch_result` commits each row's new KV, appends its token, records logprobs,
 advances its grammar (with jump-forward), checks the stops, and caches, sends or ends the
 request. Every request that advanced or finished is collected in `outputs` for the
-event loop to send; `finish` and `fail` are the only ways a request ends.
+event loop to send; `finish` and `fail` are the only ways a request ends. A verify batch's
+accepted tokens go through the same `advance` and `after_token`, from speculative
+decoding's `process_verify` (engine/speculative/verify_output.py).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from engine.detokenize import StopStringMatcher
@@ -24,7 +25,6 @@ from engine.sched.cache_manager import CacheManager
 from engine.sched.req import FinishReason, Req, ReqStatus
 from engine.sched.retract import release_req
 from engine.sched.stats import SchedulerStats
-from engine.spec.verify import VerifyOutput
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,16 @@ class OutputProcessor:
         self.finish(req, FinishReason("abort", message=message))
         return True
 
+    def fail_faults(self, batch: ScheduleBatch) -> Processed:
+        """Fail each request whose grammar raised while masking its row: its row sampled
+        unconstrained, so the token is void. The batch's `Processed`, to fill on."""
+        processed = Processed([], [])
+        for req, error in batch.faults:
+            if not req.finished:
+                processed.leaving.append(req)
+                self.fail(req, "masking its grammar's tokens", error)
+        return processed
+
     def process_batch_result(self, batch: ScheduleBatch, result: BatchResult) -> Processed:
         """Commit each request's new KV, append its sampled token and end, cache or send it.
 
@@ -102,14 +112,7 @@ class OutputProcessor:
         of a few attribute reads and one set lookup."""
         num_extend = batch.num_extend_reqs
         reqs, tokens = batch.reqs, result.next_token_ids
-        processed = Processed([], [])
-        for req, error in batch.faults:  # its row sampled unconstrained: the token is void
-            if not req.finished:
-                processed.leaving.append(req)
-                self.fail(req, "masking its grammar's tokens", error)
-        if result.verify is not None:
-            self.stats.generation_tokens += self._process_verify(batch, result.verify, processed)
-            return processed
+        processed = self.fail_faults(batch)
         generated = 0
         for i in range(num_extend):
             generated += self._process_extend(batch, result, i, processed)
@@ -130,7 +133,7 @@ class OutputProcessor:
             ):
                 outputs.append(req)
             else:
-                self._after_token(req, token, _row_logprob(result, i), processed)
+                self.after_token(req, token, _row_logprob(result, i), processed)
         self.stats.generation_tokens += generated
         return processed
 
@@ -159,64 +162,10 @@ class OutputProcessor:
             return 0
         token = result.next_token_ids[i]
         req.output_ids.append(token)
-        self._after_token(req, token, _row_logprob(result, i), processed, fresh_prefill=True)
+        self.after_token(req, token, _row_logprob(result, i), processed, fresh_prefill=True)
         return 1
 
-    def _process_verify(
-        self, batch: ScheduleBatch, verify: VerifyOutput, processed: Processed
-    ) -> int:
-        """Each request of a verify batch appends the tokens its walk accepted, one at a
-        time, up to the one that finishes it (a stop token or string, its length, mid-draft
-        or not); it keeps the K/V of the path nodes that fed them, and every other slot of
-        the batch (rejected drafts, tokens past a finish, requests that ended while it ran)
-        is freed at once. The number of tokens generated."""
-        keep = torch.zeros(len(batch.forward_batch.out_cache_loc), dtype=torch.bool)
-        generated = 0
-        for i, req in enumerate(batch.reqs):
-            if req.finished:
-                continue
-            taken, reason = self._take_verified(req, verify, i, processed)
-            if req.finished:  # failed while taking them: its KV is released already
-                continue
-            path = torch.tensor(verify.path_rows[i][:taken])
-            keep[path] = True
-            self.cache_manager.keep_verified(req, batch.forward_batch.out_cache_loc[path])
-            req.spec_verify_ct += 1
-            req.spec_accepted_drafts += taken - 1
-            self.stats.count_verified(batch.trees[i].num_drafts if batch.trees else 0, taken)
-            generated += taken
-            if reason is not None:  # finished mid-draft
-                self.cache_manager.cache_finished_req(req)
-                self.finish(req, reason)
-                processed.leaving.append(req)
-                continue
-            last = verify.tokens[i][-1]
-            self._after_token(req, last, _verified_logprob(verify, i, taken - 1), processed)
-        self.cache_manager.free_slots(batch.forward_batch.out_cache_loc[~keep])
-        return generated
-
-    def _take_verified(
-        self, req: Req, verify: VerifyOutput, i: int, processed: Processed
-    ) -> tuple[int, FinishReason | None]:
-        """Append row `i`'s accepted tokens but the last, advancing the grammar and checking
-        the stops after each; the last is appended too and left to `_after_token` (its
-        grammar, jump-forward, sending). (How many were appended, why the request ends if
-        it ends before the last.)"""
-        tokens = verify.tokens[i]
-        for k, token in enumerate(tokens[:-1]):
-            req.output_ids.append(token)
-            try:
-                reason = self._advance(req, token, _verified_logprob(verify, i, k))
-            except Exception as e:
-                processed.leaving.append(req)
-                self.fail(req, "processing its verified tokens", e)
-                return k + 1, None
-            if reason is not None:
-                return k + 1, reason
-        req.output_ids.append(tokens[-1])
-        return len(tokens), None
-
-    def _after_token(
+    def after_token(
         self,
         req: Req,
         token: int,
@@ -232,7 +181,7 @@ class OutputProcessor:
         The KV hand-overs stay outside the guard: an error in them is the scheduler's own."""
         grammar = req.grammar
         try:
-            reason = self._advance(req, token, logprob)
+            reason = self.advance(req, token, logprob)
             plan = (
                 self._plan_jump_forward(req, grammar)
                 if reason is None and self.jump_forward and grammar is not None
@@ -255,7 +204,7 @@ class OutputProcessor:
             processed.leaving.append(req)
             processed.requeued.append(req)
 
-    def _advance(self, req: Req, token: int, logprob: TokenLogprob) -> FinishReason | None:
+    def advance(self, req: Req, token: int, logprob: TokenLogprob) -> FinishReason | None:
         """Record the logprobs of the token just appended and advance the grammar; why the
         request ends now, if it does."""
         params = req.sampling_params
@@ -349,14 +298,6 @@ class TokenLogprob(NamedTuple):
 def _row_logprob(result: BatchResult, i: int) -> TokenLogprob:
     logprobs, top = result.next_token_logprobs, result.top_logprobs
     return TokenLogprob(None if logprobs is None else logprobs[i], None if top is None else top[i])
-
-
-def _verified_logprob(verify: VerifyOutput, i: int, k: int) -> TokenLogprob:
-    """The logprobs of request `i`'s `k`-th accepted token of a verify batch."""
-    logprobs, top = verify.logprobs, verify.top_logprobs
-    return TokenLogprob(
-        None if logprobs is None else logprobs[i][k], None if top is None else top[i][k]
-    )
 
 
 def _accept_grammar_token(matcher: AnyGrammarMatcher, token: int) -> FinishReason | None:

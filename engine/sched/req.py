@@ -15,7 +15,7 @@ from engine.sched.finish_reason import FinishReason
 if TYPE_CHECKING:
     from engine.cache.base_prefix_cache import CacheHandle
     from engine.grammar import GrammarMatcher, PendingGrammar, ReasoningGrammarMatcher
-    from engine.spec.draft_state import DraftState
+    from engine.speculative.draft_state import DraftState
 
 
 class OutputRead(NamedTuple):
@@ -116,7 +116,7 @@ class Req:
     output_read: int = 0
     """Output ids the reader of the output (the worker, or the offline stream) has taken."""
     draft_state: DraftState | None = None
-    """Its speculative drafting state (engine/sched/draft_manager.py owns it)."""
+    """Its speculative drafting state (its `Drafter` owns it, engine/speculative/)."""
     spec_verify_ct: int = 0
     """Verify passes it took part in (SGLang's meta_info name)."""
     spec_accepted_drafts: int = 0

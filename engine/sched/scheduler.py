@@ -1,5 +1,5 @@
 """The scheduler: continuous batching over the prefix cache, with overcommit admission,
-retraction, and two event loops; the loops and the wiring of the managers beside it.
+retraction, and two event loops.
 
 Each round `get_next_batch_to_run` prefers a prefill batch (new requests in, their
 prefixes into the tree sooner) and otherwise decodes the running requests. The normal
@@ -12,11 +12,14 @@ called, the forward runs on a thread of its own, and N−1 is processed once N's
 entered its layers (`forward_thread`). Whoever runs a loop (the worker, the offline
 Engine) hands it its message poll, its output sink and when to stop.
 
-The managers, one job each: `PrefillManager` (the waiting queue and what a prefill
-admits), `OutputProcessor` (what a batch's tokens do to its requests; finishing them),
-`BatchRunner` (the forward side), `GrammarQueue`, `LoRASlots`, `RequestLimits`,
-`CacheManager` (a request's KV), `InputSync` (tensor-parallel ranks in step: rank 0
-records each input it applies, a follower `apply`s them).
+The managers, one job each, wired by `engine.build.build_scheduler`: `PrefillManager` (the
+waiting queue and what a prefill admits), `DecodeManager` (the running batch and its room),
+`OutputProcessor` (what a batch's tokens do to its requests; finishing them), `BatchRunner`
+(the forward side), `GrammarQueue`, `LoRASlots`, `RequestLimits`, `CacheManager` (a
+request's KV), `InputSync` (tensor-parallel ranks in step: rank 0 records each input it
+applies, a follower `apply`s them), and speculative decoding's `DraftManager`
+(engine/speculative/), which the scheduler calls where a decode step would be built and
+where a verify batch's result is processed.
 """
 
 from __future__ import annotations
@@ -26,39 +29,22 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from engine import constants
 from engine.args import EngineArgs
-from engine.detokenize import StopStringMatcher
-from engine.distributed import get_tp_group
-from engine.grammar import GrammarBackend
-from engine.model.attention.torch_backend import TorchAttnBackend
 from engine.sched.batch import ScheduleBatch
 from engine.sched.batch_result import BatchResult, PendingResult
-from engine.sched.batch_runner import BatchRunner
-from engine.sched.cache_manager import CacheManager
-from engine.sched.chunk_size import resolve_chunked_prefill_size
-from engine.sched.decode_manager import DecodeManager
-from engine.sched.draft_manager import DraftManager
-from engine.sched.grammar_queue import GrammarQueue
-from engine.sched.lora_slots import LoRASlots
-from engine.sched.model_drafter import ModelDrafter
-from engine.sched.output_processor import OutputProcessor
-from engine.sched.prefill_manager import PrefillManager
+from engine.sched.managers import Managers
 from engine.sched.req import FinishReason, Req, ReqStatus
-from engine.sched.request_limits import RequestLimits
 from engine.sched.retract import release_req
-from engine.sched.stats import SchedulerObserver, SchedulerSnapshot, SchedulerStats
+from engine.sched.status import SchedulerStatus
 from engine.sched.tp_sync import (
     Abort,
     AddReq,
     FlushCache,
     GrammarsDone,
     Input,
-    InputSync,
     LoadLoRA,
     UnloadLoRA,
 )
-from engine.spec.draft_tree import DraftTree
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
@@ -73,102 +59,28 @@ SendOutputs = Callable[[list[Req]], None]
 ABORTED_BY_CLIENT = FinishReason("abort", message="aborted by the client")
 
 
-class Scheduler:
-    def __init__(
-        self,
-        args: EngineArgs,
-        model_runner: ModelRunner,
-        stop_strings: StopStringMatcher | None = None,
-        grammar_backend: GrammarBackend | None = None,
-        drafter: ModelDrafter | None = None,
-    ):
-        """`drafter`: STANDALONE speculative decoding's draft model and its scheduler."""
-        self.args = args
-        self.model_runner = model_runner
-        self.device = model_runner.device
-        self.model_config = model_runner.model_config
+class Scheduler(SchedulerStatus):
+    def __init__(self, args: EngineArgs, model_runner: ModelRunner, managers: Managers) -> None:
+        """The managers come wired (`engine.build.build_scheduler`)."""
+        self.args, self.model_runner = args, model_runner
+        self.device, self.model_config = model_runner.device, model_runner.model_config
         self.context_len = model_runner.context_len
         self.max_total_tokens = model_runner.max_total_num_tokens
         self.max_running_requests = model_runner.req_to_token_pool.size
-        self.grammar_backend = grammar_backend
-        self.cache_manager = CacheManager.over_pools(
-            model_runner, not args.disable_radix_cache, args.radix_eviction_policy
-        )
-        self.limits = RequestLimits(
-            self.model_config.vocab_size,
-            self.context_len,
-            self.max_total_tokens,
-            args.clip_max_new_tokens,
-            stop_strings=stop_strings is not None,
-            grammars=grammar_backend is not None,
-        )
-        self.stats = SchedulerStats()
-        self.output_processor = OutputProcessor(
-            self.cache_manager,
-            self.stats,
-            self.context_len,
-            stop_strings,
-            grammar_backend,
-            args.enable_jump_forward,
-        )
-        self.grammar_queue = GrammarQueue(grammar_backend, self.output_processor)
-        self.decode = DecodeManager(
-            self.model_config.vocab_size,
-            self.device,
-            self.cache_manager,
-            self.stats,
-            args.schedule_conservativeness,
-        )
+        m = managers
+        self.cache_manager, self.limits, self.stats = m.cache_manager, m.limits, m.stats
+        self.output_processor, self.grammar_queue = m.output_processor, m.grammar_queue
+        self.grammar_backend, self.lora, self.prefill = m.grammar_backend, m.lora, m.prefill
+        self.decode, self.batch_runner, self.overlap = m.decode, m.batch_runner, m.overlap
         self.running, self.ratio = self.decode.running, self.decode.ratio
         """The decode manager's, read here as often as its own."""
-        self.chunked_prefill_size = resolve_chunked_prefill_size(
-            args.chunked_prefill_size, self.device
-        )
-        """Prefill tokens per turn at most (None: unchunked); 0 asks for the device's."""
+        self.chunked_prefill_size = self.prefill.chunked_prefill_size
+        """Prefill tokens per turn at most (None: unchunked)."""
+        self.tp_group, self.input_sync = self.batch_runner.tp_group, m.input_sync
+        self.drafts = m.drafts
+        self.in_flight: tuple[ScheduleBatch, Future[PendingResult]] | None = None
         self.last_was_chunk = False
         """The last batch cut a prompt short: running decodes get the next turn."""
-        if args.disable_overlap_schedule is None:
-            self.overlap = self.device.type == "cuda"
-        else:
-            self.overlap = not args.disable_overlap_schedule
-        self.tp_group = get_tp_group()
-        self.batch_runner = BatchRunner(
-            model_runner, self.tp_group, self.overlap, args.debug_future_map
-        )
-        self.in_flight: tuple[ScheduleBatch, Future[PendingResult]] | None = None
-        self.input_sync = InputSync(self.tp_group) if self.tp_group.size > 1 else None
-        """At TP > 1: rank 0 broadcasts each turn's inputs, the other ranks apply them."""
-        self.drafts: DraftManager | None = None
-        """Speculative decoding's drafter (`--speculative-algorithm`), None when off."""
-        if args.speculative_algorithm is not None:
-            if not isinstance(model_runner.attn_backend, TorchAttnBackend):
-                raise ValueError(
-                    "speculative_algorithm verifies draft trees with the torch attention "
-                    "backend only: pass attention_backend torch"
-                )
-            if (args.speculative_algorithm == "STANDALONE") != (drafter is not None):
-                raise ValueError("STANDALONE speculative decoding drafts with a draft model")
-            if drafter is not None and drafter.vocab_size != self.model_config.vocab_size:
-                raise ValueError(
-                    f"the draft model's vocabulary ({drafter.vocab_size} tokens) is not the "
-                    f"model's ({self.model_config.vocab_size}): it needs the same tokenizer"
-                )
-            self.drafts = DraftManager(
-                args.ngram_config(),
-                args.speculative_num_draft_tokens,
-                self.context_len,
-                args.speculative_adaptive,
-                drafter,
-            )
-        self.lora = LoRASlots(model_runner.lora_manager, args, self.device)
-        self.prefill = PrefillManager(
-            args,
-            self.cache_manager,
-            self.lora,
-            self.stats,
-            self.chunked_prefill_size,
-            self.max_running_requests,
-        )
 
     # ----- inputs: requests, aborts, cache flushes, adapters ---------------------------
 
@@ -274,33 +186,6 @@ class Scheduler:
         sync.check_in_step(turn.state, self.snapshot(adapters=False).in_step())
         return True
 
-    def observe(self, observer: SchedulerObserver) -> None:
-        """Tell `observer` the events counters cannot carry, grammar compiles included."""
-        self.stats.observer = observer
-        if self.grammar_backend is not None:
-            self.grammar_backend.on_compile = observer.on_grammar_compile
-
-    def snapshot(self, adapters: bool = True) -> SchedulerSnapshot:
-        """The one read point for status and metrics; `adapters=False` reads no request."""
-        chunked, waiting = self.prefill.chunked(), [*self.prefill.waiting, *self.grammar_queue]
-        running_adapters, waiting_adapters = (
-            self.lora.info([*self.running, *chunked], waiting) if adapters else ([], [])
-        )
-        tree = self.cache_manager.tree_cache
-        return SchedulerSnapshot(
-            waiting=len(self.prefill.waiting),
-            compiling=len(self.grammar_queue),
-            running=len(self.running) + len(chunked),
-            free_kv=self.cache_manager.allocator.available_size(),
-            evictable_kv=tree.evictable_size(),
-            protected_kv=tree.protected_size(),
-            evicted_kv=tree.evicted_tokens,
-            new_token_ratio=self.ratio.new_token_ratio,
-            counters=self.stats.counters(),
-            running_lora_adapters=tuple(running_adapters),
-            waiting_lora_adapters=tuple(waiting_adapters),
-        )
-
     def follow(self) -> None:
         """A rank other than 0: run rank 0's turns until it stops."""
         self.run_event_loop(should_stop=lambda: False)
@@ -374,12 +259,12 @@ class Scheduler:
             self.stats.observer.on_forward(
                 batch.forward_mode.name.lower(), len(batch.reqs), pending.forward_seconds()
             )
-        processed = self.output_processor.process_batch_result(batch, result)
-        self.running.remove(processed.leaving)
         if result.verify is not None:
-            assert self.drafts is not None and batch.trees is not None, "a verify batch"
-            self.running.resync_lens()
-            self.drafts.on_verified(batch.reqs, batch.trees, result.verify)
+            assert self.drafts is not None, "a verify batch"
+            processed = self.drafts.process_result(batch, result.verify, self.running)
+        else:
+            processed = self.output_processor.process_batch_result(batch, result)
+            self.running.remove(processed.leaving)
         for req in processed.requeued:
             self.prefill.waiting.insert(0, req)
         if any(req.finished for req in self.prefill.chunked()):  # failed mid-prompt
@@ -396,8 +281,6 @@ class Scheduler:
         if self.input_sync is not None:
             self.input_sync.stop()
         self.batch_runner.shutdown()
-        if self.drafts is not None:
-            self.drafts.shutdown()
         if self.grammar_backend is not None:
             self.grammar_backend.shutdown()
 
@@ -426,7 +309,7 @@ class Scheduler:
     def update_running_batch(self) -> ScheduleBatch | None:
         """A decode step for every running request, once there is room for it (the
         requests a retraction sends back queue first); with speculative decoding, a verify
-        step of their drafts where any request drafts, in the room left."""
+        step of their drafts where any request drafts (`DraftManager.next_batch`)."""
         if self.drafts is not None:
             self.resolve_in_flight()  # drafts continue the tokens the last batch sampled
         retracted = self.decode.make_room(self.resolve_in_flight)
@@ -436,29 +319,8 @@ class Scheduler:
                 self.output_processor.outputs.append(retracted.aborted)
         if not self.running:
             return None
-        if self.drafts is not None:
-            tree_cache = self.cache_manager.tree_cache
-            room = self.cache_manager.allocator.available_size() + tree_cache.evictable_size()
-            room = min(room, constants.SPEC_MAX_VERIFY_ROWS) - len(self.running)
-            trees = self.drafts.propose(self.running.reqs, room)
-            if trees is not None:
-                return self._prepare_verify(trees)
-        return self._prepare([], with_decodes=True)
-
-    def _prepare_verify(self, trees: list[DraftTree]) -> ScheduleBatch:
-        """The verify batch of the running requests' draft trees (nothing is in flight)."""
-        batch = ScheduleBatch.verify(
-            self.running,
-            trees,
-            self.cache_manager,
-            self.model_runner.token_to_kv_pool,
-            self.model_config.eos_token_ids,
-        )
-        if self.lora.manager is not None:
-            batch.forward_batch.lora_slots = self.lora.slot_ids(batch)
-        modes = self.stats.forward_modes
-        modes["target_verify"] = modes.get("target_verify", 0) + 1
-        return batch
+        verify = self.drafts.next_batch(self.running) if self.drafts is not None else None
+        return verify if verify is not None else self._prepare([], with_decodes=True)
 
     def _prepare(self, extend_reqs: list[Req], with_decodes: bool) -> ScheduleBatch | None:
         """The batch of `extend_reqs` and, `with_decodes`, a decode step of the running batch."""
@@ -489,10 +351,8 @@ class Scheduler:
             self.model_config.vocab_size,
             self.model_config.eos_token_ids,
         )
-        if self.lora.manager is not None:
-            batch.forward_batch.lora_slots = self.lora.slot_ids(batch)
-        mode = batch.forward_mode.name.lower()
-        self.stats.forward_modes[mode] = self.stats.forward_modes.get(mode, 0) + 1
+        self.lora.assign(batch)
+        self.stats.count_batch(batch.forward_mode.name.lower())
         return batch
 
 

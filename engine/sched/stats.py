@@ -1,13 +1,16 @@
 """The scheduler's counters, which the observability layer exports; the observer that hears
-the per-request and per-batch events counters cannot carry; and the snapshot, the one read
-point for the scheduler's state."""
+the per-request and per-batch events counters cannot carry; the snapshot, the one read
+point for the scheduler's state; and its static facts (`SchedulerInfo`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.sched.req import Req
+
+if TYPE_CHECKING:
+    from engine.model.runner import ModelRunner
 
 
 class SchedulerObserver(Protocol):
@@ -55,6 +58,10 @@ class SchedulerStats:
     spec_accept_lengths: dict[int, int] = field(default_factory=dict)
     """Tokens a request took from one verify pass (1 + drafts accepted) → how often."""
     observer: SchedulerObserver | None = field(default=None, repr=False, compare=False)
+
+    def count_batch(self, mode: str) -> None:
+        """A batch of forward mode `mode` (its name, lower case) was built."""
+        self.forward_modes[mode] = self.forward_modes.get(mode, 0) + 1
 
     def count_verified(self, proposed: int, taken: int) -> None:
         """A request proposed `proposed` drafts and took `taken` tokens from a verify pass."""
@@ -111,3 +118,46 @@ class SchedulerSnapshot:
             "prefilled": self.counters["prefill_tokens"],
             "retractions": self.counters["num_retractions"],
         }
+
+
+@dataclass(frozen=True)
+class SchedulerInfo:
+    """What does not change while the scheduler serves (`Scheduler.info()`): its limits and
+    the model's and device's facts, for WorkerReady, /get_server_info and the metrics."""
+
+    max_total_tokens: int
+    context_len: int
+    max_running_requests: int
+    chunked_prefill_size: int | None
+    tp_size: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    """Sorted."""
+    device: str
+    """As torch names it: "cpu", "cuda:0"."""
+    device_type: str
+    dtype: str
+    kv_cache_dtype: str
+    weights_format: str
+    deterministic: bool
+    """`--enable-deterministic-inference`: batch-invariant kernels."""
+
+    @classmethod
+    def of(
+        cls, runner: ModelRunner, chunked_prefill_size: int | None, tp_size: int
+    ) -> SchedulerInfo:
+        return cls(
+            max_total_tokens=runner.max_total_num_tokens,
+            context_len=runner.context_len,
+            max_running_requests=runner.req_to_token_pool.size,
+            chunked_prefill_size=chunked_prefill_size,
+            tp_size=tp_size,
+            vocab_size=runner.model_config.vocab_size,
+            eos_token_ids=sorted(runner.model_config.eos_token_ids),
+            device=str(runner.device),
+            device_type=runner.device.type,
+            dtype=str(runner.dtype).removeprefix("torch."),
+            kv_cache_dtype=str(runner.kv_cache_dtype).removeprefix("torch."),
+            weights_format=runner.weights_format,
+            deterministic=runner.deterministic,
+        )

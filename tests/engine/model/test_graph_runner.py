@@ -15,11 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from engine.args import EngineArgs
+from engine.build import build_scheduler
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.model.graph_runner import PADDING, capture_batch_sizes
 from engine.model.runner import ModelRunner
 from engine.sched.future_map import FutureMap
-from engine.sched.scheduler import Scheduler
 from testing.batches import ExtendInput, build_forward_batch
 
 aten = torch.ops.aten
@@ -257,7 +257,7 @@ def test_the_scheduler_captures_once_with_its_future_lookup(llama_dir, runner_fa
     backend = FakeGraphBackend()
     runner = runner_factory(llama_dir, graph_backend=backend, capture_graphs=False)
     assert backend.captured == []
-    scheduler = Scheduler(EngineArgs(model=str(llama_dir), device="cpu"), runner)
+    scheduler = build_scheduler(EngineArgs(model=str(llama_dir), device="cpu"), runner)
     assert backend.captured == [16, 8, 4, 2, 1]
     graph_runner = runner.graph_runner
     assert graph_runner is not None

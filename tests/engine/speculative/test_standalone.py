@@ -12,7 +12,7 @@ import pytest
 
 from engine.api import Engine
 from testing.models import save_tiny_model
-from tests.engine.spec.test_speculative import GREEDY, answers, kv_idle_and_whole, prompts
+from tests.engine.speculative.test_speculative import GREEDY, answers, kv_idle_and_whole, prompts
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +32,9 @@ def standalone(make_engine: Callable[..., Engine], draft: Path, **options: objec
 
 
 def draft_scheduler(engine: Engine):  # type: ignore[no-untyped-def]
-    drafts = engine.scheduler.drafts
-    assert drafts is not None and drafts.drafter is not None
-    return drafts.drafter.scheduler
+    drafter = engine.core.draft_scheduler
+    assert drafter is not None
+    return drafter
 
 
 def test_a_model_drafting_for_itself_has_every_draft_accepted(make_engine, tiny_model_dir):

@@ -17,25 +17,26 @@ from typing import Protocol
 
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import Req
-from engine.spec.draft_tree import DraftTree
+from engine.speculative.draft_tree import DraftTree
+from engine.speculative.drafter import Drafter
 
 
 class DraftScheduler(Protocol):
-    """What the drafter uses of the draft model's `Scheduler` (a protocol: the scheduler
-    module imports this one)."""
+    """What the drafter uses of the draft model's `Scheduler` (which `engine.build` builds
+    and shuts down)."""
 
     context_len: int
 
     def add_request(self, req: Req) -> None: ...
     def run_event_loop(self, should_stop: Callable[[], bool]) -> None: ...
-    def shutdown(self) -> None: ...
 
 
-class ModelDrafter:
-    def __init__(self, scheduler: DraftScheduler, vocab_size: int) -> None:
+class StandaloneDrafter(Drafter):
+    def __init__(
+        self, scheduler: DraftScheduler, num_draft_tokens: int, context_len: int, adaptive: bool
+    ) -> None:
+        super().__init__(num_draft_tokens, context_len, adaptive)
         self.scheduler = scheduler
-        self.vocab_size = vocab_size
-        """The draft model's: it must be the target's."""
         self._ids = itertools.count()
 
     def draft(self, reqs: list[Req], budgets: list[int]) -> list[DraftTree]:
@@ -62,6 +63,3 @@ class ModelDrafter:
             for token in job.output_ids:
                 node = tree.add(node, token)
         return trees
-
-    def shutdown(self) -> None:
-        self.scheduler.shutdown()

@@ -9,8 +9,8 @@ import torch
 from engine.sampling.sampler import Sampler
 from engine.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRows
 from engine.sampling.sampling_params import SamplingParams
-from engine.spec.draft_tree import DraftTree
-from engine.spec.verify import VerifyOutput, walk_trees
+from engine.speculative.draft_tree import DraftTree
+from engine.speculative.verify import VerifyOutput, walk_trees
 
 V = 6
 

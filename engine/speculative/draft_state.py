@@ -1,12 +1,16 @@
-"""A request's drafting state across steps (`Req.draft_state`), which only the scheduler's
-`DraftManager` writes."""
+"""A request's drafting state across steps (`Req.draft_state`), which only its `Drafter`
+writes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine import constants
-from engine.spec.ngram import NgramState
+from engine.speculative.ngram import NgramState
+
+if TYPE_CHECKING:
+    from engine.sched.req import Req
 
 
 @dataclass
@@ -24,3 +28,10 @@ class DraftState:
     draft_len: int = 1 << 30
     """Drafted tokens it proposes next, at most: cut to the accepted length plus one after
     a miss, doubled after a draft accepted to its end."""
+
+
+def draft_state(req: Req) -> DraftState:
+    """`req`'s drafting state, a fresh one on its first step."""
+    if req.draft_state is None:
+        req.draft_state = DraftState()
+    return req.draft_state

@@ -24,7 +24,7 @@ import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.spec.draft_tree import DraftTree
+from engine.speculative.draft_tree import DraftTree
 
 MATCH_TYPES = ("BFS", "PROB")
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine.spec.ngram import NgramConfig, NgramState, NgramTrie
+from engine.speculative.ngram import NgramConfig, NgramState, NgramTrie
 
 
 def fed(tokens: list[int], **config: object) -> tuple[NgramTrie, NgramState]:

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from engine.spec.draft_tree import DraftTree
+from engine.speculative.draft_tree import DraftTree
 
 
 class Matcher(Protocol):

@@ -1,104 +1,62 @@
-"""The drafting side of speculative decoding: each decode step, which running requests
-draft and their draft trees (from NGRAM's trie or STANDALONE's draft model), within the
-KV room and the verify rows there are; and adaptive drafting, which sizes each request's
-drafts by what was accepted and stops a request drafting while its drafts do not pay.
+"""`Drafter`, the one interface of speculative decoding's drafters (`propose`,
+`on_verified`), and NGRAM's drafter; STANDALONE's drafts with a model (standalone.py).
 
-A draft needs the tokens the last step sampled, so the scheduler hands this manager the
-running requests once nothing of theirs is in flight. When no request drafts anything the
-step is a plain decode batch (its fast path, its CUDA graph); otherwise every running
-request joins one verify batch, a request without drafts as a tree of its root alone.
+Each decode step `propose` decides which running requests draft, and how many tokens,
+within the KV room and the verify rows there are, and asks the algorithm for their draft
+trees. `on_verified` is adaptive drafting: it sizes each request's drafts by what was
+accepted and stops a request drafting while its drafts do not pay.
+
+A draft needs the tokens the last step sampled, so the scheduler proposes once nothing of
+the running requests is in flight. When no request drafts anything the step is a plain
+decode batch (its fast path, its CUDA graph); otherwise every running request joins one
+verify batch, a request without drafts as a tree of its root alone.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from abc import ABC, abstractmethod
 
 from engine import constants
 from engine.sched.req import Req
-from engine.spec.draft_state import DraftState
-from engine.spec.draft_tree import DraftTree
-from engine.spec.grammar import constrain
-from engine.spec.ngram import NgramConfig, NgramState, NgramTrie
-from engine.spec.verify import VerifyOutput
-
-if TYPE_CHECKING:
-    from engine.sched.model_drafter import ModelDrafter
+from engine.speculative.draft_state import DraftState, draft_state
+from engine.speculative.draft_tree import DraftTree
+from engine.speculative.grammar import constrain
+from engine.speculative.ngram import NgramConfig, NgramState, NgramTrie
+from engine.speculative.verify import VerifyOutput
 
 _EMA_WEIGHT = 0.3
 
 
-class DraftManager:
-    def __init__(
-        self,
-        config: NgramConfig,
-        num_draft_tokens: int,
-        context_len: int,
-        adaptive: bool,
-        drafter: ModelDrafter | None = None,
-    ) -> None:
-        """NGRAM drafts from the trie; with `drafter` (STANDALONE), from a draft model."""
-        if num_draft_tokens < 2:
-            raise ValueError(
-                "speculative_num_draft_tokens counts the tree's root (the last sampled token) "
-                f"and its drafts: it must be >= 2, got {num_draft_tokens}"
-            )
-        self.trie = NgramTrie(config)
+class Drafter(ABC):
+    def __init__(self, num_draft_tokens: int, context_len: int, adaptive: bool) -> None:
         self.budget = num_draft_tokens - 1
         """Drafted tokens per request and step, at most."""
         self.context_len = context_len
         self.adaptive = adaptive
-        self.drafter = drafter
         self.step = 0
 
     def propose(self, reqs: list[Req], room: int) -> list[DraftTree] | None:
         """Each request's draft tree for this step, `room` drafted tokens in all at most;
-        None when nobody drafts (the step is then a plain decode). Under NGRAM every
-        request's new tokens go into the trie first, drafting or not."""
+        None when nobody drafts (the step is then a plain decode)."""
         self.step += 1
         budgets: list[int] = []
         drafted = 0
         for req in reqs:
-            state = req.draft_state
-            if state is None:
-                state = req.draft_state = DraftState()
-            if self.drafter is None:
-                self._feed(req, state)
+            state = draft_state(req)
             budget = min(self.budget, state.draft_len, room - drafted, self._depth_left(req))
             budgets.append(budget if budget > 0 and self._drafts(req, state) else 0)
             drafted += budgets[-1]
         if not drafted:
             return None
-        if self.drafter is not None:
-            trees = self.drafter.draft(reqs, budgets)
-        else:
-            trees = [self._ngram_tree(req, budget) for req, budget in zip(reqs, budgets)]
         trees = [
             constrain(tree, req.grammar) if req.grammar is not None and tree.num_drafts else tree
-            for req, tree in zip(reqs, trees)
+            for req, tree in zip(reqs, self.draft(reqs, budgets))
         ]
         return trees if any(tree.num_drafts for tree in trees) else None
 
-    def _feed(self, req: Req, state: DraftState) -> None:
-        """The request's tokens the trie has not seen, without copying the ones it has
-        (`all_token_ids` would copy the whole prompt every step)."""
-        if state.ngram.fed > req.seqlen:  # a jump-forward replaced output tokens
-            state.ngram = NgramState(fed=req.seqlen)
-        start, prompt = state.ngram.fed, req.origin_input_ids
-        if start >= len(prompt):
-            self.trie.feed(state.ngram, req.output_ids[start - len(prompt) :])
-        else:
-            self.trie.feed(state.ngram, prompt[start:] + req.output_ids)
-
-    def _ngram_tree(self, req: Req, budget: int) -> DraftTree:
-        last = req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
-        if not budget:
-            return DraftTree.root(last)
-        assert req.draft_state is not None, "fed before"
-        return self.trie.draft(req.draft_state.ngram, last, budget, budget)
-
-    def shutdown(self) -> None:
-        if self.drafter is not None:
-            self.drafter.shutdown()
+    @abstractmethod
+    def draft(self, reqs: list[Req], budgets: list[int]) -> list[DraftTree]:
+        """Each request's tree of up to `budgets[i]` drafted tokens (a root alone for 0)."""
 
     def on_verified(self, reqs: list[Req], trees: list[DraftTree], verify: VerifyOutput) -> None:
         """Adaptive drafting. Each drafted request's next draft length follows its last
@@ -132,7 +90,7 @@ class DraftManager:
         """Whether `req` drafts this step. Not while paused; not under penalties, logit_bias
         or min_new_tokens, whose biases depend on the tokens before each position (such a
         request decodes one token per step in the verify batch). A grammar's drafts are
-        filtered and masked per node (engine/spec/grammar.py)."""
+        filtered and masked per node (engine/speculative/grammar.py)."""
         params = req.sampling_params
         return state.paused_until <= self.step and not (
             params.frequency_penalty
@@ -147,3 +105,41 @@ class DraftManager:
         by_length = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
         by_context = self.context_len - req.seqlen - 1
         return min(by_length, by_context)
+
+
+class NgramDrafter(Drafter):
+    """SGLang's NGRAM: drafts from a trie of every request's prompt and output."""
+
+    def __init__(
+        self, config: NgramConfig, num_draft_tokens: int, context_len: int, adaptive: bool
+    ) -> None:
+        super().__init__(num_draft_tokens, context_len, adaptive)
+        self.trie = NgramTrie(config)
+
+    def propose(self, reqs: list[Req], room: int) -> list[DraftTree] | None:
+        """As `Drafter.propose`; every request's new tokens go into the trie first,
+        drafting or not."""
+        for req in reqs:
+            self._feed(req, draft_state(req))
+        return super().propose(reqs, room)
+
+    def _feed(self, req: Req, state: DraftState) -> None:
+        """The request's tokens the trie has not seen, without copying the ones it has
+        (`all_token_ids` would copy the whole prompt every step)."""
+        if state.ngram.fed > req.seqlen:  # a jump-forward replaced output tokens
+            state.ngram = NgramState(fed=req.seqlen)
+        start, prompt = state.ngram.fed, req.origin_input_ids
+        if start >= len(prompt):
+            self.trie.feed(state.ngram, req.output_ids[start - len(prompt) :])
+        else:
+            self.trie.feed(state.ngram, prompt[start:] + req.output_ids)
+
+    def draft(self, reqs: list[Req], budgets: list[int]) -> list[DraftTree]:
+        return [self._tree(req, budget) for req, budget in zip(reqs, budgets)]
+
+    def _tree(self, req: Req, budget: int) -> DraftTree:
+        last = req.output_ids[-1] if req.output_ids else req.origin_input_ids[-1]
+        if not budget:
+            return DraftTree.root(last)
+        assert req.draft_state is not None, "fed before"
+        return self.trie.draft(req.draft_state.ngram, last, budget, budget)

@@ -21,12 +21,13 @@ from engine import constants
 from engine.api import Engine
 from engine.outputs import GenerateResult
 from engine.sched.batch import ScheduleBatch
-from engine.sched.draft_manager import DraftManager
 from engine.sched.req import Req
-from engine.spec.draft_state import DraftState
-from engine.spec.draft_tree import DraftTree
-from engine.spec.ngram import NgramConfig
-from engine.spec.verify import VerifyOutput
+from engine.speculative import draft_manager
+from engine.speculative.draft_state import DraftState
+from engine.speculative.draft_tree import DraftTree
+from engine.speculative.drafter import NgramDrafter
+from engine.speculative.ngram import NgramConfig
+from engine.speculative.verify import VerifyOutput
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 40}
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 6}
@@ -205,14 +206,14 @@ def test_a_verify_pass_stays_within_the_row_cap(pair, monkeypatch: pytest.Monkey
     batch as large as the cap does not draft at all."""
     monkeypatch.setattr(constants, "SPEC_MAX_VERIFY_ROWS", 10)
     rows: list[int] = []
-    verify = ScheduleBatch.verify
+    verify = draft_manager.prepare_verify
 
     def spy(*args: Any, **kwargs: Any) -> ScheduleBatch:
         batch = verify(*args, **kwargs)
         rows.append(len(batch.forward_batch.out_cache_loc))
         return batch
 
-    monkeypatch.setattr(ScheduleBatch, "verify", spy)
+    monkeypatch.setattr(draft_manager, "prepare_verify", spy)
     plain, spec = pair()
     for n in (4, 10):
         batch = prompts(n, seed=8)
@@ -245,7 +246,7 @@ def verify_result(trees: list[DraftTree], accepted_drafts: list[int]) -> VerifyO
 
 
 def test_adaptive_drafting_pauses_a_request_whose_drafts_fail_and_retries_later():
-    manager = DraftManager(NgramConfig(), 5, context_len=4096, adaptive=True)
+    manager = NgramDrafter(NgramConfig(), 5, context_len=4096, adaptive=True)
     req = decoding("r", [1, 2, 3, 4])
     paused_at = None
     for step in range(40):
@@ -269,7 +270,7 @@ def test_adaptive_drafting_pauses_a_request_whose_drafts_fail_and_retries_later(
         assert trees is not None
         manager.on_verified([good], trees, verify_result(trees, [trees[0].num_drafts]))
     # Without adaptive drafting nobody pauses.
-    steady = DraftManager(NgramConfig(), 5, context_len=4096, adaptive=False)
+    steady = NgramDrafter(NgramConfig(), 5, context_len=4096, adaptive=False)
     bad = decoding("b", [1, 2, 3, 4])
     for _ in range(20):
         trees = steady.propose([bad], room=100)
@@ -278,7 +279,7 @@ def test_adaptive_drafting_pauses_a_request_whose_drafts_fail_and_retries_later(
 
 
 def test_drafts_fit_the_room_and_the_length_left():
-    manager = DraftManager(NgramConfig(), 8, context_len=4096, adaptive=True)
+    manager = NgramDrafter(NgramConfig(), 8, context_len=4096, adaptive=True)
     reqs = [decoding(name, [5, 6, 7, 8, 9], max_new_tokens=100) for name in "abc"]
     trees = manager.propose(reqs, room=10)
     assert trees is not None and sum(t.num_drafts for t in trees) == 10

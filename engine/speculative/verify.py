@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from engine.sampling.sampler import SamplerOutput
-from engine.spec.draft_tree import DraftTree
+from engine.speculative.draft_tree import DraftTree
 
 
 class VerifyOutput(NamedTuple):
