@@ -41,7 +41,7 @@ async def measure(batch: int, steps: int) -> float:
     """Microseconds of process CPU per step."""
     from services.io_struct import BatchStrOutput, decode, encode
     from services.tokenizer import manager as manager_module
-    from services.tokenizer.protocol import CompletionRequest
+    from services.tokenizer.protocol.completions import CompletionRequest
 
     ChoiceAccumulator, CompletionsEndpoint, framed = _layout()
 

@@ -26,15 +26,15 @@ from services.tokenizer.parsers import (
     tool_specs,
 )
 from services.tokenizer.parsers import ToolCallDelta as ParsedDelta
-from services.tokenizer.protocol import (
+from services.tokenizer.protocol.chat import (
     ChatCompletionRequest,
-    FinishReasonName,
     NamedToolChoice,
     ToolCall,
     ToolCallDelta,
     ToolCallDeltaFunction,
     ToolCallFunction,
 )
+from services.tokenizer.protocol.common import FinishReasonName
 
 
 @dataclass

@@ -31,7 +31,7 @@ from jinja2 import TemplateError
 from services.tokenizer.errors import RequestError
 from services.tokenizer.parsers.tool_parsers import tool_specs
 from services.tokenizer.parsers.tool_render import messages_with_tools, template_supports_tools
-from services.tokenizer.protocol import ChatCompletionMessageParam, ChatCompletionToolParam
+from services.tokenizer.protocol.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from services.tokenizer.protocol import ErrorInfo, ErrorResponse
+from services.tokenizer.protocol.common import ErrorInfo, ErrorResponse
 
 if TYPE_CHECKING:
     from fastapi.exceptions import RequestValidationError

@@ -60,6 +60,12 @@ from services.ipc import (
 from services.settings import Settings
 from services.tokenizer.choice_output import REQUESTED_ABORT_STATUS, TokenLogprob
 from services.tokenizer.errors import RequestError
+from services.tokenizer.logprob_text import (
+    RawLogprobs,
+    decoded,
+    output_logprobs,
+    prompt_logprobs,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -70,11 +76,6 @@ PEERS = ("worker", "detokenizer")
 """Processes a request needs alive from submission to its last token."""
 CONTROL_TIMEOUT_S = 10.0
 """How long a control request (flush, server info) waits for the worker's reply."""
-INLINE_LOGPROB_IDS = 256
-"""Prompt logprobs naming up to this many token ids (positions and their alternatives) are
-decoded on the event loop; more go to a thread, whose hop costs less than the loop time a
-long request's decoding would hold (docs/benchmarks/host.md, "The tokenizer's inline
-thresholds")."""
 
 ControlReq = FlushCacheReq | GetServerInfoReq | LoadLoRAAdapterReq | UnloadLoRAAdapterReq
 ControlReply = FlushCacheReqOutput | GetServerInfoReqOutput | LoRAAdapterReqOutput
@@ -140,23 +141,12 @@ class _Group:
     prompt_ids: dict[str, list[int]] = field(default_factory=dict)
     """Rid → its prompt ids from `logprob_start_len` on, for those that ask prompt logprobs
     (the worker sends back the logprobs only)."""
-    undecoded: dict[str, _RawLogprobs] = field(default_factory=dict)
+    undecoded: dict[str, RawLogprobs] = field(default_factory=dict)
     """Rid → prompt logprobs that arrived, still without their tokens' texts: the group's own
-    coroutine decodes them (`TokenizerManager._decoded`), not the receiving loop."""
+    coroutine decodes them (`logprob_text.decoded`), not the receiving loop."""
     aborted: set[str] = field(default_factory=set)
     """Rids stopped through `abort` (`/abort_request`): their abort is asked for, not a
     server error (`REQUESTED_ABORT`)."""
-
-
-@dataclass(frozen=True)
-class _RawLogprobs:
-    """Logprobs as the wire brings them: per position a token id, its logprob, and the ids
-    and logprobs of its alternatives."""
-
-    token_ids: Sequence[int]
-    values: Sequence[float | None]
-    top_vals: Sequence[Sequence[float]]
-    top_ids: Sequence[Sequence[int]]
 
 
 class TokenizerManager:
@@ -337,7 +327,7 @@ class TokenizerManager:
                 for item in items:
                     raw = group.undecoded.pop(item.rid, None)
                     if raw is not None:
-                        item = replace(item, prompt_logprobs=await self._decoded(raw))
+                        item = replace(item, prompt_logprobs=await decoded(self.tokenizer, raw))
                     if item.finished_reason is not None:
                         group.unfinished.discard(item.rid)
                         if item.finished_reason.type == "abort":
@@ -501,7 +491,7 @@ class TokenizerManager:
                     prompt_tokens=batch.prompt_tokens[i],
                     completion_tokens=batch.completion_tokens[i],
                     cached_tokens=batch.cached_tokens[i],
-                    logprobs=self._logprobs(batch, i),
+                    logprobs=output_logprobs(self.tokenizer, batch, i),
                     rollback=batch.rollbacks[i] if batch.rollbacks else 0,
                     spec_verify_ct=(
                         None if batch.spec_verify_ct is None else batch.spec_verify_ct[i]
@@ -511,77 +501,11 @@ class TokenizerManager:
                     ),
                 )
             )
-            raw = self._prompt_logprobs(batch, i, group)
+            raw = prompt_logprobs(batch, i, group.prompt_ids)
             if raw is not None:
                 group.undecoded[rid] = raw
         for group, outputs in delivered.values():
             group.queue.put_nowait(outputs)
-
-    def _logprobs(self, batch: BatchStrOutput, i: int) -> tuple[TokenLogprob, ...]:
-        values = batch.output_token_logprobs_val[i] if batch.output_token_logprobs_val else []
-        if not values:
-            return ()
-        top_vals = batch.output_top_logprobs_val[i] if batch.output_top_logprobs_val else []
-        top_ids = batch.output_top_logprobs_idx[i] if batch.output_top_logprobs_idx else []
-        return self._token_logprobs(batch.output_ids[i], values, top_vals, top_ids)
-
-    def _prompt_logprobs(self, batch: BatchStrOutput, i: int, group: _Group) -> _RawLogprobs | None:
-        """The prompt logprobs batch row `i` brings, with the prompt ids kept at submission
-        (dropped now: they come once)."""
-        values = batch.input_token_logprobs_val[i] if batch.input_token_logprobs_val else []
-        if not values:
-            return None
-        rid = batch.rids[i]
-        prompt_ids = group.prompt_ids.pop(rid, [])
-        if len(values) != len(prompt_ids):
-            logger.error(
-                "dropped the prompt logprobs of %s: %d values for its %d prompt tokens",
-                rid,
-                len(values),
-                len(prompt_ids),
-            )
-            return None
-        top_vals = batch.input_top_logprobs_val[i] if batch.input_top_logprobs_val else []
-        top_ids = batch.input_top_logprobs_idx[i] if batch.input_top_logprobs_idx else []
-        return _RawLogprobs(prompt_ids, values, top_vals, top_ids)
-
-    async def _decoded(self, raw: _RawLogprobs) -> tuple[TokenLogprob, ...]:
-        """`raw` with its tokens' texts; in a thread when it is long (a long prompt's logprobs
-        are millions of objects at 20 alternatives per position), so the event loop keeps
-        serving probes, streams and heartbeats meanwhile."""
-
-        def decode() -> tuple[TokenLogprob, ...]:
-            return self._token_logprobs(raw.token_ids, raw.values, raw.top_vals, raw.top_ids)
-
-        if len(raw.token_ids) + sum(map(len, raw.top_ids)) <= INLINE_LOGPROB_IDS:
-            return decode()
-        return await asyncio.to_thread(decode)
-
-    def _token_logprobs(
-        self,
-        token_ids: Sequence[int],
-        values: Sequence[float | None],
-        top_vals: Sequence[Sequence[float]],
-        top_ids: Sequence[Sequence[int]],
-    ) -> tuple[TokenLogprob, ...]:
-        """A TokenLogprob per token with its alternatives, every text from one decode."""
-        text = self._token_texts([*token_ids, *(t for ids in top_ids for t in ids)])
-        tops = [
-            tuple(TokenLogprob(t, text[t], lp) for lp, t in zip(vals, ids))
-            for vals, ids in zip(top_vals, top_ids)
-        ] or [()] * len(token_ids)
-        return tuple(
-            TokenLogprob(token_id, text[token_id], value, top)
-            for token_id, value, top in zip(token_ids, values, tops)
-        )
-
-    def _token_texts(self, token_ids: Sequence[int]) -> dict[int, str]:
-        """Each distinct token's text alone (what `decode([id])` gives), in one batched
-        decode: a prompt's logprobs name thousands of tokens."""
-        distinct = list(dict.fromkeys(token_ids))
-        if self.tokenizer is None:
-            return {t: str(t) for t in distinct}
-        return dict(zip(distinct, self.tokenizer.batch_decode([[t] for t in distinct])))
 
     async def _liveness_loop(self) -> None:
         """Heartbeats to the worker, and the peer deaths that fail requests."""

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from services.settings import Settings
-from services.tokenizer.protocol import ErrorResponse
+from services.tokenizer.protocol.common import ErrorResponse
 
 _COMPONENTS = "#/components/schemas/{model}"
 _REQUEST_MODELS: dict[str, type[BaseModel]] = {}

@@ -19,12 +19,9 @@ from engine.sampling.sampling_params import GRAMMAR_KINDS, SamplingParams
 from engine.sched.request_limits import logprob_start_error, prompt_length_error
 from services.tokenizer.errors import RequestError
 from services.tokenizer.parsers import named_tool_schema, required_tools_schema, tool_specs
-from services.tokenizer.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    GenerateRequest,
-    NamedToolChoice,
-)
+from services.tokenizer.protocol.chat import ChatCompletionRequest, NamedToolChoice
+from services.tokenizer.protocol.completions import CompletionRequest
+from services.tokenizer.protocol.native import GenerateRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

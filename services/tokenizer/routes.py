@@ -25,21 +25,18 @@ from services.tokenizer.errors import RequestError, error_body
 from services.tokenizer.manager import unavailable
 from services.tokenizer.middleware import require_admin
 from services.tokenizer.openapi import ERROR_RESPONSES, answers, request_body
-from services.tokenizer.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
+from services.tokenizer.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
+from services.tokenizer.protocol.common import LoRAModelCard, ModelCard, ModelList
+from services.tokenizer.protocol.completions import CompletionRequest, CompletionResponse
+from services.tokenizer.protocol.native import (
     DetokenizeRequest,
     DetokenizeResponse,
     GenerateRequest,
-    LoRAModelCard,
-    ModelCard,
-    ModelList,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
+from services.tokenizer.protocol.responses import ResponsesRequest
 from services.tokenizer.request_mapper import check_continuation, check_model, with_special_tokens
 from services.tokenizer.serving_base import (
     INLINE_BODY_BYTES,
@@ -55,11 +52,7 @@ from services.tokenizer.serving_chat import ChatEndpoint, chat_prompt_chars
 from services.tokenizer.serving_completions import CompletionsEndpoint
 from services.tokenizer.serving_generate import GenerateEndpoint
 from services.tokenizer.serving_render import render
-from services.tokenizer.serving_responses import (
-    ResponsesEndpoint,
-    ResponsesRequest,
-    responses_error,
-)
+from services.tokenizer.serving_responses import ResponsesEndpoint, responses_error
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 SECRET_SETTINGS = ("api_key", "admin_api_key")

@@ -50,7 +50,9 @@ from services.tokenizer.choice_output import ChoiceOutput, TokenLogprob
 from services.tokenizer.errors import RequestError, error_body
 from services.tokenizer.manager import ReqOutput, TokenizerManager
 from services.tokenizer.middleware import cache_tenant
-from services.tokenizer.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.tokenizer.protocol.chat import ChatCompletionRequest
+from services.tokenizer.protocol.completions import CompletionRequest
+from services.tokenizer.protocol.native import GenerateRequest
 from services.tokenizer.request_mapper import to_sampling_params
 from services.tokenizer.sse import SSE_DONE, Chunk, DeltaEvents, frame
 from services.tokenizer.worker_metrics_proxy import WorkerMetricsProxy

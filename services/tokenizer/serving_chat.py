@@ -14,7 +14,7 @@ from services.tokenizer.chat_output import ChatOutputFormat, ChatParsers, Choice
 from services.tokenizer.chat_template import render_chat
 from services.tokenizer.choice_output import ChoiceOutput, TokenLogprob, shown_logprob
 from services.tokenizer.manager import ReqOutput
-from services.tokenizer.protocol import (
+from services.tokenizer.protocol.chat import (
     ChatCompletionChunk,
     ChatCompletionMessageParam,
     ChatCompletionRequest,

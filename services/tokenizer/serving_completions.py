@@ -15,7 +15,7 @@ from services.tokenizer.choice_output import (
     shown_or_none,
 )
 from services.tokenizer.manager import ReqOutput
-from services.tokenizer.protocol import (
+from services.tokenizer.protocol.completions import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,

@@ -9,14 +9,9 @@ from typing import Any
 
 from services.tokenizer.choice_output import ChoiceOutput, TokenLogprob, shown_or_none
 from services.tokenizer.manager import ReqOutput
-from services.tokenizer.protocol import GenerateRequest
+from services.tokenizer.protocol.native import GenerateRequest
 from services.tokenizer.request_mapper import check_model, tokenize_prompts
-from services.tokenizer.serving_base import (
-    AppState,
-    ChoiceAccumulator,
-    Endpoint,
-    text_prompt_chars,
-)
+from services.tokenizer.serving_base import AppState, ChoiceAccumulator, Endpoint, text_prompt_chars
 from services.tokenizer.sse import Chunk
 
 

@@ -16,16 +16,17 @@ from services.tokenizer.chat_output import ChatDelta
 from services.tokenizer.choice_output import REQUESTED_ABORT_STATUS, ChoiceOutput, TokenLogprob
 from services.tokenizer.errors import RequestError, error_body
 from services.tokenizer.manager import ReqOutput
-from services.tokenizer.protocol import (
+from services.tokenizer.protocol.chat import (
     ChatCompletionRequest,
     ChatCompletionResponseStreamChoice,
+)
+from services.tokenizer.protocol.common import (
     ChoicesEnvelope,
-    CompletionRequest,
-    CompletionResponseChoice,
     FinishReasonName,
     PromptTokensDetails,
     UsageInfo,
 )
+from services.tokenizer.protocol.completions import CompletionRequest, CompletionResponseChoice
 from services.tokenizer.request_mapper import check_model
 from services.tokenizer.serving_base import ChoiceAccumulator, Endpoint
 from services.tokenizer.sse import Chunk, DeltaEvents, TextDelta

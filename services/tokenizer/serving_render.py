@@ -12,7 +12,7 @@ from fastapi import Request
 
 from engine.sampling.sampling_params import SamplingParams
 from services.tokenizer.manager import TokenizerManager
-from services.tokenizer.protocol import RenderedRequest, RenderedSamplingParams
+from services.tokenizer.protocol.common import RenderedRequest, RenderedSamplingParams
 from services.tokenizer.serving_base import prepare
 from services.tokenizer.serving_openai import OpenAIEndpoint
 

@@ -17,7 +17,7 @@ import pytest
 
 from engine.api import Engine
 from services.tokenizer.chat_template import render_chat
-from services.tokenizer.protocol import ChatCompletionMessageParam
+from services.tokenizer.protocol.chat import ChatCompletionMessageParam
 from testing.launcher import ServiceLauncher, cpu_flags
 from testing.models import TINY_LLAMA_CONTEXT
 from testing.net import all_kv_free, server_info, wait_until

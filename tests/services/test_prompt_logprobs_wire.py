@@ -15,12 +15,8 @@ from engine.sampling.sampling_params import SamplingParams
 from services.io_struct import TokenizedGenerateReqInput
 from services.settings import Settings
 from services.tokenizer.errors import RequestError
-from services.tokenizer.manager import (
-    INLINE_LOGPROB_IDS,
-    ReqOutput,
-    TokenizerManager,
-    running_manager,
-)
+from services.tokenizer.logprob_text import INLINE_LOGPROB_IDS
+from services.tokenizer.manager import ReqOutput, TokenizerManager, running_manager
 from testing.launcher import HEARTBEAT_INTERVAL, port_flags, server_ports
 
 MAX_TOTAL_TOKENS = 4096

@@ -15,7 +15,7 @@ from services.tokenizer.chat_output import (
     ChoiceParser,
     parse_whole,
 )
-from services.tokenizer.protocol import ChatCompletionRequest
+from services.tokenizer.protocol.chat import ChatCompletionRequest
 
 TOOL = {
     "type": "function",

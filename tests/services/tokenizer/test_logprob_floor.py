@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from services.io_struct import FinishReason
 from services.tokenizer.choice_output import LOGPROB_FLOOR, ChoiceOutput, TokenLogprob
-from services.tokenizer.protocol import CompletionLogprobs, TopLogprob, VllmLogprob
+from services.tokenizer.protocol.chat import TopLogprob
+from services.tokenizer.protocol.completions import CompletionLogprobs, VllmLogprob
 from services.tokenizer.serving_chat import ChatCompletionStream, chat_completion_response
 from services.tokenizer.serving_completions import CompletionStream, completion_response
 from services.tokenizer.serving_generate import generate_response

@@ -10,7 +10,8 @@ import pytest
 from fastapi.routing import APIRoute
 
 from services.settings import Settings
-from services.tokenizer.protocol import ChatCompletionRequest, ErrorResponse
+from services.tokenizer.protocol.chat import ChatCompletionRequest
+from services.tokenizer.protocol.common import ErrorResponse
 from services.tokenizer.routes import router
 from tests.services.tokenizer.conftest import InProcessApp
 

@@ -15,7 +15,9 @@ from engine.sampling.sampling_params import SamplingParams
 from services.settings import Settings
 from services.tokenizer.chat_template import render_chat
 from services.tokenizer.errors import RequestError, error_body, validation_error_body
-from services.tokenizer.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.tokenizer.protocol.chat import ChatCompletionRequest
+from services.tokenizer.protocol.completions import CompletionRequest
+from services.tokenizer.protocol.native import GenerateRequest
 from services.tokenizer.request_mapper import (
     check_chat_request,
     check_completion_request,

@@ -12,7 +12,8 @@ from engine.sched.req import FinishReason as EngineFinishReason
 from services.io_struct import FinishReason
 from services.tokenizer.choice_output import ChoiceOutput, TokenLogprob
 from services.tokenizer.errors import RequestError
-from services.tokenizer.protocol import ChatCompletionChunk, CompletionChunk
+from services.tokenizer.protocol.chat import ChatCompletionChunk
+from services.tokenizer.protocol.completions import CompletionChunk
 from services.tokenizer.routes import model_list
 from services.tokenizer.serving_chat import ChatCompletionStream, chat_completion_response
 from services.tokenizer.serving_completions import CompletionStream, completion_response

@@ -14,14 +14,10 @@ from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
 from services.tokenizer.errors import RequestError, validation_error_body
-from services.tokenizer.protocol import ChatCompletionChunk, ChatCompletionRequest
-from services.tokenizer.serving_responses import (
-    ResponsesRequest,
-    ResponsesStream,
-    responses_error,
-    to_chat_request,
-    to_response,
-)
+from services.tokenizer.protocol.chat import ChatCompletionChunk, ChatCompletionRequest
+from services.tokenizer.protocol.responses import ResponsesRequest
+from services.tokenizer.responses_output import ResponsesStream, to_response
+from services.tokenizer.serving_responses import responses_error, to_chat_request
 from services.tokenizer.sse import frame
 
 MODEL = "smollm2"

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from services.settings import Settings
 from services.tokenizer.chat_template import control_tokens, render_chat
-from services.tokenizer.protocol import ChatCompletionMessageParam, ChatCompletionToolParam
+from services.tokenizer.protocol.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from testing.net import all_kv_free, wait_until
 
 IM_START, IM_END = 1, 2

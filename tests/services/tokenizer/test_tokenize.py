@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from services.settings import Settings
 from services.tokenizer.chat_template import render_chat
-from services.tokenizer.protocol import ChatCompletionMessageParam, ChatCompletionToolParam
+from services.tokenizer.protocol.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from tests.services.tokenizer.conftest import InProcessApp, ScriptedManager
 
 CONTEXT = ScriptedManager().worker_info.context_length
