@@ -37,8 +37,8 @@ from engine.distributed.tp_ranks import (
 )
 from engine.grammar import GrammarBackend
 from engine.model.dtype import resolve_dtype, resolve_kv_cache_dtype
-from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
+from engine.model.tokenizer_cache import load_tokenizer
 from engine.sched.model_drafter import ModelDrafter
 from engine.sched.scheduler import Scheduler
 
