@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from engine.kernels.cpu.isa import cpu_isa
-from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
+from engine.model.tokenizer_cache import load_tokenizer
 from testing.batches import ExtendInput, build_forward_batch
 
 HELD_TEXT = Path(__file__).with_name("data") / "held_text.txt"

@@ -39,8 +39,8 @@ from engine.distributed.tp_ranks import (
 from engine.grammar import GrammarBackend
 from engine.model.attention import default_attention_backend
 from engine.model.dtype import resolve_dtype, resolve_kv_cache_dtype
-from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
+from engine.model.tokenizer_cache import load_tokenizer
 from engine.sched.batch_runner import BatchRunner
 from engine.sched.cache_manager import CacheManager
 from engine.sched.chunk_size import resolve_chunked_prefill_size

@@ -39,7 +39,7 @@ QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8")
 
 ACTIVATION_BITS = {"int16": 16, "int8": 8, "float": 32}
 """`--quantized-activations`: the bits decode rows are rounded to, per block of 32, before
-they multiply quantized weights (32: kept float; engine/model/csrc/quant_linear.cpp)."""
+they multiply quantized weights (32: kept float; engine/kernels/cpu/csrc/quant_linear.cpp)."""
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 """`--kv-cache-dtype`; engine/model/dtype.py resolves `auto`."""

@@ -4,6 +4,8 @@
 flag without being listed twice. The command line is generated from the fields: field
 `max_total_tokens` is flag `--max-total-tokens` and environment variable
 `RADIXSERVE_MAX_TOTAL_TOKENS`; the flag beats the variable, the variable beats the default.
+Where SGLang spells an option radixserve has differently (`--model-path`), its spelling is
+an alias of the flag (`SGLANG_ALIASES`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,20 @@ MAX_IPC_PATH = 107
 """Bytes of a Unix socket's path at most (sun_path, less its terminating NUL)."""
 LAUNCH_ID_HEADER = "x-radixserve-launch-id"
 """The header of the tokenizer's /health answer that carries `--launch-id`."""
+SGLANG_ALIASES: dict[str, tuple[str, ...]] = {
+    "model": ("--model-path",),
+    "tokenizer": ("--tokenizer-path",),
+    "tp_size": ("--tensor-parallel-size",),
+    "dist_init_addr": ("--nccl-init-addr",),
+    "dist_init_timeout": ("--dist-timeout",),
+    "speculative_draft_model_path": ("--speculative-draft-model",),
+    "cuda_graph_max_bs": ("--cuda-graph-max-bs-decode",),
+}
+"""SGLang's flags (python/sglang/srt/server_args.py) for the fields whose own flag it spells
+otherwise, so that an SGLang command line works here; each field's own flag works too."""
+MULTI_VALUE_FIELDS = frozenset({"lora_paths"})
+"""Flags that take several values, as SGLang's `--lora-paths a=/x b=/y`, joined by spaces
+into the field's one string (which also accepts `a=/x,b=/y`)."""
 
 
 @dataclass
@@ -372,15 +388,19 @@ def build_parser(env: Mapping[str, str], prog: str | None = None) -> argparse.Ar
         # The shown default is the resolved one, except for secrets (repr=False).
         shown = f" (default: {default})" if f.repr and default is not None else ""
         help_text = f"{f.metadata.get('help', '')}{shown} [env {env_name}]".replace("%", "%%")
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-"), *SGLANG_ALIASES.get(f.name, ())]
         if base is bool:
             parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=default, help=help_text
+                *flags, action=argparse.BooleanOptionalAction, default=default, help=help_text
+            )
+        elif f.name in MULTI_VALUE_FIELDS:
+            parser.add_argument(
+                *flags, nargs="+", action=_JoinValues, default=default, help=help_text
             )
         else:
             choices = f.metadata.get("choices")
             parser.add_argument(
-                flag,
+                *flags,
                 type=parse,
                 default=default,
                 help=help_text,
@@ -388,6 +408,20 @@ def build_parser(env: Mapping[str, str], prog: str | None = None) -> argparse.Ar
                 metavar=None if choices else f.name.upper(),
             )
     return parser
+
+
+class _JoinValues(argparse.Action):
+    """The values of a several-valued flag as one string, separated by spaces."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        joined = values if isinstance(values, str) else " ".join(map(str, values or ()))
+        setattr(namespace, self.dest, joined)
 
 
 def _scalar_type(hint: Any, name: str) -> tuple[type, bool]:

@@ -32,7 +32,7 @@ from transformers import (
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from engine.model.embedded import embedded_model_path
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_cache import load_tokenizer
 
 TINY_CONFIG: dict[str, Any] = dict(
     vocab_size=256,

@@ -50,6 +50,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved with `tiny_llama_dir` (SmolLM2's)."""
-    from engine.model.loader import load_tokenizer
+    from engine.model.tokenizer_cache import load_tokenizer
 
     return load_tokenizer(str(tiny_llama_dir))

@@ -114,7 +114,7 @@ def main() -> None:
     log_dir.mkdir(parents=True, exist_ok=True)
     print(f"logs in {log_dir}", flush=True)
     from benchmarks.serving.report import load_average, machine_info
-    from engine.model.loader import load_tokenizer
+    from engine.model.tokenizer_cache import load_tokenizer
 
     record: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "benchmarks.fleet", *sys.argv[1:]]),

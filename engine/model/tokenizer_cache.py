@@ -1,4 +1,5 @@
-"""A GGUF file's tokenizer, converted once and kept on disk.
+"""A model's tokenizer, without torch's engine side (the tokenizer and detokenizer load
+it); a GGUF file's tokenizer is converted once and kept on disk.
 
 transformers builds a GGUF's tokenizer from its metadata (vocabulary, merges, special
 tokens, chat template) in Python, seconds for a vocabulary of tens of thousands of tokens,
@@ -13,17 +14,35 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from engine.model.source import ModelSource, resolve_model
 from engine.paths import tokenizers_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+
+def load_tokenizer(model: str | os.PathLike[str] | ModelSource) -> PreTrainedTokenizerBase:
+    """The model's tokenizer; from a GGUF file, transformers builds it from the metadata
+    (vocabulary, merges, special ids and chat template), once per file (`load_gguf_tokenizer`)."""
+    started = time.perf_counter()
+    from transformers import AutoTokenizer  # seconds of imports, the first time
+
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    if source.is_gguf:
+        tokenizer = load_gguf_tokenizer(source.path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(source.path)
+    logger.info("tokenizer: loaded in %.1f s", time.perf_counter() - started)
+    return tokenizer
 
 
 def cached_tokenizer_dir(gguf_path: Path) -> Path:

@@ -1,6 +1,8 @@
-"""Why a request stopped: one definition for the engine and the wire. Torch-free, so that
-the tokenizer and detokenizer decode it without loading the engine's kernels; a msgspec
-struct, so that the worker sends the engine's own value as is."""
+"""Why a request stopped: one definition for the engine and the wire. Torch-free, like the
+wire's message types that carry it, so that the tokenizer and detokenizer decode it without
+importing the engine's model code (torch reaches them only through transformers, and the
+tokenizer's grammar checks; tests/services/test_service_imports.py); a msgspec struct, so
+that the worker sends the engine's own value as is."""
 
 from __future__ import annotations
 

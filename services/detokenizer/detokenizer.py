@@ -18,7 +18,7 @@ import time
 import msgspec
 
 from engine.detokenize import IncrementalDetokenizer, Tokenizer
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_cache import load_tokenizer
 from engine.sched.finish_reason import text_ids
 from observability.detokenizer_metrics import DetokenizerMetrics
 from services.io_struct import (

@@ -5,7 +5,7 @@ import logging
 
 import uvicorn
 
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_cache import load_tokenizer
 from services.process import configure_logging
 from services.settings import Settings
 from services.tokenizer.middleware import ApiKeyFileError

@@ -1,7 +1,7 @@
 import pytest
 
 from engine.detokenize import IncrementalDetokenizer
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_cache import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx2
 import pytest
 
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_cache import load_tokenizer
 from testing.launcher import ServiceLauncher, cpu_flags
 from testing.models import save_tiny_thinking_llama
 from testing.net import all_kv_free

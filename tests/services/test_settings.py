@@ -5,7 +5,7 @@ import pytest
 
 import services
 from engine.args import EngineArgs
-from services.settings import Settings, build_parser
+from services.settings import SGLANG_ALIASES, Settings, build_parser
 from services.tokenizer.parsers.tool_parsers import TOOL_PARSERS
 from services.tool_parser_names import DEFAULT_TOOL_PARSER, TOOL_PARSER_NAMES
 from testing.imports import import_graph, reachable
@@ -241,3 +241,110 @@ def test_the_tool_parser_names_settings_offer_are_the_registered_parsers():
     assert DEFAULT_TOOL_PARSER in TOOL_PARSERS
     parser = build_parser({})._option_string_actions["--tool-call-parser"]
     assert (parser.choices, parser.default) == (TOOL_PARSER_NAMES, DEFAULT_TOOL_PARSER)
+
+
+SGLANG_FLAGS = (
+    # SGLang's server flags (python/sglang/srt/server_args.py, v0.5.23) that radixserve
+    # takes, with the same meaning; docs/operations.md lists them.
+    "--admin-api-key",
+    "--api-key",
+    "--attention-backend",
+    "--chunked-prefill-size",
+    "--context-length",
+    "--cuda-graph-max-bs-decode",
+    "--device",
+    "--disable-cuda-graph",
+    "--disable-overlap-schedule",
+    "--disable-radix-cache",
+    "--dist-init-addr",
+    "--dist-timeout",
+    "--dtype",
+    "--enable-deterministic-inference",
+    "--enable-mixed-chunk",
+    "--enable-torch-compile",
+    "--grammar-backend",
+    "--host",
+    "--kv-cache-dtype",
+    "--kv-events-config",
+    "--log-level",
+    "--lora-paths",
+    "--max-lora-rank",
+    "--max-loras-per-batch",
+    "--max-prefill-tokens",
+    "--max-queued-requests",
+    "--max-running-requests",
+    "--max-total-tokens",
+    "--mem-fraction-static",
+    "--model",
+    "--model-path",
+    "--nccl-init-addr",
+    "--nnodes",
+    "--node-rank",
+    "--port",
+    "--quantization",
+    "--radix-eviction-policy",
+    "--random-seed",
+    "--reasoning-parser",
+    "--schedule-conservativeness",
+    "--schedule-policy",
+    "--served-model-name",
+    "--skip-tokenizer-init",
+    "--speculative-adaptive",
+    "--speculative-algorithm",
+    "--speculative-draft-model",
+    "--speculative-draft-model-path",
+    "--speculative-ngram-capacity",
+    "--speculative-ngram-match-type",
+    "--speculative-ngram-max-bfs-breadth",
+    "--speculative-ngram-max-trie-depth",
+    "--speculative-ngram-min-bfs-breadth",
+    "--speculative-num-draft-tokens",
+    "--tensor-parallel-size",
+    "--tokenizer-path",
+    "--tool-call-parser",
+    "--torch-compile-max-bs",
+    "--tp-size",
+    "--watchdog-timeout",
+)
+
+
+def test_the_sglang_flags_radixserve_claims_are_flags_of_its_parser():
+    known = build_parser({})._option_string_actions
+    assert [flag for flag in SGLANG_FLAGS if flag not in known] == []
+
+
+@pytest.mark.parametrize(
+    ("field", "alias"),
+    [(field, alias) for field, aliases in SGLANG_ALIASES.items() for alias in aliases],
+)
+def test_an_sglang_spelling_sets_the_field_of_our_flag(field, alias):
+    action = build_parser({})._option_string_actions[alias]
+    assert action.dest == field
+    assert "--" + field.replace("_", "-") in action.option_strings
+
+
+def test_an_sglang_command_line_parses():
+    s = _parse(
+        ["--model-path", "/models/qwen3", "--tensor-parallel-size", "2", "--dist-timeout", "60"]
+    )
+    assert (s.model, s.tp_size, s.dist_init_timeout) == ("/models/qwen3", 2, 60.0)
+    assert s.served_model_name == "/models/qwen3"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--lora-paths", "a=/x", "b=/y"],  # SGLang's documented form
+        ["--lora-paths", "a=/x,b=/y"],
+        ["--lora-paths", "a=/x b=/y"],
+        ["--lora-paths=a=/x,b=/y"],
+    ],
+)
+def test_lora_paths_take_several_values_or_one_joined_string(argv):
+    assert _parse(argv).lora_entries() == {"a": "/x", "b": "/y"}
+
+
+def test_lora_paths_from_the_environment_stay_one_string():
+    env = {"RADIXSERVE_LORA_PATHS": "a=/x b=/y"}
+    assert _parse([], env).lora_entries() == {"a": "/x", "b": "/y"}
+    assert _parse(["--lora-paths", "c=/z"], env).lora_entries() == {"c": "/z"}

@@ -13,7 +13,7 @@ from engine.grammar import (
     PendingGrammar,
     allocate_vocab_mask,
 )
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_cache import load_tokenizer
 from engine.sampling.vocab_mask import apply_vocab_mask
 
 VOCAB = 49152  # SmolLM2's; the embedded tokenizer has exactly this many tokens

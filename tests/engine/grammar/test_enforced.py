@@ -16,7 +16,7 @@ from engine.grammar import GrammarError
 from engine.grammar.enforced import ENFORCED, UNENFORCED, check_enforced
 from engine.grammar.strict_json import json_schema_grammar
 from engine.grammar.validate import validate_grammar
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_cache import load_tokenizer
 
 INT = {"type": "integer"}
 OBJ_AB = {"type": "object", "properties": {"a": INT, "b": INT}}

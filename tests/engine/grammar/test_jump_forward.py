@@ -10,7 +10,7 @@ import pytest
 from engine.api import Engine
 from engine.detokenize import IncrementalDetokenizer
 from engine.grammar.jump_forward import JumpForward, decodes_concatenatively, plan_jump_forward
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_cache import load_tokenizer
 from testing.grammar_schemas import SCHEMAS
 
 GREEDY = {"temperature": 0, "max_new_tokens": 96}

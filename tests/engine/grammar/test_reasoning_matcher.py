@@ -13,7 +13,7 @@ from engine.grammar import (
     ReasoningGrammarMatcher,
     allocate_vocab_mask,
 )
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_cache import load_tokenizer
 
 EOS = 2
 VOCAB = 49152 + 2  # SmolLM2's, with <think> and </think>

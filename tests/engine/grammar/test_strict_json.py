@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, allocate_vocab_mask
 from engine.grammar.validate import validate_grammar
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_cache import load_tokenizer
 
 VOCAB = 49152  # SmolLM2's, the embedded tokenizer's
 EOS = 2

@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.model.loader import load_tokenizer
 from engine.model.runner import ModelRunner
+from engine.model.tokenizer_cache import load_tokenizer
 from testing.batches import ExtendInput, build_forward_batch
 from testing.models import TINY_ARCHS, tiny_hf_model
 

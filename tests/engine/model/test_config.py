@@ -9,7 +9,7 @@ from transformers import AutoConfig
 
 from engine.model.config import ModelConfig
 from engine.model.embedded import embedded_model_path
-from engine.model.loader import GGUFReader
+from engine.model.source import GGUFReader
 
 LLAMA31_CONFIG = {  # config.json of Llama-3.1-8B-Instruct as written by transformers 4.x
     "architectures": ["LlamaForCausalLM"],

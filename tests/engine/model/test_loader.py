@@ -16,14 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from engine.model.embedded import EMBEDDED_GGUF_FILE, INSTALL_HINT
-from engine.model.loader import (
-    GGUFReader,
-    HFCheckpoint,
-    hf_tensor_name,
-    open_checkpoint,
-    resolve_model,
-    unpermute_rotary,
-)
+from engine.model.loader import HFCheckpoint, hf_tensor_name, open_checkpoint, unpermute_rotary
+from engine.model.source import GGUFReader, resolve_model
 from testing.quant import quantize_blocks
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -244,7 +238,7 @@ def test_resolve_model_accepts_directories_gguf_files_and_the_embedded_name(tmp_
 def test_hub_repo_that_cannot_be_downloaded_fails_with_a_clear_message(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
     code = (
-        "from engine.model.loader import resolve_model; "
+        "from engine.model.source import resolve_model; "
         "resolve_model('radixserve-tests/no-such-model')"
     )
     proc = subprocess.run(

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine.model.embedded import embedded_model_path
-from engine.model.loader import load_tokenizer
-from engine.model.tokenizer_cache import cached_tokenizer_dir, store_tokenizer
+from engine.model.tokenizer_cache import cached_tokenizer_dir, load_tokenizer, store_tokenizer
 from engine.paths import CACHE_DIR_ENV
 
 TEXTS = [

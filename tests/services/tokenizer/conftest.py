@@ -13,7 +13,7 @@ import httpx2
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from engine.model.loader import load_tokenizer
+from engine.model.tokenizer_cache import load_tokenizer
 from services.io_struct import FinishReason, TokenizedGenerateReqInput, WorkerReady
 from services.settings import Settings
 from services.tokenizer import server

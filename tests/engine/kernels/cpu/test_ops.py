@@ -1,4 +1,4 @@
-"""The CPU layer kernels (`engine/model/csrc/`) against float64 and against the torch ops
+"""The CPU layer kernels (`engine/kernels/cpu/csrc/`) against float64 and against the torch ops
 they replace: the AMX and few-rows bf16 matmuls, the fused residual add + RMSNorm, the
 rotary embedding and the gated activation."""
 
