@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton.attention_block import fold_block, load_keys
+
 
 @triton.jit
 def _fwd_grouped_kernel_stage1(
@@ -86,30 +88,25 @@ def _fwd_grouped_kernel_stage1(
         slots = tl.load(table_row + kv_pos, mask=mask_n & (kv_pos < seq_len - 1), other=0)
         slots = tl.where(kv_pos == seq_len - 1, new_slot, slots.to(tl.int64))
 
-        k_ptrs = (
-            K_Buffer
-            + slots[None, :] * stride_buf_kbs
-            + cur_kv_head * stride_buf_kh
-            + offs_d[:, None]
+        k = load_keys(
+            K_Buffer, slots, cur_kv_head, stride_buf_kbs, stride_buf_kh, offs_d, mask_n, mask_d
         )
-        k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         qk = tl.dot(q, k, input_precision="ieee") * sm_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-
-        n_e_max = tl.maximum(e_max, tl.max(qk, 1))
-        re_scale = tl.exp(e_max - n_e_max)
-        p = tl.exp(qk - n_e_max[:, None])
-        e_sum = e_sum * re_scale + tl.sum(p, 1)
-
-        v_ptrs = (
-            V_Buffer
-            + slots[:, None] * stride_buf_vbs
-            + cur_kv_head * stride_buf_vh
-            + offs_d[None, :]
+        e_max, e_sum, acc = fold_block(
+            qk,
+            e_max,
+            e_sum,
+            acc,
+            V_Buffer,
+            slots,
+            cur_kv_head,
+            stride_buf_vbs,
+            stride_buf_vh,
+            offs_d,
+            mask_n,
+            mask_d,
         )
-        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        e_max = n_e_max
 
     mid_o = (
         Att_Out

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton.attention_block import fold_block, load_keys
+
 
 @triton.jit
 def _fwd_kernel(
@@ -74,32 +76,27 @@ def _fwd_kernel(
         mask_n = kv_pos < kv_end
         slots = tl.load(kv_indices + kv_start + kv_pos, mask=mask_n, other=0).to(tl.int64)
 
-        k_ptrs = (
-            K_Buffer
-            + slots[None, :] * stride_buf_kbs
-            + cur_kv_head * stride_buf_kh
-            + offs_d[:, None]
+        k = load_keys(
+            K_Buffer, slots, cur_kv_head, stride_buf_kbs, stride_buf_kh, offs_d, mask_n, mask_d
         )
-        k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         qk = tl.dot(q, k, input_precision="ieee") * sm_scale
         causal = mask_n[None, :] & (kv_pos[None, :] <= q_pos[:, None])
         qk = tl.where(causal, qk, float("-inf"))
-
-        # Key 0 is visible to every row in the first block, so m_new is finite from there on.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        re_scale = tl.exp(m_i - m_new)
-        p = tl.exp(qk - m_new[:, None])
-        l_i = l_i * re_scale + tl.sum(p, 1)
-
-        v_ptrs = (
-            V_Buffer
-            + slots[:, None] * stride_buf_vbs
-            + cur_kv_head * stride_buf_vh
-            + offs_d[None, :]
+        # Key 0 is visible to every row in the first block, so the max is finite from there on.
+        m_i, l_i, acc = fold_block(
+            qk,
+            m_i,
+            l_i,
+            acc,
+            V_Buffer,
+            slots,
+            cur_kv_head,
+            stride_buf_vbs,
+            stride_buf_vh,
+            offs_d,
+            mask_n,
+            mask_d,
         )
-        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
-        acc = acc * re_scale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
 
     o_ptrs = Out + (q_start + offs_m)[:, None] * stride_obs + cur_head * stride_oh + offs_d[None, :]
     tl.store(

@@ -27,10 +27,10 @@ def layer_modules() -> list[Path]:
     return sorted(path for folder in LAYER_DIRS for path in (REPO / folder).glob("*.py"))
 
 
-def backend_picks(path: Path) -> list[str]:
+def backend_picks(path: Path, root: Path = REPO) -> list[str]:
     """`file:line what` for each backend question the module asks by hand."""
     tree = ast.parse(path.read_text())
-    rel = str(path.relative_to(REPO))
+    rel = str(path.relative_to(root))
     found: list[str] = []
 
     def visit(node: ast.AST, function: str) -> None:
@@ -78,12 +78,7 @@ def test_the_walk_sees_a_backend_picked_by_hand(tmp_path):
         "    if x.is_cuda or x.device.type == 'cpu' and build.enabled():\n"
         "        return x\n"
     )
-    global REPO
-    saved, REPO = REPO, tmp_path
-    try:
-        picks = backend_picks(source)
-    finally:
-        REPO = saved
+    picks = backend_picks(source, root=tmp_path)
     assert len(picks) == 3, picks
 
 

@@ -55,6 +55,24 @@ void check_weight(const at::Tensor& weight, int64_t format, int64_t k_size) {
 // Weight rows widened per band: about this many bytes of floats, reused for every row of x.
 constexpr int64_t kBandBytes = 2 << 20;
 
+// Prefill rows: bands of the weight widened once into a float block of about kBandBytes and
+// multiplied by the CPU's GEMM, each band reused for every row of x.
+at::Tensor gemm_bands(const at::Tensor& x, const uint8_t* w_ptr, int64_t format, int64_t n_size) {
+  const int64_t k_size = x.size(1);
+  at::Tensor out = at::empty({x.size(0), n_size}, x.options());
+  const int64_t band = std::clamp<int64_t>(kBandBytes / (k_size * 4) / 16 * 16, 16, n_size);
+  at::Tensor widened = at::empty({band, k_size}, x.options().dtype(at::kFloat));
+  for (int64_t n = 0; n < n_size; n += band) {
+    const int64_t rows = std::min(band, n_size - n);
+    with_format(format, [&](auto f) {
+      widen_rows<decltype(f)::value>(w_ptr, k_size, n, n + rows, widened.data_ptr<float>());
+    });
+    const at::Tensor w = widened.narrow(0, 0, rows).to(x.scalar_type());
+    out.narrow(1, n, rows).copy_(at::mm(x, w.t()));
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace radixserve {
@@ -80,46 +98,31 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
               "batch-invariant rows keep float activations");
   check_weight(weight, format, k_size);
   const uint8_t* w_ptr = weight.const_data_ptr<uint8_t>();
-  at::Tensor out;
-  if (m_size <= kGemvRows || batch_invariant) {
-    const at::Tensor x = input.to(at::kFloat).contiguous();
-    out = at::empty({m_size, n_size}, x.options());
-    with_format(format, [&](auto f) {
-#if defined(RADIXSERVE_SIMD)
-      constexpr int64_t F = decltype(f)::value;
-      if constexpr (has_integer_path(F)) {  // else floats (gemv_widened)
-        if (m_size <= kIntegerRows && activation_bits == 16) {
-          gemv_integer<F, int16_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
-                                   out.data_ptr<float>());
-          return;
-        }
-        if (m_size <= kIntegerRows && activation_bits == 8) {
-          gemv_integer<F, int8_t>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
-                                  out.data_ptr<float>());
-          return;
-        }
-      }
-#endif
-      gemv<decltype(f)::value>(x.const_data_ptr<float>(), m_size, k_size, w_ptr, n_size,
-                               out.data_ptr<float>(), batch_invariant);
-    });
+  if (m_size > kGemvRows && !batch_invariant) {
+    at::Tensor out = gemm_bands(input.contiguous(), w_ptr, format, n_size);
     if (bias.has_value()) out.add_(*bias);
-    return out.to(input.scalar_type());
+    return out;
   }
-  const at::Tensor x = input.contiguous();
-  out = at::empty({m_size, n_size}, x.options());
-  const int64_t band = std::clamp<int64_t>(kBandBytes / (k_size * 4) / 16 * 16, 16, n_size);
-  at::Tensor widened = at::empty({band, k_size}, x.options().dtype(at::kFloat));
-  for (int64_t n = 0; n < n_size; n += band) {
-    const int64_t rows = std::min(band, n_size - n);
-    with_format(format, [&](auto f) {
-      widen_rows<decltype(f)::value>(w_ptr, k_size, n, n + rows, widened.data_ptr<float>());
-    });
-    const at::Tensor w = widened.narrow(0, 0, rows).to(x.scalar_type());
-    out.narrow(1, n, rows).copy_(at::mm(x, w.t()));
-  }
+  const at::Tensor x = input.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({m_size, n_size}, x.options());
+  const float* x_ptr = x.const_data_ptr<float>();
+  float* y_ptr = out.data_ptr<float>();
+  with_format(format, [&](auto f) {
+    constexpr int64_t F = decltype(f)::value;
+#if defined(RADIXSERVE_SIMD)
+    if constexpr (has_integer_path(F)) {  // else floats (gemv_widened)
+      if (m_size <= kIntegerRows && activation_bits != 32) {
+        const auto integer = activation_bits == 16 ? &gemv_integer<F, int16_t>
+                                                   : &gemv_integer<F, int8_t>;
+        integer(x_ptr, m_size, k_size, w_ptr, n_size, y_ptr);
+        return;
+      }
+    }
+#endif
+    gemv<F>(x_ptr, m_size, k_size, w_ptr, n_size, y_ptr, batch_invariant);
+  });
   if (bias.has_value()) out.add_(*bias);
-  return out;
+  return out.to(input.scalar_type());
 }
 
 // Each format as (id, weights per block, bytes per block, bytes after a row's blocks).
