@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.custom_op import uses_triton
+from engine.kernels import custom_op
 from engine.lora.errors import LoRAError
 from engine.model.layers.linear import (
     Linear,
@@ -105,7 +105,7 @@ class LoRALayer:
         batch = self.batch
         if batch.seg_slots is None:
             return y
-        if uses_triton(x):
+        if custom_op.uses_triton(x):
             from engine.kernels.triton.lora import segment_lora  # imports Triton: CUDA only
 
             assert batch.seg_indptr is not None

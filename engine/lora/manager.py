@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.kernels.custom_op import uses_triton
+from engine.kernels import custom_op
 from engine.lora.adapter import LoRAAdapter, load_adapter
 from engine.lora.errors import LoRAError
 from engine.lora.layers import LoRABatchInfo, LoRALayer
@@ -109,7 +109,7 @@ class LoRAManager:
         if slots is None:
             return
         lens = forward_batch.extend_lens
-        if uses_triton(slots):
+        if custom_op.uses_triton(slots):
             batch.seg_indptr = F.pad(torch.cumsum(lens, 0), (1, 0))
             batch.max_seg_len = max(forward_batch.extend_lens_cpu)
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 
@@ -15,6 +16,7 @@ from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
 from engine.model.attention import create_attention_backend, default_attention_backend
 from engine.model.batch_invariant import check_supported, make_batch_invariant
+from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
 from engine.model.graph_runner import (
     CudaGraphBackend,
@@ -103,10 +105,7 @@ class ModelRunner:
         self.context_len = context_len or config.context_len
         self.attn_backend = create_attention_backend(
             attention_backend or default_attention_backend(self.device),
-            num_heads=config.num_attention_heads // self.tp_size,
-            num_kv_heads=config.get_num_kv_heads(self.tp_size),
-            head_dim=config.head_dim,
-            device=self.device,
+            **self._attention_shape(config),
         )
         self.deterministic = enable_deterministic_inference
         if self.deterministic:
@@ -125,42 +124,78 @@ class ModelRunner:
             quantization=self.quantization,
             quantized_activations=quantized_activations,
         )
-        if self.deterministic:  # before LoRA layers attach: they take their base's setting
-            make_batch_invariant(self.model, self.attn_backend)
-        else:  # the packed copies serve the default kernels only
-            for module in self.model.modules():
-                if isinstance(module, Linear):
-                    module.pack_weight()
-            self.model.logits_processor.pack_lm_head(self.model.lm_head)
+        self._prepare_weights()
         self.weights_format = weights_format(self.model, self.dtype)
         """How the linear layers' weights are held: the dtype's name, or the quantized
         format (`gguf:Q4_1`, `int8`); shown in /get_server_info and the cpu_info metric."""
         self.lora_manager: LoRAManager | None = None
         if enable_lora:
             self.lora_manager = LoRAManager(self.model, max_loras_per_batch, max_lora_rank)
-        self.cuda_graph_bs = min(cuda_graph_max_bs, max_running_requests)
-        if enable_torch_compile:
-            self.cuda_graph_bs = min(torch_compile_max_bs, max_running_requests)
-            graph_backend = graph_backend or TorchCompileBackend()
-            if self.lora_manager is not None:
-                logger.warning("--enable-torch-compile is not used with LoRA: decode runs eagerly")
-                graph_backend = None
-        elif disable_cuda_graph:
-            graph_backend = None
-        elif graph_backend is None and self.device.type == "cuda":
-            graph_backend = CudaGraphBackend(self.device)
-        if self.cuda_graph_bs < 1:
-            graph_backend = None
-        self.graph_runner: GraphRunner | None = None
+        self.cuda_graph_bs = min(
+            torch_compile_max_bs if enable_torch_compile else cuda_graph_max_bs,
+            max_running_requests,
+        )
+        graph_backend = self._choose_graph_backend(
+            graph_backend, enable_torch_compile, disable_cuda_graph
+        )
+        self.graph_runner: GraphRunner | None = None  # the pool's sizing may run forwards
         self.init_memory_pool(
             max_total_tokens, mem_fraction_static, max_running_requests, graph_backend
         )
-        if graph_backend is not None:
-            self.graph_runner = self._graph_runner(self.token_to_kv_pool, graph_backend)
-            if capture_graphs:
-                self.graph_runner.capture()
-        else:
+        self.graph_runner = self._make_graph_runner(graph_backend, capture_graphs)
+
+    def _attention_shape(self, config: ModelConfig) -> dict[str, Any]:
+        """This rank's share of the heads, as the attention backends take it."""
+        return {
+            "num_heads": config.num_attention_heads // self.tp_size,
+            "num_kv_heads": config.get_num_kv_heads(self.tp_size),
+            "head_dim": config.head_dim,
+            "device": self.device,
+        }
+
+    def _make_graph_runner(
+        self, graph_backend: GraphBackend | None, capture: bool
+    ) -> GraphRunner | None:
+        """The runner of captured decode batches over the pool (captured now unless the
+        caller captures), or None where decode runs eagerly."""
+        if graph_backend is None:
             logger.info("decode graphs: none to capture (decode runs eagerly on %s)", self.device)
+            return None
+        runner = self._graph_runner(self.token_to_kv_pool, graph_backend)
+        if capture:
+            runner.capture()
+        return runner
+
+    def _prepare_weights(self) -> None:
+        """Batch-invariant kernels under --enable-deterministic-inference (before LoRA layers
+        attach: they take their base's setting); otherwise the packed copies the default
+        kernels read."""
+        if self.deterministic:
+            make_batch_invariant(self.model, self.attn_backend)
+            return
+        for module in self.model.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
+        self.model.logits_processor.pack_lm_head(self.model.lm_head)
+
+    def _choose_graph_backend(
+        self,
+        graph_backend: GraphBackend | None,
+        enable_torch_compile: bool,
+        disable_cuda_graph: bool,
+    ) -> GraphBackend | None:
+        """What captures decode batches: torch.compile where asked (not with LoRA), CUDA
+        graphs on a GPU unless disabled, the injected backend, or none."""
+        if enable_torch_compile:
+            if self.lora_manager is not None:
+                logger.warning("--enable-torch-compile is not used with LoRA: decode runs eagerly")
+                return None
+            graph_backend = graph_backend or TorchCompileBackend()
+        elif disable_cuda_graph:
+            return None
+        elif graph_backend is None and self.device.type == "cuda":
+            graph_backend = CudaGraphBackend(self.device)
+        return graph_backend if self.cuda_graph_bs >= 1 else None
 
     def _kv_cache_dtype(self, kv_cache_dtype: str | torch.dtype | None) -> torch.dtype:
         """What the KV pool holds: the dtype (None), or float16 under float32 on CPU, which
