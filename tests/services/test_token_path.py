@@ -29,7 +29,8 @@ from services.tokenizer.serving_completions import CompletionStream
 from services.tokenizer.serving_generate import generate_response
 from services.tokenizer.serving_openai import ResponseHeader
 from services.tokenizer.sse import DeltaEvents, sse_event
-from services.worker.worker import Worker, _ReqState
+from services.worker.outputs import ReqState
+from services.worker.worker import Worker
 
 STOP = "a stop string long enough to spot on the wire"
 
@@ -60,7 +61,7 @@ def bare_worker() -> tuple[Worker, _Wire]:
 
 def submit(worker: Worker, rid: str, params: SamplingParams) -> Req:
     req = Req(rid, [1, 2, 3], params)
-    worker.live[rid] = _ReqState("tokenizer-epoch")
+    worker.live[rid] = ReqState("tokenizer-epoch")
     return req
 
 
