@@ -1,5 +1,5 @@
-"""A request's drafting state across steps (`Req.draft_state`), which only its `Drafter`
-writes."""
+"""A request's speculative decoding state across steps (`Req.draft_state`): its `Drafter`
+writes how it drafts, the verify step what was accepted."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ class DraftState:
     draft_len: int = 1 << 30
     """Drafted tokens it proposes next, at most: cut to the accepted length plus one after
     a miss, doubled after a draft accepted to its end."""
+    verify_ct: int = 0
+    """Verify passes it took part in."""
+    accepted_drafts: int = 0
+    """Drafted tokens those passes accepted (and the request kept)."""
 
 
 def draft_state(req: Req) -> DraftState:

@@ -49,7 +49,9 @@ class Drafter(ABC):
         if not drafted:
             return None
         trees = [
-            constrain(tree, req.grammar) if req.grammar is not None and tree.num_drafts else tree
+            constrain(tree, req.grammar.matcher)
+            if req.grammar.matcher is not None and tree.num_drafts
+            else tree
             for req, tree in zip(reqs, self.draft(reqs, budgets))
         ]
         return trees if any(tree.num_drafts for tree in trees) else None

@@ -12,6 +12,7 @@ import pytest
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import FinishReason as EngineFinishReason
 from engine.sched.req import Req
+from engine.speculative.draft_state import DraftState
 from services.detokenizer.detokenizer import BatchDetokenizer
 from services.io_struct import (
     FRAME_HEADROOM_BYTES,
@@ -181,7 +182,7 @@ def test_spec_decoding_stats_cross_the_wire_into_generate_meta_info(tokenizer, s
     worker.speculative = speculative
     req = submit(worker, "s", SamplingParams())
     req.output_ids += tokenizer.encode("one two three four five six")
-    req.spec_verify_ct, req.spec_accepted_drafts = 2, 3  # 1 + 3/2 tokens per pass
+    req.draft_state = DraftState(verify_ct=2, accepted_drafts=3)  # 1 + 3/2 tokens per pass
     req.finish(EngineFinishReason("length"))
     worker.send_outputs([req])
     (data,) = wire.sent
