@@ -4,13 +4,9 @@ writes how it drafts, the verify step what was accepted."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine import constants
 from engine.speculative.ngram import NgramState
-
-if TYPE_CHECKING:
-    from engine.sched.req import Req
 
 
 @dataclass
@@ -32,10 +28,3 @@ class DraftState:
     """Verify passes it took part in."""
     accepted_drafts: int = 0
     """Drafted tokens those passes accepted (and the request kept)."""
-
-
-def draft_state(req: Req) -> DraftState:
-    """`req`'s drafting state, a fresh one on its first step."""
-    if req.draft_state is None:
-        req.draft_state = DraftState()
-    return req.draft_state

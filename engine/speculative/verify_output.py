@@ -9,7 +9,7 @@ import torch
 from engine.sched.batch import ScheduleBatch
 from engine.sched.output_processor import OutputProcessor, Processed, TokenLogprob
 from engine.sched.req import FinishReason, Req
-from engine.speculative.draft_state import draft_state
+from engine.speculative.drafter import draft_state
 from engine.speculative.verify import VerifyOutput
 
 
