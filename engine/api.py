@@ -152,14 +152,14 @@ def _meta(req: Req) -> GenerateMeta:
         completion_tokens=len(req.output_ids),
         cached_tokens=req.cached_tokens or 0,
         finish_reason=req.finished_reason,
-        output_token_logprobs=list(req.output_token_logprobs) if params.logprobs else None,
-        output_top_logprobs=list(req.output_top_logprobs)
+        output_token_logprobs=list(req.logprobs.output_token) if params.logprobs else None,
+        output_top_logprobs=list(req.logprobs.output_top)
         if params.logprobs and params.top_logprobs_num
         else None,
-        input_token_logprobs=list(zip(req.input_token_logprobs, req.origin_input_ids[start:]))
+        input_token_logprobs=list(zip(req.logprobs.input_token, req.origin_input_ids[start:]))
         if prompt_logprobs
         else None,
-        input_top_logprobs=list(req.input_top_logprobs)
+        input_top_logprobs=list(req.logprobs.input_top)
         if prompt_logprobs and params.prompt_top_logprobs_num
         else None,
         spec_verify_ct=req.spec_verify_ct,

@@ -280,114 +280,9 @@ class WorkerMetrics(Collector):
             return
         if self.max_lora > 0:
             yield self._lora_info(s, lora_updated)
-        counters: tuple[tuple[str, str, float], ...] = (
-            (
-                "radixserve_prefix_cache_hit_tokens",
-                "Prompt tokens served from the radix tree, once per request at first admission",
-                s.cache_hit_tokens,
-            ),
-            (
-                "radixserve_prefix_cache_query_tokens",
-                "Prompt tokens of those same first admissions",
-                s.cache_query_tokens,
-            ),
-            (
-                "radixserve_prompt_tokens",
-                "Prompt tokens computed by prefill (radix hits excluded; a retracted "
-                "request's re-prefill counts again)",
-                s.prompt_tokens,
-            ),
-            ("radixserve_generation_tokens", "Tokens generated", s.generation_tokens),
-            (
-                "radixserve_retracted_requests",
-                "Running requests sent back to the queue for lack of KV slots",
-                s.retracted_requests,
-            ),
-            (
-                "radixserve_retracted_input_tokens",
-                "Prompt tokens of retracted requests",
-                s.retracted_input_tokens,
-            ),
-            (
-                "radixserve_retracted_output_tokens",
-                "Generated tokens of retracted requests, to be recomputed",
-                s.retracted_output_tokens,
-            ),
-            (
-                "radixserve_radix_evicted_tokens",
-                "Tokens evicted from the radix tree",
-                s.evicted_tokens,
-            ),
-            (
-                "radixserve_kv_events_published_batches",
-                "KV-cache event batches sent to subscribers (--kv-events-config)",
-                s.kv_events_published,
-            ),
-            (
-                "radixserve_kv_events_dropped_batches",
-                "KV-cache event batches dropped because the publisher queue was full",
-                s.kv_events_dropped,
-            ),
-            (
-                "radixserve_spec_verify_steps",
-                "Request-steps of speculative verify passes (each request in each pass)",
-                s.spec_verify_steps,
-            ),
-            (
-                "radixserve_spec_proposed_tokens",
-                "Drafted tokens verified by speculative decoding",
-                s.spec_proposed_tokens,
-            ),
-            (
-                "radixserve_spec_accepted_tokens",
-                "Drafted tokens the verify passes accepted",
-                s.spec_accepted_tokens,
-            ),
-        )
-        for name, doc, value in counters:
+        for name, doc, value in _counters(s):
             yield self._family(CounterMetricFamily, name, doc, value)
-        gauges: tuple[tuple[str, str, float], ...] = (
-            (
-                "radixserve_cache_hit_rate",
-                f"Prefix-cache hit tokens / query tokens over the last "
-                f"{ROLLING_WINDOW_S:g} s (dashboards use the counters)",
-                hit_rate,
-            ),
-            (
-                "radixserve_generation_tokens_per_second",
-                f"Generated tokens per second over the last {ROLLING_WINDOW_S:g} s",
-                throughput,
-            ),
-            (
-                "radixserve_new_token_ratio",
-                "Current overcommit ratio applied to running requests' reservations",
-                s.new_token_ratio,
-            ),
-            (
-                "radixserve_radix_evictable_tokens",
-                "Tokens in the radix tree that no request holds",
-                s.evictable_tokens,
-            ),
-            (
-                "radixserve_radix_protected_tokens",
-                "Tokens in the radix tree locked by running requests",
-                s.protected_tokens,
-            ),
-            (
-                "radixserve_kv_usage_ratio",
-                "(total - available - evictable) / total: KV held by live requests",
-                s.kv_usage,
-            ),
-            ("radixserve_kv_total_tokens", "KV pool size in tokens", s.total_tokens),
-            ("radixserve_num_requests_running", "Requests in the running batch", s.num_running),
-            ("radixserve_num_requests_waiting", "Requests waiting for admission", s.num_waiting),
-            (
-                "radixserve_num_requests_grammar_queue",
-                "Requests waiting for their grammar to compile",
-                s.num_grammar_queue,
-            ),
-        )
-        for name, doc, value in gauges:
+        for name, doc, value in _gauges(s, hit_rate, throughput):
             yield self._family(GaugeMetricFamily, name, doc, value)
         yield self._histogram(
             "radixserve_spec_accept_length",
@@ -395,6 +290,9 @@ class WorkerMetrics(Collector):
             SPEC_ACCEPT_LENGTH_BUCKETS,
             s.spec_accept_lengths,
         )
+        yield self._cache_config_info(s)
+
+    def _cache_config_info(self, s: WorkerSample) -> Metric:
         info = GaugeMetricFamily(
             "radixserve_cache_config_info",
             "KV cache layout (value 1)",
@@ -403,7 +301,7 @@ class WorkerMetrics(Collector):
         info.add_metric(
             [*self.labels.values(), str(PAGE_SIZE), str(s.total_tokens // PAGE_SIZE)], 1
         )
-        yield info
+        return info
 
     def _cpu_info(self, cpu: CpuInfo) -> Metric:
         info = GaugeMetricFamily(
@@ -459,3 +357,120 @@ class WorkerMetrics(Collector):
 
 def _lora_sets(s: WorkerSample) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return s.running_lora_adapters, s.waiting_lora_adapters
+
+
+Series = tuple[tuple[str, str, float], ...]
+"""(name, help, value) of each metric of one kind."""
+
+
+def _counters(s: WorkerSample) -> Series:
+    """The counters of a sample, as the scheduler counts them."""
+    return (
+        (
+            "radixserve_prefix_cache_hit_tokens",
+            "Prompt tokens served from the radix tree, once per request at first admission",
+            s.cache_hit_tokens,
+        ),
+        (
+            "radixserve_prefix_cache_query_tokens",
+            "Prompt tokens of those same first admissions",
+            s.cache_query_tokens,
+        ),
+        (
+            "radixserve_prompt_tokens",
+            "Prompt tokens computed by prefill (radix hits excluded; a retracted "
+            "request's re-prefill counts again)",
+            s.prompt_tokens,
+        ),
+        ("radixserve_generation_tokens", "Tokens generated", s.generation_tokens),
+        (
+            "radixserve_retracted_requests",
+            "Running requests sent back to the queue for lack of KV slots",
+            s.retracted_requests,
+        ),
+        (
+            "radixserve_retracted_input_tokens",
+            "Prompt tokens of retracted requests",
+            s.retracted_input_tokens,
+        ),
+        (
+            "radixserve_retracted_output_tokens",
+            "Generated tokens of retracted requests, to be recomputed",
+            s.retracted_output_tokens,
+        ),
+        (
+            "radixserve_radix_evicted_tokens",
+            "Tokens evicted from the radix tree",
+            s.evicted_tokens,
+        ),
+        (
+            "radixserve_kv_events_published_batches",
+            "KV-cache event batches sent to subscribers (--kv-events-config)",
+            s.kv_events_published,
+        ),
+        (
+            "radixserve_kv_events_dropped_batches",
+            "KV-cache event batches dropped because the publisher queue was full",
+            s.kv_events_dropped,
+        ),
+        (
+            "radixserve_spec_verify_steps",
+            "Request-steps of speculative verify passes (each request in each pass)",
+            s.spec_verify_steps,
+        ),
+        (
+            "radixserve_spec_proposed_tokens",
+            "Drafted tokens verified by speculative decoding",
+            s.spec_proposed_tokens,
+        ),
+        (
+            "radixserve_spec_accepted_tokens",
+            "Drafted tokens the verify passes accepted",
+            s.spec_accepted_tokens,
+        ),
+    )
+
+
+def _gauges(s: WorkerSample, hit_rate: float, throughput: float) -> Series:
+    """The gauges of a sample, with the rolling window's hit rate and throughput."""
+    return (
+        (
+            "radixserve_cache_hit_rate",
+            f"Prefix-cache hit tokens / query tokens over the last "
+            f"{ROLLING_WINDOW_S:g} s (dashboards use the counters)",
+            hit_rate,
+        ),
+        (
+            "radixserve_generation_tokens_per_second",
+            f"Generated tokens per second over the last {ROLLING_WINDOW_S:g} s",
+            throughput,
+        ),
+        (
+            "radixserve_new_token_ratio",
+            "Current overcommit ratio applied to running requests' reservations",
+            s.new_token_ratio,
+        ),
+        (
+            "radixserve_radix_evictable_tokens",
+            "Tokens in the radix tree that no request holds",
+            s.evictable_tokens,
+        ),
+        (
+            "radixserve_radix_protected_tokens",
+            "Tokens in the radix tree locked by running requests",
+            s.protected_tokens,
+        ),
+        (
+            "radixserve_kv_usage_ratio",
+            "(total - available - evictable) / total: KV held by live requests",
+            s.kv_usage,
+        ),
+        ("radixserve_kv_total_tokens", "KV pool size in tokens", s.total_tokens),
+        ("radixserve_num_requests_running", "Requests in the running batch", s.num_running),
+        ("radixserve_num_requests_waiting", "Requests waiting for admission", s.num_waiting),
+        (
+            "radixserve_num_requests_grammar_queue",
+            "Requests waiting for their grammar to compile",
+            s.num_grammar_queue,
+        ),
+    )

@@ -66,9 +66,9 @@ class ScheduleBatch:
         extend_lens: list[int] = []
         rows: list[int] = []
         for req in extend_reqs:
-            if req.req_pool_idx is None:
+            if req.kv.req_pool_idx is None:
                 cache_manager.alloc_row(req)
-            start = req.kv_allocated_len
+            start = req.kv.allocated_len
             input_ids += req.all_token_ids()[start : start + req.extend_input_len]
             prefix_lens.append(start)
             extend_lens.append(req.extend_input_len)
@@ -223,7 +223,7 @@ def build_vocab_mask(
     rows = [
         (i, r, grammar)
         for i, r in enumerate(reqs)
-        if (grammar := r.grammar) is not None and id(r) not in chunked
+        if (grammar := r.grammar.matcher) is not None and id(r) not in chunked
     ]
     faults: list[tuple[Req, Exception]] = []
     if not rows:

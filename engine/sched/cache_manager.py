@@ -4,10 +4,10 @@ locks on the prefix cache.
 A request's row maps its tokens to KV slots in two parts:
 - `[0, len(prefix_indices))`: slots the prefix cache holds, pinned by the lock on `last_node`
   (the cache's handle of the match);
-- `[len(prefix_indices), kv_allocated_len)`: slots the request owns and must free.
+- `[len(prefix_indices), allocated_len)`: slots the request owns and must free.
 
-Every write to those fields of a `Req` (`req_pool_idx`, `prefix_indices`, `last_node`,
-`kv_allocated_len`, `kv_committed_len`) happens here, so the slot accounting that
+Every write to a request's `KVState` (`req.kv`: `req_pool_idx`, `prefix_indices`,
+`last_node`, `allocated_len`, `committed_len`) happens here, so the slot accounting that
 `check_integrity` proves has one place to go wrong.
 """
 
@@ -60,19 +60,19 @@ class CacheManager:
         most `req.max_prefix_len` tokens: the last token is always recomputed, and so are the
         positions whose logits its pending prompt logprobs need."""
         fill_ids = req.all_token_ids()
-        req.prefix_indices, req.last_node = self.tree_cache.match_prefix(
+        req.kv.prefix_indices, req.kv.last_node = self.tree_cache.match_prefix(
             RadixKey(fill_ids[: req.max_prefix_len], req.extra_key)
         )
-        req.extend_input_len = len(fill_ids) - len(req.prefix_indices)
+        req.extend_input_len = len(fill_ids) - len(req.kv.prefix_indices)
 
     def lock(self, req: Req) -> None:
         """Pin the request's matched prefix: locked slots are never evicted."""
-        if req.last_node is not None:
-            self.tree_cache.inc_lock_ref(req.last_node)
+        if req.kv.last_node is not None:
+            self.tree_cache.inc_lock_ref(req.kv.last_node)
 
     def unlock(self, req: Req) -> None:
-        if req.last_node is not None:
-            self.tree_cache.dec_lock_ref(req.last_node)
+        if req.kv.last_node is not None:
+            self.tree_cache.dec_lock_ref(req.kv.last_node)
 
     # ----- allocation -------------------------------------------------------------------
 
@@ -83,9 +83,9 @@ class CacheManager:
             raise RuntimeError(
                 "no free request row — admission let more requests run than --max-running-requests"
             )
-        (req.req_pool_idx,) = rows
-        self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix_indices)
-        req.kv_allocated_len = req.kv_committed_len = len(req.prefix_indices)
+        (req.kv.req_pool_idx,) = rows
+        self.req_to_token_pool.write(req.kv.req_pool_idx, 0, req.kv.prefix_indices)
+        req.kv.allocated_len = req.kv.committed_len = len(req.kv.prefix_indices)
 
     def make_room(self, num_tokens: int) -> bool:
         """Evict cache until `num_tokens` slots are free; True if they are."""
@@ -125,19 +125,19 @@ class CacheManager:
         )
         if forward_batch.forward_mode.is_decode():
             for req in reqs:
-                req.kv_allocated_len += 1
+                req.kv.allocated_len += 1
         else:
             for req, extend_len in zip(reqs, forward_batch.extend_lens_cpu):
-                req.kv_allocated_len += extend_len
+                req.kv.allocated_len += extend_len
 
     def keep_verified(self, req: Req, slots: torch.Tensor) -> None:
         """A verify pass wrote K/V for the request's accepted path, root first, at `slots`:
         they become its next positions, written and committed (no copy: the row points at
         them where the pass wrote them)."""
-        start = req.kv_allocated_len
+        start = req.kv.allocated_len
         self.req_to_token_pool.write(req_row(req), start, slots)
-        req.kv_allocated_len = start + len(slots)
-        req.kv_committed_len += len(slots)
+        req.kv.allocated_len = start + len(slots)
+        req.kv.committed_len += len(slots)
 
     def free_slots(self, slots: torch.Tensor) -> None:
         """Return slots no request or cache holds: a verify pass's rejected drafts."""
@@ -145,7 +145,7 @@ class CacheManager:
 
     def commit(self, req: Req, num_tokens: int) -> None:
         """The forward pass wrote K/V for the request's next `num_tokens` allocated slots."""
-        req.kv_committed_len += num_tokens
+        req.kv.committed_len += num_tokens
 
     # ----- handing KV to the cache, and freeing it --------------------------------------
 
@@ -156,17 +156,17 @@ class CacheManager:
         so one prefix has one copy; the request then locks its new, longer prefix.
         """
         row = req_row(req)
-        kv_len = req.kv_committed_len
+        kv_len = req.kv.committed_len
         indices = self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64)
         key = RadixKey(req.all_token_ids()[:kv_len], req.extra_key)
-        owned_from = len(req.prefix_indices)
+        owned_from = len(req.kv.prefix_indices)
         inserted = self.tree_cache.insert(key, indices, req.priority, chunked=chunked)
         self.allocator.free(indices[owned_from : inserted.prefix_len])
         new_indices, new_last_node = self.tree_cache.match_prefix(key)
         self.req_to_token_pool.write(row, owned_from, new_indices[owned_from:])
         self.tree_cache.inc_lock_ref(new_last_node)
         self.unlock(req)
-        req.prefix_indices, req.last_node = new_indices, new_last_node
+        req.kv.prefix_indices, req.kv.last_node = new_indices, new_last_node
 
     def cache_finished_req(self, req: Req) -> None:
         """Hand a finished request's KV to the cache and release its row.
@@ -177,31 +177,31 @@ class CacheManager:
         allocated but never written.
         """
         indices = self._row_slots(req)
-        kv_len = req.kv_committed_len
+        kv_len = req.kv.committed_len
         key = RadixKey(req.all_token_ids()[:kv_len], req.extra_key)
         inserted = self.tree_cache.insert(key, indices[:kv_len], req.priority)
-        self.allocator.free(indices[len(req.prefix_indices) : inserted.prefix_len])
+        self.allocator.free(indices[len(req.kv.prefix_indices) : inserted.prefix_len])
         self.allocator.free(indices[inserted.kept_len :])
         self._release(req)
 
     def free_req(self, req: Req) -> None:
         """Free every slot the request owns without caching any (retraction, abort), unlock
         its prefix and release its row."""
-        self.allocator.free(self._row_slots(req)[len(req.prefix_indices) :])
+        self.allocator.free(self._row_slots(req)[len(req.kv.prefix_indices) :])
         self._release(req)
 
     def _row_slots(self, req: Req) -> torch.Tensor:
-        return self.req_to_token_pool.req_to_token[req_row(req), : req.kv_allocated_len].to(
+        return self.req_to_token_pool.req_to_token[req_row(req), : req.kv.allocated_len].to(
             torch.int64
         )
 
     def _release(self, req: Req) -> None:
         self.unlock(req)
         self.req_to_token_pool.free(req_row(req))
-        req.req_pool_idx = None
-        req.last_node = None
-        req.prefix_indices = torch.empty(0, dtype=torch.int64, device=self.allocator.device)
-        req.kv_allocated_len = req.kv_committed_len = 0
+        req.kv.req_pool_idx = None
+        req.kv.last_node = None
+        req.kv.prefix_indices = torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+        req.kv.allocated_len = req.kv.committed_len = 0
 
     def reset(self) -> None:
         """Empty the cache and both pools. Only while no request holds KV."""
@@ -221,24 +221,24 @@ class CacheManager:
         free_rows = set(self.req_to_token_pool.free_slots)
         slots = [self.allocator.free_slots(), self.tree_cache.cached_slots()]
         for req in reqs:
-            row = req.req_pool_idx
+            row = req.kv.req_pool_idx
             if row is None or row in free_rows:
                 raise AssertionError(f"request {req.rid} has no allocated row")
-            prefix_len = len(req.prefix_indices)
-            held = table[row, : req.kv_allocated_len].to(torch.int64)
+            prefix_len = len(req.kv.prefix_indices)
+            held = table[row, : req.kv.allocated_len].to(torch.int64)
             check_invariant(
-                torch.equal(held[:prefix_len].cpu(), req.prefix_indices.cpu()),
+                torch.equal(held[:prefix_len].cpu(), req.kv.prefix_indices.cpu()),
                 f"request {req.rid}: row != prefix",
             )
             if prefix_len:
-                last_node = req.last_node
+                last_node = req.kv.last_node
                 check_invariant(
                     last_node is not None and last_node.lock_ref > 0,
                     f"request {req.rid}: prefix unlocked",
                 )
                 check_invariant(
                     last_node is not None
-                    and torch.equal(last_node.matched_indices().cpu(), req.prefix_indices.cpu()),
+                    and torch.equal(last_node.matched_indices().cpu(), req.kv.prefix_indices.cpu()),
                     f"request {req.rid}: prefix is not its last_node's match",
                 )
             slots.append(held[prefix_len:])
@@ -258,6 +258,6 @@ class CacheManager:
 
 def req_row(req: Req) -> int:
     """The request's row of `req_to_token`, which it must hold."""
-    if req.req_pool_idx is None:
+    if req.kv.req_pool_idx is None:
         raise RuntimeError(f"request {req.rid} holds no row")
-    return req.req_pool_idx
+    return req.kv.req_pool_idx

@@ -40,7 +40,7 @@ class GrammarQueue:
 
     def submit(self, req: Req, grammar: tuple[str, str]) -> None:
         """Start compiling `req`'s grammar; it waits here meanwhile."""
-        req.pending_grammar = self._backend().submit(*grammar)
+        req.grammar.pending = self._backend().submit(*grammar)
         self.reqs.append(req)
 
     def remove(self, rid: str) -> Req | None:
@@ -98,11 +98,13 @@ class GrammarQueue:
     def _give_matcher(self, req: Req, compiled: Any) -> bool:
         """Give `req` its matcher; False if making the matcher failed it."""
         try:
-            req.grammar = self._backend().new_matcher(compiled, req.sampling_params.reasoning)
+            req.grammar.matcher = self._backend().new_matcher(
+                compiled, req.sampling_params.reasoning
+            )
         except Exception as e:
             self.outputs.fail(req, "compiling its grammar", e)
             return False
-        req.pending_grammar = None
+        req.grammar.pending = None
         return True
 
     def _backend(self) -> GrammarBackend:
@@ -114,6 +116,6 @@ class GrammarQueue:
 
 def _pending_grammar(req: Req) -> PendingGrammar:
     """The compile a request in the grammar queue waits for."""
-    if req.pending_grammar is None:
+    if req.grammar.pending is None:
         raise RuntimeError(f"request {req.rid} is in the grammar queue without a compile")
-    return req.pending_grammar
+    return req.grammar.pending

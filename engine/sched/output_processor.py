@@ -84,7 +84,7 @@ class OutputProcessor:
         the client sees; the loop serves the other requests on. True: like any finished
         request it leaves the running batch."""
         logger.error("request %s failed while %s", req.rid, stage, exc_info=error)
-        if req.req_pool_idx is not None:
+        if req.kv.req_pool_idx is not None:
             release_req(req, self.cache_manager)
         message = (
             f"internal server error while {stage} ({type(error).__name__}); "
@@ -179,7 +179,7 @@ class OutputProcessor:
         What runs the request's own logprobs, grammar, stop strings or jump-forward plan is
         contained: an error there fails this request alone (`fail`) and the batch goes on.
         The KV hand-overs stay outside the guard: an error in them is the scheduler's own."""
-        grammar = req.grammar
+        grammar = req.grammar.matcher
         try:
             reason = self.advance(req, token, logprob)
             plan = (
@@ -210,11 +210,11 @@ class OutputProcessor:
         params = req.sampling_params
         if params.logprobs:
             assert logprob.logprob is not None, "the sampler returns logprobs when a request asks"
-            req.output_token_logprobs.append((logprob.logprob, token))
+            req.logprobs.output_token.append((logprob.logprob, token))
             if params.top_logprobs_num:
                 assert logprob.top is not None, "as for logprobs"
-                req.output_top_logprobs.append(logprob.top[: params.top_logprobs_num])
-        grammar = req.grammar
+                req.logprobs.output_top.append(logprob.top[: params.top_logprobs_num])
+        grammar = req.grammar.matcher
         reason = _accept_grammar_token(grammar, token) if grammar is not None else None
         return reason or self.check_finished(req)
 
@@ -338,12 +338,12 @@ def _add_prompt_logprobs(req: Req, result: BatchResult, i: int) -> None:
     """Append what batch row `i` computed of `req`'s prompt logprobs; position 0, which
     nothing predicts, is None and comes first."""
     params = req.sampling_params
-    if not req.input_token_logprobs and params.logprob_start_len == 0:
-        req.input_token_logprobs.append(None)
+    if not req.logprobs.input_token and params.logprob_start_len == 0:
+        req.logprobs.input_token.append(None)
         if params.prompt_top_logprobs_num:
-            req.input_top_logprobs.append([])
+            req.logprobs.input_top.append([])
     if result.input_token_logprobs is not None:
-        req.input_token_logprobs += result.input_token_logprobs[i]
+        req.logprobs.input_token += result.input_token_logprobs[i]
     if params.prompt_top_logprobs_num and result.input_top_logprobs is not None:
         k = params.prompt_top_logprobs_num
-        req.input_top_logprobs += [top[:k] for top in result.input_top_logprobs[i]]
+        req.logprobs.input_top += [top[:k] for top in result.input_top_logprobs[i]]

@@ -65,11 +65,11 @@ class SchedulePolicy:
             deferred = self._compute_prefix_matches(waiting_queue, in_flight_prefill)
         if policy == "lpm":
             waiting_queue.sort(
-                key=lambda r: float("inf") if r.rid in deferred else -len(r.prefix_indices)
+                key=lambda r: float("inf") if r.rid in deferred else -len(r.kv.prefix_indices)
             )
         elif policy == "dfs-weight":  # each request matched by `_compute_prefix_matches`
             waiting_queue[:] = self.tree_cache.dfs_weight_order(
-                waiting_queue, lambda r: r.last_node
+                waiting_queue, lambda r: r.kv.last_node
             )
         elif policy == "lof":
             waiting_queue.sort(key=lambda r: -r.sampling_params.max_new_tokens)
@@ -99,7 +99,7 @@ class SchedulePolicy:
         deferred = set()
         for req in waiting_queue:
             self.cache_manager.match_req(req)
-            hit = len(req.prefix_indices)
+            hit = len(req.kv.prefix_indices)
             key = RadixKey(req.all_token_ids(), req.extra_key)
             # What it could reuse next round: a request computing prompt logprobs may not.
             shared = min(len(sim.match_prefix(key).device_indices), req.max_prefix_len)

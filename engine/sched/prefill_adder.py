@@ -71,7 +71,7 @@ class PrefillAdder:
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue a chunked prefill first, before any newcomer: it was admitted already."""
-        req.extend_input_len = len(req.all_token_ids()) - req.kv_allocated_len
+        req.extend_input_len = len(req.all_token_ids()) - req.kv.allocated_len
         self._add_prefill(req, max_new_tokens=0)
 
     def add_one_req(self, req: Req) -> AddReqResult:

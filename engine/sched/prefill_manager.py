@@ -107,8 +107,8 @@ class PrefillManager:
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         for req in adder.can_run_list:
             if req.cached_tokens is None:  # first admission: count the radix hit once
-                req.cached_tokens = len(req.prefix_indices)
-                self.stats.cache_hit_tokens += len(req.prefix_indices)
+                req.cached_tokens = len(req.kv.prefix_indices)
+                self.stats.cache_hit_tokens += len(req.kv.prefix_indices)
                 self.stats.cache_query_tokens += len(req.origin_input_ids)
                 if self.stats.observer is not None:
                     self.stats.observer.on_admit(req)

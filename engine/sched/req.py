@@ -6,15 +6,12 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-import torch
-
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.finish_reason import FinishReason
+from engine.sched.req_state import GrammarState, KVState, LogprobState
 
 if TYPE_CHECKING:
-    from engine.cache.base_prefix_cache import CacheHandle
-    from engine.grammar import GrammarMatcher, PendingGrammar, ReasoningGrammarMatcher
     from engine.speculative.draft_state import DraftState
 
 
@@ -55,12 +52,8 @@ class ReqStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Req:
-    """Token state and KV ownership of one request.
-
-    The KV fields (`req_pool_idx` to `kv_committed_len`) are written by the scheduler's
-    `CacheManager` alone, which documents what they own. `kv_committed_len` counts the
-    leading tokens whose K/V has actually been written.
-    """
+    """One request: what was asked, its tokens and where it stands; the state one
+    manager owns sits in that manager's object (`kv`, `logprobs`, `grammar`, `draft_state`)."""
 
     rid: str
     origin_input_ids: list[int]
@@ -82,11 +75,8 @@ class Req:
     status: ReqStatus = ReqStatus.WAITING
     finished_reason: FinishReason | None = None
 
-    req_pool_idx: int | None = None
-    prefix_indices: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    last_node: CacheHandle | None = None
-    kv_allocated_len: int = 0
-    kv_committed_len: int = 0
+    kv: KVState = field(default_factory=KVState)
+    """Its row, slots and prefix-cache lock (`CacheManager`'s)."""
 
     extend_input_len: int = 0
     """Tokens this round's prefill computes (after the radix hit; truncated when chunked)."""
@@ -95,32 +85,17 @@ class Req:
     cached_tokens: int | None = None
     """Radix hit at first admission (None until admitted), reported as `cached_tokens`."""
     num_retractions: int = 0
-    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
-    """(logprob, token id) per output token, when `sampling_params.logprobs`."""
-    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    """The `top_logprobs_num` likeliest (logprob, token id) per output token."""
-    input_token_logprobs: list[float | None] = field(default_factory=list)
-    """Per prompt position from `logprob_start_len` on, the logprob of that prompt token
-    given those before it (None at position 0, which nothing predicts). Grows chunk by chunk
-    and is complete once the prefill is: see `prompt_logprobs_pending`."""
-    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    """The `prompt_top_logprobs_num` likeliest (logprob, token id) at each of those
-    positions ([] at position 0); empty when that number is 0."""
-    pending_grammar: PendingGrammar | None = None
-    """The compile this request waits for in the grammar queue."""
-    grammar: GrammarMatcher | ReasoningGrammarMatcher | None = None
-    """Its grammar's state once compiled: masks each next token, accepts each sampled one."""
+    logprobs: LogprobState = field(default_factory=LogprobState)
+    """Its output and prompt logprobs so far (`OutputProcessor`'s)."""
+    grammar: GrammarState = field(default_factory=GrammarState)
+    """Its grammar's compile, then matcher (`GrammarQueue`'s, then `OutputProcessor`'s)."""
     output_rollback: int = 0
     """Output ids a jump-forward replaced (re-encoded with the forced text) since the
     output was last read (`read_output`)."""
     output_read: int = 0
     """Output ids the reader of the output (the worker, or the offline stream) has taken."""
     draft_state: DraftState | None = None
-    """Its speculative drafting state (its `Drafter` owns it, engine/speculative/)."""
-    spec_verify_ct: int = 0
-    """Verify passes it took part in (SGLang's meta_info name)."""
-    spec_accepted_drafts: int = 0
-    """Drafted tokens those passes accepted (and the request kept)."""
+    """Its speculative decoding state (engine/speculative/'s), None until it first drafts."""
 
     @classmethod
     def of(cls, spec: ReqSpec) -> Req:
@@ -151,7 +126,7 @@ class Req:
     def prompt_logprobs_pending(self) -> bool:
         """It asks for prompt logprobs and its prefill has not computed them all yet."""
         start = self.sampling_params.logprob_start_len
-        return start >= 0 and len(self.input_token_logprobs) < len(self.origin_input_ids) - start
+        return start >= 0 and len(self.logprobs.input_token) < len(self.origin_input_ids) - start
 
     @property
     def prompt_logprobs_ready(self) -> bool:
@@ -160,11 +135,17 @@ class Req:
         return self.sampling_params.logprob_start_len >= 0 and not self.prompt_logprobs_pending
 
     @property
+    def spec_verify_ct(self) -> int:
+        """Verify passes it took part in (SGLang's meta_info name)."""
+        return 0 if self.draft_state is None else self.draft_state.verify_ct
+
+    @property
     def spec_accept_length(self) -> float:
         """Tokens per verify pass it took part in (SGLang's meta_info name); 0 without any."""
-        if not self.spec_verify_ct:
+        state = self.draft_state
+        if state is None or not state.verify_ct:
             return 0.0
-        return 1.0 + self.spec_accepted_drafts / self.spec_verify_ct
+        return 1.0 + state.accepted_drafts / state.verify_ct
 
     def read_output(self) -> OutputRead:
         """What of the output is new since the last read, for its one reader: the ids from
@@ -213,7 +194,7 @@ class Req:
             or params.repetition_penalty != 1.0
             or len(self.output_ids) < params.min_new_tokens
             or (params.seed is not None and not params.is_greedy)
-            or self.grammar is not None
+            or self.grammar.matcher is not None
         )
 
     def finish(self, reason: FinishReason) -> None:

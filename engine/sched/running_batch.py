@@ -27,7 +27,7 @@ from engine.sched.req import Req
 class RunningBatch:
     """`reqs` in batch order; row i of every array belongs to `reqs[i]`.
 
-    `seq_lens[i]` is `reqs[i].kv_allocated_len`: the tokens that have a KV slot, which is
+    `seq_lens[i]` is `reqs[i].kv.allocated_len`: the tokens that have a KV slot, which is
     where the next decode step writes. `num_req_state` counts the requests whose sampling
     also reads their tokens (penalties, min-tokens, seeds, logit_bias) or a grammar: with
     none, a decode step reuses one `SamplingBatchInfo` until the membership changes.
@@ -50,7 +50,7 @@ class RunningBatch:
         self.seq_lens = seq_lens
         self.sampling_rows = sampling_rows
         self.num_req_state = int(sampling_rows.needs_req_state.sum()) + sum(
-            r.grammar is not None for r in reqs
+            r.grammar.matcher is not None for r in reqs
         )
         # Derived once per membership: what every decode step of these requests reuses.
         self.futures = FutureMap.futures(req_pool_indices)
@@ -91,7 +91,7 @@ class RunningBatch:
         self._set(
             self.reqs + list(reqs),
             torch.cat([self.req_pool_indices, _ints([req_row(r) for r in reqs])]),
-            torch.cat([self.seq_lens, _ints([r.kv_allocated_len for r in reqs])]),
+            torch.cat([self.seq_lens, _ints([r.kv.allocated_len for r in reqs])]),
             self.sampling_rows.cat(rows),
         )
 
@@ -121,7 +121,7 @@ class RunningBatch:
 
     def resync_lens(self) -> None:
         """A verify batch gave each request as many KV slots as it accepted tokens."""
-        self.seq_lens = _ints([r.kv_allocated_len for r in self.reqs])
+        self.seq_lens = _ints([r.kv.allocated_len for r in self.reqs])
 
     # ----- checking ---------------------------------------------------------------------
 

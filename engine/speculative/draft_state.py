@@ -1,16 +1,12 @@
-"""A request's drafting state across steps (`Req.draft_state`), which only its `Drafter`
-writes."""
+"""A request's speculative decoding state across steps (`Req.draft_state`): its `Drafter`
+writes how it drafts, the verify step what was accepted."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from engine import constants
 from engine.speculative.ngram import NgramState
-
-if TYPE_CHECKING:
-    from engine.sched.req import Req
 
 
 @dataclass
@@ -28,10 +24,7 @@ class DraftState:
     draft_len: int = 1 << 30
     """Drafted tokens it proposes next, at most: cut to the accepted length plus one after
     a miss, doubled after a draft accepted to its end."""
-
-
-def draft_state(req: Req) -> DraftState:
-    """`req`'s drafting state, a fresh one on its first step."""
-    if req.draft_state is None:
-        req.draft_state = DraftState()
-    return req.draft_state
+    verify_ct: int = 0
+    """Verify passes it took part in."""
+    accepted_drafts: int = 0
+    """Drafted tokens those passes accepted (and the request kept)."""

@@ -18,13 +18,20 @@ from abc import ABC, abstractmethod
 
 from engine import constants
 from engine.sched.req import Req
-from engine.speculative.draft_state import DraftState, draft_state
+from engine.speculative.draft_state import DraftState
 from engine.speculative.draft_tree import DraftTree
 from engine.speculative.grammar import constrain
 from engine.speculative.ngram import NgramConfig, NgramState, NgramTrie
 from engine.speculative.verify import VerifyOutput
 
 _EMA_WEIGHT = 0.3
+
+
+def draft_state(req: Req) -> DraftState:
+    """`req`'s drafting state, a fresh one on its first step."""
+    if req.draft_state is None:
+        req.draft_state = DraftState()
+    return req.draft_state
 
 
 class Drafter(ABC):
@@ -49,7 +56,9 @@ class Drafter(ABC):
         if not drafted:
             return None
         trees = [
-            constrain(tree, req.grammar) if req.grammar is not None and tree.num_drafts else tree
+            constrain(tree, req.grammar.matcher)
+            if req.grammar.matcher is not None and tree.num_drafts
+            else tree
             for req, tree in zip(reqs, self.draft(reqs, budgets))
         ]
         return trees if any(tree.num_drafts for tree in trees) else None

@@ -89,13 +89,13 @@ def build_tree_vocab_mask(
 ) -> VocabMask:
     """`build_vocab_mask` for a verify batch: each grammar request's rows are its tree's
     nodes, each masked with the grammar's state after the node's path."""
-    if all(r.grammar is None for r in reqs):
+    if all(r.grammar.matcher is None for r in reqs):
         return VocabMask(None, [])
     vocab_mask = allocate_vocab_mask(sum(len(tree) for tree in trees), vocab_size)
     faults: list[tuple[Req, Exception]] = []
     start = 0
     for req, tree in zip(reqs, trees):
-        grammar = req.grammar
+        grammar = req.grammar.matcher
         if grammar is not None:
             try:
                 fill_tree_masks(tree, grammar, vocab_mask, start)

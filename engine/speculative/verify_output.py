@@ -9,6 +9,7 @@ import torch
 from engine.sched.batch import ScheduleBatch
 from engine.sched.output_processor import OutputProcessor, Processed, TokenLogprob
 from engine.sched.req import FinishReason, Req
+from engine.speculative.drafter import draft_state
 from engine.speculative.verify import VerifyOutput
 
 
@@ -32,8 +33,9 @@ def process_verify(
         path = torch.tensor(verify.path_rows[i][:taken])
         keep[path] = True
         cache_manager.keep_verified(req, out_cache_loc[path])
-        req.spec_verify_ct += 1
-        req.spec_accepted_drafts += taken - 1
+        state = draft_state(req)
+        state.verify_ct += 1
+        state.accepted_drafts += taken - 1
         outputs.stats.count_verified(batch.trees[i].num_drafts if batch.trees else 0, taken)
         generated += taken
         if reason is not None:  # finished mid-draft

@@ -19,12 +19,16 @@ import queue
 import threading
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
 
-from engine.cache.kv_events import EventBatch, KVCacheEvent
+from engine.cache.kv_events import BlockEventRecorder, EventBatch, KVCacheEvent
 from services.kv_events_config import KVEventsConfig
+
+if TYPE_CHECKING:
+    from engine.sched.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -117,3 +121,17 @@ class ZmqEventPublisher:
             if seq >= first:
                 replay.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
         replay.send_multipart([identity, b"", END_OF_REPLAY, b""])
+
+
+def start_kv_events(
+    config: KVEventsConfig | None, block_size: int, scheduler: Scheduler
+) -> tuple[BlockEventRecorder | None, ZmqEventPublisher | None]:
+    """With `--kv-events-config`, record the tree's blocks and publish them; the first
+    batch is the start-up `AllBlocksCleared`."""
+    if config is None:
+        return None, None
+    publisher = ZmqEventPublisher(config)
+    recorder = BlockEventRecorder(block_size)
+    scheduler.attach_kv_events(recorder)
+    publisher.publish(recorder.take())
+    return recorder, publisher

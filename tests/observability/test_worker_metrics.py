@@ -21,7 +21,8 @@ from engine.sched.scheduler import after_turns
 from observability.worker_metrics import ROLLING_WINDOW_S, CpuInfo, WorkerMetrics, WorkerSample
 from services.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
 from services.settings import PORT_FIELDS, Settings
-from services.worker.worker import METRICS_SAMPLE_INTERVAL_S, Worker
+from services.worker.metrics import METRICS_SAMPLE_INTERVAL_S
+from services.worker.worker import Worker
 from testing.net import free_ports
 
 IDLE = WorkerSample(

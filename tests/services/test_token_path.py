@@ -12,6 +12,7 @@ import pytest
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import FinishReason as EngineFinishReason
 from engine.sched.req import Req
+from engine.speculative.draft_state import DraftState
 from services.detokenizer.detokenizer import BatchDetokenizer
 from services.io_struct import (
     FRAME_HEADROOM_BYTES,
@@ -29,7 +30,8 @@ from services.tokenizer.serving_completions import CompletionStream
 from services.tokenizer.serving_generate import generate_response
 from services.tokenizer.serving_openai import ResponseHeader
 from services.tokenizer.sse import DeltaEvents, sse_event
-from services.worker.worker import Worker, _ReqState
+from services.worker.outputs import ReqState
+from services.worker.worker import Worker
 
 STOP = "a stop string long enough to spot on the wire"
 
@@ -60,7 +62,7 @@ def bare_worker() -> tuple[Worker, _Wire]:
 
 def submit(worker: Worker, rid: str, params: SamplingParams) -> Req:
     req = Req(rid, [1, 2, 3], params)
-    worker.live[rid] = _ReqState("tokenizer-epoch")
+    worker.live[rid] = ReqState("tokenizer-epoch")
     return req
 
 
@@ -180,7 +182,7 @@ def test_spec_decoding_stats_cross_the_wire_into_generate_meta_info(tokenizer, s
     worker.speculative = speculative
     req = submit(worker, "s", SamplingParams())
     req.output_ids += tokenizer.encode("one two three four five six")
-    req.spec_verify_ct, req.spec_accepted_drafts = 2, 3  # 1 + 3/2 tokens per pass
+    req.draft_state = DraftState(verify_ct=2, accepted_drafts=3)  # 1 + 3/2 tokens per pass
     req.finish(EngineFinishReason("length"))
     worker.send_outputs([req])
     (data,) = wire.sent

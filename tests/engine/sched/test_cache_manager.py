@@ -16,14 +16,14 @@ def admit(cache: CacheManager, req: Req, extra_slots: int = 0) -> None:
     cache.match_req(req)
     cache.lock(req)
     cache.alloc_row(req)
-    start = len(req.prefix_indices)
+    start = len(req.kv.prefix_indices)
     new = cache.alloc_slots(len(req.origin_input_ids) - start + extra_slots)
-    cache.req_to_token_pool.write(req.req_pool_idx, start, new)
-    req.kv_allocated_len = start + len(new)
+    cache.req_to_token_pool.write(req.kv.req_pool_idx, start, new)
+    req.kv.allocated_len = start + len(new)
 
 
 def row_slots(cache: CacheManager, req: Req, n: int) -> list[int]:
-    return cache.req_to_token_pool.req_to_token[req.req_pool_idx, :n].tolist()
+    return cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].tolist()
 
 
 def test_two_requests_with_one_prompt_end_with_one_copy_of_its_slots():
@@ -61,8 +61,8 @@ def test_unfinished_req_is_repointed_at_the_shared_copy_and_locks_it():
     cache.cache_unfinished_req(b)
 
     assert row_slots(cache, b, len(prompt)) == a_slots
-    assert b.prefix_indices.tolist() == a_slots and b.last_node is a.last_node
-    assert a.last_node.lock_ref == 2
+    assert b.kv.prefix_indices.tolist() == a_slots and b.kv.last_node is a.kv.last_node
+    assert a.kv.last_node.lock_ref == 2
     tree = cache.tree_cache
     assert (tree.evictable_size(), tree.protected_size()) == (0, len(prompt))
     cache.check_integrity([a, b])
@@ -84,7 +84,7 @@ def test_finished_req_inserts_input_and_all_but_the_last_output_token():
     )
     assert slots[7] in cache.allocator.free_slots().tolist()
     assert cache.req_to_token_pool.available_size() == cache.req_to_token_pool.size
-    assert (req.req_pool_idx, req.last_node, req.kv_allocated_len) == (None, None, 0)
+    assert (req.kv.req_pool_idx, req.kv.last_node, req.kv.allocated_len) == (None, None, 0)
     cache.check_integrity()
 
 
@@ -95,17 +95,17 @@ def test_chunked_prefill_self_inserts_do_not_count_hits():
     cache.match_req(req)
     cache.alloc_row(req)
     for start in range(0, 12, 4):  # three chunks of 4 tokens
-        cache.req_to_token_pool.write(req.req_pool_idx, start, cache.alloc_slots(4))
-        req.kv_allocated_len = start + 4
+        cache.req_to_token_pool.write(req.kv.req_pool_idx, start, cache.alloc_slots(4))
+        req.kv.allocated_len = start + 4
         cache.commit(req, 4)
         cache.cache_unfinished_req(req)
         cache.check_integrity([req])
-        assert len(req.prefix_indices) == start + 4
+        assert len(req.kv.prefix_indices) == start + 4
 
     assert all(node.hit_count == 0 for node in cache.tree_cache._nodes())
     other = Req("other", prompt + [1])
     admit(cache, other)
-    assert len(other.prefix_indices) == 12
+    assert len(other.kv.prefix_indices) == 12
     cache.check_integrity([req, other])
 
 
@@ -117,10 +117,10 @@ def test_without_the_radix_cache_nothing_is_shared_and_a_finish_frees_everything
     assert tree.insert(RadixKey([4, 5]), torch.tensor([1, 2])) == (0, 0)
     req = Req("r", [1, 2, 3], output_ids=[4])
     admit(cache, req, extra_slots=1)
-    assert req.prefix_indices.numel() == 0 and req.last_node.lock_ref == 0  # pins nothing
+    assert req.kv.prefix_indices.numel() == 0 and req.kv.last_node.lock_ref == 0  # pins nothing
     cache.commit(req, 3)
     cache.cache_unfinished_req(req)
-    assert req.prefix_indices.numel() == 0 and req.kv_committed_len == 3
+    assert req.kv.prefix_indices.numel() == 0 and req.kv.committed_len == 3
     cache.check_integrity([req])
 
     cache.cache_finished_req(req)
@@ -136,7 +136,7 @@ def test_freeing_without_insert_frees_owned_slots_and_unlocks_the_prefix():
     req = Req("retracted", [1, 2, 3, 4, 5, 6], output_ids=[7])
     admit(cache, req, extra_slots=1)
     tree = cache.tree_cache
-    assert len(req.prefix_indices) == 4 and tree.protected_size() == 4
+    assert len(req.kv.prefix_indices) == 4 and tree.protected_size() == 4
     cache.commit(req, 2)  # the prompt after its cached prefix
 
     cache.free_req(req)
@@ -161,11 +161,11 @@ def test_integrity_check_catches_a_row_that_is_not_its_locked_prefix():
     req = Req("r", [1, 2, 3, 4, 5])
     admit(cache, req)
     cache.check_integrity([req])
-    first = int(cache.req_to_token_pool.req_to_token[req.req_pool_idx, 0])
-    cache.req_to_token_pool.req_to_token[req.req_pool_idx, 0] = first + 1
+    first = int(cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, 0])
+    cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, 0] = first + 1
     with pytest.raises(AssertionError, match="row != prefix"):
         cache.check_integrity([req])
-    cache.req_to_token_pool.req_to_token[req.req_pool_idx, 0] = first
+    cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, 0] = first
     cache.unlock(req)
     with pytest.raises(AssertionError, match="prefix unlocked"):
         cache.check_integrity([req])

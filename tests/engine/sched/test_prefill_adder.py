@@ -59,7 +59,7 @@ def test_locking_the_matched_prefix_is_rechecked_against_the_budget():
     req = waiting(cache, "r", 0, 41)
     req.origin_input_ids = prompt + [7]
     cache.match_req(req)
-    assert (len(req.prefix_indices), req.extend_input_len) == (60, 1)
+    assert (len(req.kv.prefix_indices), req.extend_input_len) == (60, 1)
     adder = make_adder(cache)
     assert adder.rem_total_tokens == 100  # 40 free + 60 evictable
     assert adder.add_one_req(req) is AddReqResult.NO_TOKEN

@@ -19,8 +19,8 @@ def running(cache: CacheManager, rid: str, input_len: int, output_len: int) -> R
     cache.match_req(req)
     cache.alloc_row(req)
     seqlen = input_len + output_len
-    cache.req_to_token_pool.write(req.req_pool_idx, 0, cache.alloc_slots(seqlen))
-    req.kv_allocated_len = seqlen
+    cache.req_to_token_pool.write(req.kv.req_pool_idx, 0, cache.alloc_slots(seqlen))
+    req.kv.allocated_len = seqlen
     cache.commit(req, seqlen)
     req.status = ReqStatus.RUNNING
     return req
@@ -42,7 +42,7 @@ def test_retracts_fewest_outputs_then_longest_input_first_and_frees_without_cach
     assert [r.rid for r in result.kept] == ["old", "short-new", "mid"]
     assert result.aborted is None
     long_new = result.retracted[0]
-    assert long_new.status is ReqStatus.WAITING and long_new.req_pool_idx is None
+    assert long_new.status is ReqStatus.WAITING and long_new.kv.req_pool_idx is None
     assert long_new.output_ids == [1] and long_new.num_retractions == 1
     assert total_size(cache.tree_cache) == 0
     cache.check_integrity(result.kept)

@@ -131,10 +131,10 @@ def test_a_stale_array_is_caught(make_engine):
         scheduler.add_request(req)
     scheduler.run_event_loop(lambda: len(scheduler.running) == 3 and not scheduler.prefill.waiting)
     scheduler.running.check_consistent()
-    reqs[1].kv_allocated_len += 1
+    reqs[1].kv.allocated_len += 1
     with pytest.raises(AssertionError, match="seq_lens"):
         scheduler.running.check_consistent()
-    reqs[1].kv_allocated_len -= 1
+    reqs[1].kv.allocated_len -= 1
     reqs[2].sampling_params.temperature = 0.5
     with pytest.raises(AssertionError, match="temperatures"):
         scheduler.running.check_consistent()

@@ -196,7 +196,7 @@ def test_forced_retraction_finishes_everything_identically_and_jumps_the_ratio(m
     def after_turn(outputs: list[Req]) -> None:
         nonlocal checked
         if scheduler.stats.num_retractions > retractions_before:
-            kept = [r for r in reqs if id(r) in decoded_before and r.req_pool_idx is not None]
+            kept = [r for r in reqs if id(r) in decoded_before and r.kv.req_pool_idx is not None]
             expected = min(
                 1.0,
                 (sum(decoded_before[id(r)] for r in kept) + 20 * len(kept))
