@@ -98,7 +98,7 @@ class ChatOutputFormat:
         reasoning_closed: bool,
     ) -> ChatOutputFormat:
         choice = request.effective_tool_choice
-        tools = tuple(tool_specs([t.model_dump() for t in request.tools or ()]))
+        tools = tuple(tool_specs([t.model_dump() for t in request.tools])) if request.tools else ()
         forced: ToolSpec | None | bool = False
         if isinstance(choice, NamedToolChoice):
             forced = next(t for t in tools if t.name == choice.function.name)

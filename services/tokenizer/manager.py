@@ -148,6 +148,21 @@ class _Group:
     """Rids stopped through `abort` (`/abort_request`): their abort is asked for, not a
     server error (`REQUESTED_ABORT`)."""
 
+    @classmethod
+    def of(cls, reqs: Sequence[TokenizedGenerateReqInput]) -> _Group:
+        """The group of `reqs` as submitted: none finished, none with an output yet."""
+        rids = {r.rid for r in reqs}
+        return cls(
+            index={r.rid: i for i, r in enumerate(reqs)},
+            unfinished=set(rids),
+            queued=set(rids),
+            prompt_ids={
+                r.rid: r.input_ids[r.sampling_params.logprob_start_len :]
+                for r in reqs
+                if r.sampling_params.logprob_start_len >= 0
+            },
+        )
+
 
 class TokenizerManager:
     """Owns the sockets; create it inside the running event loop and `start()` it."""
@@ -286,18 +301,7 @@ class TokenizerManager:
         finished. `observed=False` (probes) keeps them out of the metrics and traces.
         Readiness (`require_ready`, whose limits the caller needs anyway) and load shedding
         (`check_capacity`) are the caller's, before a stream's response starts."""
-        rids = {r.rid for r in reqs}
-        index = {r.rid: i for i, r in enumerate(reqs)}
-        group = _Group(
-            index=index,
-            unfinished=set(rids),
-            queued=set(rids),
-            prompt_ids={
-                r.rid: r.input_ids[r.sampling_params.logprob_start_len :]
-                for r in reqs
-                if r.sampling_params.logprob_start_len >= 0
-            },
-        )
+        group = _Group.of(reqs)
         timeout = self.settings.request_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         metrics = self.metrics if observed else None
@@ -309,17 +313,9 @@ class TokenizerManager:
         timers = {r.rid: RequestTimer(metrics, now) for r in reqs} if metrics else {}
         for req in reqs:
             self.groups[req.rid] = group
-        self.num_queued += len(rids)
+        self.num_queued += len(group.queued)
         try:
-            for req in reqs:
-                try:
-                    sent = self.to_worker.send(req)
-                except OverflowError:  # a safety net: the request mapper checks the known fields
-                    raise RequestError("a number in the request does not fit in 64 bits") from None
-                if not sent:
-                    raise unavailable(
-                        "the worker is not accepting requests (not connected, or its queue is full)"
-                    )
+            self._submit(reqs)
             while group.unfinished:
                 items = await self._next_outputs(group, deadline)
                 if isinstance(items, RequestError):
@@ -340,12 +336,23 @@ class TokenizerManager:
         finally:
             self.num_queued -= len(group.queued)
             group.queued.clear()
-            for rid in index:
+            for rid in group.index:
                 self.groups.pop(rid, None)
             for rid in group.unfinished:
                 self.to_worker.send(AbortReq(rid=rid))
             if metrics is not None and group.unfinished:
                 metrics.aborted.inc(len(group.unfinished))  # the client left, or a peer failed
+
+    def _submit(self, reqs: Sequence[TokenizedGenerateReqInput]) -> None:
+        for req in reqs:
+            try:
+                sent = self.to_worker.send(req)
+            except OverflowError:  # a safety net: the request mapper checks the known fields
+                raise RequestError("a number in the request does not fit in 64 bits") from None
+            if not sent:
+                raise unavailable(
+                    "the worker is not accepting requests (not connected, or its queue is full)"
+                )
 
     async def _next_outputs(
         self, group: _Group, deadline: float | None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,7 +19,11 @@ from engine.sampling.sampling_params import GRAMMAR_KINDS, SamplingParams
 from engine.sched.request_limits import logprob_start_error, prompt_length_error
 from services.tokenizer.errors import RequestError
 from services.tokenizer.parsers import named_tool_schema, required_tools_schema, tool_specs
-from services.tokenizer.protocol.chat import ChatCompletionRequest, NamedToolChoice
+from services.tokenizer.protocol.chat import (
+    ChatCompletionMessageParam,
+    ChatCompletionRequest,
+    NamedToolChoice,
+)
 from services.tokenizer.protocol.completions import CompletionRequest
 from services.tokenizer.protocol.native import GenerateRequest
 
@@ -31,6 +35,8 @@ _INT64 = (-(2**63), 2**63 - 1)
 """msgpack carries 64-bit integers: a larger one could not reach the worker."""
 COMPLETIONS_MAX_LOGPROBS = 5
 """OpenAI's limit on the legacy completions' `logprobs` (chat's `top_logprobs` goes to 20)."""
+GenerationBody = ChatCompletionRequest | CompletionRequest | GenerateRequest
+"""A request to a generation endpoint (the Responses API's becomes a chat request)."""
 
 
 class RequestLimits(Protocol):
@@ -43,6 +49,40 @@ class RequestLimits(Protocol):
     max_stop_token_ids: int
     max_logit_bias: int
     max_top_logprobs: int
+
+
+def check_request(
+    request: GenerationBody, served_model: str, lora_adapters: Collection[str]
+) -> str | None:
+    """What is refused before the server's readiness is even looked at, per API; the LoRA
+    adapter the request names (None: the base model). The native API names no model, only
+    an adapter (`lora_path`)."""
+    if isinstance(request, GenerateRequest):
+        return check_model(request.lora_path, served_model, lora_adapters, "lora_path")
+    lora_name = check_model(request.model, served_model, lora_adapters)
+    if isinstance(request, ChatCompletionRequest):
+        check_chat_request(request)
+    else:
+        check_completion_request(request)
+    return lora_name
+
+
+def prompt_chars(request: GenerationBody) -> int:
+    """The characters of prompt text a request sends, for `--max-prompt-chars`: a
+    conversation's, or a batch's text prompts' (token ids count none; the caller writes
+    their markup, so their special tokens are parsed, as OpenAI's completions do)."""
+    if isinstance(request, ChatCompletionRequest):
+        return chat_prompt_chars(request.messages)
+    prompts = request.prompt if isinstance(request, CompletionRequest) else request.prompts
+    return sum(len(p) for p in prompts if isinstance(p, str))
+
+
+def chat_prompt_chars(messages: Sequence[ChatCompletionMessageParam]) -> int:
+    """The characters of a conversation's text: its contents and earlier calls' arguments."""
+    return sum(
+        len(m.content or "") + sum(len(c.function.arguments) for c in m.tool_calls or ())
+        for m in messages
+    )
 
 
 def check_model(
@@ -164,34 +204,45 @@ def to_sampling_params(
         params = SamplingParams.from_dict(kwargs)
     except ValueError as exc:
         raise _renamed(str(exc), names, prefix) from None
-    _check_sizes(
-        params,
-        limits,
-        lambda field: names.get(field, prefix + field),
-        completions=isinstance(request, CompletionRequest),
-    )
+
+    def param_of(field: str) -> str:
+        return names.get(field, prefix + field)
+
+    _check_sizes(params, limits, param_of, completions=isinstance(request, CompletionRequest))
     try:
         params.verify(vocab_size)
         _check_int64(params)
     except ValueError as exc:
         raise _renamed(str(exc), names, prefix) from None
-    param = names.get("logprob_start_len", prefix + "logprob_start_len")
+    param = param_of("logprob_start_len")
     if (error := logprob_start_error(params.logprob_start_len, prompt_len, param)) is not None:
         raise RequestError(error, param=param)
     if params.grammar is not None:
-        kind, source = params.grammar
-        try:
-            validate_grammar(
-                kind,
-                source,
-                grammar_max_bytes,
-                grammar_max_nesting_depth,
-                best_effort=request.json_schema_best_effort,
-            )
-        except GrammarError as exc:
-            param = names.get(kind, prefix + kind)
-            raise RequestError(str(exc).replace(kind, param, 1), param=param) from None
+        _check_grammar(
+            params.grammar,
+            param_of,
+            grammar_max_bytes,
+            grammar_max_nesting_depth,
+            best_effort=request.json_schema_best_effort,
+        )
     return params
+
+
+def _check_grammar(
+    grammar: tuple[str, str],
+    param_of: Callable[[str], str],
+    max_bytes: int,
+    max_nesting_depth: int,
+    best_effort: bool,
+) -> None:
+    """The grammar checked against the limits and parsed, so that a bad one is a 400 naming
+    the request's field before the request is queued."""
+    kind, source = grammar
+    try:
+        validate_grammar(kind, source, max_bytes, max_nesting_depth, best_effort=best_effort)
+    except GrammarError as exc:
+        param = param_of(kind)
+        raise RequestError(str(exc).replace(kind, param, 1), param=param) from None
 
 
 def _check_sizes(
@@ -335,13 +386,12 @@ def _forced_tools_schema(request: ChatCompletionRequest) -> dict[str, Any] | Non
     """The JSON schema of the calls a forced tool choice demands: a named function's
     arguments object, or for "required" a list of `{"name", "parameters"}` items."""
     choice = request.effective_tool_choice
+    if not isinstance(choice, NamedToolChoice) and choice != "required":
+        return None
     specs = tool_specs([t.model_dump() for t in request.tools or ()])
     if isinstance(choice, NamedToolChoice):
-        spec = next(s for s in specs if s.name == choice.function.name)
-        return named_tool_schema(spec)
-    if choice == "required":
-        return required_tools_schema(specs, request.parallel_tool_calls)
-    return None
+        return named_tool_schema(next(s for s in specs if s.name == choice.function.name))
+    return required_tools_schema(specs, request.parallel_tool_calls)
 
 
 def _structured_outputs_grammar(

@@ -37,7 +37,12 @@ from services.tokenizer.protocol.native import (
     TokenizeResponse,
 )
 from services.tokenizer.protocol.responses import ResponsesRequest
-from services.tokenizer.request_mapper import check_continuation, check_model, with_special_tokens
+from services.tokenizer.request_mapper import (
+    chat_prompt_chars,
+    check_continuation,
+    check_model,
+    with_special_tokens,
+)
 from services.tokenizer.serving_base import (
     INLINE_BODY_BYTES,
     AppState,
@@ -48,7 +53,7 @@ from services.tokenizer.serving_base import (
     parse_body,
     serve,
 )
-from services.tokenizer.serving_chat import ChatEndpoint, chat_prompt_chars
+from services.tokenizer.serving_chat import ChatEndpoint
 from services.tokenizer.serving_completions import CompletionsEndpoint
 from services.tokenizer.serving_generate import GenerateEndpoint
 from services.tokenizer.serving_render import render
@@ -85,8 +90,7 @@ class AbortRequestInput(BaseModel):
 )
 async def chat_completions(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
-    state = app_state(request)
-    return await serve(request, ChatEndpoint(body, state.model, state.chat_parsers))
+    return await serve(request, ChatEndpoint(body, app_state(request).model))
 
 
 @router.post(
@@ -104,8 +108,7 @@ async def chat_completions_render(request: Request) -> dict[str, Any]:
     """vLLM's chat render: the ids chat would send the worker (template, tools and reasoning
     as chat applies them) and their sampling parameters; nothing reaches the worker."""
     body = await parse_body(request, ChatCompletionRequest)
-    state = app_state(request)
-    (rendered,) = await render(request, ChatEndpoint(body, state.model, state.chat_parsers))
+    (rendered,) = await render(request, ChatEndpoint(body, app_state(request).model))
     return rendered.model_dump()
 
 
@@ -113,8 +116,8 @@ async def chat_completions_render(request: Request) -> dict[str, Any]:
 async def completions_render(request: Request) -> list[dict[str, Any]]:
     """vLLM's completions render: one rendered request per prompt of the batch."""
     body = await parse_body(request, CompletionRequest)
-    state = app_state(request)
-    return [r.model_dump() for r in await render(request, CompletionsEndpoint(body, state.model))]
+    endpoint = CompletionsEndpoint(body, app_state(request).model)
+    return [r.model_dump() for r in await render(request, endpoint)]
 
 
 @router.post(
@@ -124,9 +127,8 @@ async def completions_render(request: Request) -> list[dict[str, Any]]:
 )
 async def responses(request: Request) -> Response:
     body = await parse_body(request, ResponsesRequest)
-    state = app_state(request)
     try:
-        return await serve(request, ResponsesEndpoint(body, state.model, state.chat_parsers))
+        return await serve(request, ResponsesEndpoint(body, app_state(request).model))
     except RequestError as err:
         raise responses_error(err) from None
 

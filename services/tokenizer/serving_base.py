@@ -1,22 +1,26 @@
-"""The request flow that chat, completions and SGLang's native `/generate` share, and the
-`Endpoint` base whose subclasses say how each differs (`serving_chat`,
-`serving_completions`, `serving_generate`, `serving_responses`; endpoints and fields:
-docs/api.md).
+"""The request flow that chat, completions, the Responses API and SGLang's native
+`/generate` share, and the `Endpoint` base whose subclasses say how each differs
+(`serving_chat`, `serving_completions`, `serving_generate`, `serving_responses`; endpoints
+and fields: docs/api.md; a chat request's path through it: docs/architecture.md, "A chat
+request's path").
 
-`serve` takes every generation request through the same steps:
+`serve` takes every generation request through one flow, prepare → admit → submit → stream:
 
-1. refuse what is wrong before the prompt is tokenized: another model, `n` above `--max-n`,
-   more sequences than `--max-sequences-per-request`, more prompt text than
-   `--max-prompt-chars`;
-2. tokenize, and map the body onto one `SamplingParams` per prompt (`request_mapper`), in
-   a worker thread unless the request is small (`off_loop`);
-3. fan out `n` requests per prompt in one prefix namespace, refuse them with a 429 while
-   the server sheds load, and submit them to the `TokenizerManager` as one group;
+1. `prepare` builds one `PreparedRequest`: it refuses what is wrong before the prompt is
+   tokenized (another model, the API's own checks, more prompt text than
+   `--max-prompt-chars`, `n` above `--max-n`, more sequences than
+   `--max-sequences-per-request`; `request_mapper` decides each 4xx), tokenizes the prompts
+   (the endpoint's `tokenize`) and maps the body onto one `SamplingParams` per prompt, in a
+   worker thread unless the request is small (`off_loop`), then fans out `n` requests per
+   prompt in one prefix namespace;
+2. admit: `TokenizerManager.check_capacity` refuses them with a 429 while the server sheds
+   load;
+3. submit them to the `TokenizerManager` as one group;
 4. stream the outputs as server-sent events, framed here from the endpoint's typed chunks
    (`sse.frame`), or collect them into one JSON answer.
 
-Steps 1 and 2 are `prepare`; vLLM's render endpoints (`serving_render`) stop after them and
-answer the prompts' ids and parameters, so a render is what generation would submit.
+vLLM's render endpoints (`serving_render`) stop after `prepare` and answer the prompts' ids
+and parameters, so a render is what generation would submit.
 
 A failure before the response starts is raised as a `RequestError`, which the app answers
 with OpenAI's error body (`server.create_app`); once a stream has started it can only be an
@@ -28,8 +32,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
+import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -50,10 +56,12 @@ from services.tokenizer.choice_output import ChoiceOutput, TokenLogprob
 from services.tokenizer.errors import RequestError, error_body
 from services.tokenizer.manager import ReqOutput, TokenizerManager
 from services.tokenizer.middleware import cache_tenant
-from services.tokenizer.protocol.chat import ChatCompletionRequest
-from services.tokenizer.protocol.completions import CompletionRequest
-from services.tokenizer.protocol.native import GenerateRequest
-from services.tokenizer.request_mapper import to_sampling_params
+from services.tokenizer.request_mapper import (
+    GenerationBody,
+    check_request,
+    prompt_chars,
+    to_sampling_params,
+)
 from services.tokenizer.sse import SSE_DONE, Chunk, DeltaEvents, frame
 from services.tokenizer.worker_metrics_proxy import WorkerMetricsProxy
 
@@ -74,7 +82,6 @@ running; threads share the tokenizer only through its read-only calls."""
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 T = TypeVar("T")
-GenerationBody = ChatCompletionRequest | CompletionRequest | GenerateRequest
 
 
 @dataclass
@@ -108,10 +115,12 @@ class AppState:
         return self.tokenizer
 
     def sampling_params(
-        self, body: GenerationBody, prompt_len: int, info: WorkerReady
+        self, body: GenerationBody, prompt_len: int, info: WorkerReady, reasoning: bool = False
     ) -> SamplingParams:
-        """Safe off the event loop: `info` is the worker's limits, read on the loop."""
-        return to_sampling_params(
+        """Safe off the event loop: `info` is the worker's limits, read on the loop.
+        `reasoning`: a grammar waits for the end of a reasoning section the model is still
+        to write."""
+        params = to_sampling_params(
             body,
             prompt_len,
             max_tokens_cap=self.settings.max_tokens_cap,
@@ -121,6 +130,7 @@ class AppState:
             grammar_max_nesting_depth=self.settings.grammar_max_nesting_depth,
             limits=self.settings,
         )
+        return dataclasses.replace(params, reasoning=True) if reasoning else params
 
 
 def app_state(request: Request) -> AppState:
@@ -151,52 +161,65 @@ async def json_body(request: Request) -> bytes:
 
 class Endpoint(ABC):
     """One request to a generation endpoint: the parts of `serve` that differ between
-    chat, completions, `/generate` and the Responses API. `events`, `end` and `error` give
-    a stream's typed chunks; `serve` frames them."""
+    chat, completions, `/generate` and the Responses API. What is refused before
+    tokenizing is `request_mapper`'s (`check_request`); an endpoint tokenizes its prompts,
+    and turns outputs into a stream's typed chunks (`events`, `end`, `error`, which `serve`
+    frames) or into one answer."""
 
     id_prefix: str
-    prompt_param: str
-    """The field named when a request has too many prompts."""
     n_param: str
     """The field named when `n`, or prompts × n, is too many."""
     ends_with_done = True
     """Whether the stream closes with `[DONE]`, after its last chunks or its error."""
-    deltas: DeltaEvents | None = None
-    """The encoder of the stream's `TextDelta` chunks, where it has them."""
+    needs_tokenizer = False
+    """Whether every request needs the tokenizer (a 400 on a server without one)."""
 
-    def __init__(self, body: GenerationBody, num_prompts: int, n: int):
+    def __init__(self, body: GenerationBody, model: str):
         self.body = body
-        self.num_prompts = num_prompts
-        self.n = n
-        """`n` as the body states it, checked before tokenizing; 1 where it does not state
-        an integer (`SamplingParams.verify` refuses one that is no integer)."""
-        self.id = TokenizerManager.new_rid(self.id_prefix)
+        self.model = model
+        """The served model."""
+        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         """The id of the whole request; its requests' rids are `<id>-<choice>`, so
         `/abort_request` with the id aborts them all."""
-        self.cache_salt: str | None = None
-        """The request's own prefix namespace (`cache_salt`), if it names one."""
-        self.priority = 0
+        self.created = int(time.time())
         self.lora_name: str | None = None
-        """The LoRA adapter the request names (`check`); None: the base model."""
+        """The LoRA adapter the request names (set by `prepare`); None: the base model."""
+        self.grammar_after_reasoning = False
+        """Set by `tokenize`: a grammar waits for the end of a reasoning section the
+        prompt leaves the model to write."""
 
+    @property
     @abstractmethod
-    def check(self, lora_adapters: Collection[str]) -> None:
-        """Raises `RequestError` for what is refused before the server's readiness is even
-        looked at, and sets `lora_name` from the request (one of `lora_adapters`)."""
+    def prompt_param(self) -> str:
+        """The field named when a request has too many prompts or too much prompt text."""
 
+    @property
     @abstractmethod
-    def prompt_chars(self) -> int:
-        """The characters of prompt text the request sends (token ids count none)."""
+    def num_prompts(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def n(self) -> int:
+        """`n` as the body states it, checked before tokenizing; 1 where it does not state
+        an integer (`SamplingParams.verify` refuses one that is no integer)."""
+
+    @property
+    def cache_salt(self) -> str | None:
+        """The request's own prefix namespace (`cache_salt`), if it names one."""
+        return None
+
+    @property
+    def priority(self) -> int:
+        return 0
+
+    @property
+    def deltas(self) -> DeltaEvents | None:
+        """The encoder of the stream's `TextDelta` chunks, where it has them."""
+        return None
 
     @abstractmethod
     def tokenize(self, state: AppState, vocab_size: int) -> list[list[int]]:
         """The prompts' token ids (called off the event loop for large requests)."""
-
-    def sampling_params(
-        self, state: AppState, prompt_len: int, info: WorkerReady
-    ) -> SamplingParams:
-        """One prompt's `SamplingParams`, from the body."""
-        return state.sampling_params(self.body, prompt_len, info)
 
     @abstractmethod
     def check_output(self, out: ReqOutput) -> None:
@@ -225,39 +248,75 @@ class Endpoint(ABC):
 
 
 @dataclass(frozen=True)
-class PreparedPrompts:
-    """A request checked and tokenized: what the worker would be sent, before the fan-out."""
+class PreparedRequest:
+    """A request checked, tokenized and fanned out: what the worker is sent."""
 
     ids: list[list[int]]
     """Each prompt's token ids."""
     params: list[SamplingParams]
     """Each prompt's `SamplingParams`."""
+    reqs: list[TokenizedGenerateReqInput]
+    """`n` requests per prompt, in OpenAI's choice order, in the request's prefix namespace."""
 
 
-async def prepare(request: Request, endpoint: Endpoint) -> PreparedPrompts:
-    """Steps 1 and 2 of `serve`: everything refused before submission is refused here, each
-    check once, and the prompts are tokenized (chat's through its template) as they will be
-    submitted. The render endpoints stop here, so their ids are the generation endpoints'
-    by construction."""
-    state = app_state(request)
-    endpoint.check(state.manager.lora_adapters)
-    check_prompt_chars(
-        endpoint.prompt_chars(), state.settings.max_prompt_chars, endpoint.prompt_param
+async def serve(request: Request, endpoint: Endpoint) -> Response:
+    """prepare → admit → submit → stream: `endpoint`'s request checked, tokenized and
+    submitted; its answer streamed or whole (a 499 with no body when the client left
+    first)."""
+    manager = app_state(request).manager
+    prepared = await prepare(request, endpoint)
+    manager.check_capacity(len(prepared.reqs))  # before a stream's 200: shedding is a real 429
+    acc = ChoiceAccumulator(want_logprobs=prepared.params[0].logprobs)
+    if endpoint.body.stream:
+        return StreamingResponse(
+            _events(manager, prepared.reqs, endpoint, acc), media_type="text/event-stream"
+        )
+    answer = await unless_disconnected(
+        request, lambda: _collect(manager, prepared.reqs, endpoint, acc)
     )
+    return Response(status_code=499) if answer is None else JSONResponse(answer)
+
+
+async def prepare(request: Request, endpoint: Endpoint) -> PreparedRequest:
+    """Everything refused before submission is refused here, each check once; the prompts
+    are tokenized (chat's through its template) and fanned out as they will be submitted.
+    The render endpoints stop here, so their ids are the generation endpoints' by
+    construction."""
+    state = app_state(request)
+    body = endpoint.body
+    endpoint.lora_name = check_request(body, state.model, state.manager.lora_adapters)
+    check_prompt_chars(prompt_chars(body), state.settings.max_prompt_chars, endpoint.prompt_param)
     info = state.manager.require_ready()
     check_fan_out(endpoint, state.settings)
     inline = len(await request.body()) <= INLINE_BODY_BYTES
     with maybe_span(state.tracing, "tokenize"):
-        return await off_loop(lambda: _tokenized(state, endpoint, info), inline)
+        ids, params = await off_loop(lambda: _tokenized(state, endpoint, info), inline)
+    namespace = PrefixNamespace.of(
+        cache_salt=endpoint.cache_salt, tenant=cache_tenant(request, state.settings)
+    )
+    reqs = fan_out(
+        endpoint.id,
+        ids,
+        params,
+        params[0].n,
+        body.stream,
+        namespace,
+        endpoint.priority,
+        endpoint.lora_name,
+    )
+    return PreparedRequest(ids, params, reqs)
 
 
-def _tokenized(state: AppState, endpoint: Endpoint, info: WorkerReady) -> PreparedPrompts:
+def _tokenized(
+    state: AppState, endpoint: Endpoint, info: WorkerReady
+) -> tuple[list[list[int]], list[SamplingParams]]:
     """The prompts' ids and parameters: the part of `prepare` whose time grows with the
     request (templating, tokenizing, grammar parsing), so it touches no socket."""
+    if endpoint.needs_tokenizer:
+        state.require_tokenizer(endpoint.prompt_param)
     prompts = endpoint.tokenize(state, info.vocab_size)
-    return PreparedPrompts(
-        prompts, [endpoint.sampling_params(state, len(ids), info) for ids in prompts]
-    )
+    reasoning = endpoint.grammar_after_reasoning
+    return prompts, [state.sampling_params(endpoint.body, len(p), info, reasoning) for p in prompts]
 
 
 async def off_loop(work: Callable[[], T], inline: bool) -> T:
@@ -277,43 +336,6 @@ def check_prompt_chars(chars: int, limit: int, param: str) -> None:
             "(--max-prompt-chars)",
             param=param,
         )
-
-
-def text_prompt_chars(prompts: Sequence[str | list[int]]) -> int:
-    """The characters of a batch's text prompts; the caller writes their markup, so their
-    special tokens are parsed (as OpenAI's completions do)."""
-    return sum(len(p) for p in prompts if isinstance(p, str))
-
-
-async def serve(request: Request, endpoint: Endpoint) -> Response:
-    """Check, tokenize and submit `endpoint`'s request; its answer streamed or whole (a
-    499 with no body when the client left first)."""
-    state = app_state(request)
-    prepared = await prepare(request, endpoint)
-    prompts, params = prepared.ids, prepared.params
-    namespace = PrefixNamespace.of(
-        cache_salt=endpoint.cache_salt, tenant=cache_tenant(request, state.settings)
-    )
-    reqs = fan_out(
-        endpoint.id,
-        prompts,
-        params,
-        params[0].n,
-        endpoint.body.stream,
-        namespace,
-        endpoint.priority,
-        endpoint.lora_name,
-    )
-    state.manager.check_capacity(len(reqs))  # before a stream's 200: shedding is a real 429
-    acc = ChoiceAccumulator(want_logprobs=params[0].logprobs)
-    if endpoint.body.stream:
-        return StreamingResponse(
-            _events(state.manager, reqs, endpoint, acc), media_type="text/event-stream"
-        )
-    answer = await unless_disconnected(
-        request, lambda: _collect(state.manager, reqs, endpoint, acc)
-    )
-    return Response(status_code=499) if answer is None else JSONResponse(answer)
 
 
 def check_fan_out(endpoint: Endpoint, settings: Settings) -> None:

@@ -4,19 +4,16 @@ chat.completion or as its chunks."""
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Collection, Sequence
-from typing import Any
+from collections.abc import Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
-from engine.sampling.sampling_params import SamplingParams
-from services.io_struct import WorkerReady
-from services.tokenizer.chat_output import ChatOutputFormat, ChatParsers, ChoiceParser, parse_whole
+from services.tokenizer.chat_output import ChatOutputFormat, ChoiceParser, parse_whole
 from services.tokenizer.chat_template import render_chat
 from services.tokenizer.choice_output import ChoiceOutput, TokenLogprob, shown_logprob
 from services.tokenizer.manager import ReqOutput
 from services.tokenizer.protocol.chat import (
     ChatCompletionChunk,
-    ChatCompletionMessageParam,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatCompletionResponseChoice,
@@ -27,17 +24,12 @@ from services.tokenizer.protocol.chat import (
     DeltaMessage,
     TopLogprob,
 )
-from services.tokenizer.request_mapper import check_chat_request
 from services.tokenizer.serving_base import AppState, ChoiceAccumulator
-from services.tokenizer.serving_openai import (
-    ChunkPart,
-    ChunkStream,
-    OpenAIEndpoint,
-    ResponseHeader,
-    openai_finish_reason,
-    usage_info,
-)
+from services.tokenizer.serving_openai import ChunkStream, OpenAIEndpoint, openai_finish_reason
 from services.tokenizer.sse import Chunk
+
+if TYPE_CHECKING:
+    from services.tokenizer.serving_openai import ChunkPart, ResponseHeader
 
 
 def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> ChoiceLogprobs:
@@ -65,9 +57,8 @@ def chat_completion_response(
     """`fmt` says how to split each choice's text into reasoning, content and tool calls
     (None: it is all content)."""
     return ChatCompletionResponse(
-        **header.fields(),
+        **header.with_usage(choices, n=len(choices)),
         choices=[_chat_choice(i, c, fmt) for i, c in enumerate(choices)],
-        usage=usage_info(choices, n=len(choices)),
     )
 
 
@@ -119,40 +110,29 @@ class ChatCompletionStream(ChunkStream[ChatCompletionResponseStreamChoice]):
         )
 
 
-def chat_prompt_chars(messages: Sequence[ChatCompletionMessageParam]) -> int:
-    """The characters of a conversation's text: its contents and earlier calls' arguments."""
-    return sum(
-        len(m.content or "") + sum(len(c.function.arguments) for c in m.tool_calls or ())
-        for m in messages
-    )
-
-
 class ChatEndpoint(OpenAIEndpoint):
     """One prompt: the conversation as the chat template renders it."""
 
     id_prefix = "chatcmpl"
     prompt_param = "messages"
+    needs_tokenizer = True
     body: ChatCompletionRequest
     stream_type = ChatCompletionStream
+    format: ChatOutputFormat | None = None
+    """Set once the prompt is rendered: whether it left the model inside a reasoning section
+    decides how the output is read."""
 
-    def __init__(self, body: ChatCompletionRequest, model: str, parsers: ChatParsers):
-        super().__init__(body, 1, model)
-        self.parsers = parsers
-        self.format: ChatOutputFormat | None = None
-        """Set once the prompt is rendered: whether it left the model inside a reasoning
-        section decides how the output is read."""
-        self.choice_parsers: dict[int, ChoiceParser] = {}
+    @property
+    def num_prompts(self) -> int:
+        return 1
 
-    def check(self, lora_adapters: Collection[str]) -> None:
-        super().check(lora_adapters)
-        check_chat_request(self.body)
-
-    def prompt_chars(self) -> int:
-        return chat_prompt_chars(self.body.messages)
+    @cached_property
+    def choice_parsers(self) -> dict[int, ChoiceParser]:
+        return {}
 
     def tokenize(self, state: AppState, vocab_size: int) -> list[list[int]]:
-        tokenizer = state.require_tokenizer(self.prompt_param)
-        body = self.body
+        body, tokenizer = self.body, state.tokenizer
+        assert tokenizer is not None, "needs_tokenizer: `prepare` refused the request without one"
         prompt = render_chat(
             tokenizer,
             body.messages,
@@ -162,23 +142,14 @@ class ChatEndpoint(OpenAIEndpoint):
             continue_final_message=body.continue_final_message,
             special_tokens_in_content=state.settings.allow_special_tokens_in_content,
         )
-        self.format = ChatOutputFormat.for_request(
+        fmt = self.format = ChatOutputFormat.for_request(
             body,
-            self.parsers,
+            state.chat_parsers,
             starts_in_reasoning=prompt.opens_reasoning,
             reasoning_closed=prompt.reasoning_closed,
         )
+        self.grammar_after_reasoning = fmt.reasoning_parser is not None and fmt.enable_thinking
         return [prompt.ids]
-
-    def sampling_params(
-        self, state: AppState, prompt_len: int, info: WorkerReady
-    ) -> SamplingParams:
-        """A grammar waits for the end of a reasoning section the model is still to write."""
-        params = super().sampling_params(state, prompt_len, info)
-        fmt = self.format
-        if fmt is not None and fmt.reasoning_parser is not None and fmt.enable_thinking:
-            params = dataclasses.replace(params, reasoning=True)
-        return params
 
     def events(
         self, out: ReqOutput, choice: ChoiceOutput | None, acc: ChoiceAccumulator

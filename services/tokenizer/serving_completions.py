@@ -5,7 +5,7 @@ its prompt's, and vLLM's `prompt_logprobs` are served beside them."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from services.tokenizer.choice_output import (
@@ -23,20 +23,15 @@ from services.tokenizer.protocol.completions import (
     CompletionResponseChoice,
     VllmLogprob,
 )
-from services.tokenizer.request_mapper import check_completion_request, tokenize_prompts
-from services.tokenizer.serving_base import AppState, ChoiceAccumulator, text_prompt_chars
-from services.tokenizer.serving_openai import (
-    ChunkPart,
-    ChunkStream,
-    OpenAIEndpoint,
-    ResponseHeader,
-    openai_finish_reason,
-    usage_info,
-)
+from services.tokenizer.request_mapper import tokenize_prompts
+from services.tokenizer.serving_base import AppState, ChoiceAccumulator
+from services.tokenizer.serving_openai import ChunkStream, OpenAIEndpoint, openai_finish_reason
 from services.tokenizer.sse import Chunk
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from services.tokenizer.serving_openai import ChunkPart, ResponseHeader
 
 
 def completion_logprobs(
@@ -92,7 +87,7 @@ def completion_response(
 ) -> CompletionResponse:
     """`vllm_prompt`: the request asked for vLLM's `prompt_logprobs`."""
     return CompletionResponse(
-        **header.fields(),
+        **header.with_usage(choices, n),
         choices=[
             CompletionResponseChoice(
                 index=i,
@@ -105,7 +100,6 @@ def completion_response(
             )
             for i, c in enumerate(choices)
         ],
-        usage=usage_info(choices, n),
     )
 
 
@@ -141,17 +135,12 @@ class CompletionsEndpoint(OpenAIEndpoint):
     body: CompletionRequest
     stream_type = CompletionStream
 
-    def __init__(self, body: CompletionRequest, model: str):
-        super().__init__(body, len(body.prompt), model)
-        self.prompt_texts: list[str] = []
-        """With `echo`: each prompt as text."""
+    prompt_texts: Sequence[str] = ()
+    """With `echo`: each prompt as text (set by `tokenize`)."""
 
-    def check(self, lora_adapters: Collection[str]) -> None:
-        super().check(lora_adapters)
-        check_completion_request(self.body)
-
-    def prompt_chars(self) -> int:
-        return text_prompt_chars(self.body.prompt)
+    @property
+    def num_prompts(self) -> int:
+        return len(self.body.prompt)
 
     def tokenize(self, state: AppState, vocab_size: int) -> list[list[int]]:
         tokenizer = state.tokenizer

@@ -4,14 +4,14 @@ answer so far, and one prompt sent alone is answered with one object rather than
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from services.tokenizer.choice_output import ChoiceOutput, TokenLogprob, shown_or_none
 from services.tokenizer.manager import ReqOutput
 from services.tokenizer.protocol.native import GenerateRequest
-from services.tokenizer.request_mapper import check_model, tokenize_prompts
-from services.tokenizer.serving_base import AppState, ChoiceAccumulator, Endpoint, text_prompt_chars
+from services.tokenizer.request_mapper import tokenize_prompts
+from services.tokenizer.serving_base import AppState, ChoiceAccumulator, Endpoint
 from services.tokenizer.sse import Chunk
 
 
@@ -83,22 +83,21 @@ class GenerateEndpoint(Endpoint):
     n_param = "sampling_params.n"
     body: GenerateRequest
 
-    def __init__(self, body: GenerateRequest, model: str):
-        n = body.sampling_params.get("n", 1)
-        stated = isinstance(n, int) and not isinstance(n, bool)
-        super().__init__(body, len(body.prompts), n if stated else 1)
-        self.prompt_param = body.prompt_field
-        self.model = model
+    @property
+    def prompt_param(self) -> str:
+        return self.body.prompt_field
 
-    def check(self, lora_adapters: Collection[str]) -> None:
-        """The native API names no model, only a LoRA adapter (`lora_path`)."""
-        self.lora_name = check_model(self.body.lora_path, self.model, lora_adapters, "lora_path")
+    @property
+    def num_prompts(self) -> int:
+        return len(self.body.prompts)
+
+    @property
+    def n(self) -> int:
+        n = self.body.sampling_params.get("n", 1)
+        return n if isinstance(n, int) and not isinstance(n, bool) else 1
 
     def check_output(self, out: ReqOutput) -> None:
         """Nothing fails a native request: an abort is its finish reason."""
-
-    def prompt_chars(self) -> int:
-        return text_prompt_chars(self.body.prompts)
 
     def tokenize(self, state: AppState, vocab_size: int) -> list[list[int]]:
         return tokenize_prompts(self.body, state.tokenizer, vocab_size)

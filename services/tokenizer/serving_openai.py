@@ -5,10 +5,10 @@ choices the two shape differently (`serving_chat`, `serving_completions`)."""
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Generic, TypeVar
 
 from services.io_struct import FinishReason
@@ -27,7 +27,6 @@ from services.tokenizer.protocol.common import (
     UsageInfo,
 )
 from services.tokenizer.protocol.completions import CompletionRequest, CompletionResponseChoice
-from services.tokenizer.request_mapper import check_model
 from services.tokenizer.serving_base import ChoiceAccumulator, Endpoint
 from services.tokenizer.sse import Chunk, DeltaEvents, TextDelta
 
@@ -42,6 +41,10 @@ class ResponseHeader:
 
     def fields(self) -> dict[str, Any]:
         return {"id": self.id, "model": self.model, "created": self.created}
+
+    def with_usage(self, choices: Sequence[ChoiceOutput], n: int) -> dict[str, Any]:
+        """The fields of a whole response around its choices: these and its usage."""
+        return {**self.fields(), "usage": usage_info(choices, n)}
 
 
 def openai_finish_reason(reason: FinishReason) -> FinishReasonName:
@@ -205,21 +208,31 @@ class OpenAIEndpoint(Endpoint):
     body: ChatCompletionRequest | CompletionRequest
     stream_type: type[ChunkStream[Any]]
 
-    def __init__(
-        self, body: ChatCompletionRequest | CompletionRequest, num_prompts: int, model: str
-    ):
-        super().__init__(body, num_prompts, body.n)
-        self.model = model
-        # `check` refuses any model but this one and its LoRA adapters: the name sent is served.
-        served = body.model or model
-        self.header = ResponseHeader(id=self.id, model=served, created=int(time.time()))
-        self.stream = self.stream_type(self.header, n=body.n, include_usage=body.include_usage)
-        self.deltas = DeltaEvents(self.stream.text_chunk)
-        self.cache_salt = body.cache_salt
-        self.priority = body.priority
+    @property
+    def n(self) -> int:
+        return self.body.n
 
-    def check(self, lora_adapters: Collection[str]) -> None:
-        self.lora_name = check_model(self.body.model, self.model, lora_adapters)
+    @property
+    def cache_salt(self) -> str | None:
+        return self.body.cache_salt
+
+    @property
+    def priority(self) -> int:
+        return self.body.priority
+
+    @cached_property
+    def header(self) -> ResponseHeader:
+        """`prepare` refuses any model but the served one and its LoRA adapters: the name
+        sent is served."""
+        return ResponseHeader(id=self.id, model=self.body.model or self.model, created=self.created)
+
+    @cached_property
+    def stream(self) -> ChunkStream[Any]:
+        return self.stream_type(self.header, n=self.body.n, include_usage=self.body.include_usage)
+
+    @cached_property
+    def deltas(self) -> DeltaEvents:
+        return DeltaEvents(self.stream.text_chunk)
 
     def check_output(self, out: ReqOutput) -> None:
         raise_if_aborted(out, self.body.stream)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from services.tokenizer.chat_output import ChatParsers
 from services.tokenizer.choice_output import ChoiceOutput
 from services.tokenizer.errors import RequestError
 from services.tokenizer.manager import ReqOutput
@@ -144,11 +143,10 @@ class ResponsesEndpoint(ChatEndpoint):
     prompt_param = "input"
     ends_with_done = False
 
-    def __init__(self, request: ResponsesRequest, model: str, parsers: ChatParsers):
-        body = ChatCompletionRequest.model_validate(to_chat_request(request))
-        super().__init__(body, model, parsers)
+    def __init__(self, request: ResponsesRequest, model: str):
+        super().__init__(ChatCompletionRequest.model_validate(to_chat_request(request)), model)
         self.request = request
-        self.responses = ResponsesStream(request, self.id, self.header.created, model)
+        self.responses = ResponsesStream(request, self.id, self.created, model)
         self.started = False
 
     def events(
