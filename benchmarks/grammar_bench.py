@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -191,8 +192,13 @@ def main() -> None:
             subprocess.run([*command, "--dtype", args.dtype], env=env, check=True)
             print("\n## after: this checkout", flush=True)
         length_bound_masks(args.dtype)
-        return
+    else:
+        compare_modes(args)
 
+
+def compare_modes(args: argparse.Namespace) -> None:
+    """The main table: unconstrained, json_schema and jump-forward, in a batch and one by
+    one; then whether jump-forward changed any output, and the grammar's cost per token."""
     names = list(SCHEMAS)
     prompts = [SCHEMAS[n][0] for n in names]
     schemas = [SCHEMAS[n][1] for n in names]
@@ -235,20 +241,7 @@ def main() -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for one_by_one in (False, True):
-        measured: dict[str, list[Pass]] = {mode: [] for mode in MODES}
-        for _ in range(args.repeats):
-            for mode, engine in engines.items():
-                measured[mode].append(run(engine, prompts, params[mode], one_by_one))
-        for mode in MODES:
-            seconds = statistics.median(p.seconds for p in measured[mode])
-            last = measured[mode][-1]
-            tokens = sum(len(r.output_ids) for r in last.results)
-            valid = "—" if mode == "unconstrained" else sum(_parses(r.text) for r in last.results)
-            print(
-                f"| {'one by one' if one_by_one else 'batch'} | {mode} | {seconds:.2f} | "
-                f"{tokens / seconds:.0f} | "
-                f"{last.forward_passes} | {last.jump_forward_tokens} | {valid} |"
-            )
+        print_rows(engines, prompts, params, args.repeats, one_by_one)
     same = sum(
         _parsed(a.text) == _parsed(b.text)
         for a, b in zip(
@@ -265,6 +258,30 @@ def main() -> None:
     )
     for engine in engines.values():
         engine.shutdown()
+
+
+def print_rows(
+    engines: dict[str, Engine],
+    prompts: list[str],
+    params: Mapping[str, list[dict]],
+    repeats: int,
+    one_by_one: bool,
+) -> None:
+    """One table row per mode: the median of `repeats` passes, the modes in alternation."""
+    measured: dict[str, list[Pass]] = {mode: [] for mode in MODES}
+    for _ in range(repeats):
+        for mode, engine in engines.items():
+            measured[mode].append(run(engine, prompts, params[mode], one_by_one))
+    for mode in MODES:
+        seconds = statistics.median(p.seconds for p in measured[mode])
+        last = measured[mode][-1]
+        tokens = sum(len(r.output_ids) for r in last.results)
+        valid = "—" if mode == "unconstrained" else sum(_parses(r.text) for r in last.results)
+        print(
+            f"| {'one by one' if one_by_one else 'batch'} | {mode} | {seconds:.2f} | "
+            f"{tokens / seconds:.0f} | "
+            f"{last.forward_passes} | {last.jump_forward_tokens} | {valid} |"
+        )
 
 
 def _parsed(text: str) -> object:

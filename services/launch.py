@@ -1,7 +1,8 @@
 """The `radixserve` command line; `radixserve serve` runs the three processes on one host.
 
-`serve` validates the settings once and checks that the ports it was given are free (one
-line naming the port and its flag, before anything starts), then starts `python -m
+`serve` validates the settings once, refuses a model, draft model or LoRA adapter it cannot
+serve and a port it was given that is taken (one line each, naming what it found, before
+anything starts; the traceback too under `--log-level debug`), then starts `python -m
 services.worker|detokenizer|tokenizer` with the same flags (and the same RADIXSERVE_*
 environment), so all three agree. Whatever could collide with another server on the same
 host it makes private to this run, in a runtime directory (0700) removed at exit: the ZMQ
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import types
 import urllib.error
 import urllib.request
@@ -90,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
 def serve(argv: list[str]) -> int:
     """Run the three processes until a signal (exit 0) or until one of them exits (exit 1);
     exit 1 at once, with one line, when a port it was given is taken (or exit 2 when
-    RADIXSERVE_CPU_ISA asks for more than this CPU has)."""
+    RADIXSERVE_CPU_ISA asks for more than this CPU has, or the model files are refused)."""
     from engine.kernels.cpu.isa import apply_forced_isa
 
     # First, before anything loads torch: ATen and oneDNN fix their instruction set at their
@@ -110,6 +112,10 @@ def serve(argv: list[str]) -> int:
             "`python -m services.worker --node-rank K` with the same flags",
             file=sys.stderr,
         )
+        return 2
+    refusal = refused_files(settings)
+    if refusal is not None:
+        print(f"radixserve serve: error: {refusal}", file=sys.stderr)
         return 2
     problem = taken_port(settings)
     if problem is not None:
@@ -161,6 +167,36 @@ def serve(argv: list[str]) -> int:
     finally:
         children.stop(settings.graceful_shutdown_timeout)
         shutil.rmtree(runtime_dir, ignore_errors=True)
+
+
+def refused_files(settings: Settings) -> str | None:
+    """One line saying why the model, the draft model, the tokenizer or a LoRA adapter on
+    this machine cannot be served (a missing path or adapter directory, an unreadable file,
+    an unsupported architecture and the supported ones), read without loading weights; None
+    when none is refused. A Hub repo id is left to the worker, which downloads it. Under
+    `--log-level debug` the traceback goes to stderr first."""
+    from engine.model.source import is_local_path, local_config, resolve_model
+
+    try:
+        for model in (settings.model, settings.speculative_draft_model_path):
+            if model is not None:
+                local_config(model)
+        if settings.tokenizer is not None and is_local_path(settings.tokenizer):
+            resolve_model(settings.tokenizer)
+        for name, path in settings.lora_entries().items():
+            if not (Path(path) / "adapter_config.json").is_file():
+                found = (
+                    "no adapter_config.json in it" if Path(path).is_dir() else "no such directory"
+                )
+                raise FileNotFoundError(
+                    f"LoRA adapter {name}={path}: {found} (an adapter is a PEFT directory of "
+                    "adapter_config.json and adapter_model.safetensors)"
+                )
+    except (OSError, ValueError) as err:
+        if settings.log_level == "debug":
+            traceback.print_exc()
+        return " ".join(str(err).split())
+    return None
 
 
 def taken_port(settings: Settings) -> str | None:

@@ -74,7 +74,7 @@ def table(results: Sequence[ModeResult]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.fleet",
         description=__doc__.split("\n\n")[0],
@@ -106,7 +106,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="where results.json goes")
     parser.add_argument("--log-dir", type=Path, default=None)
     FLEET_WORKLOADS.add_flags(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
 
     cfg = FLEET_WORKLOADS.from_flags(args)
     workloads = args.workload or list(WORKLOADS)

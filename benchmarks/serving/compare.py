@@ -431,6 +431,33 @@ def parser() -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0],
         allow_abbrev=False,
     )
+    add_measure_flags(parser)
+    add_peer_flags(parser)
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("docs/benchmarks/serving"),
+        help="folder for results.json and plots; the markdown goes to OUT.md",
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes (4 requests, 4 tokens, concurrency 2 and 4, decode 4 x 32): checks the "
+        "plumbing in a few minutes, measures nothing",
+    )
+    parser.add_argument(
+        "--report-only",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="rewrite the markdown and plots from an earlier results.json, run nothing",
+    )
+    WorkloadConfig().add_flags(parser)
+    return parser
+
+
+def add_measure_flags(parser: argparse.ArgumentParser) -> None:
+    """What is measured: the peers, the workloads and their concurrencies, the decode cell."""
     parser.add_argument(
         "--peers",
         nargs="+",
@@ -462,6 +489,10 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_BANDWIDTH_GBS,
         help="memory bandwidth for the decode ceiling",
     )
+
+
+def add_peer_flags(parser: argparse.ArgumentParser) -> None:
+    """How each peer is found and started."""
     parser.add_argument(
         "--hf-device",
         default="cuda" if torch.cuda.is_available() else "cpu",
@@ -511,27 +542,6 @@ def parser() -> argparse.ArgumentParser:
         f"{CPU_ISA_ENV} set for its server only), labelled PEER@PATH; paths above this CPU's "
         f"are left out (default: one run, {CPU_ISA_ENV} as in this environment)",
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("docs/benchmarks/serving"),
-        help="folder for results.json and plots; the markdown goes to OUT.md",
-    )
-    parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="tiny sizes (4 requests, 4 tokens, concurrency 2 and 4, decode 4 x 32): checks the "
-        "plumbing in a few minutes, measures nothing",
-    )
-    parser.add_argument(
-        "--report-only",
-        type=Path,
-        default=None,
-        metavar="JSON",
-        help="rewrite the markdown and plots from an earlier results.json, run nothing",
-    )
-    WorkloadConfig().add_flags(parser)
-    return parser
 
 
 def main() -> None:

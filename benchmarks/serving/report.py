@@ -381,8 +381,28 @@ def stream_lines(cfg: dict[str, Any]) -> list[str]:
 
 def markdown(record: dict[str, Any], plots_dir: str | None, notes: str) -> str:
     """The report; its plots section links `plots_dir`'s images (None: they were not drawn)."""
+    lines = [
+        *header_lines(record, plots_dir),
+        "## Peers",
+        "",
+        *(f"- `{name}`: {desc}" for name, desc in record["peers"].items()),
+        *kernel_lines(record.get("kernels") or {}),
+        *vllm_kernel_lines(record.get("vllm_kernels") or {}),
+        "",
+        *workload_lines(record["workload_config"]),
+        "",
+        "## Method",
+        "",
+        METHOD,
+        "",
+        *result_lines(record, plots_dir),
+    ]
+    return "\n".join([*lines, "", NOTES_MARKER, notes.rstrip("\n"), ""]).rstrip("\n") + "\n"
+
+
+def header_lines(record: dict[str, Any], plots_dir: str | None) -> list[str]:
+    """The title, the command that made the report, and the machine it ran on."""
     m = record["machine"]
-    cfg = record["workload_config"]
     isa = ", ".join(name for name in ("amx_bf16", "avx512_bf16") if m.get(name)) or "neither"
     isa_env = ", ".join(f"{k}={v}" for k, v in m.get("isa_env", {}).items()) or "none set"
     thread_env = (
@@ -391,7 +411,7 @@ def markdown(record: dict[str, Any], plots_dir: str | None, notes: str) -> str:
     )
     duration = f"{record['duration_s'] / 60:.1f} min" if "duration_s" in record else "unfinished"
     gpu = f"; GPU {m['gpu']}" if m.get("gpu") else ""
-    lines = [
+    return [
         "# Serving benchmark: radixserve beside transformers `generate`, llama.cpp's server "
         "and vLLM's CPU build",
         "",
@@ -415,12 +435,12 @@ def markdown(record: dict[str, Any], plots_dir: str | None, notes: str) -> str:
         f"CPU instruction sets (/proc/cpuinfo): {' '.join(m.get('isa_flags', [])) or '-'}; "
         f"kernel-path variables in the environment: {isa_env}.",
         "",
-        "## Peers",
-        "",
-        *(f"- `{name}`: {desc}" for name, desc in record["peers"].items()),
-        *kernel_lines(record.get("kernels") or {}),
-        *vllm_kernel_lines(record.get("vllm_kernels") or {}),
-        "",
+    ]
+
+
+def workload_lines(cfg: dict[str, Any]) -> list[str]:
+    """The workloads section, from the record's workload config."""
+    return [
         "## Workloads (`benchmarks/serving/workloads.py`, seed "
         f"{cfg['seed']}, {cfg['output_len']} output tokens per request)",
         "",
@@ -435,11 +455,12 @@ def markdown(record: dict[str, Any], plots_dir: str | None, notes: str) -> str:
         f"- `random`: {cfg['requests']} unique prompts of "
         f"{cfg['random_len'] // 2}-{cfg['random_len']} tokens.",
         *stream_lines(cfg),
-        "",
-        "## Method",
-        "",
-        METHOD,
-        "",
+    ]
+
+
+def result_lines(record: dict[str, Any], plots_dir: str | None) -> list[str]:
+    """The results section: a table per workload, the per-token path, decode, targets, plots."""
+    lines = [
         "## Results",
         "",
         "Median over rounds (min-max in brackets when there were several). c: concurrency.",
@@ -482,7 +503,7 @@ def markdown(record: dict[str, Any], plots_dir: str | None, notes: str) -> str:
             "",
             f"![TTFT distribution]({plots_dir}/ttft.png)",
         ]
-    return "\n".join([*lines, "", NOTES_MARKER, notes.rstrip("\n"), ""]).rstrip("\n") + "\n"
+    return lines
 
 
 def write(record: dict[str, Any], out: Path) -> None:

@@ -152,7 +152,7 @@ class ModelConfig:
         if arch not in GGUF_ARCH_TO_ARCHITECTURE:
             raise ValueError(
                 f"GGUF architecture {arch!r} is not supported "
-                f"({', '.join(GGUF_ARCH_TO_ARCHITECTURE)})"
+                f"(supported: {', '.join(GGUF_ARCH_TO_ARCHITECTURE)})"
             )
 
         def key(template: str, default: Any = None) -> Any:

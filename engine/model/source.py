@@ -24,6 +24,15 @@ from engine.model.embedded import EMBEDDED_MODEL, embedded_model_path
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt"]
 # Mistral repos also hold consolidated.safetensors, the same weights under other names.
 HUB_IGNORE_PATTERNS = ["consolidated*"]
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+"""The Hugging Face architectures there is a network for: the keys of
+`engine.model.models.MODEL_REGISTRY`, which imports torch (tests/engine/model/test_source.py
+keeps the two equal)."""
 MODEL_FORMS = "a Hugging Face directory, a .gguf file, a Hub repo id, or 'embedded'"
 """What `--model` accepts, for the messages that refuse one."""
 
@@ -85,11 +94,33 @@ def download_from_hub(repo_id: str) -> Path:
         ) from err
 
 
+def local_config(model: str) -> ModelConfig | None:
+    """The description of a model on this machine (`embedded`, or a path), read without
+    torch and without loading weights, so that a server refuses what it cannot serve before
+    it starts; None for a Hub repo id, which the loader downloads. Refusals are one-line
+    ValueErrors (FileNotFoundError for a missing path) naming what was found."""
+    if model != EMBEDDED_MODEL and not is_local_path(model) and not Path(model).exists():
+        return None
+    source = resolve_model(model)
+    config = read_config(source)
+    if config.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{source.path}: model architecture {config.architecture!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    return config
+
+
 def read_config(source: ModelSource) -> ModelConfig:
-    """The model's description, from its config.json or its GGUF metadata; a GGUF file that
-    cannot be parsed is refused with a ValueError naming it and what is read."""
+    """The model's description, from its config.json or its GGUF metadata; a file that
+    cannot be parsed, or lacks a key, is refused with a ValueError that names it."""
     if not source.is_gguf:
-        return ModelConfig.from_hf(source.path)
+        try:
+            return ModelConfig.from_hf(source.path)
+        except KeyError as err:
+            raise ValueError(f"{source.path}: config.json lacks {err}") from err
+        except (ValueError, OSError) as err:  # not JSON, unreadable
+            raise ValueError(f"{source.path}: config.json cannot be read ({err})") from err
     try:
         reader = GGUFReader(source.path)
     except (ValueError, IndexError, OSError) as err:  # bad magic, truncated, unreadable
@@ -97,7 +128,12 @@ def read_config(source: ModelSource) -> ModelConfig:
             f"{source.path} is not a readable GGUF file ({err}); supported: GGUF files of "
             f"the architectures {', '.join(GGUF_ARCH_TO_ARCHITECTURE)}"
         ) from err
-    return ModelConfig.from_gguf(reader)
+    try:
+        return ModelConfig.from_gguf(reader)
+    except KeyError as err:
+        raise ValueError(f"{source.path}: the GGUF metadata lacks {err}") from err
+    except ValueError as err:
+        raise ValueError(f"{source.path}: {err}") from err
 
 
 class GGUFReader(gguf.GGUFReader):

@@ -1,7 +1,7 @@
 """Multi-LoRA serving over HTTP, on real processes: adapters given at start and loaded at run
 time, picked by `model` (or `lora_path` on `/generate`), listed by `/v1/models`, kept apart
 in the radix cache, refused with OpenAI's error body, and counted in the metrics. The
-adapters are small random PEFT adapters of the tiny Llama, made here with `peft`."""
+adapters are small random PEFT adapters of the tiny Llama (`testing/lora.py`)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import httpx2
 import pytest
 
 from testing.launcher import ServiceLauncher, cpu_flags
+from testing.lora import make_adapter
 from testing.net import assert_idle_and_whole, wait_until
 
 API_KEY = "lora-user-key"
@@ -26,21 +27,6 @@ GREEDY = {"temperature": 0, "max_tokens": 8, "ignore_eos": True}
 NATIVE_GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 STREAM_TOKENS = 48
 """Long enough for the streams to outlast two loads and unloads of another adapter."""
-
-
-def make_adapter(base: Path, out: Path, rank: int, seed: int, targets: list[str]) -> Path:
-    """A PEFT adapter of `base` with random (non-zero) A and B, so it changes the output."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
-    config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False
-    )
-    get_peft_model(model, config).save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")

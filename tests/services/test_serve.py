@@ -200,7 +200,7 @@ STARTUP_LINES = (
 )
 """The worker's start-up phases, in order, each with its duration (a progress bar for the
 weights); the tokenizer's own load is `TOKENIZER_LINE`."""
-TOKENIZER_LINE = r"tokenizer INFO engine\.model\.loader: tokenizer: loaded in \d+\.\d s"
+TOKENIZER_LINE = r"tokenizer INFO engine\.model\.tokenizer_cache: tokenizer: loaded in \d+\.\d s"
 
 
 @pytest.mark.timeout(300)
