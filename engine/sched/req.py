@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.finish_reason import FinishReason
-from engine.sched.req_state import GrammarState, KVState, LogprobState
+from engine.sched.req_state import GrammarState, KVState, LogprobState, OutputCursor, OutputRead
 
 if TYPE_CHECKING:
     from engine.speculative.draft_state import DraftState
-
-
-class OutputRead(NamedTuple):
-    """A read of a request's output (`Req.read_output`)."""
-
-    start: int
-    """The first output index the read returns."""
-    rollback: int
-    """How many ids returned before it replaces: they start at `start` too."""
 
 
 class ReqSpec(Protocol):
@@ -53,7 +44,8 @@ class ReqStatus(enum.Enum):
 @dataclass(eq=False)
 class Req:
     """One request: what was asked, its tokens and where it stands; the state one
-    manager owns sits in that manager's object (`kv`, `logprobs`, `grammar`, `draft_state`)."""
+    manager owns sits in that manager's object (`kv`, `logprobs`, `grammar`, `output_cursor`,
+    `draft_state`)."""
 
     rid: str
     origin_input_ids: list[int]
@@ -65,7 +57,6 @@ class Req:
     routing_key: str | None = None
     lora_name: str | None = None
     """The LoRA adapter it runs under (None: the base model); joins `extra_key`."""
-    eos_token_ids: frozenset[int] = frozenset()
     stop_ids: frozenset[int] = frozenset()
     """The token ids that end it: its `stop_token_ids`, and the model's EOS unless
     `ignore_eos` (set on submission, so the per-token check is one set lookup)."""
@@ -89,11 +80,8 @@ class Req:
     """Its output and prompt logprobs so far (`OutputProcessor`'s)."""
     grammar: GrammarState = field(default_factory=GrammarState)
     """Its grammar's compile, then matcher (`GrammarQueue`'s, then `OutputProcessor`'s)."""
-    output_rollback: int = 0
-    """Output ids a jump-forward replaced (re-encoded with the forced text) since the
-    output was last read (`read_output`)."""
-    output_read: int = 0
-    """Output ids the reader of the output (the worker, or the offline stream) has taken."""
+    output_cursor: OutputCursor = field(default_factory=OutputCursor)
+    """Where the output's one reader stands (`read_output`)."""
     draft_state: DraftState | None = None
     """Its speculative decoding state (engine/speculative/'s), None until it first drafts."""
 
@@ -151,11 +139,7 @@ class Req:
         """What of the output is new since the last read, for its one reader: the ids from
         `start` on, the first `rollback` of which replace the last ids the previous reads
         returned (a jump-forward re-encoded them; never more than were read)."""
-        rollback = min(self.output_rollback, self.output_read)
-        start = self.output_read - rollback
-        self.output_rollback = 0
-        self.output_read = len(self.output_ids)
-        return OutputRead(start, rollback)
+        return self.output_cursor.take(len(self.output_ids))
 
     @property
     def max_prefix_len(self) -> int:
@@ -177,7 +161,6 @@ class Req:
         ignores it), and whether it is a plain decode: no logprobs, stop strings or grammar,
         so that a step's result for it takes the short path."""
         params = self.sampling_params
-        self.eos_token_ids = eos_token_ids
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids
         )

@@ -1,12 +1,13 @@
 """The parts of a request's state that one manager each owns, as small typed objects on
 the `Req`: its KV (`CacheManager`), its logprobs (`OutputProcessor`) and its grammar
-(`GrammarQueue`, then `OutputProcessor`). Its drafting state is speculative decoding's
+(`GrammarQueue`, then `OutputProcessor`), and where the one reader of its output stands.
+Its drafting state is speculative decoding's
 (`engine.speculative.draft_state.DraftState`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -53,3 +54,34 @@ class GrammarState:
 
     pending: PendingGrammar | None = None
     matcher: GrammarMatcher | ReasoningGrammarMatcher | None = None
+
+
+class OutputRead(NamedTuple):
+    """A read of a request's output (`Req.read_output`)."""
+
+    start: int
+    """The first output index the read returns."""
+    rollback: int
+    """How many ids returned before it replaces: they start at `start` too."""
+
+
+@dataclass
+class OutputCursor:
+    """Where the one reader of a request's output (the worker, or the offline stream)
+    stands; `OutputProcessor` records a jump-forward's rollback here."""
+
+    read: int = 0
+    """Output ids the reader has taken."""
+    rollback: int = 0
+    """Output ids a jump-forward replaced (re-encoded with the forced text) since the
+    output was last read."""
+
+    def take(self, output_len: int) -> OutputRead:
+        """What of an output of `output_len` ids is new since the last read: the ids from
+        `start` on, the first `rollback` of which replace the last ids the previous reads
+        returned (a jump-forward re-encoded them; never more than were read)."""
+        rollback = min(self.rollback, self.read)
+        start = self.read - rollback
+        self.rollback = 0
+        self.read = output_len
+        return OutputRead(start, rollback)
