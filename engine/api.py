@@ -150,7 +150,7 @@ def _meta(req: Req) -> GenerateMeta:
     return GenerateMeta(
         prompt_tokens=len(req.origin_input_ids),
         completion_tokens=len(req.output_ids),
-        cached_tokens=req.cached_tokens or 0,
+        cached_tokens=req.prefill.cached_tokens or 0,
         finish_reason=req.finished_reason,
         output_token_logprobs=list(req.logprobs.output_token) if params.logprobs else None,
         output_top_logprobs=list(req.logprobs.output_top)

@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING, Protocol
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.finish_reason import FinishReason
-from engine.sched.req_state import GrammarState, KVState, LogprobState, OutputCursor, OutputRead
+from engine.sched.req_state import (
+    GrammarState,
+    KVState,
+    LogprobState,
+    OutputCursor,
+    OutputRead,
+    PrefillState,
+    StopCriteria,
+)
 
 if TYPE_CHECKING:
     from engine.speculative.draft_state import DraftState
@@ -44,8 +52,8 @@ class ReqStatus(enum.Enum):
 @dataclass(eq=False)
 class Req:
     """One request: what was asked, its tokens and where it stands; the state one
-    manager owns sits in that manager's object (`kv`, `logprobs`, `grammar`, `output_cursor`,
-    `draft_state`)."""
+    manager owns sits in that manager's object (`stop`, `prefill`, `kv`, `logprobs`, `grammar`,
+    `output_cursor`, `draft_state`)."""
 
     rid: str
     origin_input_ids: list[int]
@@ -57,24 +65,16 @@ class Req:
     routing_key: str | None = None
     lora_name: str | None = None
     """The LoRA adapter it runs under (None: the base model); joins `extra_key`."""
-    stop_ids: frozenset[int] = frozenset()
-    """The token ids that end it: its `stop_token_ids`, and the model's EOS unless
-    `ignore_eos` (set on submission, so the per-token check is one set lookup)."""
-    plain_decode: bool = False
-    """No logprobs, grammar or stop strings: only a stop token or the length can end a
-    decode step of it (set on submission; the scheduler's short path)."""
+    stop: StopCriteria = field(default_factory=StopCriteria)
+    """What ends it (set on submission)."""
     status: ReqStatus = ReqStatus.WAITING
     finished_reason: FinishReason | None = None
 
     kv: KVState = field(default_factory=KVState)
     """Its row, slots and prefix-cache lock (`CacheManager`'s)."""
 
-    extend_input_len: int = 0
-    """Tokens this round's prefill computes (after the radix hit; truncated when chunked)."""
-    is_chunked: bool = False
-    """Its prefill was cut by --chunked-prefill-size and continues next round."""
-    cached_tokens: int | None = None
-    """Radix hit at first admission (None until admitted), reported as `cached_tokens`."""
+    prefill: PrefillState = field(default_factory=PrefillState)
+    """Its prefill progress (the prefill adder's and manager's)."""
     num_retractions: int = 0
     logprobs: LogprobState = field(default_factory=LogprobState)
     """Its output and prompt logprobs so far (`OutputProcessor`'s)."""
@@ -155,16 +155,6 @@ class Req:
     def all_token_ids(self) -> list[int]:
         """Prompt plus output: also what a retracted request prefills again."""
         return self.origin_input_ids + self.output_ids
-
-    def set_stops(self, eos_token_ids: frozenset[int]) -> None:
-        """The token ids that end it (its stop_token_ids, and the model's EOS unless it
-        ignores it), and whether it is a plain decode: no logprobs, stop strings or grammar,
-        so that a step's result for it takes the short path."""
-        params = self.sampling_params
-        self.stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else eos_token_ids
-        )
-        self.plain_decode = not (params.logprobs or params.stop or params.grammar is not None)
 
     @property
     def needs_output_history(self) -> bool:

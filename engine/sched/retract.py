@@ -24,7 +24,7 @@ class RetractResult(NamedTuple):
 def release_req(req: Req, cache_manager: CacheManager) -> None:
     """Free a request's KV without caching it, and send it back to waiting."""
     cache_manager.free_req(req)
-    req.is_chunked = False
+    req.prefill.is_chunked = False
     req.status = ReqStatus.WAITING
 
 

@@ -137,7 +137,7 @@ class WorkerOutputMixin(Service):
             finished_reasons=[e.req.finished_reason for e in entries],
             prompt_tokens=[len(e.req.origin_input_ids) for e in entries],
             completion_tokens=[len(e.req.output_ids) for e in entries],
-            cached_tokens=[e.req.cached_tokens or 0 for e in entries],
+            cached_tokens=[e.req.prefill.cached_tokens or 0 for e in entries],
             new_reqs=[_detokenizer_state(e.req) for e in entries if e.first],
             output_token_logprobs_val=logprobs if want_logprobs else None,
             output_top_logprobs_val=top_val if want_top else None,
@@ -198,7 +198,7 @@ class WorkerOutputMixin(Service):
             **attributes,
             **{
                 "radixserve.prompt_tokens": len(req.origin_input_ids),
-                "radixserve.cached_tokens": req.cached_tokens or 0,  # set at admission
+                "radixserve.cached_tokens": req.prefill.cached_tokens or 0,  # set at admission
             },
         )
         if state.first_token is not None:
