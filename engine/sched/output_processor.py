@@ -269,7 +269,7 @@ class OutputProcessor:
         del req.output_ids[len(req.output_ids) - plan.rollback :]
         req.output_ids += plan.token_ids
         req.output_cursor.rollback = plan.rollback
-        req.status = ReqStatus.WAITING
+        req.lifecycle.status = ReqStatus.WAITING
         self.stats.jump_forwards += 1
         self.stats.jump_forward_tokens += len(plan.token_ids) - plan.rollback
 

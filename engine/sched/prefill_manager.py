@@ -112,7 +112,7 @@ class PrefillManager:
                 self.stats.cache_query_tokens += len(req.origin_input_ids)
                 if self.stats.observer is not None:
                     self.stats.observer.on_admit(req)
-            req.status = ReqStatus.RUNNING
+            req.lifecycle.status = ReqStatus.RUNNING
             self.stats.prefill_tokens += req.prefill.extend_input_len
         self.chunked_req = adder.new_chunked_req
         return Admitted(adder.can_run_list, mixed)

@@ -49,10 +49,20 @@ class ReqStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+@dataclass
+class Lifecycle:
+    """A request's stage: the scheduler admits it and retraction sends it back to waiting;
+    `Req.finish` ends it (the output processor, aborts, failures)."""
+
+    status: ReqStatus = ReqStatus.WAITING
+    finished_reason: FinishReason | None = None
+    num_retractions: int = 0
+
+
 @dataclass(eq=False)
 class Req:
-    """One request: what was asked, its tokens and where it stands; the state one
-    manager owns sits in that manager's object (`stop`, `prefill`, `kv`, `logprobs`, `grammar`,
+    """One request: what was asked and its tokens; the state one manager owns sits in that
+    manager's object (`stop`, `lifecycle`, `prefill`, `kv`, `logprobs`, `grammar`,
     `output_cursor`, `draft_state`)."""
 
     rid: str
@@ -67,15 +77,15 @@ class Req:
     """The LoRA adapter it runs under (None: the base model); joins `extra_key`."""
     stop: StopCriteria = field(default_factory=StopCriteria)
     """What ends it (set on submission)."""
-    status: ReqStatus = ReqStatus.WAITING
-    finished_reason: FinishReason | None = None
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    """Where it stands: waiting, running or finished (the scheduler's), and how often
+    retraction sent it back."""
 
     kv: KVState = field(default_factory=KVState)
     """Its row, slots and prefix-cache lock (`CacheManager`'s)."""
 
     prefill: PrefillState = field(default_factory=PrefillState)
     """Its prefill progress (the prefill adder's and manager's)."""
-    num_retractions: int = 0
     logprobs: LogprobState = field(default_factory=LogprobState)
     """Its output and prompt logprobs so far (`OutputProcessor`'s)."""
     grammar: GrammarState = field(default_factory=GrammarState)
@@ -108,7 +118,7 @@ class Req:
 
     @property
     def finished(self) -> bool:
-        return self.status is ReqStatus.FINISHED
+        return self.lifecycle.status is ReqStatus.FINISHED
 
     @property
     def prompt_logprobs_pending(self) -> bool:
@@ -171,8 +181,8 @@ class Req:
         )
 
     def finish(self, reason: FinishReason) -> None:
-        self.status = ReqStatus.FINISHED
-        self.finished_reason = reason
+        self.lifecycle.status = ReqStatus.FINISHED
+        self.lifecycle.finished_reason = reason
 
 
 def take_by_rid(reqs: list[Req], rid: str) -> Req | None:

@@ -93,7 +93,7 @@ class Scheduler(SchedulerStatus):
         if self.args.enable_deterministic_inference and req.sampling_params.seed is None:
             req.sampling_params.seed = self.args.random_seed  # same request, same draws
         req.stop = StopCriteria.of(req.sampling_params, frozenset(self.model_config.eos_token_ids))
-        req.status = ReqStatus.WAITING
+        req.lifecycle.status = ReqStatus.WAITING
         grammar = req.sampling_params.grammar
         if grammar is not None:
             self.grammar_queue.submit(req, grammar)
