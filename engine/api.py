@@ -138,7 +138,7 @@ class Engine:
         detok = self._detokenizer(req)
         text = ""
         if detok is not None:
-            detok.add_tokens(text_ids(req.output_ids, req.finished_reason), finished=True)
+            detok.add_tokens(text_ids(req.output_ids, req.lifecycle.finished_reason), finished=True)
             text = detok.final_text()
         return GenerateResult(text, list(req.output_ids), _meta(req))
 
@@ -150,8 +150,8 @@ def _meta(req: Req) -> GenerateMeta:
     return GenerateMeta(
         prompt_tokens=len(req.origin_input_ids),
         completion_tokens=len(req.output_ids),
-        cached_tokens=req.cached_tokens or 0,
-        finish_reason=req.finished_reason,
+        cached_tokens=req.prefill.cached_tokens or 0,
+        finish_reason=req.lifecycle.finished_reason,
         output_token_logprobs=list(req.logprobs.output_token) if params.logprobs else None,
         output_top_logprobs=list(req.logprobs.output_top)
         if params.logprobs and params.top_logprobs_num

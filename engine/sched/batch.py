@@ -69,9 +69,9 @@ class ScheduleBatch:
             if req.kv.req_pool_idx is None:
                 cache_manager.alloc_row(req)
             start = req.kv.allocated_len
-            input_ids += req.all_token_ids()[start : start + req.extend_input_len]
+            input_ids += req.all_token_ids()[start : start + req.prefill.extend_input_len]
             prefix_lens.append(start)
-            extend_lens.append(req.extend_input_len)
+            extend_lens.append(req.prefill.extend_input_len)
             rows.append(req_row(req))
         sampling_rows = SamplingRows.from_params(
             [r.sampling_params for r in extend_reqs], vocab_size
@@ -110,7 +110,7 @@ class ScheduleBatch:
         sampling_info = SamplingBatchInfo.from_rows(sampling_rows, vocab_size, device)
         if bool(sampling_rows.needs_req_state.any()):
             sampling_info.add_req_state(reqs, sampling_rows, eos_token_ids)
-        chunked = frozenset(id(r) for r in extend_reqs if r.is_chunked)
+        chunked = frozenset(id(r) for r in extend_reqs if r.prefill.is_chunked)
         sampling_info.vocab_mask, faults = build_vocab_mask(reqs, chunked, vocab_size, device)
         return cls(
             reqs,

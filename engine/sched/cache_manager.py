@@ -63,7 +63,7 @@ class CacheManager:
         req.kv.prefix_indices, req.kv.last_node = self.tree_cache.match_prefix(
             RadixKey(fill_ids[: req.max_prefix_len], req.extra_key)
         )
-        req.extend_input_len = len(fill_ids) - len(req.kv.prefix_indices)
+        req.prefill.extend_input_len = len(fill_ids) - len(req.kv.prefix_indices)
 
     def lock(self, req: Req) -> None:
         """Pin the request's matched prefix: locked slots are never evicted."""

@@ -70,8 +70,8 @@ class GrammarQueue:
                     done.ready.append(req)
                     done.ready_rids.append(req.rid)
                 continue
-            assert req.finished_reason is not None, "finished just above"
-            done.failed.append((req.rid, req.finished_reason))
+            assert req.lifecycle.finished_reason is not None, "finished just above"
+            done.failed.append((req.rid, req.lifecycle.finished_reason))
         self.reqs = still_compiling
         return done
 

@@ -127,8 +127,8 @@ class OutputProcessor:
             output_ids.append(token)
             generated += 1
             if (
-                req.plain_decode
-                and token not in req.stop_ids
+                req.stop.plain_decode
+                and token not in req.stop.stop_ids
                 and len(output_ids) < req.sampling_params.max_new_tokens
             ):
                 outputs.append(req)
@@ -225,7 +225,7 @@ class OutputProcessor:
             return FinishReason("length")
         if num_output >= params.min_new_tokens:
             token = req.output_ids[-1]
-            if token in req.stop_ids:
+            if token in req.stop.stop_ids:
                 return FinishReason("stop", matched=token)
             if params.stop and self.stop_strings is not None:
                 matched = self.stop_strings.match(
@@ -269,7 +269,7 @@ class OutputProcessor:
         del req.output_ids[len(req.output_ids) - plan.rollback :]
         req.output_ids += plan.token_ids
         req.output_cursor.rollback = plan.rollback
-        req.status = ReqStatus.WAITING
+        req.lifecycle.status = ReqStatus.WAITING
         self.stats.jump_forwards += 1
         self.stats.jump_forward_tokens += len(plan.token_ids) - plan.rollback
 

@@ -71,17 +71,17 @@ class PrefillAdder:
 
     def add_chunked_req(self, req: Req) -> None:
         """Continue a chunked prefill first, before any newcomer: it was admitted already."""
-        req.extend_input_len = len(req.all_token_ids()) - req.kv.allocated_len
+        req.prefill.extend_input_len = len(req.all_token_ids()) - req.kv.allocated_len
         self._add_prefill(req, max_new_tokens=0)
 
     def add_one_req(self, req: Req) -> AddReqResult:
         """Admit `req` (matched by `CacheManager.match_req`) if it fits; lock its prefix."""
-        total_tokens = req.extend_input_len + min(
+        total_tokens = req.prefill.extend_input_len + min(
             req.sampling_params.max_new_tokens, self.clip_max_new_tokens
         )
         if total_tokens > self.rem_total_tokens:
             return AddReqResult.NO_TOKEN
-        if req.extend_input_len > self.rem_input_tokens and self.can_run_list:
+        if req.prefill.extend_input_len > self.rem_input_tokens and self.can_run_list:
             return AddReqResult.OTHER
         self.cache_manager.lock(req)
         if total_tokens > self.rem_total_tokens:  # the lock took the prefix out of `evictable`
@@ -94,15 +94,18 @@ class PrefillAdder:
 
     def _add_prefill(self, req: Req, max_new_tokens: int) -> None:
         """Admit `req`, truncated to the chunk budget if it does not fit in one piece."""
-        if self.rem_chunk_tokens is not None and req.extend_input_len > self.rem_chunk_tokens:
-            req.extend_input_len = self.rem_chunk_tokens
-            req.is_chunked = True
+        if (
+            self.rem_chunk_tokens is not None
+            and req.prefill.extend_input_len > self.rem_chunk_tokens
+        ):
+            req.prefill.extend_input_len = self.rem_chunk_tokens
+            req.prefill.is_chunked = True
             self.new_chunked_req = req
             max_new_tokens = 0
         else:
-            req.is_chunked = False
+            req.prefill.is_chunked = False
         self.can_run_list.append(req)
-        self.rem_total_token_offset += req.extend_input_len + max_new_tokens
-        self.rem_input_tokens -= req.extend_input_len
+        self.rem_total_token_offset += req.prefill.extend_input_len + max_new_tokens
+        self.rem_input_tokens -= req.prefill.extend_input_len
         if self.rem_chunk_tokens is not None:
-            self.rem_chunk_tokens -= req.extend_input_len
+            self.rem_chunk_tokens -= req.prefill.extend_input_len

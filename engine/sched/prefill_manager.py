@@ -106,13 +106,13 @@ class PrefillManager:
         admitted = {id(r) for r in adder.can_run_list}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
         for req in adder.can_run_list:
-            if req.cached_tokens is None:  # first admission: count the radix hit once
-                req.cached_tokens = len(req.kv.prefix_indices)
+            if req.prefill.cached_tokens is None:  # first admission: count the radix hit once
+                req.prefill.cached_tokens = len(req.kv.prefix_indices)
                 self.stats.cache_hit_tokens += len(req.kv.prefix_indices)
                 self.stats.cache_query_tokens += len(req.origin_input_ids)
                 if self.stats.observer is not None:
                     self.stats.observer.on_admit(req)
-            req.status = ReqStatus.RUNNING
-            self.stats.prefill_tokens += req.extend_input_len
+            req.lifecycle.status = ReqStatus.RUNNING
+            self.stats.prefill_tokens += req.prefill.extend_input_len
         self.chunked_req = adder.new_chunked_req
         return Admitted(adder.can_run_list, mixed)

@@ -9,7 +9,15 @@ from typing import TYPE_CHECKING, Protocol
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.finish_reason import FinishReason
-from engine.sched.req_state import GrammarState, KVState, LogprobState, OutputCursor, OutputRead
+from engine.sched.req_state import (
+    GrammarState,
+    KVState,
+    LogprobState,
+    OutputCursor,
+    OutputRead,
+    PrefillState,
+    StopCriteria,
+)
 
 if TYPE_CHECKING:
     from engine.speculative.draft_state import DraftState
@@ -41,11 +49,21 @@ class ReqStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+@dataclass
+class Lifecycle:
+    """A request's stage: the scheduler admits it and retraction sends it back to waiting;
+    `Req.finish` ends it (the output processor, aborts, failures)."""
+
+    status: ReqStatus = ReqStatus.WAITING
+    finished_reason: FinishReason | None = None
+    num_retractions: int = 0
+
+
 @dataclass(eq=False)
 class Req:
-    """One request: what was asked, its tokens and where it stands; the state one
-    manager owns sits in that manager's object (`kv`, `logprobs`, `grammar`, `output_cursor`,
-    `draft_state`)."""
+    """One request: what was asked and its tokens; the state one manager owns sits in that
+    manager's object (`stop`, `lifecycle`, `prefill`, `kv`, `logprobs`, `grammar`,
+    `output_cursor`, `draft_state`)."""
 
     rid: str
     origin_input_ids: list[int]
@@ -57,25 +75,17 @@ class Req:
     routing_key: str | None = None
     lora_name: str | None = None
     """The LoRA adapter it runs under (None: the base model); joins `extra_key`."""
-    stop_ids: frozenset[int] = frozenset()
-    """The token ids that end it: its `stop_token_ids`, and the model's EOS unless
-    `ignore_eos` (set on submission, so the per-token check is one set lookup)."""
-    plain_decode: bool = False
-    """No logprobs, grammar or stop strings: only a stop token or the length can end a
-    decode step of it (set on submission; the scheduler's short path)."""
-    status: ReqStatus = ReqStatus.WAITING
-    finished_reason: FinishReason | None = None
+    stop: StopCriteria = field(default_factory=StopCriteria)
+    """What ends it (set on submission)."""
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
+    """Where it stands: waiting, running or finished (the scheduler's), and how often
+    retraction sent it back."""
 
     kv: KVState = field(default_factory=KVState)
     """Its row, slots and prefix-cache lock (`CacheManager`'s)."""
 
-    extend_input_len: int = 0
-    """Tokens this round's prefill computes (after the radix hit; truncated when chunked)."""
-    is_chunked: bool = False
-    """Its prefill was cut by --chunked-prefill-size and continues next round."""
-    cached_tokens: int | None = None
-    """Radix hit at first admission (None until admitted), reported as `cached_tokens`."""
-    num_retractions: int = 0
+    prefill: PrefillState = field(default_factory=PrefillState)
+    """Its prefill progress (the prefill adder's and manager's)."""
     logprobs: LogprobState = field(default_factory=LogprobState)
     """Its output and prompt logprobs so far (`OutputProcessor`'s)."""
     grammar: GrammarState = field(default_factory=GrammarState)
@@ -108,7 +118,7 @@ class Req:
 
     @property
     def finished(self) -> bool:
-        return self.status is ReqStatus.FINISHED
+        return self.lifecycle.status is ReqStatus.FINISHED
 
     @property
     def prompt_logprobs_pending(self) -> bool:
@@ -156,16 +166,6 @@ class Req:
         """Prompt plus output: also what a retracted request prefills again."""
         return self.origin_input_ids + self.output_ids
 
-    def set_stops(self, eos_token_ids: frozenset[int]) -> None:
-        """The token ids that end it (its stop_token_ids, and the model's EOS unless it
-        ignores it), and whether it is a plain decode: no logprobs, stop strings or grammar,
-        so that a step's result for it takes the short path."""
-        params = self.sampling_params
-        self.stop_ids = frozenset(params.stop_token_ids) | (
-            frozenset() if params.ignore_eos else eos_token_ids
-        )
-        self.plain_decode = not (params.logprobs or params.stop or params.grammar is not None)
-
     @property
     def needs_output_history(self) -> bool:
         """Its sampling reads the output so far on the CPU side: penalties, min_new_tokens,
@@ -181,8 +181,8 @@ class Req:
         )
 
     def finish(self, reason: FinishReason) -> None:
-        self.status = ReqStatus.FINISHED
-        self.finished_reason = reason
+        self.lifecycle.status = ReqStatus.FINISHED
+        self.lifecycle.finished_reason = reason
 
 
 def take_by_rid(reqs: list[Req], rid: str) -> Req | None:

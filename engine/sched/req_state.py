@@ -1,6 +1,8 @@
 """The parts of a request's state that one manager each owns, as small typed objects on
-the `Req`: its KV (`CacheManager`), its logprobs (`OutputProcessor`) and its grammar
-(`GrammarQueue`, then `OutputProcessor`), and where the one reader of its output stands.
+the `Req`: what ends it (set on submission), its prefill progress (`PrefillAdder`,
+`CacheManager`, `PrefillManager`), its KV (`CacheManager`), its logprobs
+(`OutputProcessor`) and its grammar (`GrammarQueue`, then `OutputProcessor`), and where
+the one reader of its output stands.
 Its drafting state is speculative decoding's
 (`engine.speculative.draft_state.DraftState`)."""
 
@@ -14,6 +16,41 @@ import torch
 if TYPE_CHECKING:
     from engine.cache.base_prefix_cache import CacheHandle
     from engine.grammar import GrammarMatcher, PendingGrammar, ReasoningGrammarMatcher
+    from engine.sampling.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class StopCriteria:
+    """What can end a request, fixed on submission so that the per-token check is one set
+    lookup and a plain decode takes the scheduler's short path."""
+
+    stop_ids: frozenset[int] = frozenset()
+    """The token ids that end it: its `stop_token_ids`, and the model's EOS unless
+    `ignore_eos`."""
+    plain_decode: bool = False
+    """No logprobs, grammar or stop strings: only a stop token or the length can end a
+    decode step of it."""
+
+    @classmethod
+    def of(cls, params: SamplingParams, eos_token_ids: frozenset[int]) -> StopCriteria:
+        return cls(
+            frozenset(params.stop_token_ids)
+            | (frozenset() if params.ignore_eos else eos_token_ids),
+            not (params.logprobs or params.stop or params.grammar is not None),
+        )
+
+
+@dataclass
+class PrefillState:
+    """A request's prefill progress: `PrefillAdder` sizes this round's (`CacheManager` sets
+    it from the radix hit), `PrefillManager` records the first admission's hit."""
+
+    extend_input_len: int = 0
+    """Tokens this round's prefill computes (after the radix hit; truncated when chunked)."""
+    is_chunked: bool = False
+    """Its prefill was cut by --chunked-prefill-size and continues next round."""
+    cached_tokens: int | None = None
+    """Radix hit at first admission (None until admitted), reported as `cached_tokens`."""
 
 
 @dataclass

@@ -24,8 +24,8 @@ class RetractResult(NamedTuple):
 def release_req(req: Req, cache_manager: CacheManager) -> None:
     """Free a request's KV without caching it, and send it back to waiting."""
     cache_manager.free_req(req)
-    req.is_chunked = False
-    req.status = ReqStatus.WAITING
+    req.prefill.is_chunked = False
+    req.lifecycle.status = ReqStatus.WAITING
 
 
 def retract_decode(reqs: list[Req], cache_manager: CacheManager) -> RetractResult:
@@ -50,7 +50,7 @@ def retract_decode(reqs: list[Req], cache_manager: CacheManager) -> RetractResul
             return RetractResult([], retracted, last)
         req = order.pop()
         release_req(req, cache_manager)
-        req.num_retractions += 1
+        req.lifecycle.num_retractions += 1
         retracted.append(req)
     kept_ids = {id(r) for r in order}
     return RetractResult([r for r in reqs if id(r) in kept_ids], retracted, None)

@@ -34,6 +34,7 @@ from engine.sched.batch import ScheduleBatch
 from engine.sched.batch_result import BatchResult, PendingResult
 from engine.sched.managers import Managers
 from engine.sched.req import FinishReason, Req, ReqStatus
+from engine.sched.req_state import StopCriteria
 from engine.sched.retract import release_req
 from engine.sched.status import SchedulerStatus
 from engine.sched.tp_sync import (
@@ -91,8 +92,8 @@ class Scheduler(SchedulerStatus):
         self.lora.check_request(req)
         if self.args.enable_deterministic_inference and req.sampling_params.seed is None:
             req.sampling_params.seed = self.args.random_seed  # same request, same draws
-        req.set_stops(frozenset(self.model_config.eos_token_ids))
-        req.status = ReqStatus.WAITING
+        req.stop = StopCriteria.of(req.sampling_params, frozenset(self.model_config.eos_token_ids))
+        req.lifecycle.status = ReqStatus.WAITING
         grammar = req.sampling_params.grammar
         if grammar is not None:
             self.grammar_queue.submit(req, grammar)
@@ -303,7 +304,7 @@ class Scheduler(SchedulerStatus):
         if admitted is None:
             return None
         batch = self._prepare(admitted.reqs, admitted.with_decodes)
-        self.running.add([r for r in admitted.reqs if not r.is_chunked])
+        self.running.add([r for r in admitted.reqs if not r.prefill.is_chunked])
         return batch
 
     def update_running_batch(self) -> ScheduleBatch | None:

@@ -134,10 +134,10 @@ class WorkerOutputMixin(Service):
         out = BatchTokenIDOutput(
             rids=[e.req.rid for e in entries],
             output_ids=[e.req.output_ids[e.start :] for e in entries],
-            finished_reasons=[e.req.finished_reason for e in entries],
+            finished_reasons=[e.req.lifecycle.finished_reason for e in entries],
             prompt_tokens=[len(e.req.origin_input_ids) for e in entries],
             completion_tokens=[len(e.req.output_ids) for e in entries],
-            cached_tokens=[e.req.cached_tokens or 0 for e in entries],
+            cached_tokens=[e.req.prefill.cached_tokens or 0 for e in entries],
             new_reqs=[_detokenizer_state(e.req) for e in entries if e.first],
             output_token_logprobs_val=logprobs if want_logprobs else None,
             output_top_logprobs_val=top_val if want_top else None,
@@ -179,7 +179,7 @@ class WorkerOutputMixin(Service):
     def trace_finished(self, req: Req, state: ReqState, now: float) -> None:
         """The request's worker spans, from the times kept while it ran: queue wait until
         its first admission, prefill until its first token, decode until now."""
-        tracing, carrier, reason = self.tracing, state.trace_context, req.finished_reason
+        tracing, carrier, reason = self.tracing, state.trace_context, req.lifecycle.finished_reason
         if tracing is None or reason is None:
             return
         error = (reason.message or "aborted") if reason.type == "abort" else None
@@ -198,7 +198,7 @@ class WorkerOutputMixin(Service):
             **attributes,
             **{
                 "radixserve.prompt_tokens": len(req.origin_input_ids),
-                "radixserve.cached_tokens": req.cached_tokens or 0,  # set at admission
+                "radixserve.cached_tokens": req.prefill.cached_tokens or 0,  # set at admission
             },
         )
         if state.first_token is not None:
@@ -211,7 +211,7 @@ class WorkerOutputMixin(Service):
                 **attributes,
                 **{
                     "radixserve.completion_tokens": len(req.output_ids),
-                    "radixserve.retractions": req.num_retractions,
+                    "radixserve.retractions": req.lifecycle.num_retractions,
                 },
             )
 

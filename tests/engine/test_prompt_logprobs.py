@@ -194,8 +194,8 @@ def test_a_prompt_scored_in_a_mixed_batch_matches_scoring_it_alone(make_engine, 
 
     scheduler.run_event_loop(lambda: decoding.finished and scored.finished, arrive_mid_decode)
     assert scheduler.stats.forward_modes.get("mixed", 0) > 0
-    assert scored.output_ids == [] and scored.finished_reason is not None
-    assert scored.finished_reason.type == "length"
+    assert scored.output_ids == [] and scored.lifecycle.finished_reason is not None
+    assert scored.lifecycle.finished_reason.type == "length"
     assert scored.logprobs.input_token == pytest.approx(values(expected), abs=1e-9)
     assert len(decoding.output_ids) == 30
     assert_idle_and_leak_free(engine)
@@ -249,7 +249,9 @@ def test_an_abort_mid_chunked_prefill_frees_its_slots(make_engine):
     scheduler.run_event_loop(lambda: len(req.logprobs.input_token) > 8)
     assert req.prompt_logprobs_pending and scheduler.prefill.chunked_req is req
     scheduler.abort_request(req.rid)
-    assert req.finished_reason is not None and req.finished_reason.type == "abort"
+    assert (
+        req.lifecycle.finished_reason is not None and req.lifecycle.finished_reason.type == "abort"
+    )
     assert_idle_and_leak_free(engine)
 
 

@@ -125,7 +125,7 @@ def test_a_grammar_request_waits_in_the_grammar_queue_until_compiled(engine):
     )
     engine.scheduler.run_event_loop(lambda: req.finished)
     assert engine.tokenizer.decode(req.output_ids, skip_special_tokens=True) in ("a", "b")
-    assert req.finished_reason.type == "stop" and not engine.scheduler.has_work()
+    assert req.lifecycle.finished_reason.type == "stop" and not engine.scheduler.has_work()
 
 
 def test_grammars_need_a_tokenizer(make_engine):

@@ -90,12 +90,12 @@ def assert_failed_alone(
     reqs: list[Req], alone: list[list[int]], stage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     faulty, *mates = reqs
-    reason = faulty.finished_reason
+    reason = faulty.lifecycle.finished_reason
     assert reason is not None and reason.type == "abort"
     assert reason.status_code is None  # a server error: the client sees a 500
     assert f"internal server error while {stage}" in (reason.message or "")
     assert [r.output_ids for r in mates] == alone
-    assert [r.finished_reason.type for r in mates] == ["length", "length"]
+    assert [r.lifecycle.finished_reason.type for r in mates] == ["length", "length"]
     logged = [r for r in caplog.records if r.exc_info and faulty.rid in r.getMessage()]
     assert len(logged) == 1 and "boom" in str(logged[0].exc_info[1])
 

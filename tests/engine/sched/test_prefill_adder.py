@@ -59,7 +59,7 @@ def test_locking_the_matched_prefix_is_rechecked_against_the_budget():
     req = waiting(cache, "r", 0, 41)
     req.origin_input_ids = prompt + [7]
     cache.match_req(req)
-    assert (len(req.kv.prefix_indices), req.extend_input_len) == (60, 1)
+    assert (len(req.kv.prefix_indices), req.prefill.extend_input_len) == (60, 1)
     adder = make_adder(cache)
     assert adder.rem_total_tokens == 100  # 40 free + 60 evictable
     assert adder.add_one_req(req) is AddReqResult.NO_TOKEN
@@ -84,6 +84,10 @@ def test_chunked_prefill_truncates_to_the_chunk_and_reserves_no_output_yet():
     adder = make_adder(cache, chunk=64)
     req = waiting(cache, "long", 200, 16)
     assert adder.add_one_req(req) is AddReqResult.CONTINUE
-    assert (req.extend_input_len, req.is_chunked, adder.new_chunked_req) == (64, True, req)
+    assert (req.prefill.extend_input_len, req.prefill.is_chunked, adder.new_chunked_req) == (
+        64,
+        True,
+        req,
+    )
     assert adder.rem_chunk_tokens == 0 and adder.budget_exhausted()
     assert adder.rem_total_token_offset == 64

@@ -22,7 +22,7 @@ def running(cache: CacheManager, rid: str, input_len: int, output_len: int) -> R
     cache.req_to_token_pool.write(req.kv.req_pool_idx, 0, cache.alloc_slots(seqlen))
     req.kv.allocated_len = seqlen
     cache.commit(req, seqlen)
-    req.status = ReqStatus.RUNNING
+    req.lifecycle.status = ReqStatus.RUNNING
     return req
 
 
@@ -42,8 +42,8 @@ def test_retracts_fewest_outputs_then_longest_input_first_and_frees_without_cach
     assert [r.rid for r in result.kept] == ["old", "short-new", "mid"]
     assert result.aborted is None
     long_new = result.retracted[0]
-    assert long_new.status is ReqStatus.WAITING and long_new.kv.req_pool_idx is None
-    assert long_new.output_ids == [1] and long_new.num_retractions == 1
+    assert long_new.lifecycle.status is ReqStatus.WAITING and long_new.kv.req_pool_idx is None
+    assert long_new.output_ids == [1] and long_new.lifecycle.num_retractions == 1
     assert total_size(cache.tree_cache) == 0
     cache.check_integrity(result.kept)
 
@@ -52,8 +52,8 @@ def test_keeps_at_least_one_and_aborts_it_with_a_message_when_it_cannot_fit_alon
     cache = simulated_cache(num_slots=20, max_reqs=4)
     result = retract_decode([running(cache, "a", 16, 4)], cache)
     assert result.kept == [] and result.retracted == [] and result.aborted.rid == "a"
-    assert result.aborted.finished_reason.type == "abort"
-    assert "cannot hold" in result.aborted.finished_reason.message
+    assert result.aborted.lifecycle.finished_reason.type == "abort"
+    assert "cannot hold" in result.aborted.lifecycle.finished_reason.message
     assert cache.allocator.available_size() == 20
     cache.check_integrity()
     assert torch.equal(cache.allocator.free_slots().sort().values, torch.arange(1, 21))

@@ -119,7 +119,7 @@ def test_arrays_follow_mixed_sampling_parameters_finishes_and_aborts(make_engine
                 scheduler.abort_request(req.rid)
 
     run_checked(scheduler, reqs, abort_some)
-    assert sum(r.finished_reason.type == "abort" for r in reqs) == 3
+    assert sum(r.lifecycle.finished_reason.type == "abort" for r in reqs) == 3
     assert_idle_and_leak_free(engine)
 
 

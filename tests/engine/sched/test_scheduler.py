@@ -209,7 +209,7 @@ def test_forced_retraction_finishes_everything_identically_and_jumps_the_ratio(m
     assert checked > 0 and scheduler.stats.num_retractions > 0
     assert scheduler.stats.retracted_output_tokens > 0
     assert [r.output_ids for r in reqs] == ample
-    assert all(r.finished_reason.type == "length" for r in reqs)
+    assert all(r.lifecycle.finished_reason.type == "length" for r in reqs)
     assert_idle_and_leak_free(engine)
 
 
@@ -271,7 +271,12 @@ def test_aborting_waiting_and_running_requests_frees_all_their_slots(make_engine
     scheduler.abort_request("a0")
     scheduler.abort_request("a3")
     scheduler.run_event_loop(lambda: not scheduler.has_work())
-    assert [r.finished_reason.type for r in reqs] == ["abort", "length", "length", "abort"]
+    assert [r.lifecycle.finished_reason.type for r in reqs] == [
+        "abort",
+        "length",
+        "length",
+        "abort",
+    ]
     assert len(reqs[3].output_ids) == 0
     assert_idle_and_leak_free(engine)
 
