@@ -65,8 +65,9 @@ def test_rotation_equals_transformers(rope):
         128, 131072, ROPES[rope]["rope_theta"], None if rope == "default" else params
     )
     positions = torch.tensor([0, 1, 7, 8191, 8192, 100000, 131071])
-    q = torch.randn(len(positions), 8, 128, dtype=torch.float64)
-    k = torch.randn(len(positions), 2, 128, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)  # inputs independent of the tests run before
+    q = torch.randn(len(positions), 8, 128, dtype=torch.float64, generator=gen)
+    k = torch.randn(len(positions), 2, 128, dtype=torch.float64, generator=gen)
     q_hf, k_hf = rotate_like_transformers(config, positions, q, k)
     q_ours, k_ours = rotate_in_place(ours, positions, q, k)
     assert torch.equal(q_ours, q_hf) and torch.equal(k_ours, k_hf)
