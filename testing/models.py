@@ -20,6 +20,8 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     PretrainedConfig,
@@ -57,6 +59,20 @@ LLAMA3_ROPE: dict[str, Any] = dict(
     # some frequencies are kept, some divided by 8 and some interpolated.
     original_max_position_embeddings=64,
 )
+TINY_SLIDING_WINDOW = 8
+GEMMA3_OVERRIDES: dict[str, Any] = dict(
+    tie_word_embeddings=True,
+    head_dim=32,
+    sliding_window=TINY_SLIDING_WINDOW,
+    layer_types=["sliding_attention", "full_attention"],
+    query_pre_attn_scalar=24,  # not head_dim: a scale taken from the wrong place shows
+    rope_parameters={
+        "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
+        "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+    },
+)
+"""Gemma 3 in two layers, one sliding over 8 tokens and one global (whose rope alone is
+scaled, as in the 4B and larger models)."""
 TINY_ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[str, Any]]] = {
     "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=True)),
     "llama3_rope": (
@@ -70,10 +86,11 @@ TINY_ARCHS: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel], dict[
         dict(tie_word_embeddings=False, rope_parameters=dict(rope_theta=1e6)),
     ),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(tie_word_embeddings=True, head_dim=32)),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3_OVERRIDES),
 }
 """name -> (config class, model class, config overrides). Each variant exercises what the
 others do not: tied and untied output heads, llama3 RoPE scaling, Qwen2's q/k/v biases,
-Qwen3's q/k norms and a head width that is not hidden / heads."""
+Qwen3's q/k norms and a head width that is not hidden / heads, Gemma 3's sliding window."""
 TINY_LLAMA_CONTEXT = 8192
 """The context of `save_tiny_llama`'s model: longer than the service tests' KV pools, so a
 request can fit the context but never the pool."""

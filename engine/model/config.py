@@ -20,13 +20,22 @@ MODEL_TYPE_TO_ARCHITECTURE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
 }
 # general.architecture of a GGUF file -> the Hugging Face architecture whose weights it holds.
 GGUF_ARCH_TO_ARCHITECTURE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+"""Gemma 3 makes every sixth layer global; its GGUF does not say so (llama.cpp's rule)."""
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+"""The sliding layers' rope base of Gemma 3, which its GGUF does not carry either."""
 
 
 @dataclass(frozen=True)
@@ -35,8 +44,15 @@ class ModelConfig:
 
     `rope_scaling` is Hugging Face's rope parameters minus `rope_theta` (None for plain
     RoPE). `rope_freq_factors` is how llama.cpp stores llama3 scaling in a GGUF: one divisor
-    per rotary frequency. `context_len` is already capped by a sliding window, if any, since
-    attention inside the window is plain causal attention.
+    per rotary frequency.
+
+    `layer_types` names each layer's attention, `full_attention` or `sliding_attention`
+    (Hugging Face's words; empty: all full): a sliding layer's query at position p sees the
+    keys in (p - `sliding_window`, p]. Such layers rotate with `sliding_rope_theta` and no
+    scaling where that is set (Gemma 3's local layers). `query_scale` multiplies q.k (None:
+    1/sqrt(head_dim)); `embedding_scale` the embeddings, in the activations' dtype (Gemma:
+    sqrt(hidden)). `norm_weight_offset` is added to every RMSNorm weight at load: Gemma
+    checkpoints store w for its x * (1 + w), while its GGUF files store 1 + w already.
     """
 
     architecture: str
@@ -59,6 +75,13 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    sliding_rope_theta: float | None = None
+    query_scale: float | None = None
+    embedding_scale: float | None = None
+    norm_weight_offset: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -72,6 +95,32 @@ class ModelConfig:
                 f"rope type {rope_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"activation {self.hidden_act!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ACTIVATIONS)})"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"{len(self.layer_types)} layer types for {self.num_hidden_layers} layers"
+            )
+        unknown = set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise ValueError(f"layer types {sorted(unknown)} are not supported")
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a sliding_window")
+
+    def layer_window(self, layer_id: int) -> int | None:
+        """The sliding window of layer `layer_id`, None where it attends to everything."""
+        if self.layer_types and self.layer_types[layer_id] == SLIDING_ATTENTION:
+            return self.sliding_window
+        return None
+
+    @property
+    def is_hybrid_swa(self) -> bool:
+        """Some layers slide and some do not (SGLang's term): the KV of the two kinds
+        outlives the window differently."""
+        return SLIDING_ATTENTION in self.layer_types and FULL_ATTENTION in self.layer_types
 
     def get_num_kv_heads(self, tp_size: int) -> int:
         """KV heads per rank: an even share, or one (replicated) when the ranks outnumber
@@ -100,7 +149,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any] | str | os.PathLike[str]) -> ModelConfig:
-        """From a Hugging Face `config.json`: a dict, the file, or the directory holding it."""
+        """From a Hugging Face `config.json`: a dict, the file, or the directory holding it.
+        A multimodal Gemma 3 checkpoint is read as its text tower."""
         if isinstance(config, Mapping):
             hf: Mapping[str, Any] = config
         else:
@@ -110,12 +160,21 @@ class ModelConfig:
         architectures = hf.get("architectures") or [
             MODEL_TYPE_TO_ARCHITECTURE.get(model_type, model_type)
         ]
-        rope_theta, rope_scaling = _hf_rope(hf)
+        if "text_config" in hf:  # the text tower, whose config.json leaves out its defaults
+            from transformers import AutoConfig
+
+            text = AutoConfig.for_model(**hf["text_config"]).to_dict()
+            hf = {**text, **{k: hf[k] for k in ("eos_token_id", "bos_token_id") if k in hf}}
+            model_type = text["model_type"]
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hf.get(key) is not None:
+                raise ValueError(f"{key} is not supported (this config sets {hf[key]})")
+        gemma = model_type.startswith("gemma")
+        rope_theta, rope_scaling, sliding_rope_theta = _hf_rope(hf)
         attention_bias = bool(hf.get("attention_bias", False))
         context_len = hf["max_position_embeddings"]
-        if hf.get("use_sliding_window", True) and hf.get("sliding_window"):
-            context_len = min(context_len, hf["sliding_window"])
         eos = hf.get("eos_token_id")
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
         return cls(
             architecture=architectures[0],
             num_hidden_layers=hf["num_hidden_layers"],
@@ -123,21 +182,30 @@ class ModelConfig:
             intermediate_size=hf["intermediate_size"],
             num_attention_heads=hf["num_attention_heads"],
             num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            head_dim=head_dim,
             vocab_size=hf["vocab_size"],
             rms_norm_eps=hf["rms_norm_eps"],
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             context_len=context_len,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
             # Qwen2 always has q/k/v biases and no o_proj bias; Llama and Qwen3 say so in
             # attention_bias.
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_proj_bias=model_type != "qwen2" and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type == "qwen3" or gemma,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,),
+            hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+            layer_types=_hf_layer_types(hf, model_type),
+            sliding_window=hf.get("sliding_window"),
+            sliding_rope_theta=sliding_rope_theta,
+            query_scale=hf["query_pre_attn_scalar"] ** -0.5
+            if hf.get("query_pre_attn_scalar")
+            else None,
+            embedding_scale=hf["hidden_size"] ** 0.5 if gemma else None,
+            norm_weight_offset=1.0 if gemma else 0.0,
         )
 
     @classmethod
@@ -174,6 +242,10 @@ class ModelConfig:
         elif scaling_type != "none":
             raise ValueError(f"GGUF rope scaling {scaling_type!r} is not supported")
         rope_freqs = tensors.get("rope_freqs.weight")
+        num_layers = key(gguf.Keys.LLM.BLOCK_COUNT)
+        head_dim = key(gguf.Keys.Attention.KEY_LENGTH, hidden_size // num_heads)
+        gemma = arch == "gemma3"
+        layer_types = _every_nth_full(num_layers, GEMMA3_SLIDING_WINDOW_PATTERN) if gemma else ()
         eos_keys = (
             gguf.Keys.Tokenizer.EOS_ID,
             gguf.Keys.Tokenizer.EOT_ID,
@@ -181,12 +253,12 @@ class ModelConfig:
         )
         return cls(
             architecture=GGUF_ARCH_TO_ARCHITECTURE[arch],
-            num_hidden_layers=key(gguf.Keys.LLM.BLOCK_COUNT),
+            num_hidden_layers=num_layers,
             hidden_size=hidden_size,
             intermediate_size=key(gguf.Keys.LLM.FEED_FORWARD_LENGTH),
             num_attention_heads=num_heads,
             num_key_value_heads=key(gguf.Keys.Attention.HEAD_COUNT_KV, num_heads),
-            head_dim=key(gguf.Keys.Attention.KEY_LENGTH, hidden_size // num_heads),
+            head_dim=head_dim,
             vocab_size=vocab_size,
             rms_norm_eps=key(gguf.Keys.Attention.LAYERNORM_RMS_EPS),
             rope_theta=key(gguf.Keys.Rope.FREQ_BASE, 10000.0),
@@ -202,18 +274,67 @@ class ModelConfig:
             qk_norm="blk.0.attn_q_norm.weight" in tensors,
             bos_token_id=fields.get(gguf.Keys.Tokenizer.BOS_ID),
             eos_token_ids=tuple(dict.fromkeys(fields[k] for k in eos_keys if k in fields)),
+            hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+            layer_types=layer_types,
+            sliding_window=fields.get(gguf.Keys.Attention.SLIDING_WINDOW.format(arch=arch)),
+            sliding_rope_theta=GEMMA3_LOCAL_ROPE_THETA if gemma else None,
+            query_scale=_gemma3_gguf_query_scale(num_layers, hidden_size, num_heads, head_dim)
+            if gemma
+            else None,
+            embedding_scale=hidden_size**0.5 if gemma else None,
         )
 
 
-def _hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """rope_theta and the scaling parameters, from transformers 5 `rope_parameters` or the
-    older `rope_theta` + `rope_scaling` (whose type may be spelled `type`)."""
+def _gemma3_gguf_query_scale(
+    num_layers: int, hidden_size: int, num_heads: int, head_dim: int
+) -> float:
+    """llama.cpp's rule for a `gemma3` GGUF, which carries no `query_pre_attn_scalar`:
+    1/sqrt(head_dim), except the 27B model (62 layers), which scales by hidden / heads."""
+    return (hidden_size / num_heads if num_layers == 62 else head_dim) ** -0.5
+
+
+def _hf_rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None, float | None]:
+    """rope_theta and the scaling parameters of the full-attention layers, and the sliding
+    layers' own rope_theta where they have one: from transformers 5 `rope_parameters` (one
+    per layer type where they differ) or the older `rope_theta` + `rope_scaling` (whose type
+    may be spelled `type`) + Gemma 3's `rope_local_base_freq`."""
     params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    sliding_theta = config.get("rope_local_base_freq")
+    if FULL_ATTENTION in params:
+        sliding = params.get(SLIDING_ATTENTION) or {}
+        if sliding.get("rope_type", "default") != "default":
+            raise ValueError(f"sliding layers' rope type {sliding['rope_type']!r} is not supported")
+        sliding_theta = sliding.get("rope_theta", sliding_theta)
+        params = dict(params[FULL_ATTENTION])
     rope_theta = float(params.pop("rope_theta", config.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", params.pop("type", "default"))
+    sliding = None if sliding_theta is None else float(sliding_theta)
     if rope_type == "default":
-        return rope_theta, None
-    return rope_theta, {"rope_type": rope_type, **params}
+        return rope_theta, None, sliding
+    return rope_theta, {"rope_type": rope_type, **params}, sliding
+
+
+def _hf_layer_types(config: Mapping[str, Any], model_type: str) -> tuple[str, ...]:
+    """Each layer's attention: the config's `layer_types`, else what older configs imply (a
+    Gemma 3 sliding-window pattern; Mistral's window on every layer; Qwen2's from
+    `max_window_layers` on, when `use_sliding_window`)."""
+    layers = config["num_hidden_layers"]
+    if config.get("layer_types"):
+        return tuple(config["layer_types"])
+    if not config.get("sliding_window") or not config.get("use_sliding_window", True):
+        return ()
+    if model_type.startswith("gemma3"):
+        pattern = config.get("sliding_window_pattern", GEMMA3_SLIDING_WINDOW_PATTERN)
+        return _every_nth_full(layers, pattern)
+    first_sliding = config.get("max_window_layers", 0) if model_type == "qwen2" else 0
+    return tuple(SLIDING_ATTENTION if i >= first_sliding else FULL_ATTENTION for i in range(layers))
+
+
+def _every_nth_full(num_layers: int, n: int) -> tuple[str, ...]:
+    """Sliding layers with every `n`-th layer global (Gemma 3's pattern)."""
+    return tuple(
+        FULL_ATTENTION if (i + 1) % n == 0 else SLIDING_ATTENTION for i in range(num_layers)
+    )
 
 
 def _is_vocab_field(name: str) -> bool:

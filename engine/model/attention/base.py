@@ -20,6 +20,7 @@ class AttentionLayer:
     num_kv_heads: int
     head_dim: int
     scaling: float
+    sliding_window: int | None = None
 
 
 class CpuDecodeInputs(NamedTuple):

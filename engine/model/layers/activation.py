@@ -1,4 +1,4 @@
-"""The gated activation of the Llama MLP."""
+"""The gated activations of the MLPs: `act(gate) * up` over the fused gate_up projection."""
 
 from __future__ import annotations
 
@@ -28,3 +28,18 @@ class SiluAndMul(CustomOp):
         from engine.kernels.triton import layers as triton_layers  # imports Triton
 
         return triton_layers.silu_and_mul(x)
+
+
+class GeluAndMul(CustomOp):
+    """`gelu_tanh(gate) * up` (Gemma's `gelu_pytorch_tanh`), as torch ops on every device."""
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)
+
+
+GATED_ACTIVATIONS: dict[str, type[CustomOp]] = {
+    "silu": SiluAndMul,
+    "gelu_pytorch_tanh": GeluAndMul,
+}
+"""A config's `hidden_act` -> its gated layer (`ModelConfig` refuses any other)."""

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from engine.model.models.gemma3 import Gemma3ForCausalLM
 from engine.model.models.llama import LlamaForCausalLM
 from engine.model.models.qwen2 import Qwen2ForCausalLM
 from engine.model.models.qwen3 import Qwen3ForCausalLM
 
-# Every supported architecture is the Llama decoder with ModelConfig flags.
+# Every supported architecture is the Llama model with ModelConfig flags (Gemma 3 with a
+# layer of its own).
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

@@ -19,7 +19,7 @@ from engine.kernels.custom_op import cpu_kernels_on
 from engine.model.attention.base import AttentionBackend, AttentionLayer, CpuDecodeInputs
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
-from engine.model.layers.activation import SiluAndMul
+from engine.model.layers.activation import GATED_ACTIVATIONS
 from engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.model.layers.linear import (
     CheckpointTensor,
@@ -52,7 +52,7 @@ class LlamaMLP(nn.Module):
             config.hidden_size, {"gate": inter, "up": inter}, config.mlp_bias
         )
         self.down_proj = RowParallelLinear(inter, config.hidden_size, config.mlp_bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = GATED_ACTIVATIONS[config.hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -85,7 +85,12 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rotary_emb = rotary_emb
         layer = AttentionLayer(
-            layer_id, self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5
+            layer_id,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            config.query_scale or self.head_dim**-0.5,
+            sliding_window=config.layer_window(layer_id),
         )
         self.attn = RadixAttention(layer, attn_backend)
 
@@ -219,9 +224,19 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
+    """Embedding, decoder layers, final norm. What differs between families is config:
+    `embedding_scale`, and a second rotary table for the sliding layers where they rotate
+    with their own base (`sliding_rope_theta`); and the layer class (`decoder_layer`)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        attn_backend: AttentionBackend,
+        decoder_layer: type[nn.Module] = LlamaDecoderLayer,
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embedding_scale = config.embedding_scale
         self.rotary_emb = RotaryEmbedding(
             config.head_dim,
             config.context_len,
@@ -229,9 +244,23 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
             config.rope_freq_factors,
         )
+        self.rotary_emb_local = (
+            None
+            if config.sliding_rope_theta is None
+            else RotaryEmbedding(config.head_dim, config.context_len, config.sliding_rope_theta)
+        )
+        self.local_rope = [
+            self.rotary_emb_local is not None and config.layer_window(i) is not None
+            for i in range(config.num_hidden_layers)
+        ]
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_id, self.rotary_emb, attn_backend)
-            for layer_id in range(config.num_hidden_layers)
+            decoder_layer(
+                config,
+                layer_id,
+                self.rotary_emb_local if local else self.rotary_emb,
+                attn_backend,
+            )
+            for layer_id, local in enumerate(self.local_rope)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -239,12 +268,21 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
-        # Every layer rotates by the same positions: gathered once, as transformers does.
-        cos_sin = self.rotary_emb.cos_sin(positions, hidden_states.dtype)
+        dtype = hidden_states.dtype
+        if self.embedding_scale is not None:  # rounded to the dtype first, as transformers
+            hidden_states = hidden_states * torch.tensor(self.embedding_scale, dtype=dtype)
+        # Every layer of a kind rotates by the same positions: gathered once, as transformers.
+        cos_sin = self.rotary_emb.cos_sin(positions, dtype)
+        cos_sin_local = (
+            None
+            if self.rotary_emb_local is None
+            else self.rotary_emb_local.cos_sin(positions, dtype)
+        )
         if forward_batch.on_layers_start is not None:
             forward_batch.on_layers_start()
-        for layer in self.layers:
-            hidden_states, residual = layer(cos_sin, hidden_states, residual, forward_batch)
+        for layer, local in zip(self.layers, self.local_rope):
+            layer_cos_sin = cos_sin_local if local else cos_sin
+            hidden_states, residual = layer(layer_cos_sin, hidden_states, residual, forward_batch)
             if forward_batch.on_layer_end is not None:
                 forward_batch.on_layer_end()
         hidden_states, _ = self.norm(hidden_states, residual)
@@ -252,6 +290,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer
     # Checkpoint projections that live inside one fused parameter: (fused, checkpoint, shard_id).
     stacked_params_mapping = (
         (".qkv_proj.", ".q_proj.", "q"),
@@ -264,7 +303,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, attn_backend: AttentionBackend):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, attn_backend)
+        self.model = LlamaModel(config, attn_backend, self.decoder_layer)
         self.lm_head = (
             self.model.embed_tokens
             if config.tie_word_embeddings

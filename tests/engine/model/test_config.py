@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoConfig
 
 from engine.model.config import ModelConfig
-from engine.model.embedded import embedded_model_path
+from engine.model.embedded import GEMMA3_MODEL, embedded_model_path
 from engine.model.source import GGUFReader
 
 LLAMA31_CONFIG = {  # config.json of Llama-3.1-8B-Instruct as written by transformers 4.x
@@ -96,12 +96,80 @@ def test_qwen2_has_qkv_bias_and_qwen3_has_qk_norm():
     assert qwen3.qk_norm and not qwen3.qkv_bias
 
 
-def test_mistral_sliding_window_caps_the_context():
+def test_mistral_sliding_window_applies_to_every_layer_not_the_context():
     mistral = ModelConfig.from_hf(
         {**LLAMA31_CONFIG, "architectures": None, "model_type": "mistral", "sliding_window": 4096}
     )
     assert mistral.architecture == "MistralForCausalLM"
-    assert mistral.context_len == 4096
+    assert mistral.context_len == LLAMA31_CONFIG["max_position_embeddings"]
+    assert mistral.layer_types == ("sliding_attention",) * mistral.num_hidden_layers
+    assert mistral.layer_window(0) == 4096 and not mistral.is_hybrid_swa
+
+
+def test_qwen2_window_starts_at_max_window_layers():
+    qwen2 = ModelConfig.from_hf(
+        {
+            **LLAMA31_CONFIG,
+            "model_type": "qwen2",
+            "use_sliding_window": True,
+            "sliding_window": 64,
+            "max_window_layers": 30,
+        }
+    )
+    assert [qwen2.layer_window(i) for i in (0, 29, 30, 31)] == [None, None, 64, 64]
+    assert qwen2.is_hybrid_swa
+
+
+def test_gemma3_gguf_metadata_agrees_with_transformers():
+    """The file leaves out what llama.cpp hard-codes for `gemma3` (every sixth layer global,
+    the local rope base, the query scale): the config supplies it as transformers does."""
+    path = embedded_model_path(GEMMA3_MODEL)
+    ours = ModelConfig.from_gguf(GGUFReader(path))
+    theirs = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    assert ours.architecture == "Gemma3ForCausalLM"
+    assert ours.layer_types == tuple(theirs.layer_types)
+    assert ours.layer_types.count("full_attention") == 3 and ours.is_hybrid_swa
+    assert ours.sliding_window == theirs.sliding_window == 512
+    assert ours.rope_theta == theirs.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert ours.sliding_rope_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"]
+    assert ours.query_scale == theirs.query_pre_attn_scalar**-0.5 == 256**-0.5
+    assert ours.embedding_scale == theirs.hidden_size**0.5
+    assert ours.hidden_act == theirs.hidden_activation == "gelu_pytorch_tanh"
+    assert (ours.num_attention_heads, ours.num_key_value_heads, ours.head_dim) == (4, 1, 256)
+    assert ours.qk_norm and ours.tie_word_embeddings and ours.vocab_size == 262144
+    assert ours.norm_weight_offset == 0.0  # the file stores 1 + w
+
+
+def test_a_multimodal_gemma3_config_is_read_as_its_text_tower_with_defaults():
+    """config.json of a Gemma3ForConditionalGeneration keeps only the text tower's
+    non-default keys; the rest come from transformers' Gemma3TextConfig."""
+    config = ModelConfig.from_hf(
+        {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "eos_token_id": [1, 106],
+            "text_config": {
+                "model_type": "gemma3_text",
+                "hidden_size": 2560,
+                "intermediate_size": 10240,
+                "num_hidden_layers": 34,
+                "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                "sliding_window": 1024,
+            },
+            "vision_config": {"model_type": "siglip_vision_model"},
+        }
+    )
+    assert config.architecture == "Gemma3ForConditionalGeneration"
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 4, 256)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert config.sliding_rope_theta == 10000.0 and config.rope_theta == 1e6
+    assert [config.layer_window(i) for i in (4, 5, 6)] == [1024, None, 1024]
+    assert config.eos_token_ids == (1, 106) and config.norm_weight_offset == 1.0
+
+
+def test_logit_softcapping_is_refused():
+    with pytest.raises(ValueError, match="final_logit_softcapping is not supported"):
+        ModelConfig.from_hf({**LLAMA31_CONFIG, "final_logit_softcapping": 30.0})
 
 
 def test_embedded_gguf_metadata_agrees_with_transformers():

