@@ -22,6 +22,7 @@ from engine.args import EngineArgs
 from engine.cache.kv_events import DEFAULT_BLOCK_SIZE
 from services.ipc import endpoint
 from services.kv_events_config import KVEventsConfig
+from services.tokenizer.chat_templates import read_chat_template
 from services.tool_parser_names import DEFAULT_TOOL_PARSER, TOOL_PARSER_NAMES
 
 ENV_PREFIX = "RADIXSERVE_"
@@ -151,6 +152,11 @@ class Settings(EngineArgs):
         "directory of the CURVE keys that authenticate the ZMQ wire between the three processes "
         "(radixserve serve generates one when unset)",
     )
+    chat_template: str | None = _opt(
+        None,
+        "the chat template: a named one (gemma3) or a Jinja file; default: the model's own "
+        "(a model without one answers chat requests with a 400)",
+    )
     allow_special_tokens_in_content: bool = _opt(
         False,
         "tokenize user and tool content with its special tokens parsed (trusted callers only: "
@@ -243,6 +249,8 @@ class Settings(EngineArgs):
         clashes = [names for names in by_port.values() if len(names) > 1]
         if clashes:
             raise ValueError(f"ports must differ; these share one: {clashes}")
+        if self.chat_template is not None:
+            read_chat_template(self.chat_template)
         if self.max_tokens_cap < 1:
             raise ValueError(f"max_tokens_cap must be >= 1, got {self.max_tokens_cap}")
         if not self.heartbeat_interval > 0:

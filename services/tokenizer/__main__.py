@@ -8,6 +8,7 @@ import uvicorn
 from engine.model.tokenizer_cache import load_tokenizer
 from services.process import configure_logging
 from services.settings import Settings
+from services.tokenizer.chat_templates import read_chat_template
 from services.tokenizer.middleware import ApiKeyFileError
 from services.tokenizer.server import EdgeProtocol, create_app
 
@@ -37,6 +38,8 @@ def main() -> None:
         if settings.skip_tokenizer_init
         else load_tokenizer(settings.tokenizer or settings.model)
     )
+    if tokenizer is not None and settings.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(settings.chat_template)
     try:
         app = create_app(settings, tokenizer)
     except ApiKeyFileError as e:

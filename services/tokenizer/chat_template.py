@@ -54,6 +54,17 @@ _RESERVED_KWARGS = frozenset(
 )
 """Template arguments the request sets through its own fields, never through
 `chat_template_kwargs`."""
+TURN_END_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>")
+"""Tokens that close a turn: a chat answer stops on the one its template writes, even where
+the model's EOS is another token (Gemma's base model ends text with `<eos>`)."""
+
+
+def turn_end_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The ids of the `TURN_END_TOKENS` the chat template writes and the vocabulary holds
+    as single tokens."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in TURN_END_TOKENS if t in template]
+    return tuple(i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id)
 
 
 @dataclass(frozen=True)

@@ -115,11 +115,16 @@ class AppState:
         return self.tokenizer
 
     def sampling_params(
-        self, body: GenerationBody, prompt_len: int, info: WorkerReady, reasoning: bool = False
+        self,
+        body: GenerationBody,
+        prompt_len: int,
+        info: WorkerReady,
+        reasoning: bool = False,
+        turn_end_ids: Sequence[int] = (),
     ) -> SamplingParams:
         """Safe off the event loop: `info` is the worker's limits, read on the loop.
         `reasoning`: a grammar waits for the end of a reasoning section the model is still
-        to write."""
+        to write. `turn_end_ids` end it as its EOS does (not under `ignore_eos`)."""
         params = to_sampling_params(
             body,
             prompt_len,
@@ -130,6 +135,9 @@ class AppState:
             grammar_max_nesting_depth=self.settings.grammar_max_nesting_depth,
             limits=self.settings,
         )
+        if turn_end_ids and not params.ignore_eos:
+            stops = list(dict.fromkeys([*params.stop_token_ids, *turn_end_ids]))
+            params = dataclasses.replace(params, stop_token_ids=stops)
         return dataclasses.replace(params, reasoning=True) if reasoning else params
 
 
@@ -187,6 +195,8 @@ class Endpoint(ABC):
         self.grammar_after_reasoning = False
         """Set by `tokenize`: a grammar waits for the end of a reasoning section the
         prompt leaves the model to write."""
+        self.turn_end_ids: tuple[int, ...] = ()
+        """Set by `tokenize`: the tokens that close the chat template's turns."""
 
     @property
     @abstractmethod
@@ -315,8 +325,10 @@ def _tokenized(
     if endpoint.needs_tokenizer:
         state.require_tokenizer(endpoint.prompt_param)
     prompts = endpoint.tokenize(state, info.vocab_size)
-    reasoning = endpoint.grammar_after_reasoning
-    return prompts, [state.sampling_params(endpoint.body, len(p), info, reasoning) for p in prompts]
+    reasoning, turn_end = endpoint.grammar_after_reasoning, endpoint.turn_end_ids
+    return prompts, [
+        state.sampling_params(endpoint.body, len(p), info, reasoning, turn_end) for p in prompts
+    ]
 
 
 async def off_loop(work: Callable[[], T], inline: bool) -> T:

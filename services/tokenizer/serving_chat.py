@@ -9,7 +9,7 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from services.tokenizer.chat_output import ChatOutputFormat, ChoiceParser, parse_whole
-from services.tokenizer.chat_template import render_chat
+from services.tokenizer.chat_template import render_chat, turn_end_ids
 from services.tokenizer.choice_output import ChoiceOutput, TokenLogprob, shown_logprob
 from services.tokenizer.manager import ReqOutput
 from services.tokenizer.protocol.chat import (
@@ -149,6 +149,7 @@ class ChatEndpoint(OpenAIEndpoint):
             reasoning_closed=prompt.reasoning_closed,
         )
         self.grammar_after_reasoning = fmt.reasoning_parser is not None and fmt.enable_thinking
+        self.turn_end_ids = turn_end_ids(tokenizer)
         return [prompt.ids]
 
     def events(
