@@ -33,7 +33,7 @@ from transformers import (
 )
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from engine.model.embedded import embedded_model_path
+from engine.model.embedded import EMBEDDED_MODEL, embedded_model_path
 from engine.model.tokenizer_cache import load_tokenizer
 
 TINY_CONFIG: dict[str, Any] = dict(
@@ -164,13 +164,13 @@ def save_tiny_thinking_llama(path: Path) -> Path:
 
 
 @functools.cache
-def embedded_hf_model() -> PreTrainedModel:
-    """transformers' float32 model from the embedded GGUF, through transformers' own GGUF
+def embedded_hf_model(name: str = EMBEDDED_MODEL) -> PreTrainedModel:
+    """transformers' float32 model from an embedded GGUF, through transformers' own GGUF
     reader and dequantizer (what `from_pretrained(gguf_file=...)` does, minus `accelerate`).
 
-    Read once per process (about 20 s of mostly single-threaded parsing) and shared: callers
+    Read once per process (20-60 s of mostly single-threaded parsing) and shared: callers
     only run it in eval mode."""
-    path = embedded_model_path()
+    path = embedded_model_path(name)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     state = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]

@@ -4,9 +4,17 @@ float64. Gemma 3's prompts run past its 8-token window."""
 from __future__ import annotations
 
 import torch
+from transformers import (
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
+    SiglipVisionConfig,
+)
 
 from engine.model.forward_batch import ForwardMode
 from testing.batches import ExtendInput, build_forward_batch
+from testing.models import GEMMA3_OVERRIDES, TINY_CONFIG
+from tests.engine.model.conftest import TINY
 
 ATOL = 1e-6
 GEMMA_ATOL = 1e-5
@@ -79,3 +87,42 @@ def test_mixed_batch_of_extends_and_decodes_matches_transformers(tiny, hf_logits
     logits = runner.forward(build_forward_batch(runner, batch, ForwardMode.MIXED))
     for i, prompt in enumerate(prompts):
         assert_logits_match(logits[i], hf_logits(hf_model, prompt), hf_model.config.model_type)
+
+
+def test_a_multimodal_gemma3_checkpoint_serves_its_text_tower(
+    tmp_path, runner_factory, hf_logits, prompts_factory
+):
+    """Gemma3ForConditionalGeneration's text tower, its vision tower left unloaded, gives
+    the whole model's logits for a text-only prompt."""
+    text = Gemma3TextConfig(**{**TINY_CONFIG, **GEMMA3_OVERRIDES, **TINY})
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        boi_token_index=125,
+        eoi_token_index=126,
+        image_token_index=127,
+    )
+    torch.manual_seed(0)
+    hf_model = Gemma3ForConditionalGeneration(config).to(torch.float64).eval()
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            noise = 0.2 * torch.randn_like(param)
+            param.copy_(1 + noise if name.endswith("norm.weight") else noise)
+    hf_model.save_pretrained(tmp_path)
+    runner = runner_factory(tmp_path)
+    prompts = prompts_factory([3, 20], vocab_size=120)
+    rows = runner.req_to_token_pool.alloc(len(prompts))
+    logits = runner.forward(
+        build_forward_batch(runner, [ExtendInput(r, 0, p) for r, p in zip(rows, prompts)])
+    )
+    for i, prompt in enumerate(prompts):
+        assert_logits_match(logits[i], hf_logits(hf_model, prompt), "gemma3")
