@@ -15,7 +15,7 @@ from engine.model.runner import ModelRunner
 from engine.outputs import GenerateMeta, GenerateResult, StreamChunk
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.finish_reason import text_ids
-from engine.sched.req import Req
+from engine.sched.req import Admission, Req
 from engine.sched.scheduler import Scheduler, after_turns
 
 Prompt = str | Sequence[int]
@@ -123,7 +123,9 @@ class Engine:
             input_ids = self.tokenizer.encode(prompt)
         else:
             input_ids = list(prompt)
-        req = Req(str(next(self._rids)), input_ids, params, lora_name=lora_name)
+        req = Req(
+            str(next(self._rids)), input_ids, params, admission=Admission(lora_name=lora_name)
+        )
         self.scheduler.add_request(req)
         return req
 
