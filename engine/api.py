@@ -154,14 +154,14 @@ def _meta(req: Req) -> GenerateMeta:
         completion_tokens=len(req.output_ids),
         cached_tokens=req.prefill.cached_tokens or 0,
         finish_reason=req.lifecycle.finished_reason,
-        output_token_logprobs=list(req.logprobs.output_token) if params.logprobs else None,
-        output_top_logprobs=list(req.logprobs.output_top)
+        output_token_logprobs=list(req.output.token_logprobs) if params.logprobs else None,
+        output_top_logprobs=list(req.output.top_logprobs)
         if params.logprobs and params.top_logprobs_num
         else None,
-        input_token_logprobs=list(zip(req.logprobs.input_token, req.origin_input_ids[start:]))
+        input_token_logprobs=list(zip(req.output.prompt_logprobs, req.origin_input_ids[start:]))
         if prompt_logprobs
         else None,
-        input_top_logprobs=list(req.logprobs.input_top)
+        input_top_logprobs=list(req.output.prompt_top_logprobs)
         if prompt_logprobs and params.prompt_top_logprobs_num
         else None,
         spec_verify_ct=req.spec_verify_ct,

@@ -12,9 +12,8 @@ from engine.sched.finish_reason import FinishReason
 from engine.sched.req_state import (
     GrammarState,
     KVState,
-    LogprobState,
-    OutputCursor,
     OutputRead,
+    OutputState,
     PrefillState,
     StopCriteria,
 )
@@ -84,7 +83,7 @@ class Lifecycle:
 class Req:
     """One request: what was asked and its tokens; what it was submitted under
     (`admission`); the state one manager owns sits in that manager's object (`stop`,
-    `lifecycle`, `prefill`, `kv`, `logprobs`, `grammar`, `output_cursor`, `draft_state`)."""
+    `lifecycle`, `prefill`, `kv`, `grammar`, `output`, `draft_state`)."""
 
     rid: str
     origin_input_ids: list[int]
@@ -103,12 +102,11 @@ class Req:
 
     prefill: PrefillState = field(default_factory=PrefillState)
     """Its prefill progress (the prefill adder's and manager's)."""
-    logprobs: LogprobState = field(default_factory=LogprobState)
-    """Its output and prompt logprobs so far (`OutputProcessor`'s)."""
     grammar: GrammarState = field(default_factory=GrammarState)
     """Its grammar's compile, then matcher (`GrammarQueue`'s, then `OutputProcessor`'s)."""
-    output_cursor: OutputCursor = field(default_factory=OutputCursor)
-    """Where the output's one reader stands (`read_output`)."""
+    output: OutputState = field(default_factory=OutputState)
+    """Its logprobs so far (`OutputProcessor`'s) and where the output's one reader stands
+    (`read_output`)."""
     draft_state: DraftState | None = None
     """Its speculative decoding state (engine/speculative/'s), None until it first drafts."""
 
@@ -133,7 +131,7 @@ class Req:
     def prompt_logprobs_pending(self) -> bool:
         """It asks for prompt logprobs and its prefill has not computed them all yet."""
         start = self.sampling_params.logprob_start_len
-        return start >= 0 and len(self.logprobs.input_token) < len(self.origin_input_ids) - start
+        return start >= 0 and len(self.output.prompt_logprobs) < len(self.origin_input_ids) - start
 
     @property
     def prompt_logprobs_ready(self) -> bool:
@@ -158,7 +156,7 @@ class Req:
         """What of the output is new since the last read, for its one reader: the ids from
         `start` on, the first `rollback` of which replace the last ids the previous reads
         returned (a jump-forward re-encoded them; never more than were read)."""
-        return self.output_cursor.take(len(self.output_ids))
+        return self.output.take(len(self.output_ids))
 
     @property
     def max_prefix_len(self) -> int:
