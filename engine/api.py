@@ -15,7 +15,7 @@ from engine.model.runner import ModelRunner
 from engine.outputs import GenerateMeta, GenerateResult, StreamChunk
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.finish_reason import text_ids
-from engine.sched.req import Req
+from engine.sched.req import Admission, Req
 from engine.sched.scheduler import Scheduler, after_turns
 
 Prompt = str | Sequence[int]
@@ -123,7 +123,9 @@ class Engine:
             input_ids = self.tokenizer.encode(prompt)
         else:
             input_ids = list(prompt)
-        req = Req(str(next(self._rids)), input_ids, params, lora_name=lora_name)
+        req = Req(
+            str(next(self._rids)), input_ids, params, admission=Admission(lora_name=lora_name)
+        )
         self.scheduler.add_request(req)
         return req
 
@@ -152,14 +154,14 @@ def _meta(req: Req) -> GenerateMeta:
         completion_tokens=len(req.output_ids),
         cached_tokens=req.prefill.cached_tokens or 0,
         finish_reason=req.lifecycle.finished_reason,
-        output_token_logprobs=list(req.logprobs.output_token) if params.logprobs else None,
-        output_top_logprobs=list(req.logprobs.output_top)
+        output_token_logprobs=list(req.output.token_logprobs) if params.logprobs else None,
+        output_top_logprobs=list(req.output.top_logprobs)
         if params.logprobs and params.top_logprobs_num
         else None,
-        input_token_logprobs=list(zip(req.logprobs.input_token, req.origin_input_ids[start:]))
+        input_token_logprobs=list(zip(req.output.prompt_logprobs, req.origin_input_ids[start:]))
         if prompt_logprobs
         else None,
-        input_top_logprobs=list(req.logprobs.input_top)
+        input_top_logprobs=list(req.output.prompt_top_logprobs)
         if prompt_logprobs and params.prompt_top_logprobs_num
         else None,
         spec_verify_ct=req.spec_verify_ct,

@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import types
 import urllib.error
 import urllib.request
@@ -102,6 +101,7 @@ def serve(argv: list[str]) -> int:
     except ValueError as e:
         print(f"radixserve serve: error: {e}", file=sys.stderr)
         return 2
+    from services.preflight import exit_if_refused
     from services.settings import Settings
     from services.tokenizer.worker_metrics_proxy import loopback_host
 
@@ -113,10 +113,7 @@ def serve(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    refusal = refused_files(settings)
-    if refusal is not None:
-        print(f"radixserve serve: error: {refusal}", file=sys.stderr)
-        return 2
+    exit_if_refused(settings, "radixserve serve")
     problem = taken_port(settings)
     if problem is not None:
         print(f"radixserve serve: error: {problem}", file=sys.stderr)
@@ -167,36 +164,6 @@ def serve(argv: list[str]) -> int:
     finally:
         children.stop(settings.graceful_shutdown_timeout)
         shutil.rmtree(runtime_dir, ignore_errors=True)
-
-
-def refused_files(settings: Settings) -> str | None:
-    """One line saying why the model, the draft model, the tokenizer or a LoRA adapter on
-    this machine cannot be served (a missing path or adapter directory, an unreadable file,
-    an unsupported architecture and the supported ones), read without loading weights; None
-    when none is refused. A Hub repo id is left to the worker, which downloads it. Under
-    `--log-level debug` the traceback goes to stderr first."""
-    from engine.model.source import is_local_path, local_config, resolve_model
-
-    try:
-        for model in (settings.model, settings.speculative_draft_model_path):
-            if model is not None:
-                local_config(model)
-        if settings.tokenizer is not None and is_local_path(settings.tokenizer):
-            resolve_model(settings.tokenizer)
-        for name, path in settings.lora_entries().items():
-            if not (Path(path) / "adapter_config.json").is_file():
-                found = (
-                    "no adapter_config.json in it" if Path(path).is_dir() else "no such directory"
-                )
-                raise FileNotFoundError(
-                    f"LoRA adapter {name}={path}: {found} (an adapter is a PEFT directory of "
-                    "adapter_config.json and adapter_model.safetensors)"
-                )
-    except (OSError, ValueError) as err:
-        if settings.log_level == "debug":
-            traceback.print_exc()
-        return " ".join(str(err).split())
-    return None
 
 
 def taken_port(settings: Settings) -> str | None:

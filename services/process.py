@@ -47,6 +47,7 @@ from services.ipc import (
     connect_push,
     load_wire_keys,
 )
+from services.preflight import exit_if_refused
 from services.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -280,7 +281,9 @@ class ServiceClass(Protocol):
 
 def run_service(service_cls: ServiceClass) -> None:
     """`python -m services.<role>`: settings from flags and RADIXSERVE_* variables, logging,
-    then the service's loop until SIGTERM/SIGINT."""
-    settings = Settings.from_cli(prog=f"python -m services.{service_cls.role}", wire=True)
+    then the service's loop until SIGTERM/SIGINT; files it cannot serve are refused first."""
+    prog = f"python -m services.{service_cls.role}"
+    settings = Settings.from_cli(prog=prog, wire=True)
     configure_logging(settings.log_level, service_cls.role)
+    exit_if_refused(settings, prog)
     service_cls(settings).serve_forever()

@@ -61,7 +61,7 @@ class CacheManager:
         positions whose logits its pending prompt logprobs need."""
         fill_ids = req.all_token_ids()
         req.kv.prefix_indices, req.kv.last_node = self.tree_cache.match_prefix(
-            RadixKey(fill_ids[: req.max_prefix_len], req.extra_key)
+            RadixKey(fill_ids[: req.max_prefix_len], req.admission.extra_key)
         )
         req.prefill.extend_input_len = len(fill_ids) - len(req.kv.prefix_indices)
 
@@ -158,9 +158,9 @@ class CacheManager:
         row = req_row(req)
         kv_len = req.kv.committed_len
         indices = self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64)
-        key = RadixKey(req.all_token_ids()[:kv_len], req.extra_key)
+        key = RadixKey(req.all_token_ids()[:kv_len], req.admission.extra_key)
         owned_from = len(req.kv.prefix_indices)
-        inserted = self.tree_cache.insert(key, indices, req.priority, chunked=chunked)
+        inserted = self.tree_cache.insert(key, indices, req.admission.priority, chunked=chunked)
         self.allocator.free(indices[owned_from : inserted.prefix_len])
         new_indices, new_last_node = self.tree_cache.match_prefix(key)
         self.req_to_token_pool.write(row, owned_from, new_indices[owned_from:])
@@ -178,8 +178,8 @@ class CacheManager:
         """
         indices = self._row_slots(req)
         kv_len = req.kv.committed_len
-        key = RadixKey(req.all_token_ids()[:kv_len], req.extra_key)
-        inserted = self.tree_cache.insert(key, indices[:kv_len], req.priority)
+        key = RadixKey(req.all_token_ids()[:kv_len], req.admission.extra_key)
+        inserted = self.tree_cache.insert(key, indices[:kv_len], req.admission.priority)
         self.allocator.free(indices[len(req.kv.prefix_indices) : inserted.prefix_len])
         self.allocator.free(indices[inserted.kept_len :])
         self._release(req)

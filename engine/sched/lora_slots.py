@@ -28,10 +28,9 @@ class LoRASlots:
 
     def check_request(self, req: Req) -> None:
         """Raise LoRAError (404) unless `req`'s adapter, if it names one, is loaded."""
-        if req.lora_name is not None and (
-            self.manager is None or req.lora_name not in self.manager.adapters
-        ):
-            raise LoRAError(f"no LoRA adapter named {req.lora_name!r} is loaded", 404, "model")
+        name = req.admission.lora_name
+        if name is not None and (self.manager is None or name not in self.manager.adapters):
+            raise LoRAError(f"no LoRA adapter named {name!r} is loaded", 404, "model")
 
     def load(self, name: str, path: str) -> None:
         """Load an adapter at run time (only under --enable-lora-runtime-update, from under
@@ -50,7 +49,7 @@ class LoRASlots:
         self._check_runtime_update("unloading")
         if name not in manager.adapters:
             raise LoRAError(f"no LoRA adapter named {name!r} is loaded", 404, "lora_name")
-        if any(req.lora_name == name for req in live):
+        if any(req.admission.lora_name == name for req in live):
             raise LoRAError(f"LoRA adapter {name!r} has requests in flight", 409, "lora_name")
 
     def unload(self, name: str, tree_cache: BasePrefixCache) -> None:
@@ -67,26 +66,27 @@ class LoRASlots:
 
     def info(self, running: Iterable[Req], waiting: Iterable[Req]) -> tuple[list[str], list[str]]:
         """(adapters of `running` requests, adapters of `waiting` ones), for the metrics."""
-        running_names = {r.lora_name for r in running if r.lora_name}
-        waiting_names = {r.lora_name for r in waiting if r.lora_name}
-        return sorted(running_names), sorted(waiting_names)
+        return sorted(_names(running)), sorted(_names(waiting))
 
     def held(self, reqs: Iterable[Req]) -> set[str]:
         """Adapters the next batch holds slots for already: those of `reqs`, the running
         and chunked requests."""
         if self.manager is None:
             return set()
-        return {r.lora_name for r in reqs if r.lora_name is not None}
+        return _names(reqs)
 
     def fits(self, req: Req, held: set[str]) -> bool:
         """Whether `req` can join a batch already naming `held` adapters."""
-        if req.lora_name is None or req.lora_name in held or self.manager is None:
+        name = req.admission.lora_name
+        if name is None or name in held or self.manager is None:
             return True
         return len(held) < self.manager.num_slots
 
-    def needs_swap(self, names: list[str | None]) -> bool:
-        """A batch of these adapters loads one into a slot (which a batch in flight may read)."""
-        return self.manager is not None and self.manager.needs_swap(names)
+    def needs_swap(self, reqs: Iterable[Req]) -> bool:
+        """A batch of `reqs` loads an adapter into a slot (which a batch in flight may read)."""
+        if self.manager is None:
+            return False
+        return self.manager.needs_swap([r.admission.lora_name for r in reqs])
 
     def assign(self, batch: ScheduleBatch) -> None:
         """Give the batch's rows their adapters' slots, where adapters are on."""
@@ -95,8 +95,10 @@ class LoRASlots:
 
     def slot_ids(self, batch: ScheduleBatch) -> torch.Tensor | None:
         """Each request's adapter slot id, or None when no request of the batch has one."""
-        names = [r.lora_name for r in batch.reqs]
-        if self.manager is None or not any(names):
+        if self.manager is None:
+            return None
+        names = [r.admission.lora_name for r in batch.reqs]
+        if not any(names):
             return None
         slots = torch.tensor(self.manager.acquire(names), dtype=torch.int64)
         return slots.to(self.device, non_blocking=True)
@@ -115,3 +117,8 @@ class LoRASlots:
                 f"{doing} adapters at run time needs --enable-lora-runtime-update",
                 param="lora_name",
             )
+
+
+def _names(reqs: Iterable[Req]) -> set[str]:
+    """The adapters `reqs` run under."""
+    return {r.admission.lora_name for r in reqs if r.admission.lora_name is not None}

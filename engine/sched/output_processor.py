@@ -210,10 +210,10 @@ class OutputProcessor:
         params = req.sampling_params
         if params.logprobs:
             assert logprob.logprob is not None, "the sampler returns logprobs when a request asks"
-            req.logprobs.output_token.append((logprob.logprob, token))
+            req.output.token_logprobs.append((logprob.logprob, token))
             if params.top_logprobs_num:
                 assert logprob.top is not None, "as for logprobs"
-                req.logprobs.output_top.append(logprob.top[: params.top_logprobs_num])
+                req.output.top_logprobs.append(logprob.top[: params.top_logprobs_num])
         grammar = req.grammar.matcher
         reason = _accept_grammar_token(grammar, token) if grammar is not None else None
         return reason or self.check_finished(req)
@@ -268,7 +268,7 @@ class OutputProcessor:
         self.cache_manager.cache_finished_req(req)
         del req.output_ids[len(req.output_ids) - plan.rollback :]
         req.output_ids += plan.token_ids
-        req.output_cursor.rollback = plan.rollback
+        req.output.rollback = plan.rollback
         req.lifecycle.status = ReqStatus.WAITING
         self.stats.jump_forwards += 1
         self.stats.jump_forward_tokens += len(plan.token_ids) - plan.rollback
@@ -338,12 +338,12 @@ def _add_prompt_logprobs(req: Req, result: BatchResult, i: int) -> None:
     """Append what batch row `i` computed of `req`'s prompt logprobs; position 0, which
     nothing predicts, is None and comes first."""
     params = req.sampling_params
-    if not req.logprobs.input_token and params.logprob_start_len == 0:
-        req.logprobs.input_token.append(None)
+    if not req.output.prompt_logprobs and params.logprob_start_len == 0:
+        req.output.prompt_logprobs.append(None)
         if params.prompt_top_logprobs_num:
-            req.logprobs.input_top.append([])
+            req.output.prompt_top_logprobs.append([])
     if result.input_token_logprobs is not None:
-        req.logprobs.input_token += result.input_token_logprobs[i]
+        req.output.prompt_logprobs += result.input_token_logprobs[i]
     if params.prompt_top_logprobs_num and result.input_top_logprobs is not None:
         k = params.prompt_top_logprobs_num
-        req.logprobs.input_top += [top[:k] for top in result.input_top_logprobs[i]]
+        req.output.prompt_top_logprobs += [top[:k] for top in result.input_top_logprobs[i]]

@@ -76,12 +76,11 @@ class SchedulePolicy:
         elif policy == "random":
             self.rng.shuffle(waiting_queue)
         elif policy == "priority":
-            waiting_queue.sort(key=lambda r: -r.priority)
+            waiting_queue.sort(key=lambda r: -r.admission.priority)
         elif policy == "routing-key":
-            counts = Counter(r.routing_key for r in running_reqs if r.routing_key is not None)
-            waiting_queue.sort(
-                key=lambda r: -counts[r.routing_key] if r.routing_key is not None else 0
-            )
+            counts: Counter[str | None] = Counter(r.admission.routing_key for r in running_reqs)
+            counts[None] = 0  # requests without a key form no group
+            waiting_queue.sort(key=lambda r: -counts[r.admission.routing_key])
         return deferred
 
     def _compute_prefix_matches(
@@ -95,12 +94,12 @@ class SchedulePolicy:
         sim = self.waiting_queue_radix_tree
         sim.reset()
         for req in in_flight_prefill:
-            self._sim_insert(RadixKey(req.all_token_ids(), req.extra_key))
+            self._sim_insert(RadixKey(req.all_token_ids(), req.admission.extra_key))
         deferred = set()
         for req in waiting_queue:
             self.cache_manager.match_req(req)
             hit = len(req.kv.prefix_indices)
-            key = RadixKey(req.all_token_ids(), req.extra_key)
+            key = RadixKey(req.all_token_ids(), req.admission.extra_key)
             # What it could reuse next round: a request computing prompt logprobs may not.
             shared = min(len(sim.match_prefix(key).device_indices), req.max_prefix_len)
             if hit > constants.IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:

@@ -97,8 +97,8 @@ class PrefillManager:
                 break
             self.cache_manager.match_req(req)
             result = adder.add_one_req(req)
-            if req.lora_name is not None and adder.can_run_list[-1:] == [req]:
-                adapters.add(req.lora_name)
+            if req.admission.lora_name is not None and adder.can_run_list[-1:] == [req]:
+                adapters.add(req.admission.lora_name)
             if result is not AddReqResult.CONTINUE:
                 break
         if not adder.can_run_list:

@@ -12,9 +12,8 @@ from engine.sched.finish_reason import FinishReason
 from engine.sched.req_state import (
     GrammarState,
     KVState,
-    LogprobState,
-    OutputCursor,
     OutputRead,
+    OutputState,
     PrefillState,
     StopCriteria,
 )
@@ -49,6 +48,27 @@ class ReqStatus(enum.Enum):
     FINISHED = enum.auto()
 
 
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """What the scheduler orders, admits and caches a request by, fixed on submission."""
+
+    extra_key: PrefixNamespace | None = None
+    """Radix namespace: requests in different namespaces share no KV. It includes the
+    `lora_name`: K/V computed under one adapter is wrong under any other."""
+    priority: int = 0
+    """Higher runs first under the priority policy; the radix tree keeps its prefixes
+    longer under the priority eviction policy."""
+    routing_key: str | None = None
+    """The routing-key policy runs requests of a key the running batch holds first."""
+    lora_name: str | None = None
+    """The LoRA adapter it runs under (None: the base model)."""
+
+    def __post_init__(self) -> None:
+        if self.lora_name is not None:
+            namespace = self.extra_key or PrefixNamespace()
+            object.__setattr__(self, "extra_key", replace(namespace, lora=self.lora_name))
+
+
 @dataclass
 class Lifecycle:
     """A request's stage: the scheduler admits it and retraction sends it back to waiting;
@@ -61,20 +81,16 @@ class Lifecycle:
 
 @dataclass(eq=False)
 class Req:
-    """One request: what was asked and its tokens; the state one manager owns sits in that
-    manager's object (`stop`, `lifecycle`, `prefill`, `kv`, `logprobs`, `grammar`,
-    `output_cursor`, `draft_state`)."""
+    """One request: what was asked and its tokens; what it was submitted under
+    (`admission`); the state one manager owns sits in that manager's object (`stop`,
+    `lifecycle`, `prefill`, `kv`, `grammar`, `output`, `draft_state`)."""
 
     rid: str
     origin_input_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
     output_ids: list[int] = field(default_factory=list)
-    extra_key: PrefixNamespace | None = None
-    """Radix namespace: requests in different namespaces share no KV."""
-    priority: int = 0
-    routing_key: str | None = None
-    lora_name: str | None = None
-    """The LoRA adapter it runs under (None: the base model); joins `extra_key`."""
+    admission: Admission = Admission()
+    """Its namespace, priority, routing key and adapter (set on submission)."""
     stop: StopCriteria = field(default_factory=StopCriteria)
     """What ends it (set on submission)."""
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
@@ -86,12 +102,11 @@ class Req:
 
     prefill: PrefillState = field(default_factory=PrefillState)
     """Its prefill progress (the prefill adder's and manager's)."""
-    logprobs: LogprobState = field(default_factory=LogprobState)
-    """Its output and prompt logprobs so far (`OutputProcessor`'s)."""
     grammar: GrammarState = field(default_factory=GrammarState)
     """Its grammar's compile, then matcher (`GrammarQueue`'s, then `OutputProcessor`'s)."""
-    output_cursor: OutputCursor = field(default_factory=OutputCursor)
-    """Where the output's one reader stands (`read_output`)."""
+    output: OutputState = field(default_factory=OutputState)
+    """Its logprobs so far (`OutputProcessor`'s) and where the output's one reader stands
+    (`read_output`)."""
     draft_state: DraftState | None = None
     """Its speculative decoding state (engine/speculative/'s), None until it first drafts."""
 
@@ -101,16 +116,8 @@ class Req:
             spec.rid,
             spec.input_ids,
             spec.sampling_params,
-            extra_key=spec.extra_key,
-            priority=spec.priority,
-            routing_key=spec.routing_key,
-            lora_name=spec.lora_name,
+            admission=Admission(spec.extra_key, spec.priority, spec.routing_key, spec.lora_name),
         )
-
-    def __post_init__(self) -> None:
-        if self.lora_name is not None:
-            namespace = self.extra_key or PrefixNamespace()
-            self.extra_key = replace(namespace, lora=self.lora_name)
 
     @property
     def seqlen(self) -> int:
@@ -124,7 +131,7 @@ class Req:
     def prompt_logprobs_pending(self) -> bool:
         """It asks for prompt logprobs and its prefill has not computed them all yet."""
         start = self.sampling_params.logprob_start_len
-        return start >= 0 and len(self.logprobs.input_token) < len(self.origin_input_ids) - start
+        return start >= 0 and len(self.output.prompt_logprobs) < len(self.origin_input_ids) - start
 
     @property
     def prompt_logprobs_ready(self) -> bool:
@@ -149,7 +156,7 @@ class Req:
         """What of the output is new since the last read, for its one reader: the ids from
         `start` on, the first `rollback` of which replace the last ids the previous reads
         returned (a jump-forward re-encoded them; never more than were read)."""
-        return self.output_cursor.take(len(self.output_ids))
+        return self.output.take(len(self.output_ids))
 
     @property
     def max_prefix_len(self) -> int:

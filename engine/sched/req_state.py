@@ -1,8 +1,8 @@
 """The parts of a request's state that one manager each owns, as small typed objects on
 the `Req`: what ends it (set on submission), its prefill progress (`PrefillAdder`,
-`CacheManager`, `PrefillManager`), its KV (`CacheManager`), its logprobs
-(`OutputProcessor`) and its grammar (`GrammarQueue`, then `OutputProcessor`), and where
-the one reader of its output stands.
+`CacheManager`, `PrefillManager`), its KV (`CacheManager`), its grammar (`GrammarQueue`,
+then `OutputProcessor`), and what the one reader of its output takes besides the ids (its
+logprobs, from `OutputProcessor`) with where that reader stands.
 Its drafting state is speculative decoding's
 (`engine.speculative.draft_state.DraftState`)."""
 
@@ -67,24 +67,6 @@ class KVState:
 
 
 @dataclass
-class LogprobState:
-    """A request's logprobs so far, where it asks for them: `OutputProcessor` appends each
-    batch's, the output's reader takes them."""
-
-    output_token: list[tuple[float, int]] = field(default_factory=list)
-    """(logprob, token id) per output token, when `sampling_params.logprobs`."""
-    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
-    """The `top_logprobs_num` likeliest (logprob, token id) per output token."""
-    input_token: list[float | None] = field(default_factory=list)
-    """Per prompt position from `logprob_start_len` on, the logprob of that prompt token
-    given those before it (None at position 0, which nothing predicts). Grows chunk by chunk
-    and is complete once the prefill is: see `Req.prompt_logprobs_pending`."""
-    input_top: list[list[tuple[float, int]]] = field(default_factory=list)
-    """The `prompt_top_logprobs_num` likeliest (logprob, token id) at each of those
-    positions ([] at position 0); empty when that number is 0."""
-
-
-@dataclass
 class GrammarState:
     """A request's grammar: the compile it waits for (`GrammarQueue`), then the matcher that
     masks each next token and accepts each sampled one (`OutputProcessor`)."""
@@ -103,10 +85,22 @@ class OutputRead(NamedTuple):
 
 
 @dataclass
-class OutputCursor:
-    """Where the one reader of a request's output (the worker, or the offline stream)
-    stands; `OutputProcessor` records a jump-forward's rollback here."""
+class OutputState:
+    """What the one reader of a request's output (the worker, or the offline stream) takes
+    besides the ids, and where it stands: `OutputProcessor` appends the logprobs, where the
+    request asks for them, and records a jump-forward's rollback; `take` moves the reader on."""
 
+    token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    """(logprob, token id) per output token, when `sampling_params.logprobs`."""
+    top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    """The `top_logprobs_num` likeliest (logprob, token id) per output token."""
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    """Per prompt position from `logprob_start_len` on, the logprob of that prompt token
+    given those before it (None at position 0, which nothing predicts). Grows chunk by chunk
+    and is complete once the prefill is: see `Req.prompt_logprobs_pending`."""
+    prompt_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    """The `prompt_top_logprobs_num` likeliest (logprob, token id) at each of those
+    positions ([] at position 0); empty when that number is 0."""
     read: int = 0
     """Output ids the reader has taken."""
     rollback: int = 0

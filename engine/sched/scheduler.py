@@ -340,9 +340,8 @@ class Scheduler(SchedulerStatus):
         if not extend_reqs and not (with_decodes and self.running):
             return None
         if self.in_flight is not None:
-            names = [r.lora_name for r in extend_reqs]
-            names += [r.lora_name for r in self.running] if with_decodes else []
-            if self.lora.needs_swap(names):  # the in-flight batch may read the slot
+            batch_reqs = itertools.chain(extend_reqs, self.running if with_decodes else ())
+            if self.lora.needs_swap(batch_reqs):  # the in-flight batch may read the slot
                 self.resolve_in_flight()
         batch = ScheduleBatch.prepare(
             extend_reqs,

@@ -53,10 +53,10 @@ class AddReq(msgspec.Struct, tag=True, array_like=True):
             req.rid,
             req.origin_input_ids,
             req.sampling_params,
-            req.extra_key,
-            req.priority,
-            req.routing_key,
-            req.lora_name,
+            req.admission.extra_key,
+            req.admission.priority,
+            req.admission.routing_key,
+            req.admission.lora_name,
         )
 
 

@@ -6,6 +6,7 @@ import logging
 import uvicorn
 
 from engine.model.tokenizer_cache import load_tokenizer
+from services.preflight import exit_if_refused
 from services.process import configure_logging
 from services.settings import Settings
 from services.tokenizer.chat_templates import read_chat_template
@@ -29,8 +30,10 @@ class ProbeFilter(logging.Filter):
 
 
 def main() -> None:
-    settings = Settings.from_cli(prog="python -m services.tokenizer", wire=True)
+    prog = "python -m services.tokenizer"
+    settings = Settings.from_cli(prog=prog, wire=True)
     configure_logging(settings.log_level, "tokenizer")
+    exit_if_refused(settings, prog)
     if not settings.log_probe_requests:
         logging.getLogger("uvicorn.access").addFilter(ProbeFilter())
     tokenizer = (
@@ -43,7 +46,7 @@ def main() -> None:
     try:
         app = create_app(settings, tokenizer)
     except ApiKeyFileError as e:
-        raise SystemExit(f"python -m services.tokenizer: error: {e}") from None
+        raise SystemExit(f"{prog}: error: {e}") from None
     uvicorn.run(
         app,
         host=settings.host,

@@ -8,6 +8,7 @@ from engine.kernels.cpu.isa import apply_forced_isa
 
 apply_forced_isa()  # before torch first dispatches: a forced kernel path caps ATen and oneDNN
 from engine.build import serve_node  # noqa: E402
+from services.preflight import exit_if_refused  # noqa: E402
 from services.process import configure_logging  # noqa: E402
 from services.settings import Settings  # noqa: E402
 from services.worker.worker import Worker  # noqa: E402
@@ -16,8 +17,10 @@ from services.worker.worker import Worker  # noqa: E402
 
 
 def main() -> None:
-    settings = Settings.from_cli(prog="python -m services.worker", wire=True)
+    prog = "python -m services.worker"
+    settings = Settings.from_cli(prog=prog, wire=True)
     configure_logging(settings.log_level, Worker.role)
+    exit_if_refused(settings, prog)
     if settings.node_rank > 0:
         serve_node(settings.to_engine_args())
     else:

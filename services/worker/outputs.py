@@ -124,10 +124,10 @@ class WorkerOutputMixin(Service):
             params = req.sampling_params
             if want_logprobs:
                 logprobs.append(
-                    [lp for lp, _ in req.logprobs.output_token[start:]] if params.logprobs else []
+                    [lp for lp, _ in req.output.token_logprobs[start:]] if params.logprobs else []
                 )
             if want_top:
-                top = req.logprobs.output_top[start:] if params.top_logprobs_num else []
+                top = req.output.top_logprobs[start:] if params.top_logprobs_num else []
                 top_val.append([[lp for lp, _ in entry] for entry in top])
                 top_idx.append([[tid for _, tid in entry] for entry in top])
         prompt = _prompt_logprob_columns(entries)
@@ -230,10 +230,10 @@ def _prompt_logprob_columns(entries: list[_Entry]) -> _PromptLogprobColumns:
     carrying = [e.req if e.prompt_logprobs else None for e in entries]
     if not any(carrying):
         return _PromptLogprobColumns()
-    values = [req.logprobs.input_token if req else [] for req in carrying]
+    values = [req.output.prompt_logprobs if req else [] for req in carrying]
     if not any(req and req.sampling_params.prompt_top_logprobs_num for req in carrying):
         return _PromptLogprobColumns(values)
-    tops = [req.logprobs.input_top if req else [] for req in carrying]
+    tops = [req.output.prompt_top_logprobs if req else [] for req in carrying]
     return _PromptLogprobColumns(
         values,
         [[[lp for lp, _ in t] for t in top] for top in tops],

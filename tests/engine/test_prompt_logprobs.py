@@ -196,7 +196,7 @@ def test_a_prompt_scored_in_a_mixed_batch_matches_scoring_it_alone(make_engine, 
     assert scheduler.stats.forward_modes.get("mixed", 0) > 0
     assert scored.output_ids == [] and scored.lifecycle.finished_reason is not None
     assert scored.lifecycle.finished_reason.type == "length"
-    assert scored.logprobs.input_token == pytest.approx(values(expected), abs=1e-9)
+    assert scored.output.prompt_logprobs == pytest.approx(values(expected), abs=1e-9)
     assert len(decoding.output_ids) == 30
     assert_idle_and_leak_free(engine)
 
@@ -246,7 +246,7 @@ def test_an_abort_mid_chunked_prefill_frees_its_slots(make_engine):
     scheduler = engine.scheduler
     req = Req("scored", prompt_of(40, seed=8), SamplingParams(**PREFILL))
     scheduler.add_request(req)
-    scheduler.run_event_loop(lambda: len(req.logprobs.input_token) > 8)
+    scheduler.run_event_loop(lambda: len(req.output.prompt_logprobs) > 8)
     assert req.prompt_logprobs_pending and scheduler.prefill.chunked_req is req
     scheduler.abort_request(req.rid)
     assert (

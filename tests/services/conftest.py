@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx2
 import pytest
@@ -20,6 +20,9 @@ from services.io_struct import BatchStrOutput, Heartbeat, Hello, Message, new_ep
 from services.ipc import Receiver, Sender, bind_pull, bound_port, connect_push, create_wire_keys
 from testing.launcher import HEARTBEAT_INTERVAL, ServiceLauncher, cpu_flags, server_ports
 from testing.net import free_ports
+
+if TYPE_CHECKING:
+    from engine.api import Engine
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +41,24 @@ def launcher(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceLaunch
     launcher = ServiceLauncher(tmp_path_factory.mktemp("service-logs"))
     yield launcher
     launcher.stop_all()
+
+
+OFFLINE_MAX_TOTAL_TOKENS = 4096
+
+
+@pytest.fixture(scope="session")
+def offline(tiny_llama_dir: Path) -> Iterator[Engine]:
+    """The offline Engine on the tiny Llama, as the tiny servers run it (`cpu_flags`), that
+    their greedy answers and prompt logprobs are checked against."""
+    from engine.api import Engine
+
+    with Engine(
+        str(tiny_llama_dir),
+        dtype="float32",
+        device="cpu",
+        max_total_tokens=OFFLINE_MAX_TOTAL_TOKENS,
+    ) as engine:
+        yield engine
 
 
 ROUTER_FACING_MAX_RUNNING = 2

@@ -58,14 +58,6 @@ def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0)
 
 
-@pytest.fixture(scope="session")
-def offline(tiny_llama_dir: Path) -> Iterator[Engine]:
-    with Engine(
-        str(tiny_llama_dir), dtype="float32", max_total_tokens=MAX_TOTAL_TOKENS, device="cpu"
-    ) as engine:
-        yield engine
-
-
 # ----- health, auth, info ---------------------------------------------------------------------
 
 

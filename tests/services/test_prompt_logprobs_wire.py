@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from engine.api import Engine
 from engine.sampling.sampling_params import SamplingParams
 from services.io_struct import TokenizedGenerateReqInput
 from services.settings import Settings
@@ -43,14 +41,6 @@ def settings(tiny_llama_dir: Path, launcher) -> Settings:
         heartbeat_interval=HEARTBEAT_INTERVAL,
         **{name.replace("-", "_"): port for name, port in ports.items()},
     )
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama_dir: Path) -> Iterator[Engine]:
-    with Engine(
-        str(tiny_llama_dir), dtype="float32", device="cpu", max_total_tokens=MAX_TOTAL_TOKENS
-    ) as engine:
-        yield engine
 
 
 async def wait_ready(manager: TokenizerManager, timeout: float = 120) -> None:

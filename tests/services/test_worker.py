@@ -5,13 +5,11 @@ control replies."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
 import pytest
 
-from engine.api import Engine
 from engine.sampling.sampling_params import SamplingParams
 from services.io_struct import (
     AbortReq,
@@ -25,7 +23,6 @@ from services.io_struct import (
 )
 
 MAX_TOTAL_TOKENS = 4096
-ENGINE_OPTIONS = {"dtype": "float32", "max_total_tokens": MAX_TOTAL_TOKENS, "device": "cpu"}
 LONG = SamplingParams(temperature=0, max_new_tokens=3000, ignore_eos=True)
 """A request that runs long enough to act on it mid-stream."""
 
@@ -56,12 +53,6 @@ def stub(tiny_llama_dir: Path, launcher, make_stub):
         launcher.start(role, flags)
     stub.wait_for(lambda: any(isinstance(m, WorkerReady) for m in stub.replies), 120, "WorkerReady")
     return stub
-
-
-@pytest.fixture(scope="module")
-def offline(tiny_llama_dir: Path) -> Iterator[Engine]:
-    with Engine(str(tiny_llama_dir), **ENGINE_OPTIONS) as engine:
-        yield engine
 
 
 def generate(stub, rid: str, input_ids: list[int], params: SamplingParams) -> None:

@@ -22,7 +22,7 @@ from engine.lora import LoRAError, LoRAManager
 from engine.model.forward_batch import ForwardMode
 from engine.model.runner import ModelRunner
 from engine.sampling.sampling_params import SamplingParams
-from engine.sched.req import Req
+from engine.sched.req import Admission, Req
 from testing.batches import ExtendInput, build_forward_batch
 from tests.engine.lora.conftest import ALL_TARGETS, Reference, peft, prompt
 
@@ -244,7 +244,7 @@ def test_float64_logits_match_peft_after_reuse_chunking_and_retraction(
     assert len(records) >= len(prompts) * n
     for req, seq_len, logits in records:
         ids = (req.origin_input_ids + req.output_ids)[:seq_len]
-        expected = reference(req.lora_name, ids, torch.float64)
+        expected = reference(req.admission.lora_name, ids, torch.float64)
         torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
 
 
@@ -290,7 +290,12 @@ def test_unloading_an_adapter_frees_its_prefixes(engine: Engine, adapters: dict[
 
 def test_unload_while_a_request_uses_it_is_409(engine: Engine):
     scheduler = engine.scheduler
-    req = Req("busy", prompt(70, 5), SamplingParams(max_new_tokens=2), lora_name="all")
+    req = Req(
+        "busy",
+        prompt(70, 5),
+        SamplingParams(max_new_tokens=2),
+        admission=Admission(lora_name="all"),
+    )
     scheduler.add_request(req)
     with pytest.raises(LoRAError) as error:
         scheduler.unload_lora_adapter("all")

@@ -10,7 +10,7 @@ import msgspec
 from engine.cache.kv_events import BlockEventRecorder, block_hashes
 from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_key import RadixKey
-from engine.sched.req import Req
+from engine.sched.req import Admission, Req
 from testing.radix import insert_fresh, simulated_cache
 
 BLOCK = 16
@@ -21,8 +21,8 @@ def test_lora_joins_the_namespace_after_tenant_and_salt():
     assert namespace is not None
     assert namespace.extra_keys() == (("tenant", "t"), ("cache_salt", "s"), ("lora", "a"))
     assert PrefixNamespace.of() is None
-    req = Req("r", [1, 2], extra_key=PrefixNamespace(cache_salt="s"), lora_name="a")
-    assert req.extra_key == PrefixNamespace(cache_salt="s", lora="a")
+    req = Req("r", [1, 2], admission=Admission(PrefixNamespace(cache_salt="s"), lora_name="a"))
+    assert req.admission.extra_key == PrefixNamespace(cache_salt="s", lora="a")
 
 
 def test_kv_events_carry_the_adapter_as_lora_name():

@@ -5,7 +5,7 @@ from engine.cache.radix_key import RadixKey
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.cache_manager import CacheManager
 from engine.sched.policy import SCHEDULE_POLICIES, SchedulePolicy
-from engine.sched.req import Req
+from engine.sched.req import Admission, Req
 from testing.radix import insert_fresh, simulated_cache
 
 
@@ -93,9 +93,9 @@ def test_lof_puts_the_longest_output_first():
 
 def test_priority_orders_by_value_then_arrival():
     queue = [
-        Req("low", [1], priority=0),
-        Req("high", [1], priority=5),
-        Req("high-later", [1], priority=5),
+        Req("low", [1], admission=Admission(priority=0)),
+        Req("high", [1], admission=Admission(priority=5)),
+        Req("high-later", [1], admission=Admission(priority=5)),
     ]
     SchedulePolicy("priority", cache_with()).calc_priority(queue)
     assert rids(queue) == ["high", "high-later", "low"]
@@ -103,14 +103,14 @@ def test_priority_orders_by_value_then_arrival():
 
 def test_routing_key_prefers_keys_common_in_the_running_batch():
     running = [
-        Req("r1", [1], routing_key="blue"),
-        Req("r2", [1], routing_key="blue"),
-        Req("r3", [1], routing_key="red"),
+        Req("r1", [1], admission=Admission(routing_key="blue")),
+        Req("r2", [1], admission=Admission(routing_key="blue")),
+        Req("r3", [1], admission=Admission(routing_key="red")),
     ]
     queue = [
         Req("none", [1]),
-        Req("red", [1], routing_key="red"),
-        Req("blue", [1], routing_key="blue"),
+        Req("red", [1], admission=Admission(routing_key="red")),
+        Req("blue", [1], admission=Admission(routing_key="blue")),
     ]
     SchedulePolicy("routing-key", cache_with()).calc_priority(queue, running_reqs=running)
     assert rids(queue) == ["blue", "red", "none"]

@@ -3,7 +3,7 @@ import torch
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.cache_manager import CacheManager
-from engine.sched.req import Req, ReqStatus
+from engine.sched.req import Admission, Req, ReqStatus
 from engine.sched.retract import retract_decode
 from testing.radix import simulated_cache, total_size
 
@@ -14,7 +14,7 @@ def running(cache: CacheManager, rid: str, input_len: int, output_len: int) -> R
         list(range(input_len)),
         SamplingParams(max_new_tokens=256),
         output_ids=[1] * output_len,
-        extra_key=PrefixNamespace(rid),
+        admission=Admission(PrefixNamespace(rid)),
     )
     cache.match_req(req)
     cache.alloc_row(req)
