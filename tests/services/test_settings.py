@@ -249,6 +249,7 @@ SGLANG_FLAGS = (
     "--admin-api-key",
     "--api-key",
     "--attention-backend",
+    "--chat-template",
     "--chunked-prefill-size",
     "--context-length",
     "--cuda-graph-max-bs-decode",
