@@ -20,9 +20,9 @@ from typing import Any
 
 from engine.args import EngineArgs
 from engine.cache.kv_events import DEFAULT_BLOCK_SIZE
+from services.chat_templates import read_chat_template
 from services.ipc import endpoint
 from services.kv_events_config import KVEventsConfig
-from services.tokenizer.chat_templates import read_chat_template
 from services.tool_parser_names import DEFAULT_TOOL_PARSER, TOOL_PARSER_NAMES
 
 ENV_PREFIX = "RADIXSERVE_"

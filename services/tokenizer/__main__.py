@@ -6,10 +6,10 @@ import logging
 import uvicorn
 
 from engine.model.tokenizer_cache import load_tokenizer
+from services.chat_templates import read_chat_template
 from services.preflight import exit_if_refused
 from services.process import configure_logging
 from services.settings import Settings
-from services.tokenizer.chat_templates import read_chat_template
 from services.tokenizer.middleware import ApiKeyFileError
 from services.tokenizer.server import EdgeProtocol, create_app
 

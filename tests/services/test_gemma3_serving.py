@@ -14,8 +14,8 @@ import pytest
 
 from engine.model.embedded import GEMMA3_MODEL
 from engine.model.tokenizer_cache import load_tokenizer
+from services.chat_templates import read_chat_template
 from services.tokenizer.chat_template import render_chat, turn_end_ids
-from services.tokenizer.chat_templates import read_chat_template
 from services.tokenizer.protocol.chat import ChatCompletionRequest
 from testing.launcher import serving_url, start_serve
 from testing.net import free_port
