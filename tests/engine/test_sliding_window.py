@@ -1,0 +1,149 @@
+"""Sliding-window attention through the whole engine, on a tiny random Gemma 3 whose first
+two of three layers see the last 8 tokens: greedy answers equal transformers' in each way
+the scheduler can reach a token's keys (one prefill, chunks across a window edge, a radix
+hit ending inside or past a window, retraction and re-prefill, speculative verify). Each
+case also runs with the window ignored, and its answers then part from transformers': the
+case really reaches past a window."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from engine.api import Engine
+from engine.model.attention.base import AttentionLayer
+from testing.models import TINY_SLIDING_WINDOW, tiny_hf_model
+
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
+OPTIONS: dict[str, Any] = dict(
+    dtype="float64", device="cpu", max_total_tokens=4096, skip_tokenizer_init=True
+)
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 256) for _ in range(length)]
+
+
+SHARED = prompt(0, 21)  # not a multiple of the window
+CASES: dict[str, tuple[list[list[int]], dict[str, Any], dict[str, Any]]] = {
+    "prefill_and_decode": ([prompt(1, 5), prompt(2, 30)], {"max_new_tokens": 12}, {}),
+    "chunks_across_a_window_edge": (
+        [prompt(3, 45)],
+        {"max_new_tokens": 4},
+        {"chunked_prefill_size": 11},
+    ),
+    "radix_hit_past_the_window": (
+        [SHARED + prompt(4, 3), SHARED + prompt(5, 12)],
+        {"max_new_tokens": 6},
+        {},
+    ),
+    "radix_hit_inside_the_window": (
+        [SHARED[:5] + prompt(6, 20), SHARED[:5] + prompt(7, 2)],
+        {"max_new_tokens": 6},
+        {},
+    ),
+    "retraction": (
+        [prompt(10 + i, 24) for i in range(6)],
+        {"max_new_tokens": 40},
+        {"max_total_tokens": 256},
+    ),
+    "ngram_verify": (
+        [prompt(20, 6) * 5],
+        {"max_new_tokens": 16},
+        {"speculative_algorithm": "NGRAM"},
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("gemma3")
+    hf_model().save_pretrained(path)
+    return path
+
+
+def hf_model() -> PreTrainedModel:
+    return tiny_hf_model(
+        "gemma3",
+        dtype=torch.float64,
+        weight_scale=0.2,
+        num_hidden_layers=3,
+        layer_types=LAYER_TYPES,
+        max_position_embeddings=512,
+    )
+
+
+@pytest.fixture(scope="module")
+def reference() -> PreTrainedModel:
+    return hf_model()
+
+
+def hf_greedy(model: PreTrainedModel, ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None
+        )
+    return out[0, len(ids) :].tolist()
+
+
+def run_case(model_dir: Path, name: str) -> tuple[list[list[int]], list[int], dict[str, int]]:
+    """Each prompt's greedy answer and cached prompt tokens, and the scheduler's counters."""
+    prompts, params, options = CASES[name]
+    with Engine(str(model_dir), **{**OPTIONS, **options}) as engine:
+        if name.startswith("radix_hit"):
+            engine.generate(prompts[0], {**GREEDY, **params})  # the tree holds the first
+        results = engine.generate(prompts, {**GREEDY, **params})
+        counters = engine.scheduler.stats.counters()
+    return [r.output_ids for r in results], [r.meta.cached_tokens for r in results], counters
+
+
+@pytest.fixture
+def window_ignored(monkeypatch) -> Iterator[None]:
+    """Every layer built as a full-attention one: what a backend that drops the window does."""
+    original = AttentionLayer.__init__
+
+    def full(self: AttentionLayer, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **{**kwargs, "sliding_window": None})
+
+    monkeypatch.setattr(AttentionLayer, "__init__", full)
+    yield
+
+
+def expected(reference: PreTrainedModel, name: str) -> list[list[int]]:
+    prompts, params, _ = CASES[name]
+    return [hf_greedy(reference, p, params["max_new_tokens"]) for p in prompts]
+
+
+CACHED = {
+    "radix_hit_past_the_window": len(SHARED),
+    "radix_hit_inside_the_window": 5,
+}
+"""The second prompt's hit in the radix cases: the shared prefix, longer and shorter than
+the window."""
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_greedy_answers_match_transformers(model_dir, reference, name):
+    answers, cached, counters = run_case(model_dir, name)
+    assert answers == expected(reference, name)
+    if name == "retraction":
+        assert counters["num_retractions"] > 0
+    if name == "ngram_verify":
+        assert counters["spec_accepted_tokens"] > 0
+    if name in CACHED:
+        assert cached[1] == CACHED[name] > 0
+        assert CACHED[name] > TINY_SLIDING_WINDOW or name.endswith("inside_the_window")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ignoring_the_window_changes_the_answers(model_dir, reference, name, window_ignored):
+    answers, _, _ = run_case(model_dir, name)
+    assert answers != expected(reference, name)
