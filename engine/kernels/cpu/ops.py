@@ -15,9 +15,9 @@ arithmetic.
   at float speed, one call per request over keys gathered first.
 - `rms_norm` (`csrc/norm.cpp`): the residual add and RMSNorm of 16-bit activations in one
   op, where torch dispatches about eight.
-- `rotary` (`csrc/rotary.cpp`) and `silu_and_mul` (`csrc/activation.cpp`): a layer's
-  rotary embedding and gated activation in one op each, where torch dispatches three or
-  four.
+- `rotary` (`csrc/rotary.cpp`), `silu_and_mul` and `gelu_tanh_and_mul`
+  (`csrc/activation.cpp`): a layer's rotary embedding and gated activation in one op each,
+  where torch dispatches three or four.
 - `linear_amx` and `linear_few_rows` (`csrc/x86/linear_bf16.cpp`): bf16 matmuls on AMX tiles
   over a weight packed once for them (`amx_pack`), and by dot products over the plain weight
   for the one or two rows (`FEW_ROWS`) of the smallest decode batches. oneDNN's packed
@@ -115,6 +115,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`silu(gate) * up` of bf16/half `x` `[T, 2 * d]` (gate, then up), rounded where torch's
     `F.silu(gate).mul_(up)` rounds."""
     out: torch.Tensor = torch.ops.radixserve_cpu.silu_and_mul(x)
+    return out
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`gelu(gate, approximate="tanh") * up` of bf16/half `x` `[T, 2 * d]`, rounded where
+    torch's two ops round."""
+    out: torch.Tensor = torch.ops.radixserve_cpu.gelu_tanh_and_mul(x)
     return out
 
 

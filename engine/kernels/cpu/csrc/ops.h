@@ -10,8 +10,9 @@
 
 namespace radixserve {
 
-// activation.cpp: silu(gate) * up of bf16/half rows [T, 2d].
+// activation.cpp: silu(gate) * up and gelu_tanh(gate) * up of bf16/half rows [T, 2d].
 at::Tensor silu_and_mul(const at::Tensor& input);
+at::Tensor gelu_tanh_and_mul(const at::Tensor& input);
 
 // norm.cpp: residual add (in place) and RMSNorm of 16-bit rows.
 at::Tensor rms_norm(const at::Tensor& input, const std::optional<at::Tensor>& residual,

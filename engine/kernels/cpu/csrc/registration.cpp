@@ -7,6 +7,7 @@
 
 TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("silu_and_mul(Tensor input) -> Tensor");
+  m.def("gelu_tanh_and_mul(Tensor input) -> Tensor");
   m.def("rms_norm(Tensor input, Tensor(a!)? residual, Tensor weight, float eps) -> Tensor");
   m.def("rotary(Tensor(a!) qk, Tensor cos_sin) -> ()");
   m.def(
@@ -43,6 +44,7 @@ TORCH_LIBRARY_IMPL(radixserve_cpu, CompositeExplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(radixserve_cpu, CPU, m) {
   m.impl("silu_and_mul", &radixserve::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &radixserve::gelu_tanh_and_mul);
   m.impl("rms_norm", &radixserve::rms_norm);
   m.impl("rotary", &radixserve::rotary);
   m.impl("decode_attention", &radixserve::decode_attention);

@@ -206,6 +206,30 @@ def test_silu_and_mul_matches_the_torch_ops(dtype: torch.dtype, rows: int, width
     assert torch.equal(out[0, :6].float().signbit(), expected[0, :6].float().signbit())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "width"), [(1, 2048), (5, 24), (40, 80)])
+def test_gelu_tanh_and_mul_matches_the_torch_ops(dtype: torch.dtype, rows: int, width: int):
+    gen = torch.Generator().manual_seed(rows + width)
+    x = (torch.randn(rows, 2 * width, generator=gen) * 4).to(dtype)
+    inf, nan = float("inf"), float("nan")
+    x[0, :9] = torch.tensor([-100.0, -9.0, 30.0, 0.0, -0.0, inf, -inf, 1.0, nan])
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.gelu(gate, approximate="tanh").mul_(up)
+    g64 = gate.double()  # the same function as x * sigmoid(2y), in float64 without cancelling
+    exact = g64 * torch.sigmoid(2 * 0.7978845608028654 * (g64 + 0.044715 * g64**3)) * up.double()
+    out = cpu_ops.gelu_tanh_and_mul(x)
+    assert out.shape == (rows, width) and out.dtype == dtype
+    same = (out == expected) | (out.isnan() & expected.isnan())
+    # The kernel takes x * sigmoid(2y) where torch adds 1 + tanh(y), which cancels for
+    # negative x: the kernel is never further from the exact value than torch's own error
+    # and a few float32 units (the exp, the reciprocal), or in 16 bits its two roundings
+    # (subnormal ones in float16).
+    ours, torchs = (out.double() - exact).abs(), (expected.double() - exact).abs()
+    units = 16 * UNIT[torch.float32] if dtype == torch.float32 else 2 * UNIT[dtype]
+    subnormal = 2 * UNIT[dtype] * torch.finfo(dtype).smallest_normal
+    assert ((ours <= torchs + exact.abs() * units + subnormal) | same).all()
+
+
 @pytest.fixture
 def restore_threads():
     threads = torch.get_num_threads()
