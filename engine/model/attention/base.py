@@ -35,6 +35,8 @@ class CpuDecodeInputs(NamedTuple):
     seq_lens: torch.Tensor
     slot_index: torch.Tensor | None = None
     batch_invariant: bool = False
+    window: int = 0
+    """The layer's sliding window as the kernels take it (0: none)."""
 
 
 class AttentionBackend(ABC):
