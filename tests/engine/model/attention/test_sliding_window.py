@@ -1,19 +1,47 @@
-"""Sliding windows in the CPU attention kernels (a query at position p sees the keys at
-(p - window, p]) against float64 with contexts longer than the window, the K/V of every key
-before a window NaN so that reading one fails the case. test_quant_linear.py runs this file
-again on every lower kernel path the machine has."""
+"""Sliding-window attention (`AttentionLayer.sliding_window`: a query at position p sees the
+keys at (p - window, p]) in the torch backend and the CPU kernels, against the masked
+reference of test_torch_backend.py in float64, with a window of 8 and contexts longer than
+it. Every case is first shown to differ from full attention, so that ignoring the window
+fails it; and the K/V of every key before a window is NaN where a case can make it so, so
+that reading one fails it. test_quant_linear.py runs this file again on every lower kernel
+path the machine has."""
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
 
 import pytest
 import torch
 
 from engine.kernels.cpu import build as cpu_build
 from engine.kernels.cpu import ops as cpu_ops
+from engine.model.attention.base import AttentionLayer
+from engine.model.attention.torch_backend import TorchAttnBackend
+from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.model.layers.quantization import WeightFormat
 from testing.quant import quantized, random_weight
+from tests.engine.model.attention.test_torch_backend import (
+    LAYER,
+    make_batch,
+    reference_attention,
+    run,
+)
+from tests.engine.model.test_graph_runner import GraphSafetyMode
 
 WINDOW = 8
+SWA = dataclasses.replace(LAYER, sliding_window=WINDOW)
+
+CASES = {
+    # (mode, prefix_lens, extend_lens)
+    "decode": (ForwardMode.DECODE, [0, 3, 7, 8, 20, 40], [1] * 6),  # lengths 1 to 41
+    "extend_without_prefix": (ForwardMode.EXTEND, [0, 0], [5, 30]),
+    "extend_prefix_shorter_than_window": (ForwardMode.EXTEND, [3, 5], [12, 2]),
+    # Chunked prefill: the chunk starts past the window's edge, keys 0..p-8 out of sight.
+    "extend_chunk_past_the_window_edge": (ForwardMode.EXTEND, [20, 9, 40], [6, 17, 3]),
+    "mixed": (ForwardMode.MIXED, [0, 20, 7, 50], [30, 12, 1, 1]),
+}
+KERNEL = pytest.mark.parametrize("cpu_kernel", [True, False], ids=["kernel", "torch-ops"])
 
 
 @pytest.fixture(autouse=True)
@@ -21,8 +49,123 @@ def kernels_built() -> None:
     assert cpu_build.available(), "the suite's machines have a compiler"
 
 
+def windowed_reference(fb: ForwardBatch, q, k, v, layer: AttentionLayer = SWA) -> torch.Tensor:
+    """The reference under `layer`'s window, after checking that the window changes it."""
+    expected = reference_attention(fb, q, k, v, layer)
+    full = reference_attention(fb, q, k, v, dataclasses.replace(layer, sliding_window=None))
+    assert (expected - full).abs().max() > 0.1, "the case never reaches past the window"
+    return expected
+
+
+def poison_keys_before_windows(fb: ForwardBatch, layer: AttentionLayer = SWA) -> None:
+    """NaN in the pool at every prefix key that no new token of its request sees: the slots
+    a kernel must never read (they may be freed and reused)."""
+    window = layer.sliding_window
+    assert window is not None
+    k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+    table = fb.req_to_token_pool.req_to_token
+    for row, prefix_len in zip(fb.req_pool_indices.tolist(), fb.prefix_lens_cpu):
+        hidden = table[row, : max(prefix_len + 1 - window, 0)].long()
+        k_buffer[hidden] = float("nan")
+        v_buffer[hidden] = float("nan")
+
+
 def close(actual: torch.Tensor, expected: torch.Tensor, tolerance: float = 1e-12) -> None:
     torch.testing.assert_close(actual.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@KERNEL
+@pytest.mark.parametrize("case", CASES)
+def test_windowed_attention_matches_the_reference_without_reading_before_the_window(
+    case, cpu_kernel
+):
+    fb, q, k, v = make_batch(*CASES[case], layer=SWA)
+    expected = windowed_reference(fb, q, k, v)
+    poison_keys_before_windows(fb)
+    close(run(fb, q, k, v, cpu_kernel, SWA), expected)
+
+
+@KERNEL
+@pytest.mark.parametrize("case", ["decode", "mixed", "extend_chunk_past_the_window_edge"])
+def test_one_batch_serves_global_layers_and_layers_of_different_windows(case, cpu_kernel):
+    """One backend, metadata built once for the batch: each layer attends as its own window
+    says, and each window's variant is built once, at its first layer."""
+    fb, q, k, v = make_batch(*CASES[case], layer=SWA)
+    layers = [LAYER, SWA, dataclasses.replace(LAYER, sliding_window=3), LAYER, SWA]
+    expected = [reference_attention(fb, q, k, v, layer) for layer in layers]
+    backend = TorchAttnBackend(6, 2, 16, "cpu", cpu_kernel=cpu_kernel)
+    backend.init_forward_metadata(fb)
+    md = backend.forward_metadata
+    assert md is not None
+    variants = []
+    for layer, reference in zip(layers, expected):
+        close(backend.forward(q, k, v, layer, fb), reference)
+        variants.append(dict(md.windows))
+    assert list(variants[-1]) == [8, 3]
+    assert variants[1][8] is variants[-1][8]
+
+
+@KERNEL
+@pytest.mark.parametrize("static_shapes", [True, False], ids=["captured", "compiled-op"])
+def test_graph_decode_reads_only_the_window(cpu_kernel, static_shapes):
+    """The graph path: metadata from device ops only, over a batch padded as the GraphRunner
+    pads it (row 0, slot 0, length 1), the window's rows built inside the graph; or, under
+    `torch.compile`, the opaque decode op with the layer's window."""
+    fb, q, k, v = make_batch(*CASES["decode"], layer=SWA)
+    n, pad = len(fb.seq_lens_cpu), 2
+    expected = windowed_reference(fb, q, k, v)
+    poison_keys_before_windows(fb)
+    padded = dataclasses.replace(
+        fb,
+        req_pool_indices=torch.nn.functional.pad(fb.req_pool_indices, (0, pad)),
+        seq_lens=torch.nn.functional.pad(fb.seq_lens, (0, pad), value=1),
+        out_cache_loc=torch.nn.functional.pad(fb.out_cache_loc, (0, pad)),
+    )
+    q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+    backend = TorchAttnBackend(6, 2, 16, "cpu", cpu_kernel=cpu_kernel)
+    backend.init_cuda_graph_state(16, fb.req_to_token_pool.max_context_len, static_shapes)
+    # A compiled graph's opaque op may read host values: only a recorded one is guarded.
+    with GraphSafetyMode() if static_shapes else contextlib.nullcontext():
+        backend.init_forward_metadata_graph(padded)
+        out = backend.forward(q, k, v, SWA, padded)
+    close(out[:n], expected)
+
+
+def test_batch_invariant_tokens_read_only_their_windows():
+    """--enable-deterministic-inference: every token of a prefill is a decode-kernel row
+    over its request's first `position + 1` keys, clipped to its window; a decode batch
+    hands the one-op layer the layer's window."""
+    backend = TorchAttnBackend(6, 2, 16, "cpu")
+    backend.batch_invariant = True
+    fb, q, k, v = make_batch(*CASES["extend_chunk_past_the_window_edge"], layer=SWA)
+    expected = windowed_reference(fb, q, k, v)
+    poison_keys_before_windows(fb)
+    backend.init_forward_metadata(fb)
+    inputs = backend.cpu_decode_inputs(SWA, fb)
+    assert inputs is not None and inputs.window == WINDOW and inputs.batch_invariant
+    close(backend.forward(q, k, v, SWA, fb), expected)
+    fb, q, k, v = make_batch(*CASES["decode"], layer=SWA)
+    backend.init_forward_metadata(fb)
+    windowed, full = backend.cpu_decode_inputs(SWA, fb), backend.cpu_decode_inputs(LAYER, fb)
+    assert windowed is not None and windowed.window == WINDOW
+    assert full is not None and full.window == 0
+
+
+@KERNEL
+def test_verify_tree_nodes_see_only_their_windows(cpu_kernel):
+    """A verify batch of chain-shaped draft trees attends as an extend of the same tokens:
+    node d of a request at position prefix + d, over the last 8 of its prefix and path."""
+    fb, q, k, v = make_batch(ForwardMode.TARGET_VERIFY, [20, 3, 9], [5, 7, 2], layer=SWA)
+    expected = windowed_reference(fb, q, k, v)
+    poison_keys_before_windows(fb)
+    width, start, ancestors = max(fb.extend_lens_cpu), 0, []
+    for size in fb.extend_lens_cpu:
+        for depth in range(size):
+            path = list(range(start, start + depth + 1))
+            ancestors.append(path + [-1] * (width - len(path)))
+        start += size
+    fb.tree_ancestors = torch.tensor(ancestors)
+    close(run(fb, q, k, v, cpu_kernel, SWA), expected)
 
 
 @pytest.mark.parametrize("layout", [(9, 3, 64), (4, 2, 48), (4, 2, 8)])  # blocked, mixed, plain
@@ -67,6 +210,23 @@ def test_decode_kernel_reads_only_each_querys_window(layout, window, dtype, kv_d
         torch.testing.assert_close(out[r].double(), expected[r], rtol=0, atol=tolerance)
     full = cpu_ops.decode_attention(q, k_buffer, v_buffer, slots, torch.tensor(lens), 0.3)
     assert full[-1].isnan().all()  # the longest query's full context holds the NaN slot
+
+
+@pytest.mark.parametrize("window", [0, -1])
+def test_a_window_of_zero_or_below_is_full_attention(window):
+    fb, q, k, v = make_batch(*CASES["decode"])
+    group = TorchAttnBackend(6, 2, 16, "cpu")
+    group.init_forward_metadata(fb)
+    expected = group.forward(q, k, v, LAYER, fb)
+    decode = group.forward_metadata.decode
+    assert decode is not None
+    k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(LAYER.layer_id)
+    out = cpu_ops.decode_attention(
+        q, k_buffer, v_buffer, decode.slots, decode.seq_lens, LAYER.scaling, window=window
+    )
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="sliding_window must be at least 1"):
+        dataclasses.replace(LAYER, sliding_window=0)
 
 
 amx = pytest.mark.skipif(
@@ -123,6 +283,18 @@ def test_extend_kernel_masks_each_row_to_its_window_and_skips_keys_before_it(win
         close(out[q_starts[r] : q_starts[r] + e], expected, 2e-2)
         differs |= p + e > window
     assert differs
+
+
+@amx
+def test_a_bf16_prefill_attends_through_the_extend_kernel_with_the_window(monkeypatch):
+    layer = AttentionLayer(1, 9, 3, 64, 0.125, sliding_window=WINDOW)
+    fb, q, k, v = make_batch(*CASES["mixed"], dtype=torch.bfloat16, layer=layer)
+    expected = windowed_reference(fb, q, k, v, layer)
+    poison_keys_before_windows(fb, layer)
+    windows, kernel = [], cpu_ops.extend_attention
+    monkeypatch.setattr(cpu_ops, "extend_attention", lambda *a: windows.append(a[-1]) or kernel(*a))
+    close(run(fb, q, k, v, layer=layer), expected, 2e-2)
+    assert windows == [WINDOW]
 
 
 def test_the_one_op_decode_layer_attends_over_the_window():
