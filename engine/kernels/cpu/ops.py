@@ -58,13 +58,16 @@ def decode_attention(
     seq_lens: torch.Tensor,
     scaling: float,
     slot_index: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """`[n, heads, dim]` attention of one-token queries over the first `seq_lens[r]` slots
     of row r of `slots` (`[n, max_len]` int64), the pool buffers `[slots, kv_heads, dim]`;
     with `slot_index` (`[n]` int64), query r reads row `slot_index[r]` of `slots` instead,
-    so that the tokens of one request share its row."""
+    so that the tokens of one request share its row. A sliding `window` > 0 reads only the
+    last `window` of those slots (the query sits at position `seq_lens[r] - 1`): the slots
+    before them are never read, so they may name freed KV."""
     out: torch.Tensor = torch.ops.radixserve_cpu.decode_attention(
-        q, k_buffer, v_buffer, slots, seq_lens, scaling, slot_index
+        q, k_buffer, v_buffer, slots, seq_lens, scaling, slot_index, window
     )
     return out
 
@@ -84,13 +87,16 @@ def extend_attention(
     extend_lens: torch.Tensor,
     q_starts: torch.Tensor,
     scaling: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """Causal attention of bf16 multi-token requests `[T, heads, head_dim]` (head_dim a
     multiple of 64): request r's `extend_lens[r]` queries start at row `q_starts[r]` of `q`
     and see the first `prefix_lens[r] + i + 1` of its `slots[r]` (int64 `[n, max_len]`: its
-    prefix, then its new tokens). Rows of `q` outside every request come back zero."""
+    prefix, then its new tokens); with a sliding `window` > 0, only the last `window` of
+    those, and no slot before the first new token's window is read. Rows of `q` outside
+    every request come back zero."""
     out: torch.Tensor = torch.ops.radixserve_cpu.extend_attention(
-        q, k_buffer, v_buffer, slots, prefix_lens, extend_lens, q_starts, scaling
+        q, k_buffer, v_buffer, slots, prefix_lens, extend_lens, q_starts, scaling, window
     )
     return out
 
@@ -172,6 +178,7 @@ def decode_layer(
     seq_lens: torch.Tensor,
     slot_index: torch.Tensor | None,
     batch_invariant: bool,
+    window: int,
     num_heads: int,
     num_kv_heads: int,
     scaling: float,
@@ -182,7 +189,9 @@ def decode_layer(
     """One Llama layer of a decode batch (`LlamaDecoderLayer.decode_weights` lists its
     weights and the projections' `formats`), bf16 or, over quantized projections, float32:
     the MLP output; the attention output is added to the residual stream in place (to
-    `hidden` itself when `residual` is None), the new K/V written at `out_cache_loc`."""
+    `hidden` itself when `residual` is None), the new K/V written at `out_cache_loc`. The
+    arguments from `k_buffer` to `window` are `CpuDecodeInputs`' fields in its order
+    (`window`: the layer's sliding window, 0 for none, as `decode_attention` takes it)."""
     out: torch.Tensor = torch.ops.radixserve_cpu.decode_layer(
         hidden,
         residual,
@@ -202,6 +211,7 @@ def decode_layer(
         activation_bits,
         FEW_ROWS,
         batch_invariant,
+        window,
     )
     return out
 

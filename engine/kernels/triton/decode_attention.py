@@ -8,6 +8,10 @@ arguments and can be captured in a CUDA graph. Stage 1 runs one program
 per (request, KV head, split): it loads every query head of the GQA group that shares the
 KV head, so each K/V tile is read once per group, and writes the split's normalised
 partial output with its log-sum-exp. Stage 2 merges the splits of each (request, head).
+
+A layer with a sliding window reads only each request's last `window` keys: the splits cut
+those, as many as the host's count for the whole context allows with none empty
+(`_attended_splits`), so one split count serves every layer of the batch.
 """
 
 from __future__ import annotations
@@ -16,7 +20,20 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.attention_block import fold_block, load_keys
+from engine.kernels.triton.attention_block import fold_block, load_keys, window_start
+
+
+@triton.jit
+def _attended_splits(
+    seq_len: tl.tensor, window: tl.tensor, kv_splits: tl.tensor
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """The keys a request's query attends, from the first in its sliding `window` (0:
+    none) to its last, cut into at most `kv_splits` (the host's count for the whole context)
+    splits of equal length, none empty: (first key, split length, split count). Without a
+    window the host's count as it is: it already leaves no split empty."""
+    first = window_start(seq_len - 1, window)
+    split_len = tl.cdiv(seq_len - first, kv_splits)
+    return first, split_len, tl.cdiv(seq_len - first, split_len)
 
 
 @triton.jit
@@ -30,6 +47,7 @@ def _fwd_grouped_kernel_stage1(
     out_cache_loc: tl.tensor,
     num_kv_splits: tl.tensor,
     sm_scale: tl.tensor,
+    window: tl.tensor,
     Att_Out: tl.tensor,
     Att_Lse: tl.tensor,
     stride_req_to_token: tl.tensor,
@@ -54,15 +72,15 @@ def _fwd_grouped_kernel_stage1(
     cur_kv_head = tl.program_id(1)
     split_kv_id = tl.program_id(2)
 
-    kv_splits = tl.load(num_kv_splits + cur_batch)
+    seq_len = tl.load(seq_lens + cur_batch).to(tl.int32)
+    first_key, split_len, kv_splits = _attended_splits(
+        seq_len, window, tl.load(num_kv_splits + cur_batch)
+    )
     if split_kv_id >= kv_splits:
         return
     table_row = req_to_token + tl.load(req_pool_indices + cur_batch) * stride_req_to_token
-    seq_len = tl.load(seq_lens + cur_batch).to(tl.int32)
     new_slot = tl.load(out_cache_loc + cur_batch)
-    # The host picks split counts that leave no split empty.
-    split_len = tl.cdiv(seq_len, kv_splits)
-    split_start = split_len * split_kv_id
+    split_start = first_key + split_len * split_kv_id
     split_end = tl.minimum(split_start + split_len, seq_len)
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -124,7 +142,9 @@ def _fwd_kernel_stage2(
     Att_Out: tl.tensor,
     Att_Lse: tl.tensor,
     Out: tl.tensor,
+    seq_lens: tl.tensor,
     num_kv_splits: tl.tensor,
+    window: tl.tensor,
     stride_mid_ob: tl.tensor,
     stride_mid_oh: tl.tensor,
     stride_mid_os: tl.tensor,
@@ -137,7 +157,8 @@ def _fwd_kernel_stage2(
 ) -> None:
     cur_batch = tl.program_id(0)
     cur_head = tl.program_id(1)
-    kv_splits = tl.load(num_kv_splits + cur_batch)
+    seq_len = tl.load(seq_lens + cur_batch).to(tl.int32)
+    kv_splits = _attended_splits(seq_len, window, tl.load(num_kv_splits + cur_batch))[2]
 
     offs_d = tl.arange(0, BLOCK_DV)
     mask_d = offs_d < Lv
@@ -174,11 +195,13 @@ def decode_attention_fwd(
     attn_logits: torch.Tensor,
     attn_lse: torch.Tensor,
     sm_scale: float,
+    window: int = 0,
 ) -> None:
     """Write into `o` ([B, H, D]) the attention of the one query per request in `q` ([B, H, D]).
 
     Request i's `seq_lens[i]` keys are at the slots `req_to_token[req_pool_indices[i]]`
-    maps, the last at `out_cache_loc[i]`, cut into `num_kv_splits[i]` splits.
+    maps, the last at `out_cache_loc[i]`, cut into `num_kv_splits[i]` splits; with a sliding
+    `window` > 0 only the last `window` of them, the table entries before never read.
     `attn_logits` ([B, H, max_kv_splits, D], fp32) and `attn_lse` ([B, H, max_kv_splits],
     fp32) hold the per-split partial results; the grid spans
     `max_kv_splits`, and programs past a request's own split count exit at once.
@@ -203,6 +226,7 @@ def decode_attention_fwd(
         out_cache_loc,
         num_kv_splits,
         sm_scale,
+        window,
         attn_logits,
         attn_lse,
         req_to_token.stride(0),
@@ -229,7 +253,9 @@ def decode_attention_fwd(
         attn_logits,
         attn_lse,
         o,
+        seq_lens,
         num_kv_splits,
+        window,
         attn_logits.stride(0),
         attn_logits.stride(1),
         attn_logits.stride(2),

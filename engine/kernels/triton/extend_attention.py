@@ -4,7 +4,8 @@ causally, to the new tokens before it.
 Each request's keys are named by one run of `kv_indices` (the prefix slots from
 `req_to_token`, then the new tokens' slots from `out_cache_loc`), so a single online-softmax
 loop covers prefix and extension; the causal mask only bites in the last blocks, and blocks
-past a query tile's last position are never visited.
+past a query tile's last position are never visited. Under a sliding window the loop starts
+at the first key the tile's first query sees: keys before every row's window are never read.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton.attention_block import fold_block, load_keys
+from engine.kernels.triton.attention_block import fold_block, load_keys, window_start
 
 
 @triton.jit
@@ -26,6 +27,7 @@ def _fwd_kernel(
     kv_indptr: tl.tensor,
     kv_indices: tl.tensor,
     sm_scale: tl.tensor,
+    window: tl.tensor,
     stride_qbs: tl.tensor,
     stride_qh: tl.tensor,
     stride_obs: tl.tensor,
@@ -69,9 +71,11 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DMODEL], dtype=tl.float32)
 
-    # Keys beyond this tile's last query position are masked for every row: skip them.
+    # Keys beyond this tile's last query position are masked for every row, and so are keys
+    # before its first query's sliding window: skip them.
     kv_end = tl.minimum(seq_len, prefix_len + (cur_block_m + 1) * BLOCK_M)
-    for start_n in range(0, kv_end, BLOCK_N):
+    kv_first = window_start(prefix_len + cur_block_m * BLOCK_M, window)
+    for start_n in range(kv_first, kv_end, BLOCK_N):
         kv_pos = start_n + offs_n
         mask_n = kv_pos < kv_end
         slots = tl.load(kv_indices + kv_start + kv_pos, mask=mask_n, other=0).to(tl.int64)
@@ -80,9 +84,9 @@ def _fwd_kernel(
             K_Buffer, slots, cur_kv_head, stride_buf_kbs, stride_buf_kh, offs_d, mask_n, mask_d
         )
         qk = tl.dot(q, k, input_precision="ieee") * sm_scale
-        causal = mask_n[None, :] & (kv_pos[None, :] <= q_pos[:, None])
-        qk = tl.where(causal, qk, float("-inf"))
-        # Key 0 is visible to every row in the first block, so the max is finite from there on.
+        visible = mask_n[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        visible = visible & (kv_pos[None, :] >= window_start(q_pos, window)[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
         m_i, l_i, acc = fold_block(
             qk,
             m_i,
@@ -98,6 +102,9 @@ def _fwd_kernel(
             mask_d,
         )
 
+    # Rows past the request's queries may have seen no key under a window: not stored, but
+    # kept finite. Every real row saw itself, so its sum is at least 1.
+    l_i = tl.where(l_i > 0, l_i, 1.0)
     o_ptrs = Out + (q_start + offs_m)[:, None] * stride_obs + cur_head * stride_oh + offs_d[None, :]
     tl.store(
         o_ptrs,
@@ -116,13 +123,16 @@ def extend_attention_fwd(
     kv_indices: torch.Tensor,
     max_extend_len: int,
     sm_scale: float,
+    window: int = 0,
 ) -> None:
     """Write into `o` ([T, H, D]) the attention of `q` ([T, H, D]) over the KV pool.
 
     Request i owns queries `qo_indptr[i]:qo_indptr[i+1]` and keys
     `kv_indices[kv_indptr[i]:kv_indptr[i+1]]`; its last `extend_len` keys are its own new
-    tokens, aligned with its queries. `max_extend_len` sizes the grid from host data, so
-    the launch never reads a device value.
+    tokens, aligned with its queries. A sliding `window` > 0: the query at position p sees
+    the keys at (p - window, p], and no key before its tile's first window is read.
+    `max_extend_len` sizes the grid from host data, so the launch never reads a device
+    value.
     """
     assert q.stride(-1) == 1 and o.stride(-1) == 1, "head_dim must be the contiguous axis"
     batch_size = qo_indptr.shape[0] - 1
@@ -140,6 +150,7 @@ def extend_attention_fwd(
         kv_indptr,
         kv_indices,
         sm_scale,
+        window,
         q.stride(0),
         q.stride(1),
         o.stride(0),

@@ -21,6 +21,14 @@ class AttentionLayer:
     head_dim: int
     scaling: float
     sliding_window: int | None = None
+    """A query at position p sees only the keys at (p - sliding_window, p], the last
+    `sliding_window` positions including its own (as transformers and llama.cpp count it);
+    None: every earlier position. Per layer: Gemma 3 mixes windowed and global layers.
+    Backends never read the keys before a query's window, so their KV may be freed."""
+
+    def __post_init__(self) -> None:
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {self.sliding_window}")
 
 
 class CpuDecodeInputs(NamedTuple):
@@ -36,6 +44,8 @@ class CpuDecodeInputs(NamedTuple):
     seq_lens: torch.Tensor
     slot_index: torch.Tensor | None = None
     batch_invariant: bool = False
+    window: int = 0
+    """The layer's sliding window as the kernels take it (0: none)."""
 
 
 class AttentionBackend(ABC):

@@ -3,7 +3,7 @@ multi-token request, two batched matmuls for all one-token requests together."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,8 @@ class ExtendGroup:
     prefix_lens: torch.Tensor  # [n] int64
     extend_lens: torch.Tensor  # [n] int64
     q_starts: torch.Tensor  # [n] int64: the row of q where each request's new tokens start
+    window: int = 0
+    """The layer's sliding window as the kernel takes it (0: none)."""
 
 
 @dataclass
@@ -60,6 +62,9 @@ class DecodeGroup:
     max_seq_len: int
     slot_index: torch.Tensor | None = None
     """[n] int64: the row of `slots` each query reads (the C++ kernel only); None: its own."""
+    window: int = 0
+    """The C++ kernel reads only the last `window` keys of each query (0: all of them); the
+    torch ops' rows are built over the window instead (`window_group`)."""
 
 
 @dataclass
@@ -75,6 +80,9 @@ class ForwardMetadata:
     captured: bool = False
     """Built for a captured graph (`init_forward_metadata_graph`): its layers go through
     `forward`, which the graph backend records."""
+    windows: dict[int, ForwardMetadata] = field(default_factory=dict)
+    """This batch's metadata for each sliding window its layers use, built from this one at
+    the first layer with that window (`window_metadata`)."""
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -109,6 +117,12 @@ class TorchAttnBackend(AttentionBackend):
     chunk, this extend or decode steps (a retracted request's re-prefill); and
     `cpu_decode_inputs` lets every batch, not only decode ones, run its layers as one op
     where the model can.
+
+    A layer with a `sliding_window` attends through a variant of the batch's metadata,
+    built once per batch and window at the first such layer (`_metadata`): the C++ kernels
+    take the window and skip the keys before it; the torch ops get each request's keys from
+    its window's first one (`window_extend_seq`, `window_group`). No path reads a key
+    before a query's window, so that KV may be freed.
     """
 
     batch_invariant = False
@@ -252,7 +266,7 @@ class TorchAttnBackend(AttentionBackend):
         md = self.forward_metadata
         if md is None or md.captured or md.extend_seqs:
             return None
-        decode = md.decode
+        decode = self._metadata(layer).decode
         if self.batch_invariant and decode is not None:  # every batch: decode rows or tokens
             k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
             return CpuDecodeInputs(
@@ -263,13 +277,33 @@ class TorchAttnBackend(AttentionBackend):
                 decode.seq_lens,
                 decode.slot_index,
                 batch_invariant=True,
+                window=decode.window,
             )
         if decode is None or decode.rows is not None or decode.token_indices is not None:
             return None
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         return CpuDecodeInputs(
-            k_buffer, v_buffer, forward_batch.out_cache_loc, decode.slots, decode.seq_lens
+            k_buffer,
+            v_buffer,
+            forward_batch.out_cache_loc,
+            decode.slots,
+            decode.seq_lens,
+            window=decode.window,
         )
+
+    def _metadata(self, layer: AttentionLayer) -> ForwardMetadata:
+        """The batch's metadata as `layer` attends: the full one, or its variant for the
+        layer's sliding window, built at the first layer of the batch with that window."""
+        md = self.forward_metadata
+        assert md is not None, "init_forward_metadata runs before the first layer"
+        window = layer.sliding_window
+        if window is None:
+            return md
+        windowed = md.windows.get(window)
+        if windowed is None:
+            windowed = window_metadata(md, window, self.num_heads, self.num_kv_heads)
+            md.windows[window] = windowed
+        return windowed
 
     def forward(
         self,
@@ -297,14 +331,14 @@ class TorchAttnBackend(AttentionBackend):
             layer.num_kv_heads,
             layer.scaling,
             self.cpu_kernel,
+            layer.sliding_window or 0,
         )
         return out
 
     def forward_extend(
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        md = self.forward_metadata
-        assert md is not None, "init_forward_metadata runs before the first layer"
+        md = self._metadata(layer)
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         extend = md.extend_group
         if extend is not None:  # the pool is bf16, and so are the activations
@@ -317,6 +351,7 @@ class TorchAttnBackend(AttentionBackend):
                 extend.extend_lens,
                 extend.q_starts,
                 layer.scaling,
+                extend.window,
             )
         else:
             out = torch.empty_like(q)
@@ -345,8 +380,8 @@ class TorchAttnBackend(AttentionBackend):
     def forward_decode(
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        md = self.forward_metadata
-        assert md is not None and md.decode is not None, "a decode batch has a decode group"
+        md = self._metadata(layer)
+        assert md.decode is not None, "a decode batch has a decode group"
         return self._attend_decode(q, layer, forward_batch, md.decode)
 
     def _attend_decode(
@@ -452,6 +487,62 @@ def group_over_slots(
     return DecodeGroup(token_indices, slots, seq_lens, rows, max_seq_len)
 
 
+def window_metadata(
+    md: ForwardMetadata, window: int, num_heads: int, num_kv_heads: int
+) -> ForwardMetadata:
+    """`md` for a layer with a sliding `window`: the kernels' groups carry the window, the
+    torch ops' requests are cut to it."""
+    extend_seqs = md.extend_seqs
+    if md.extend_group is None:  # SDPA reads every key it is given
+        extend_seqs = [window_extend_seq(seq, window) for seq in extend_seqs]
+    return ForwardMetadata(
+        extend_seqs,
+        None if md.decode is None else window_group(md.decode, window, num_heads, num_kv_heads),
+        None if md.extend_group is None else replace(md.extend_group, window=window),
+        opaque_decode=md.opaque_decode,
+        captured=md.captured,
+    )
+
+
+def window_extend_seq(seq: ExtendSeq, window: int) -> ExtendSeq:
+    """`seq` under a sliding window: its keys from the first one its first new token sees,
+    with the mask of (p - window, p] over them; `seq` itself where the window holds it all."""
+    seq_len = len(seq.kv_indices)
+    prefix_len = seq_len - (seq.end - seq.start)
+    if seq_len <= window:
+        return seq
+    first = max(prefix_len + 1 - window, 0)
+    device = seq.kv_indices.device
+    keys = torch.arange(first, seq_len, device=device)[None, :]
+    queries = torch.arange(prefix_len, seq_len, device=device)[:, None]
+    mask = (keys <= queries) & (keys > queries - window)
+    return ExtendSeq(seq.start, seq.end, seq.kv_indices[first:], mask)
+
+
+def window_group(group: DecodeGroup, window: int, num_heads: int, num_kv_heads: int) -> DecodeGroup:
+    """`group` under a sliding window. The C++ kernel clips each query's keys itself. The
+    torch ops get rows over each query's last `window` slots only, padded with slot 0 (which
+    the pools reserve), so that no key before a window is gathered. Static shapes only, so
+    a graph can replay it."""
+    if group.rows is None:
+        return replace(group, window=window)
+    if window >= group.max_seq_len:  # no query has a key before its window
+        return group
+    first = (group.seq_lens - window).clamp_(min=0)
+    columns = first[:, None] + torch.arange(window, device=first.device)[None, :]
+    inside = columns < group.seq_lens[:, None]
+    slots = group.slots.gather(1, columns.clamp_(max=group.max_seq_len - 1))
+    return group_over_slots(
+        slots.masked_fill_(~inside, 0),
+        group.seq_lens - first,
+        window,
+        num_heads,
+        num_kv_heads,
+        cpu_kernel=False,
+        token_indices=group.token_indices,
+    )
+
+
 def attend_decode(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
@@ -464,7 +555,14 @@ def attend_decode(
     rows = group.rows
     if rows is None:
         return cpu_ops.decode_attention(
-            q, k_buffer, v_buffer, group.slots, group.seq_lens, scaling, group.slot_index
+            q,
+            k_buffer,
+            v_buffer,
+            group.slots,
+            group.seq_lens,
+            scaling,
+            group.slot_index,
+            group.window,
         )
     num_reqs, num_heads, d = q.shape
     blocks = (num_reqs * num_kv_heads, group.max_seq_len, d)
@@ -499,10 +597,12 @@ def decode_attention(
     num_kv_heads: int,
     scaling: float,
     cpu_kernel: bool,
+    window: int,
 ) -> torch.Tensor:
     """One layer's decode step as a single op that `torch.compile` does not look into: it
     writes the new tokens' K/V, then attends over the batch's longest context, a size read
-    from `seq_lens` at run time (inside a compiled graph it would be baked in)."""
+    from `seq_lens` at run time (inside a compiled graph it would be baked in); `window`:
+    the layer's sliding window (0: none)."""
     k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
     v_buffer.index_copy_(0, out_cache_loc, v.to(v_buffer.dtype))
     max_seq_len = int(seq_lens.max())
@@ -516,6 +616,8 @@ def decode_attention(
         num_kv_heads,
         cpu_kernel,
     )
+    if window > 0:
+        group = window_group(group, window, q.shape[1], num_kv_heads)
     return attend_decode(q, k_buffer, v_buffer, group, num_kv_heads, scaling)
 
 

@@ -53,6 +53,10 @@ class TritonAttnBackend(AttentionBackend):
     Decode splits each request's keys into `ceil(seq_len / min_kv_split_len)` pieces, at most
     `max_kv_splits`. The count depends on the request's own length alone, never on the rest
     of the batch, so a request's decode output does not change with its batch-mates.
+
+    A layer's sliding window goes to the kernels as an argument: the metadata (and the
+    graph's static buffers) serve every layer, windowed or not, and a windowed decode
+    recounts its splits over the window inside the kernel.
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class TritonAttnBackend(AttentionBackend):
             md.kv_indices,
             md.max_extend_len,
             layer.scaling,
+            layer.sliding_window or 0,
         )
         return o
 
@@ -144,6 +149,7 @@ class TritonAttnBackend(AttentionBackend):
             md.attn_logits,
             md.attn_lse,
             layer.scaling,
+            layer.sliding_window or 0,
         )
         return o
 

@@ -5,7 +5,8 @@
 // share it), take a softmax in the accumulation type (float for bf16/half/float, double for
 // double), and sum the values weighted by it. The pool holds the queries' type, or 16 bits
 // under float queries (`--kv-cache-dtype`: half the bytes to read). Nothing is gathered: `slots[r, j]` names the
-// pool slot of request r's j-th token, and only the first `seq_lens[r]` of them are read.
+// pool slot of request r's j-th token, and only the first `seq_lens[r]` of them are read;
+// with a sliding `window` (> 0), only the last `window` of those.
 //
 // On the vector paths (simd.h: 16 float lanes with AVX-512, 8 with AVX2) and float
 // accumulation, keys and values go in blocks of one vector's lanes of tokens, read from the
@@ -176,6 +177,7 @@ void decode_attention_kernel(
     const int64_t* slot_index,
     const at::Tensor& seq_lens,
     double scaling,
+    int64_t window,
     at::Tensor& out) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t num_reqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
@@ -204,8 +206,13 @@ void decode_attention_kernel(
     for (int64_t task, last; queue.claim(task, last);) {  // one task per chunk
       const int64_t r = task / tasks_per_req;
       const int64_t first_head = (task % tasks_per_req) * heads_per_task;
-      const int64_t len = std::clamp<int64_t>(len_ptr[r], 0, max_len);
-      const int64_t* row = slot_ptr + (slot_index == nullptr ? r : slot_index[r]) * max_len;
+      const int64_t seq_len = std::clamp<int64_t>(len_ptr[r], 0, max_len);
+      // Under a sliding window the row starts at the window's first key: the slots before
+      // it (which may be freed, their entries stale) are never read.
+      const int64_t first = window > 0 ? std::max<int64_t>(seq_len - window, 0) : 0;
+      const int64_t len = seq_len - first;
+      const int64_t* row =
+          slot_ptr + (slot_index == nullptr ? r : slot_index[r]) * max_len + first;
       const int64_t offset = first_head * head_dim;  // of this task's heads in a token row
       const scalar_t* q_row = q_ptr + (r * num_heads + first_head * group) * head_dim;
       for (int64_t i = 0; i < task_heads * head_dim; ++i) {
@@ -331,7 +338,8 @@ at::Tensor decode_attention(
     const at::Tensor& slots,
     const at::Tensor& seq_lens,
     double scaling,
-    const std::optional<at::Tensor>& slot_index) {
+    const std::optional<at::Tensor>& slot_index,
+    int64_t window) {
   TORCH_CHECK(q.dim() == 3 && k_buffer.dim() == 3 && v_buffer.dim() == 3,
               "q is [n, heads, dim] and the buffers [slots, kv_heads, dim]");
   TORCH_CHECK(k_buffer.is_contiguous() && v_buffer.is_contiguous(), "contiguous KV buffers");
@@ -364,14 +372,14 @@ at::Tensor decode_attention(
   if (q.scalar_type() != kv_type) {
     AT_DISPATCH_REDUCED_FLOATING_TYPES(kv_type, "radixserve_decode_attention_16bit_pool", [&] {
       decode_attention_kernel<float, scalar_t>(
-          queries, k_buffer, v_buffer, slot_rows, index_ptr, lens, scaling, out);
+          queries, k_buffer, v_buffer, slot_rows, index_ptr, lens, scaling, window, out);
     });
     return out;
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, q.scalar_type(), "radixserve_decode_attention", [&] {
         decode_attention_kernel<scalar_t, scalar_t>(
-            queries, k_buffer, v_buffer, slot_rows, index_ptr, lens, scaling, out);
+            queries, k_buffer, v_buffer, slot_rows, index_ptr, lens, scaling, window, out);
       });
   return out;
 }

@@ -13,7 +13,8 @@
 // their dtype, or 16 bits under float32; `activation_bits` and `batch_invariant` as
 // `quant_linear` takes them. Under --enable-deterministic-inference a prefill's tokens run
 // it too, as one-token rows of their requests (`slot_index`, as decode_attention takes it),
-// so that prefill and decode go through one path.
+// so that prefill and decode go through one path. `window` is the layer's sliding window
+// (0: none), as decode_attention takes it.
 
 #include "ops.h"
 #include <ATen/ATen.h>
@@ -50,8 +51,8 @@ class Kernels {
         rotary_(kernel<void(Tensor&, const Tensor&)>("radixserve_cpu::rotary")),
         silu_and_mul_(kernel<Tensor(const Tensor&)>("radixserve_cpu::silu_and_mul")),
         decode_attention_(kernel<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                        const Tensor&, double, const std::optional<Tensor>&)>(
-            "radixserve_cpu::decode_attention")) {}
+                                        const Tensor&, double, const std::optional<Tensor>&,
+                                        int64_t)>("radixserve_cpu::decode_attention")) {}
 
   Tensor rms_norm(const Tensor& x, const std::optional<Tensor>& residual, const Tensor& weight,
                   double eps) const {
@@ -76,8 +77,9 @@ class Kernels {
 
   Tensor decode_attention(const Tensor& q, const Tensor& k_buffer, const Tensor& v_buffer,
                           const Tensor& slots, const Tensor& seq_lens, double scaling,
-                          const std::optional<Tensor>& slot_index) const {
-    return decode_attention_.call(q, k_buffer, v_buffer, slots, seq_lens, scaling, slot_index);
+                          const std::optional<Tensor>& slot_index, int64_t window) const {
+    return decode_attention_.call(q, k_buffer, v_buffer, slots, seq_lens, scaling, slot_index,
+                                  window);
   }
 
  private:
@@ -94,7 +96,7 @@ class Kernels {
   c10::TypedOperatorHandle<void(Tensor&, const Tensor&)> rotary_;
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_and_mul_;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                                  const Tensor&, double, const std::optional<Tensor>&)>
+                                  const Tensor&, double, const std::optional<Tensor>&, int64_t)>
       decode_attention_;
 };
 
@@ -111,7 +113,7 @@ Tensor decode_layer(
     const Tensor& out_cache_loc, const Tensor& slots, const Tensor& seq_lens,
     const std::optional<Tensor>& slot_index, int64_t num_heads, int64_t num_kv_heads,
     double scaling, double eps, at::IntArrayRef formats, int64_t activation_bits,
-    int64_t few_rows, bool batch_invariant) {
+    int64_t few_rows, bool batch_invariant, int64_t window) {
   TORCH_CHECK(weights.size() == kWeights, "the layer's ", static_cast<int>(kWeights), " weights");
   TORCH_CHECK(formats.size() == 4, "a format for each of the four projections");
   TORCH_CHECK(hidden.dim() == 2 && (hidden.scalar_type() == at::kBFloat16 ||
@@ -141,7 +143,8 @@ Tensor decode_layer(
   v_buffer.index_copy_(0, out_cache_loc,
                        qkv.narrow(1, num_heads + num_kv_heads, num_kv_heads).to(kv_type));
   const Tensor attn =
-      kernels.decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scaling, slot_index)
+      kernels.decode_attention(q, k_buffer, v_buffer, slots, seq_lens, scaling, slot_index,
+                               window)
           .view({tokens, num_heads * head_dim});
 
   const Tensor o = kernels.linear(attn, weights[kO], weights[kOPacked], formats[1],

@@ -21,18 +21,21 @@ at::Tensor rms_norm(const at::Tensor& input, const std::optional<at::Tensor>& re
 // rotary.cpp: rotary embedding of [T, heads, head_dim] rows in place.
 void rotary(at::Tensor& qk, const at::Tensor& cos_sin);
 
+// The attention kernels take a sliding `window`: a query at position p sees the keys at
+// positions (p - window, p]; 0 (or below) for full causal attention.
+
 // decode_attention.cpp: one-token queries over each request's pool slots.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& slots,
                             const at::Tensor& seq_lens, double scaling,
-                            const std::optional<at::Tensor>& slot_index);
+                            const std::optional<at::Tensor>& slot_index, int64_t window);
 
 // x86/extend_attention.cpp: causal prefill attention of bf16 requests on AMX tiles.
 bool extend_attention_supported();
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& slots,
                             const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
-                            const at::Tensor& q_starts, double scaling);
+                            const at::Tensor& q_starts, double scaling, int64_t window);
 
 // x86/linear_bf16.cpp: bf16 matmuls on AMX tiles (over `amx_pack`) and for a few rows.
 bool amx_available();
@@ -60,6 +63,6 @@ at::Tensor decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor
                         const at::Tensor& seq_lens, const std::optional<at::Tensor>& slot_index,
                         int64_t num_heads, int64_t num_kv_heads, double scaling, double eps,
                         at::IntArrayRef formats, int64_t activation_bits, int64_t few_rows,
-                        bool batch_invariant);
+                        bool batch_invariant, int64_t window);
 
 }  // namespace radixserve

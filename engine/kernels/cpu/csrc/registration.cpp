@@ -12,11 +12,12 @@ TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("rotary(Tensor(a!) qk, Tensor cos_sin) -> ()");
   m.def(
       "decode_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor slots, "
-      "Tensor seq_lens, float scaling, Tensor? slot_index=None) -> Tensor");
+      "Tensor seq_lens, float scaling, Tensor? slot_index=None, int window=0) -> Tensor");
   m.def("extend_attention_supported() -> bool");
   m.def(
       "extend_attention(Tensor q, Tensor k_buffer, Tensor v_buffer, Tensor slots, "
-      "Tensor prefix_lens, Tensor extend_lens, Tensor q_starts, float scaling) -> Tensor");
+      "Tensor prefix_lens, Tensor extend_lens, Tensor q_starts, float scaling, int window=0) "
+      "-> Tensor");
   m.def("amx_available() -> bool");
   m.def("amx_pack(Tensor weight) -> Tensor");
   m.def("linear_amx(Tensor input, Tensor packed, int out_features, Tensor? bias) -> Tensor");
@@ -31,8 +32,8 @@ TORCH_LIBRARY(radixserve_cpu, m) {
       "decode_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor[] weights, Tensor cos_sin, "
       "Tensor(c!) k_buffer, Tensor(d!) v_buffer, Tensor out_cache_loc, Tensor slots, "
       "Tensor seq_lens, Tensor? slot_index, int num_heads, int num_kv_heads, float scaling, "
-      "float eps, int[] formats, int activation_bits, int few_rows, bool batch_invariant) "
-      "-> Tensor");
+      "float eps, int[] formats, int activation_bits, int few_rows, bool batch_invariant, "
+      "int window=0) -> Tensor");
 }
 
 // Ops without tensors (what this build and CPU can do) dispatch on no device.

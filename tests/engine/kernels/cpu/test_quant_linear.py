@@ -155,6 +155,7 @@ def test_lower_kernel_paths_pass_the_same_tests(path):
         os.path.join(here, "test_ops.py"),
         os.path.join(model_tests, "test_batch_invariant.py"),
         os.path.join(model_tests, "attention", "test_torch_backend.py"),
+        os.path.join(model_tests, "attention", "test_sliding_window.py"),
     ]
     env = {**os.environ, FORCE_ENV: path, "ATEN_CPU_CAPABILITY": ATEN_CAPABILITY.get(path, "")}
     done = subprocess.run(

@@ -87,6 +87,8 @@ def reference_attention(
     v: torch.Tensor,
     layer: AttentionLayer = LAYER,
 ) -> torch.Tensor:
+    """Each request's queries over its whole prefix and new tokens, masked to the causal
+    (and, for a layer with `sliding_window`, windowed) keys of each position."""
     k_buffer, v_buffer = (b.double() for b in fb.token_to_kv_pool.get_kv_buffer(layer.layer_id))
     stored = fb.token_to_kv_pool.dtype  # the new K/V as the pool keeps them
     q, k, v = q.double(), k.to(stored).double(), v.to(stored).double()
@@ -100,10 +102,11 @@ def reference_attention(
         keys = torch.cat([k_buffer[prefix_slots], k[new]]).repeat_interleave(group, 1)
         values = torch.cat([v_buffer[prefix_slots], v[new]]).repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[new], keys) * layer.scaling
-        visible = (
-            torch.arange(prefix_len + extend_len)[None, :]
-            <= torch.arange(prefix_len, prefix_len + extend_len)[:, None]
-        )
+        key_positions = torch.arange(prefix_len + extend_len)[None, :]
+        positions = torch.arange(prefix_len, prefix_len + extend_len)[:, None]
+        visible = key_positions <= positions
+        if layer.sliding_window is not None:  # (p - window, p]
+            visible &= key_positions > positions - layer.sliding_window
         outputs.append(
             torch.einsum(
                 "hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values

@@ -129,7 +129,8 @@ def make_batch(
 
 
 def reference_attention(batch: Batch) -> torch.Tensor:
-    """softmax(QK^T)V per request in float64, keys gathered by hand, causal over positions."""
+    """softmax(QK^T)V per request in float64, keys gathered by hand, causal over positions
+    (and within the layer's sliding window, if it has one)."""
     fb, layer = batch.forward_batch, batch.layer
     k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
     group = layer.num_heads // layer.num_kv_heads
@@ -143,8 +144,11 @@ def reference_attention(batch: Batch) -> torch.Tensor:
         v = torch.cat([v_buffer[prefix_slots], batch.v[new]]).double().repeat_interleave(group, 1)
         q = batch.q[new].double()
         scores = torch.einsum("qhd,khd->hqk", q, k) * layer.scaling
-        q_pos = torch.arange(prefix_len, prefix_len + extend_len, device=q.device)
-        visible = torch.arange(prefix_len + extend_len, device=q.device)[None, :] <= q_pos[:, None]
+        q_pos = torch.arange(prefix_len, prefix_len + extend_len, device=q.device)[:, None]
+        k_pos = torch.arange(prefix_len + extend_len, device=q.device)[None, :]
+        visible = k_pos <= q_pos
+        if layer.sliding_window is not None:  # (p - window, p]
+            visible &= k_pos > q_pos - layer.sliding_window
         scores = scores.masked_fill(~visible, float("-inf"))
         outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
         start += extend_len

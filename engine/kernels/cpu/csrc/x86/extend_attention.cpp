@@ -8,6 +8,11 @@
 // see (four 16-key tiles per step), a causal softmax per row in float whose weights are
 // rounded to bf16 (as SDPA's bf16 path rounds them), and their product with the values.
 // New token i of a request sees its prefix and new tokens 0..i.
+//
+// Under a sliding window a query at position p sees only the keys at (p - window, p]: keys
+// before the first new token's window are never read (not packed), a block's bands of 64
+// keys before its first row's window are not scored, and each row's softmax masks the keys
+// before its own window.
 
 #include "ops.h"
 #include "x86/amx.h"
@@ -120,27 +125,32 @@ void score_block(const bf16* q, int64_t q_stride, const bf16* packed_keys, int64
   }
 }
 
-// Row r of the block: the exps of its first `visible[r]` scores times `scaling`, less their
-// max, rounded to bf16 into `weights` (zero up to `depth`, a whole number of tile steps; rows
-// from `rows` on all zero), and the reciprocal of their float sum into `inverse_sums[r]`: as
-// SDPA's bf16 path, the weights are normalised after their product with the values.
-void softmax_rows(const float* scores, int64_t score_stride, const int64_t* visible,
-                  int64_t rows, float scaling, bf16* weights, int64_t depth,
+// Row r of the block: the exps of its scores `begin[r]` to `end[r]` times `scaling`, less
+// their max, rounded to bf16 into `weights` (zero elsewhere up to `depth`, a whole number of
+// tile steps; rows from `rows` on all zero), and the reciprocal of their float sum into
+// `inverse_sums[r]`: as SDPA's bf16 path, the weights are normalised after their product
+// with the values.
+void softmax_rows(const float* scores, int64_t score_stride, const int64_t* begin,
+                  const int64_t* end, int64_t rows, float scaling, bf16* weights, int64_t depth,
                   float* inverse_sums) {
   using radixserve::first_lanes;
   const __m512 scale = _mm512_set1_ps(scaling);
   for (int64_t r = 0; r < kAmxRows; ++r) {
     bf16* out = weights + r * depth;
-    const int64_t len = r < rows ? visible[r] : 0;
+    const int64_t first = r < rows ? begin[r] : 0, len = r < rows ? end[r] : 0;
     const float* row = scores + r * score_stride;
+    // The lanes of keys first..len-1 among the 16 from j.
+    const auto seen = [&](int64_t j) -> __mmask16 {
+      return first_lanes(len - j) & static_cast<__mmask16>(~first_lanes(first - j));
+    };
     __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < len; j += 16) {
-      top = _mm512_mask_max_ps(top, first_lanes(len - j), top, _mm512_loadu_ps(row + j));
+    for (int64_t j = first / 16 * 16; j < len; j += 16) {
+      top = _mm512_mask_max_ps(top, seen(j), top, _mm512_maskz_loadu_ps(seen(j), row + j));
     }
     const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top) * scaling);
     __m512 total = _mm512_setzero_ps();
     for (int64_t j = 0; j < depth; j += 16) {
-      const __mmask16 mask = first_lanes(len - j);  // none past the visible keys
+      const __mmask16 mask = seen(j);  // none outside the visible keys
       const __m512 e = _mm512_maskz_mov_ps(
           mask, radixserve::simd::exp_nonpositive(
                     _mm512_fmsub_ps(_mm512_maskz_loadu_ps(mask, row + j), scale, shift)));
@@ -193,11 +203,12 @@ bool extend_attention_supported() {
 
 // q [T, heads, head_dim] (rows may be strided), the pool's buffers [slots, kv_heads,
 // head_dim], and per request: its slots [n, max_len] (prefix, then new tokens), prefix and
-// new-token counts, and the row of q where its new tokens start.
+// new-token counts, and the row of q where its new tokens start; `window` > 0: a sliding
+// window.
 at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
                             const at::Tensor& v_buffer, const at::Tensor& slots,
                             const at::Tensor& prefix_lens, const at::Tensor& extend_lens,
-                            const at::Tensor& q_starts, double scaling) {
+                            const at::Tensor& q_starts, double scaling, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2),
               "q is [T, heads, head_dim] with whole heads side by side in each row");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_buffer.scalar_type() == at::kBFloat16 &&
@@ -218,11 +229,14 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
   const int64_t* prefix_ptr = prefix_lens.const_data_ptr<int64_t>();
   const int64_t* extend_ptr = extend_lens.const_data_ptr<int64_t>();
   const int64_t* start_ptr = q_starts.const_data_ptr<int64_t>();
-  // Each request's packed keys and values, per KV head, one after the other.
-  std::vector<int64_t> lens(num_reqs), padded(num_reqs), offsets(num_reqs + 1, 0);
+  // Each request's packed keys and values, per KV head, one after the other: from `firsts[r]`,
+  // the first key its first new token sees, `lens[r]` of them.
+  std::vector<int64_t> firsts(num_reqs), lens(num_reqs), padded(num_reqs);
+  std::vector<int64_t> offsets(num_reqs + 1, 0);
   for (int64_t r = 0; r < num_reqs; ++r) {
-    lens[r] = prefix_ptr[r] + extend_ptr[r];
-    TORCH_CHECK(prefix_ptr[r] >= 0 && extend_ptr[r] >= 0 && lens[r] <= max_len &&
+    firsts[r] = window > 0 ? std::max<int64_t>(prefix_ptr[r] + 1 - window, 0) : 0;
+    lens[r] = prefix_ptr[r] + extend_ptr[r] - firsts[r];
+    TORCH_CHECK(prefix_ptr[r] >= 0 && extend_ptr[r] >= 0 && firsts[r] + lens[r] <= max_len &&
                     start_ptr[r] >= 0 && start_ptr[r] + extend_ptr[r] <= q.size(0),
                 "lengths within the slots and the queries");
     padded[r] = round_up(std::max<int64_t>(lens[r], 1), kKeyBand);
@@ -240,7 +254,7 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
     for (int64_t task, last; queue.claim(task, last);) {  // one task per chunk
       const int64_t r = task / kv_heads, h = task % kv_heads;
       const int64_t at = offsets[r] + h * padded[r] * head_dim;
-      const int64_t* row = slot_ptr + r * max_len;
+      const int64_t* row = slot_ptr + r * max_len + firsts[r];
       pack_keys(k_buffer.const_data_ptr<bf16>() + h * head_dim, row, lens[r], padded[r],
                 token_stride, head_dim, keys + at);
       pack_values(v_buffer.const_data_ptr<bf16>() + h * head_dim, row, lens[r], padded[r],
@@ -278,15 +292,30 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buffer,
         q_rows = q_block.data();
         stride = head_dim;
       }
-      int64_t visible[kAmxRows];
-      for (int64_t i = 0; i < rows; ++i) visible[i] = prefix_ptr[r] + first + i + 1;
-      const int64_t keys_seen = visible[rows - 1];
-      score_block(q_rows, stride, keys + at, keys_seen, head_dim, scores.data(), longest);
+      // Row i sees the packed keys begin[i]..end[i]-1; the block scores the bands of 64 from
+      // the one holding its first row's first key (`skipped` keys before them).
+      int64_t begin[kAmxRows], end[kAmxRows];
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t position = prefix_ptr[r] + first + i;
+        end[i] = position + 1 - firsts[r];
+        begin[i] = window > 0 ? std::max<int64_t>(position + 1 - window, 0) - firsts[r] : 0;
+      }
+      const int64_t skipped = begin[0] / kKeyBand * kKeyBand;
+      for (int64_t i = 0; i < rows; ++i) {
+        begin[i] -= skipped;
+        end[i] -= skipped;
+      }
+      const int64_t keys_seen = end[rows - 1];
+      score_block(q_rows, stride, keys + at + skipped / kAmxRows * (head_dim / kAmxDepth) *
+                                                 kTileElements,
+                  keys_seen, head_dim, scores.data(), longest);
       const int64_t depth = round_up(keys_seen, kAmxDepth);
       float inverse_sums[kAmxRows];
-      softmax_rows(scores.data(), longest, visible, rows, static_cast<float>(scaling),
+      softmax_rows(scores.data(), longest, begin, end, rows, static_cast<float>(scaling),
                    weights.data(), depth, inverse_sums);
-      weigh_values(weights.data(), depth, values + at, head_dim, inverse_sums, rows,
+      weigh_values(weights.data(), depth,
+                   values + at + skipped / kAmxDepth * (head_dim / kAmxRows) * kTileElements,
+                   head_dim, inverse_sums, rows,
                    out_ptr + ((start_ptr[r] + first) * heads + head) * head_dim, heads * head_dim);
     }
     _tile_release();
