@@ -51,9 +51,9 @@ CASES: dict[str, tuple[list[list[int]], dict[str, Any], dict[str, Any]]] = {
         {},
     ),
     "retraction": (
-        [prompt(10 + i, 24) for i in range(6)],
-        {"max_new_tokens": 40},
-        {"max_total_tokens": 256},
+        [prompt(10 + i, 20) for i in range(5)],
+        {"max_new_tokens": 50},
+        {"max_total_tokens": 320, "chunked_prefill_size": 32},
     ),
     "ngram_verify": (
         [prompt(20, 6) * 5],

@@ -17,8 +17,9 @@ from testing.models import GEMMA3_OVERRIDES, TINY_CONFIG
 from tests.engine.model.conftest import TINY
 
 ATOL = 1e-6
-GEMMA_ATOL = 1e-5
-"""transformers' Gemma RMSNorm computes in float32 even in a float64 model."""
+GEMMA_ATOL = 1e-4
+"""transformers' Gemma RMSNorm computes in float32 even in a float64 model: its logits carry
+float32 roundings (1e-5 here), where a misplaced tensor moves them by units."""
 
 
 def assert_logits_match(ours: torch.Tensor, expected: torch.Tensor, model_type: str) -> None:
