@@ -119,9 +119,11 @@ inline uint32_t load_u32(const uint8_t* p) {
   return v;
 }
 
-// A Q5 block's fifth bits, bit j for weight j (0 for the Q4 formats).
+// A Q5_0/Q5_1 block's fifth bits, bit j for weight j (0 for Q4_0/Q4_1; Q5_K keeps its own in
+// bytes, `KSubBlock`).
 template <int64_t F>
 inline uint32_t fifth_bits(const uint8_t* block) {
+  static_assert(is_nibble_block(F));
   if constexpr (has_fifth_bit(F)) return load_u32(block + fifth_bits_at(F));
   return 0;
 }
