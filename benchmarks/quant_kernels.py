@@ -143,5 +143,41 @@ def k_quants() -> None:
     print("| us | " + " | ".join(f"{c:.0f}" for c in cells) + " |")
 
 
+def block_formats(shapes: tuple[tuple[int, int], ...] = ((2048, 640), (640, 2048))) -> None:
+    """One row against Gemma 3 270M's weights (2048 x 640: gate or up, K of 20 blocks;
+    640 x 2048: down) in each 32-weight format, and the K-quants where K allows, with float,
+    int16 and int8 activations: the Q5 formats' fifth bits against their Q4 twins and Q8_0.
+
+        flock /tmp/rs-cpu.lock .venv/bin/python -c \
+            "from benchmarks.quant_kernels import block_formats; block_formats()"
+    """
+    from testing.quant import quantize_blocks
+
+    assert cpu_build.available(), "the kernels need a compiler"
+    isa = cpu_isa()
+    print(f"kernel path {isa.path}, {torch.get_num_threads()} threads; load {os.getloadavg()}")
+    kinds = ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q5_1", "Q4_K", "Q5_K"]
+    print("| N x K, one row | activations | " + " | ".join(kinds) + " |")
+    print("|---|---|" + "---|" * len(kinds))
+    for n, k in shapes:
+        weight = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32)
+        x = torch.randn(1, k)
+        held = {}
+        for kind in kinds:
+            qtype = gguf.GGMLQuantizationType[kind]
+            if k % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+                rows = quantize_blocks(weight, qtype)
+                held[kind] = (torch.from_numpy(np.ascontiguousarray(rows)), int(qtype))
+        for bits in (32, 16, 8):
+            cells = [
+                f"{micros(partial(cpu_ops.quant_linear, x, *held[kind], None, bits), 200):.1f} us"
+                if kind in held
+                else "-"
+                for kind in kinds
+            ]
+            name = {32: "float", 16: "int16", 8: "int8"}[bits]
+            print(f"| {n} x {k} | {name} | " + " | ".join(cells) + " |", flush=True)
+
+
 if __name__ == "__main__":
     main()

@@ -14,11 +14,13 @@ from engine.model.layers.quantization import BLOCK_LAYOUTS, WeightFormat, quanti
 def quantize_blocks(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
     """`data` (float32, rows of a multiple of the block) in `kind`'s blocks, uint8 rows:
     gguf-py's quantizer, and for the K-quants (which gguf-py only dequantizes) a plain one
-    of this test's: each sub-block's range to 4 or 6 bits, the sub-block scales to 6 or 8
+    of this test's: each sub-block's range to 4, 5 or 6 bits, the sub-block scales to 6 or 8
     bits of the super-block's. Not llama.cpp's search for the best scales, but blocks laid
     out as llama.cpp's, which gguf-py dequantizes."""
     if kind == gguf.GGMLQuantizationType.Q4_K:
-        return _quantize_q4_k(data)
+        return _quantize_q45_k(data, bits=4)
+    if kind == gguf.GGMLQuantizationType.Q5_K:
+        return _quantize_q45_k(data, bits=5)
     if kind == gguf.GGMLQuantizationType.Q6_K:
         return _quantize_q6_k(data)
     return gguf.quants.quantize(data, kind)
@@ -28,11 +30,14 @@ def _half(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
 
 
-def _quantize_q4_k(data: np.ndarray) -> np.ndarray:
+def _quantize_q45_k(data: np.ndarray, bits: int) -> np.ndarray:
+    """Q4_K, or Q5_K (`bits` 5): the same super-block, each weight's fifth bit in 32 bytes
+    after the factors (bit j of byte l: weight l of sub-block j)."""
     rows, k = data.shape
+    top = (1 << bits) - 1
     w = data.reshape(rows, k // 256, 8, 32).astype(np.float32)
     low = np.minimum(w.min(axis=-1), 0.0)  # w = d * sc * q - dmin * m, m >= 0
-    scale = (w.max(axis=-1) - low) / 15
+    scale = (w.max(axis=-1) - low) / top
     d = np.maximum(scale.max(axis=-1), 1e-8) / 63
     dmin = np.maximum((-low).max(axis=-1), 1e-8) / 63
     d, dmin = d.astype(np.float16).astype(np.float32), dmin.astype(np.float16).astype(np.float32)
@@ -40,15 +45,18 @@ def _quantize_q4_k(data: np.ndarray) -> np.ndarray:
     m = np.clip(np.ceil(-low / dmin[..., None]), 0, 63).astype(np.uint8)
     step = (d[..., None] * sc.astype(np.float32))[..., None]
     offset = (dmin[..., None] * m.astype(np.float32))[..., None]
-    q = np.clip(np.rint((w + offset) / step), 0, 15).astype(np.uint8)  # [rows, sb, 8, 32]
+    q = np.clip(np.rint((w + offset) / step), 0, top).astype(np.uint8)  # [rows, sb, 8, 32]
     packed = np.empty((rows, k // 256, 12), dtype=np.uint8)
     packed[..., 0:4] = (sc[..., 0:4] & 63) | ((sc[..., 4:8] >> 4) << 6)
     packed[..., 4:8] = (m[..., 0:4] & 63) | ((m[..., 4:8] >> 4) << 6)
     packed[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((m[..., 4:8] & 0x0F) << 4)
-    nibbles = q[..., 0::2, :] | (q[..., 1::2, :] << 4)  # sub-blocks 2i (low) and 2i + 1 (high)
-    blocks = np.concatenate(
-        [_half(d), _half(dmin), packed, nibbles.reshape(rows, k // 256, 128)], axis=-1
-    )
+    low4 = q & 0x0F
+    nibbles = low4[..., 0::2, :] | (low4[..., 1::2, :] << 4)  # sub-blocks 2i (low), 2i + 1
+    parts = [_half(d), _half(dmin), packed]
+    if bits == 5:
+        fifth = (q >> 4) << np.arange(8, dtype=np.uint8)[:, None]  # [rows, sb, 8, 32]
+        parts.append(np.bitwise_or.reduce(fifth, axis=-2))
+    blocks = np.concatenate([*parts, nibbles.reshape(rows, k // 256, 128)], axis=-1)
     return blocks.reshape(rows, -1)
 
 

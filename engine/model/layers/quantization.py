@@ -1,9 +1,12 @@
 """Weights held quantized and multiplied as stored (`--quantization`, vLLM's flag).
 
-- `gguf`: a GGUF file's Q4_0, Q4_1, Q8_0, Q4_K and Q6_K tensors stay in the file's blocks,
-  4.5-8.5 bits a weight (a bf16 copy is 16); the embedded model's Q4_1 layers and Q8_0
-  embedding are served this way by default, and a Q4_K_M file's Q4_K and Q6_K tensors.
-  Other GGUF types (Q5_K, Q2_K, f16, ...) are dequantized at load.
+- `gguf`: a GGUF file's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K tensors stay in
+  the file's blocks, 4.5-8.5 bits a weight (a bf16 copy is 16); the embedded model's Q4_1
+  layers and Q8_0 embedding are served this way by default, and a Q4_K_M file's tensors
+  (Q4_K and Q6_K, with Q5_0 where a row is not a whole number of 256-weight super-blocks,
+  as in Gemma 3 270M's 640-wide rows). The Q5 formats are the Q4 ones with a fifth bit per
+  weight, and share their kernels. Other GGUF types (Q2_K, Q3_K, f16, ...) are dequantized
+  at load.
 - `int8`: float checkpoints quantized at load to int8 rows, one float scale per output row
   (`w ~ s * q`, `s = max|w| / 127`).
 
@@ -32,8 +35,11 @@ class WeightFormat(IntEnum):
 
     Q4_0 = int(gguf.GGMLQuantizationType.Q4_0)
     Q4_1 = int(gguf.GGMLQuantizationType.Q4_1)
+    Q5_0 = int(gguf.GGMLQuantizationType.Q5_0)
+    Q5_1 = int(gguf.GGMLQuantizationType.Q5_1)
     Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
     Q4_K = int(gguf.GGMLQuantizationType.Q4_K)
+    Q5_K = int(gguf.GGMLQuantizationType.Q5_K)
     Q6_K = int(gguf.GGMLQuantizationType.Q6_K)
     INT8 = 1000
 
@@ -41,8 +47,11 @@ class WeightFormat(IntEnum):
 BLOCK_LAYOUTS = {
     WeightFormat.Q4_0: (32, 18),
     WeightFormat.Q4_1: (32, 20),
+    WeightFormat.Q5_0: (32, 22),
+    WeightFormat.Q5_1: (32, 24),
     WeightFormat.Q8_0: (32, 34),
     WeightFormat.Q4_K: (256, 144),
+    WeightFormat.Q5_K: (256, 176),
     WeightFormat.Q6_K: (256, 210),
 }
 """(weights, bytes) of one block of each GGUF format the kernels serve."""

@@ -80,7 +80,8 @@ def write_gguf(
     quantize: dict[str, gguf.GGMLQuantizationType] | None = None,
 ) -> None:
     """Write `hf_model` as llama.cpp's converter would: F32 tensors (the embedding in Q8_0,
-    and each tensor whose name contains a key of `quantize` in that type), tensor names from
+    and each tensor whose name contains a key of `quantize` in that type, the embedding's
+    too), tensor names from
     gguf's own name map, Q/K permuted in `llama` files, llama3 scaling as a `rope_freqs`
     tensor. The model's weights (and rotary frequencies) are first set in place to what the
     file holds, so that it stays the oracle for the file."""
@@ -100,14 +101,9 @@ def write_gguf(
                 quantized[name] = quantize_blocks(param.float().numpy(), kind)
                 param.copy_(torch.from_numpy(gguf.quants.dequantize(quantized[name], kind)))
         embed = hf_model.model.embed_tokens.weight
-        quantized_embed = gguf.quants.quantize(
-            embed.float().numpy(), gguf.GGMLQuantizationType.Q8_0
-        )
-        embed.copy_(
-            torch.from_numpy(
-                gguf.quants.dequantize(quantized_embed, gguf.GGMLQuantizationType.Q8_0)
-            )
-        )
+        embed_kind = tensor_type("model.embed_tokens.weight") or gguf.GGMLQuantizationType.Q8_0
+        quantized_embed = quantize_blocks(embed.float().numpy(), embed_kind)
+        embed.copy_(torch.from_numpy(gguf.quants.dequantize(quantized_embed, embed_kind)))
 
     writer = gguf.GGUFWriter(path, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_block_count(config.num_hidden_layers)
@@ -139,7 +135,7 @@ def write_gguf(
             data = llama_cpp_permute(data, config.num_key_value_heads)
         gguf_name = name_map.get_name(name, try_suffixes=(".weight", ".bias"))
         if name == "model.embed_tokens.weight":
-            writer.add_tensor(gguf_name, quantized_embed, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, quantized_embed, raw_dtype=embed_kind)
         elif (kind := tensor_type(name)) is not None:
             writer.add_tensor(gguf_name, data, raw_dtype=kind)
         else:

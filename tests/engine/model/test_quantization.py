@@ -162,6 +162,56 @@ def test_k_quant_layers_are_served_from_their_super_blocks(
         assert greedy.tokens[0][0] == int(expected.argmax())
 
 
+@pytest.mark.parametrize(
+    ("sizes", "kinds", "formats"),
+    [
+        # (write_gguf takes a name's first key: down_proj before the other projections)
+        # 64 wide: Q5_0 and Q5_1 blocks of 32, the tied embedding and LM head in Q5_0
+        (
+            {},
+            {".down_proj.": Q.Q5_1, "_proj.": Q.Q5_0, "embed_tokens": Q.Q5_0},
+            "gguf:Q5_0,Q5_1",
+        ),
+        # 256 wide: Q5_K super-blocks beside Q5_0 (as in Gemma 3's Q4_K_M), a Q5_K embedding
+        (
+            {"hidden_size": 256, "intermediate_size": 256},
+            {".down_proj.": Q.Q5_0, "_proj.": Q.Q5_K, "embed_tokens": Q.Q5_K},
+            "gguf:Q5_0,Q5_K",
+        ),
+    ],
+)
+def test_q5_layers_and_embedding_are_served_from_their_blocks(
+    tmp_path, hf_model_factory, hf_logits, runner_factory, prompts_factory, sizes, kinds, formats
+):
+    """Q5 tensors load as any format `gguf_format` serves: each layer and the tied embedding
+    held in the file's blocks (the lookup and the LM head both read them); logits as
+    transformers' over the weights those blocks hold, the prefill's (float rows) within
+    float roundings, the decode step's (x rounded to int16 per block) within 1e-3 of the
+    largest."""
+    hf_model = hf_model_factory("llama", **sizes)
+    path = tmp_path / "q5.gguf"
+    write_gguf(hf_model, path, quantize=kinds)
+    runner = runner_factory(path, dtype="float32", quantization="gguf")
+    layer = runner.model.model.layers[0]
+    projection, down = kinds["_proj."], kinds[".down_proj."]
+    assert layer.self_attn.qkv_proj.quant_format == WeightFormat(int(projection))
+    assert layer.mlp.gate_up_proj.quant_format == WeightFormat(int(projection))
+    assert layer.mlp.down_proj.quant_format == WeightFormat(int(down))
+    embed = runner.model.model.embed_tokens
+    assert embed.quant_format == WeightFormat(int(kinds["embed_tokens"]))
+    assert runner.model.lm_head is embed and embed.weight.dtype == torch.uint8
+    assert runner.weights_format == formats
+    hf_model = hf_model.float()
+    for prompt in prompts_factory([9, 30]):
+        greedy = run_greedy(runner, [prompt], 2)
+        expected = hf_logits(hf_model, prompt)
+        assert (greedy.logits[0][0] - expected).abs().max() <= 1e-3
+        assert greedy.tokens[0][0] == int(expected.argmax())
+        decoded = hf_logits(hf_model, [*prompt, greedy.tokens[0][0]])
+        largest = decoded.abs().max().item()
+        assert (greedy.logits[0][1] - decoded).abs().max() <= 1e-3 * largest
+
+
 def test_int8_rows_quantized_at_load_give_the_logits_of_those_weights(
     tmp_path, hf_model_factory, hf_logits, runner_factory, prompts_factory
 ):

@@ -39,10 +39,14 @@ constexpr int kVecs = kBlock / simd::kLanes;  // vectors per block: 2 (AVX-512) 
 // The same block widened in registers; equal to the scalar widening (one rounding each).
 template <int64_t F>
 inline void widen_block(const uint8_t* block, float scale, fvec* w) {
-  if constexpr (F == kQ4_0 || F == kQ4_1) {
+  if constexpr (is_nibble_block(F)) {
     const float d = simd::half_to_float(load_u16(block));
-    const float m = F == kQ4_1 ? simd::half_to_float(load_u16(block + 2)) : -8.0f * d;
-    simd::widen_nibbles(block + (F == kQ4_1 ? 4 : 2), w);
+    const float m = has_min(F) ? simd::half_to_float(load_u16(block + 2)) : -zero_point(F) * d;
+    if constexpr (has_fifth_bit(F)) {
+      simd::widen_nibbles(block + nibbles_at(F), w, simd::fifth_bit_bytes(fifth_bits<F>(block)));
+    } else {
+      simd::widen_nibbles(block + nibbles_at(F), w);
+    }
     const fvec dv = simd::set1(d), mv = simd::set1(m);
     for (int i = 0; i < kVecs; ++i) w[i] = simd::fmadd(w[i], dv, mv);
   } else {

@@ -128,7 +128,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
 // Each format as (id, weights per block, bytes per block, bytes after a row's blocks).
 std::vector<int64_t> quant_format_table() {
   std::vector<int64_t> table;
-  for (const int64_t format : {kQ4_0, kQ4_1, kQ8_0, kQ4_K, kQ6_K, kInt8Rows}) {
+  for (const int64_t format : kFormats) {
     const int64_t weights = block_weights(format);
     table.insert(table.end(), {format, weights, block_bytes(format),
                                row_bytes(format, weights) - block_bytes(format)});

@@ -321,12 +321,28 @@ inline void widen_i8(__m128i bytes, fvec* out) {
 
 constexpr int kPer16 = 16 / kLanes;  // vectors per 16 widened bytes
 
-// A nibble block's 16 bytes as 32 floats: the low nibbles (weights 0-15), then the high ones.
-inline void widen_nibbles(const uint8_t* qs, fvec* w) {
+// Bit j of `bits` as byte j of 32: 0x10 where it is set, 0 elsewhere (ggml's
+// bytes_from_bits_32): a Q5 block's fifth bits, to be ORed into its nibbles.
+inline __m256i fifth_bit_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(  // byte j: byte j / 8 of the bits
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000, 0x0101010101010101, 0x0202020202020202,
+                         0x0303030303030303));
+  const __m256i others = _mm256_set1_epi64x(0x7FBFDFEFF7FBFDFE);  // all but bit j % 8
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, others), _mm256_set1_epi8(-1));
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
+// A nibble block's 16 bytes as 32 floats: the low nibbles (weights 0-15), then the high ones,
+// each ORed with its byte of `fifth` (a Q5 block's `fifth_bit_bytes`; zero for Q4 blocks,
+// which the compiler then drops).
+inline void widen_nibbles(const uint8_t* qs, fvec* w, __m256i fifth = _mm256_setzero_si256()) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i nibble = _mm_set1_epi8(0x0F);
-  widen_u8(_mm_and_si128(bytes, nibble), w);
-  widen_u8(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), w + kPer16);
+  widen_u8(_mm_or_si128(_mm_and_si128(bytes, nibble), _mm256_castsi256_si128(fifth)), w);
+  widen_u8(_mm_or_si128(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble),
+                        _mm256_extracti128_si256(fifth, 1)),
+           w + kPer16);
 }
 
 // 32 int8 as 32 floats.

@@ -6,6 +6,7 @@ build too)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -32,7 +33,8 @@ def kernels_built() -> None:
 
 
 @pytest.mark.parametrize(
-    ("format", "n", "k"), cases([(33, 32), (100, 576), (7, 1536), (130, 64), (5, 512)])
+    ("format", "n", "k"),
+    cases([(33, 32), (100, 576), (7, 1536), (130, 64), (5, 512), (24, 640), (9, 2048)]),
 )
 def test_dequantize_reads_the_blocks_as_gguf_does(format, n, k):
     rows, expected = quantized(format, random_weight(n, k, seed=n + k))
@@ -118,6 +120,43 @@ def test_bf16_input_is_the_float_product_plus_bias_rounded_once(activation_bits,
         assert torch.equal(out, (as_float + bias).bfloat16())
     else:  # the band path multiplies in bf16 (the CPU's bf16 GEMM where it has one)
         torch.testing.assert_close(out.float(), as_float + bias, rtol=2e-2, atol=5e-2)
+
+
+GEMMA_SHAPES = [(256, 640), (2048, 640), (1024, 2048)]
+"""Gemma 3 270M's (N, K): rows of 640, 20 blocks of 32 (no whole 64, 128 or 256), and 2048."""
+
+
+@functools.cache
+def gemma_weight(format: WeightFormat, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantized(format, random_weight(n, k, seed=n + k))
+
+
+# (rows, activation bits): the integer tiles (one and two rows), the float register path,
+# the prefill bands
+@pytest.mark.parametrize(
+    ("rows", "bits"), [(1, 32), (1, 16), (1, 8), (2, 16), (2, 8), (GEMV_ROWS, 32), (40, 32)]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("format", "n", "k"), cases(GEMMA_SHAPES))
+def test_gemma_shapes_match_float64_on_every_route(format, n, k, rows, bits, dtype):
+    """K = 640 is a whole number of blocks of 32 but not of 64 or more: no route may assume
+    wider steps. Bounds: float32 sums (k roundings), x's rounding to `bits` per block (half a
+    step times the block's |w|), and for bf16 the output's rounding and the bands' bf16
+    weights (each product within 2^-8)."""
+    weight, reference = gemma_weight(format, n, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows + k)).to(dtype)
+    out = cpu_ops.quant_linear(x, weight, int(format), None, bits)
+    assert out.dtype == dtype and out.shape == (rows, n)
+    xd = x.double()
+    expected = xd @ reference.T
+    magnitude = xd.abs() @ reference.abs().T
+    bound = k * 2.0**-22 * magnitude
+    if bits != 32:
+        half_step = xd.view(rows, k // 32, 32).abs().amax(dim=2) / (2 ** (bits - 1) - 1) / 2
+        bound += half_step @ reference.abs().view(n, k // 32, 32).sum(dim=2).T * (1 + 1e-5)
+    if dtype == torch.bfloat16:
+        bound += 2.0**-8 * (magnitude + expected.abs() + bound)
+    assert ((out.double() - expected).abs() <= bound + 1e-30).all()
 
 
 def test_nan_in_a_row_of_x_stays_in_that_row():

@@ -5,6 +5,7 @@
 
 #include "parallel.h"
 #include "quant_formats.h"
+#include "simd.h"
 
 #include <immintrin.h>
 
@@ -22,11 +23,11 @@ namespace radixserve::quant {
 // per block for both scales. int16 keeps x to 15 bits of its block's largest value, far
 // closer to float than bf16 is (vpmaddwd: 16 products per instruction); int8 rounds it as
 // llama.cpp does (vpdpbusd with AVX-VNNI/AVX512-VNNI, else vpmaddubsw + vpmaddwd). The
-// offsets of Q4_0 (-8 d) and Q4_1 (m) multiply the sum of the block's rounded x, so that the
-// result is exactly the weights times the rounded x (with x's exact sum, the rounding error
-// would be weighted by the nibbles, 0..15, instead of by the weights). Either takes about
-// half the instructions of widening every weight to float, so the packed weights stream
-// at about twice the rate (docs/benchmarks/quantization.md).
+// offsets of Q4_0 (-8 d), Q5_0 (-16 d) and Q4_1/Q5_1 (m) multiply the sum of the block's
+// rounded x, so that the result is exactly the weights times the rounded x (with x's exact
+// sum, the rounding error would be weighted by the integers, 0..31, instead of by the
+// weights). Either takes about half the instructions of widening every weight to float, so
+// the packed weights stream at about twice the rate (docs/benchmarks/quantization.md).
 template <typename A>
 struct IntegerRows {
   std::vector<A> values;  // [rows, K]; int16: each block's even values, then its odd ones
@@ -95,13 +96,46 @@ inline IntegerRows<A> round_rows(const float* x, int64_t m_size, int64_t k_size)
 //   order round_rows stores x in. int16: the 16 even and 16 odd weights: a nibble block's 16
 //   bytes go into both halves of a vector, each 32-bit lane shifted by 0 and 4 (evens) or
 //   8 and 12 (odds); byte formats shift 16-bit lanes. int8: the 32 weights in order, a
-//   nibble block's 64-bit lanes shifted by 0 (low nibbles) or 4 (high ones).
+//   nibble block's 64-bit lanes shifted by 0 (low nibbles) or 4 (high ones). The Q5
+//   formats then OR in their fifth bits, 32 bytes of 0 or 0x10 in weight order
+//   (`BlockIntegers::fifth`): as they are for int8, their even and odd bytes for int16.
 // - A row's block against a block of x gives 8 int32 lanes; the 8 rows' lanes are summed
 //   into one vector, one int32 per row (exact: at most 32 x 32767 x 128), converted to float
 //   once and scaled by the 8 rows' block scales as a vector, loaded from the 8 block headers
 //   together.
 constexpr int64_t kIntegerTileRows = 8;
 constexpr int64_t kPrefetchTiles = 2;  // a tile's block steps prefetch the tile this far ahead
+
+// Where block b of a weight row keeps its integers: its nibbles or int8 weights (Q4_K/Q5_K:
+// 32 bytes whose nibbles at `shift` they are), and the Q5 formats' fifth bits as bytes of 0
+// or 0x10 in weight order (zero for the others).
+struct BlockIntegers {
+  const uint8_t* qs;
+  int shift = 0;
+  __m256i fifth = _mm256_setzero_si256();
+};
+
+template <int64_t F>
+inline BlockIntegers block_integers(const uint8_t* row, int64_t b) {
+  if constexpr (is_k_nibble(F)) {
+    const int j = static_cast<int>(b % 8);  // sub-block j of super-block b / 8
+    const KSubBlock<F> sub(row + b / 8 * block_bytes(F), j);
+    BlockIntegers block{sub.bytes, sub.shift};
+    if constexpr (F == kQ5_K) {  // bit j of each of 32 bytes, moved to bit 4
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sub.fifth));
+      block.fifth = _mm256_and_si256(
+          _mm256_slli_epi16(_mm256_srl_epi16(bits, _mm_cvtsi32_si128(j)), 4),
+          _mm256_set1_epi8(0x10));
+    }
+    return block;
+  } else {
+    const uint8_t* block = row + b * block_bytes(F);
+    if constexpr (has_fifth_bit(F)) {
+      return {block + nibbles_at(F), 0, simd::fifth_bit_bytes(fifth_bits<F>(block))};
+    }
+    return {block + (is_nibble_block(F) ? nibbles_at(F) : F == kInt8Rows ? 0 : 2)};
+  }
+}
 
 // One weight row's block, unpacked for blocks of x of type A; `dot` gives its products with
 // one, as 8 int32 lanes to be summed.
@@ -112,25 +146,29 @@ template <int64_t F>
 struct BlockOperand<F, int16_t> {
   __m256i even, odd;
 
-  // The block's nibbles or int8 weights; Q4_K: 32 bytes whose nibbles at `shift` they are.
-  BlockOperand(const uint8_t* qs, int shift) {
+  explicit BlockOperand(const BlockIntegers& block) {
     const __m256i low4 = _mm256_set1_epi16(0x000F);
-    if constexpr (F == kQ4_0 || F == kQ4_1) {
-      const __m256i bytes =
-          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+    if constexpr (is_nibble_block(F)) {
+      const __m256i bytes = _mm256_broadcastsi128_si256(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.qs)));
       even = _mm256_and_si256(
           _mm256_srlv_epi32(bytes, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), low4);
       odd = _mm256_and_si256(
           _mm256_srlv_epi32(bytes, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), low4);
     } else {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
-      if constexpr (F == kQ4_K) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.qs));
+      if constexpr (is_k_nibble(F)) {
+        const int shift = block.shift;
         even = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift)), low4);
         odd = _mm256_and_si256(_mm256_srl_epi16(bytes, _mm_cvtsi32_si128(shift + 8)), low4);
       } else {
         even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
         odd = _mm256_srai_epi16(bytes, 8);
       }
+    }
+    if constexpr (has_fifth_bit(F)) {  // 16-bit lane i: weight 2i's byte (even), 2i + 1's
+      even = _mm256_or_si256(even, _mm256_and_si256(block.fifth, _mm256_set1_epi16(0x00FF)));
+      odd = _mm256_or_si256(odd, _mm256_srli_epi16(block.fifth, 8));
     }
   }
 
@@ -141,26 +179,30 @@ struct BlockOperand<F, int16_t> {
   }
 };
 
-// vpmaddubsw / vpdpbusd multiply unsigned by signed bytes: nibbles as they are; signed
-// weights as their magnitudes, x then taking their signs.
+// vpmaddubsw / vpdpbusd multiply unsigned by signed bytes: nibbles (and fifth bits) as they
+// are; signed weights as their magnitudes, x then taking their signs.
 template <int64_t F>
 struct BlockOperand<F, int8_t> {
   __m256i weights, magnitudes;
 
-  BlockOperand(const uint8_t* qs, int shift) {
+  explicit BlockOperand(const BlockIntegers& block) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    if constexpr (F == kQ4_0 || F == kQ4_1) {
-      const __m256i bytes =
-          _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
-      weights = magnitudes = _mm256_and_si256(
-          _mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)), low4);
-    } else if constexpr (F == kQ4_K) {
-      weights = magnitudes = _mm256_and_si256(
-          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs)),
-                           _mm_cvtsi32_si128(shift)),
+    if constexpr (is_nibble_block(F)) {
+      const __m256i bytes = _mm256_broadcastsi128_si256(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.qs)));
+      weights = _mm256_and_si256(_mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)), low4);
+    } else if constexpr (is_k_nibble(F)) {
+      weights = _mm256_and_si256(
+          _mm256_srl_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.qs)),
+                           _mm_cvtsi32_si128(block.shift)),
           low4);
     } else {
-      weights = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs));
+      weights = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block.qs));
+    }
+    if constexpr (has_fifth_bit(F)) weights = _mm256_or_si256(weights, block.fifth);
+    if constexpr (has_offset(F)) {
+      magnitudes = weights;
+    } else {
       magnitudes = _mm256_sign_epi8(weights, weights);
     }
   }
@@ -172,7 +214,7 @@ struct BlockOperand<F, int8_t> {
     return _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitudes, v);
 #elif defined(__AVXVNNI__)
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), magnitudes, v);
-#else  // pairs first: 2 x 15 x 127 (nibbles) or 2 x 128 x 127 (int8) fit int16
+#else  // pairs first: 2 x 31 x 127 (nibbles, fifth bits) or 2 x 128 x 127 (int8) fit int16
     return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, v), _mm256_set1_epi16(1));
 #endif
   }
@@ -182,8 +224,8 @@ struct BlockOperand<F, int8_t> {
 // (int8 rows: their scales are set once per tile by dot_rows8).
 template <int64_t F>
 inline void block_factors8(const uint8_t* const* rows, int64_t b, __m256& d, __m256& shift) {
-  if constexpr (F == kQ4_0 || F == kQ4_1 || F == kQ8_0) {
-    // the headers' first 4 bytes, [d | m] for Q4_1, then d0..d7 and m0..m7 as halves
+  if constexpr (is_nibble_block(F) || F == kQ8_0) {
+    // the headers' first 4 bytes, [d | m] for Q4_1/Q5_1, then d0..d7 and m0..m7 as halves
     __m128i quads[2];
     for (int h = 0; h < 2; ++h) {
       const uint8_t* const* q = rows + 4 * h;
@@ -199,33 +241,20 @@ inline void block_factors8(const uint8_t* const* rows, int64_t b, __m256& d, __m
                                              14, 15)),
         _MM_SHUFFLE(3, 1, 2, 0));
     d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
-    shift = F == kQ4_1   ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))
-            : F == kQ4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f))
-                         : _mm256_setzero_ps();
+    shift = has_min(F)          ? _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1))
+            : is_nibble_block(F) ? _mm256_mul_ps(d, _mm256_set1_ps(-zero_point(F)))
+                                 : _mm256_setzero_ps();
   } else if constexpr (F == kInt8Rows) {
     shift = _mm256_setzero_ps();
-  } else {  // Q4_K: the sub-blocks' factors of 6 bits
+  } else {  // Q4_K, Q5_K: the sub-blocks' factors of 6 bits
     alignas(32) float ds[8], shifts[8];
     for (int j = 0; j < 8; ++j) {  // sub-block b % 8 of super-block b / 8
-      const Q4KSubBlock sub(rows[j] + b / 8 * block_bytes(F), static_cast<int>(b % 8));
-      ds[j] = sub.scale;
-      shifts[j] = -sub.min;
+      const KSubBlock<F> sub(rows[j] + b / 8 * block_bytes(F), static_cast<int>(b % 8));
+      ds[j] = sub.scale();
+      shifts[j] = -sub.min();
     }
     d = _mm256_load_ps(ds);
     shift = _mm256_load_ps(shifts);
-  }
-}
-
-// The integers of block b of a weight row: its nibbles (Q4_K: their 32 bytes and shift) or
-// int8 weights.
-template <int64_t F>
-inline const uint8_t* block_integers(const uint8_t* row, int64_t b, int& shift) {
-  shift = 0;
-  if constexpr (F == kQ4_K) {
-    shift = static_cast<int>(b % 8 % 2 * 4);
-    return row + b / 8 * block_bytes(F) + 16 + b % 8 / 2 * 32;
-  } else {
-    return row + b * block_bytes(F) + (F == kQ4_1 ? 4 : F == kInt8Rows ? 0 : 2);
   }
 }
 
@@ -256,9 +285,7 @@ inline void dot_rows8(const IntegerRows<A>& xq, int64_t m, int64_t k_size,
     for (int j = 0; j < 8; j += 2) {
       __m256i dots[R][2];
       for (int t = 0; t < 2; ++t) {
-        int shift_bits;
-        const uint8_t* qs = block_integers<F>(rows[j + t], b, shift_bits);
-        const BlockOperand<F, A> w(qs, shift_bits);
+        const BlockOperand<F, A> w(block_integers<F>(rows[j + t], b));
         for (int r = 0; r < R; ++r) {
           dots[r][t] = w.dot(xq.values.data() + ((m + r) * blocks + b) * kBlock);
         }
