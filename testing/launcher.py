@@ -14,6 +14,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
+import openai
+
 from testing.net import free_port, free_ports, http_status, wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +61,17 @@ def serving_url(serve: subprocess.Popen[str], stderr_path: Path) -> str:
             return match[1]
     log = stderr_path.read_text(errors="replace")[-6000:]
     raise AssertionError(f"radixserve serve exited ({serve.wait()}) before serving:\n{log}")
+
+
+@contextmanager
+def serving(flags: list[str], log: Path) -> Iterator[openai.OpenAI]:
+    """A client of `radixserve serve <flags>` on a free port, stopped (exit 0) at the end."""
+    serve = start_serve([*flags, "--host", "127.0.0.1", "--port", str(free_port())], log)
+    try:
+        yield openai.OpenAI(base_url=serving_url(serve, log), api_key="none", max_retries=0)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(60) == 0
 
 
 def server_ports() -> dict[str, int]:

@@ -4,9 +4,6 @@ chat template, so completions are served and chat is a 400 naming `messages`, un
 
 from __future__ import annotations
 
-import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import openai
@@ -17,20 +14,9 @@ from engine.model.tokenizer_cache import load_tokenizer
 from services.chat_templates import read_chat_template
 from services.tokenizer.chat_template import render_chat, turn_end_ids
 from services.tokenizer.protocol.chat import ChatCompletionRequest
-from testing.launcher import serving_url, start_serve
-from testing.net import free_port
+from testing.launcher import serving, start_serve
 
 FLAGS = ["--model", GEMMA3_MODEL, "--device", "cpu", "--max-total-tokens", "4096"]
-
-
-@contextmanager
-def serving(flags: list[str], log: Path) -> Iterator[openai.OpenAI]:
-    serve = start_serve([*flags, "--host", "127.0.0.1", "--port", str(free_port())], log)
-    try:
-        yield openai.OpenAI(base_url=serving_url(serve, log), api_key="none", max_retries=0)
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(60) == 0
 
 
 @pytest.fixture(scope="module")

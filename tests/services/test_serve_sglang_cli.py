@@ -5,35 +5,19 @@ stderr, with no traceback, before any process starts."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
 import numpy as np
-import openai
 import pytest
 
 from engine.model.embedded import embedded_model_path
-from testing.launcher import REPO_ROOT, cpu_flags, serving_url, start_serve
+from testing.launcher import REPO_ROOT, cpu_flags, serving
 from testing.lora import make_adapter
-from testing.net import free_port
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@contextmanager
-def serving(flags: list[str], log: Path) -> Iterator[openai.OpenAI]:
-    """A client of `radixserve serve <flags>` on a free port, stopped (exit 0) at the end."""
-    serve = start_serve([*flags, "--host", "127.0.0.1", "--port", str(free_port())], log)
-    try:
-        yield openai.OpenAI(base_url=serving_url(serve, log), api_key="none", max_retries=0)
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(60) == 0
 
 
 @pytest.mark.timeout(240)

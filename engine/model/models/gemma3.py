@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
-from torch import nn
 
 from engine.model.attention.base import AttentionBackend
 from engine.model.config import ModelConfig
@@ -20,7 +19,7 @@ from engine.model.forward_batch import ForwardBatch
 from engine.model.layers.linear import CheckpointTensor
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary_embedding import RotaryEmbedding
-from engine.model.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
+from engine.model.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 # Multimodal checkpoints keep the text tower under one of these prefixes (transformers 5,
 # then older); the vision tower and projector are not loaded.
@@ -29,7 +28,11 @@ TEXT_TOWER_LM_HEAD = "language_model.lm_head."
 VISION_TENSORS = ("vision_tower", "multi_modal_projector")
 
 
-class Gemma3DecoderLayer(nn.Module):
+class Gemma3DecoderLayer(LlamaDecoderLayer):
+    """The Llama layer with two more norms: after the attention and after the MLP, each
+    before its residual add. It has no one-op decode path (`decode_weights` finds q/k
+    norms and declines)."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -37,14 +40,9 @@ class Gemma3DecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         attn_backend: AttentionBackend,
     ):
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary_emb, attn_backend)
-        self.mlp = LlamaMLP(config)
-        hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
-        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
-        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        super().__init__(config, layer_id, rotary_emb, attn_backend)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
         self,
