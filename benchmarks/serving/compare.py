@@ -55,13 +55,14 @@ from benchmarks.serving.workloads import (
     fixed_length,
     warmup_prompt,
 )
+from engine.model.embedded import EMBEDDED_MODEL, GEMMA3_MODEL
 
-COMMON_SERVER_FLAGS = ("--model", "embedded", "--heartbeat-interval", "20")
-"""Everything else at radixserve's defaults: `--dtype auto` and `--quantization auto` pick
-per CPU (the embedded GGUF served from its Q4_1 blocks). `--heartbeat-interval 20`: the
-worker heartbeats from its scheduler loop, so a prefill of ~16k tokens on two cores (10 s
-and more) silences it past the default 3 x 1 s, and the tokenizer then fails every request
-in flight."""
+COMMON_SERVER_FLAGS = ("--heartbeat-interval", "20")
+"""Besides `--model`, everything at radixserve's defaults: `--dtype auto` and
+`--quantization auto` pick per CPU (the embedded GGUF served from its Q4_1 blocks).
+`--heartbeat-interval 20`: the worker heartbeats from its scheduler loop, so a prefill of
+~16k tokens on two cores (10 s and more) silences it past the default 3 x 1 s, and the
+tokenizer then fails every request in flight."""
 DEFAULT_SERVER_ARGS = ""
 """None: radixserve as a user starts it. `--server-args='--schedule-policy lpm'` opts in to
 the cache-aware order RadixAttention is designed with (longest hit first, and in-batch
@@ -183,12 +184,13 @@ class HFRunner:
 class LlamaRunner:
     """A fresh llama-server per cell: it has no cache flush."""
 
-    def __init__(self, binary: Path, warmup: list[int]):
+    def __init__(self, binary: Path, model: str, warmup: list[int]):
         self.binary = binary
+        self.model = model
         self.warmup = warmup
 
     def run(self, requests: list[BenchRequest], concurrency: int) -> RunResult:
-        with LlamaServer(self.binary) as server:
+        with LlamaServer(self.binary, self.model) as server:
             return run_cell(server.base_url, requests, concurrency, self.warmup, [])
 
 
@@ -222,7 +224,7 @@ def open_peer(
         yield HFRunner(HF_PEERS[run.peer], args.hf_device, warmup)
         return
     if run.peer in LLAMA_BINARIES:
-        yield LlamaRunner(getattr(args, LLAMA_BINARIES[run.peer]), warmup)
+        yield LlamaRunner(getattr(args, LLAMA_BINARIES[run.peer]), args.model, warmup)
         return
     if run.peer in VLLM_PEERS:
         with VllmServer(args.vllm_venv, args.vllm_model, isa=VLLM_PEERS[run.peer]) as vllm:
@@ -231,7 +233,13 @@ def open_peer(
             print(f"  server log: {vllm.log_path}\n  vLLM kernels {libraries}", flush=True)
             yield VllmRunner(vllm, warmup)
         return
-    flags = [*COMMON_SERVER_FLAGS, *shlex.split(args.server_args), *SERVER_PEERS[run.peer].flags]
+    flags = [
+        "--model",
+        args.model,
+        *COMMON_SERVER_FLAGS,
+        *shlex.split(args.server_args),
+        *SERVER_PEERS[run.peer].flags,
+    ]
     with RadixServer(flags, env=isa_env(run.cpu_isa)) as server:
         kernel = {
             **server.kernel(),
@@ -259,7 +267,7 @@ def peer_descriptions(args: argparse.Namespace, runs: list[PeerRun]) -> dict[str
         elif run.peer in LLAMA_BINARIES:
             build = " built for AVX2 only" if run.peer == LLAMA_AVX2_PEER else ""
             described[run.label] = (
-                f"llama.cpp `llama-server`{build}, the same GGUF (Q4_1) on CPU "
+                f"llama.cpp `llama-server`{build}, the same GGUF ({args.model}) on CPU "
                 f"(`llama-server -m <gguf> {shlex.join([*LLAMA_FLAGS, *thread_flags()])}`), "
                 "a fresh server per cell"
             )
@@ -277,7 +285,9 @@ def peer_descriptions(args: argparse.Namespace, runs: list[PeerRun]) -> dict[str
             )
         else:
             peer = SERVER_PEERS[run.peer]
-            flags = shlex.join([*COMMON_SERVER_FLAGS, *server_args, *peer.flags])
+            flags = shlex.join(
+                ["--model", args.model, *COMMON_SERVER_FLAGS, *server_args, *peer.flags]
+            )
             env = "".join(f"{k}={v} " for k, v in isa_env(run.cpu_isa).items())
             described[run.label] = f"radixserve: {peer.name} (`{env}radixserve serve {flags}`)"
     return described
@@ -296,6 +306,11 @@ def peer_runs(args: argparse.Namespace) -> list[PeerRun]:
             if not os.access(getattr(args, binary), os.X_OK):
                 print(f"no {peer} at {getattr(args, binary)}: that peer is left out", flush=True)
                 peers.remove(peer)
+    if args.model != EMBEDDED_MODEL:
+        left_out = [p for p in peers if p in HF_PEERS or p in VLLM_PEERS]
+        if left_out:
+            print(f"{left_out} serve the embedded model only: left out", flush=True)
+        peers = [p for p in peers if p not in left_out]
     if set(VLLM_PEERS) & set(peers) and (reason := missing(args.vllm_venv, args.vllm_model)):
         print(f"{reason}: the vLLM peers are left out", flush=True)
         peers = [p for p in peers if p not in VLLM_PEERS]
@@ -408,7 +423,7 @@ def decode_record(args: argparse.Namespace, cfg: WorkloadConfig) -> dict[str, An
 
     mean_context = args.decode_context + cfg.output_len // 2  # mean context over the decode
     bound = ceiling(
-        open_checkpoint("embedded").config,
+        open_checkpoint(args.model).config,
         args.decode_batch,
         mean_context,
         bandwidth_gbs=args.bandwidth_gbs,
@@ -493,6 +508,13 @@ def add_measure_flags(parser: argparse.ArgumentParser) -> None:
 
 def add_peer_flags(parser: argparse.ArgumentParser) -> None:
     """How each peer is found and started."""
+    parser.add_argument(
+        "--model",
+        choices=(EMBEDDED_MODEL, GEMMA3_MODEL),
+        default=EMBEDDED_MODEL,
+        help="the embedded model radixserve and llama-server serve (the transformers and vLLM "
+        "peers serve `embedded` only) (default: %(default)s)",
+    )
     parser.add_argument(
         "--hf-device",
         default="cuda" if torch.cuda.is_available() else "cpu",

@@ -37,15 +37,15 @@ def thread_flags() -> list[str]:
 
 
 class LlamaServer(ServerProcess):
-    """`with LlamaServer(binary) as server:` serves the embedded GGUF on a free port until the
-    block ends; `server.base_url`."""
+    """`with LlamaServer(binary) as server:` serves an embedded GGUF (`model`: `embedded` or
+    `gemma3-270m`) on a free port until the block ends; `server.base_url`."""
 
     name = "llama-server"
     start_timeout_s = 120.0
     stop_timeout_s = 15.0
     poll_interval_s = 0.25
 
-    def __init__(self, binary: Path, extra_flags: list[str] | None = None):
+    def __init__(self, binary: Path, model: str = "embedded", extra_flags: list[str] | None = None):
         from engine.model.embedded import embedded_model_path
 
         if not os.access(binary, os.X_OK):
@@ -57,7 +57,7 @@ class LlamaServer(ServerProcess):
         argv = [
             str(binary),
             "-m",
-            str(embedded_model_path()),
+            str(embedded_model_path(model)),
             "--host",
             "127.0.0.1",
             "--port",

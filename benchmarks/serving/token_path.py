@@ -146,7 +146,7 @@ def main() -> None:
                 f"(runs: {', '.join(f'{r:.0f}' for r in runs)})"
             )
         return
-    flags = [*COMMON_SERVER_FLAGS, *args.server_args.split()]
+    flags = ["--model", "embedded", *COMMON_SERVER_FLAGS, *args.server_args.split()]
     cells: list[PathCell] = []
     for round_ in range(args.rounds):
         for tree in args.trees:
