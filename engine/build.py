@@ -164,10 +164,13 @@ def build_scheduler(
         model_runner, not args.disable_radix_cache, args.radix_eviction_policy
     )
     stats = SchedulerStats()
+    kv_tokens = model_runner.max_total_num_tokens
+    if model_runner.swa_max_total_num_tokens is not None:  # each token holds an SWA slot too
+        kv_tokens = min(kv_tokens, model_runner.swa_max_total_num_tokens)
     limits = RequestLimits(
         config.vocab_size,
         context_len,
-        model_runner.max_total_num_tokens,
+        kv_tokens,
         args.clip_max_new_tokens,
         stop_strings=stop_strings is not None,
         grammars=grammar_backend is not None,
@@ -251,6 +254,8 @@ def _model_runner(args: EngineArgs, device: str) -> ModelRunner:
         attention_backend=args.attention_backend,
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
+        swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+        disable_hybrid_swa_memory=args.disable_hybrid_swa_memory,
         max_running_requests=args.max_running_requests,
         context_len=args.context_length,
         cuda_graph_max_bs=args.cuda_graph_max_bs,

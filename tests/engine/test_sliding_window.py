@@ -3,7 +3,8 @@ two of three layers see the last 8 tokens: greedy answers equal transformers' in
 the scheduler can reach a token's keys (one prefill, chunks across a window edge, a radix
 hit ending inside or past a window, retraction and re-prefill, speculative verify). Each
 case also runs with the window ignored, and its answers then part from transformers': the
-case really reaches past a window."""
+case really reaches past a window. The sliding layers keep their K/V in a pool of their own
+(`SWAKVPool`) unless `disable_hybrid_swa_memory`; every case runs both ways."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.api import Engine
+from engine.mem.swa_kv_pool import SWAKVPool
 from engine.model.attention.base import AttentionLayer
 from testing.models import TINY_SLIDING_WINDOW, tiny_hf_model
 
@@ -94,10 +96,17 @@ def hf_greedy(model: PreTrainedModel, ids: list[int], max_new_tokens: int) -> li
     return out[0, len(ids) :].tolist()
 
 
-def run_case(model_dir: Path, name: str) -> tuple[list[list[int]], list[int], dict[str, int]]:
-    """Each prompt's greedy answer and cached prompt tokens, and the scheduler's counters."""
+def run_case(
+    model_dir: Path, name: str, hybrid: bool = True
+) -> tuple[list[list[int]], list[int], dict[str, int]]:
+    """Each prompt's greedy answer and cached prompt tokens, and the scheduler's counters;
+    `hybrid`: over the two pools of a hybrid model, else one pool for every layer."""
     prompts, params, options = CASES[name]
-    with Engine(str(model_dir), **{**OPTIONS, **options}) as engine:
+    options = {**OPTIONS, **options, "disable_hybrid_swa_memory": not hybrid}
+    with Engine(str(model_dir), **options) as engine:
+        runner = engine.scheduler.model_runner
+        assert isinstance(runner.token_to_kv_pool, SWAKVPool) == hybrid
+        assert engine.scheduler.info().swa_max_total_tokens == runner.swa_max_total_num_tokens
         if name.startswith("radix_hit"):
             engine.generate(prompts[0], {**GREEDY, **params})  # the tree holds the first
         results = engine.generate(prompts, {**GREEDY, **params})
@@ -130,9 +139,10 @@ CACHED = {
 the window."""
 
 
+@pytest.mark.parametrize("hybrid", [True, False], ids=["two-pools", "one-pool"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_greedy_answers_match_transformers(model_dir, reference, name):
-    answers, cached, counters = run_case(model_dir, name)
+def test_greedy_answers_match_transformers(model_dir, reference, name, hybrid):
+    answers, cached, counters = run_case(model_dir, name, hybrid)
     assert answers == expected(reference, name)
     if name == "retraction":
         assert counters["num_retractions"] > 0
