@@ -164,16 +164,15 @@ def build_scheduler(
         model_runner, not args.disable_radix_cache, args.radix_eviction_policy
     )
     stats = SchedulerStats()
-    kv_tokens = model_runner.max_total_num_tokens
-    if model_runner.swa_max_total_num_tokens is not None:  # each token holds an SWA slot too
-        kv_tokens = min(kv_tokens, model_runner.swa_max_total_num_tokens)
     limits = RequestLimits(
         config.vocab_size,
         context_len,
-        kv_tokens,
+        model_runner.max_total_num_tokens,
         args.clip_max_new_tokens,
         stop_strings=stop_strings is not None,
         grammars=grammar_backend is not None,
+        swa_max_total_tokens=model_runner.swa_max_total_num_tokens,
+        swa_decode_tokens=cache_manager.swa_tokens_held_at_most(args.clip_max_new_tokens),
     )
     outputs = OutputProcessor(
         cache_manager, stats, context_len, stop_strings, grammar_backend, args.enable_jump_forward
