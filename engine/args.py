@@ -67,6 +67,15 @@ class EngineArgs:
         "KV cache size in tokens (default: a byte budget on CPU, --mem-fraction-static on CUDA)",
     )
     mem_fraction_static: float = _opt(0.85, "fraction of GPU memory for weights + KV cache")
+    swa_full_tokens_ratio: float = _opt(
+        0.8,
+        "hybrid sliding-window models (Gemma 3): slots of the sliding layers' KV pool per slot "
+        "of the full-attention layers' pool, in (0, 1]; the two share the bytes that "
+        "--max-total-tokens (or the memory budget) gives every layer (docs/architecture.md)",
+    )
+    disable_hybrid_swa_memory: bool = _opt(
+        False, "hybrid sliding-window models: keep every layer's KV in one pool"
+    )
     max_running_requests: int = _opt(256, "cap on the running batch (rows of req_to_token)")
     max_prefill_tokens: int = _opt(16384, "cap on the new tokens of one prefill batch")
     chunked_prefill_size: int | None = _opt(

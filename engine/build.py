@@ -171,6 +171,8 @@ def build_scheduler(
         args.clip_max_new_tokens,
         stop_strings=stop_strings is not None,
         grammars=grammar_backend is not None,
+        swa_max_total_tokens=model_runner.swa_max_total_num_tokens,
+        swa_decode_tokens=cache_manager.swa_tokens_held_at_most(args.clip_max_new_tokens),
     )
     outputs = OutputProcessor(
         cache_manager, stats, context_len, stop_strings, grammar_backend, args.enable_jump_forward
@@ -251,6 +253,8 @@ def _model_runner(args: EngineArgs, device: str) -> ModelRunner:
         attention_backend=args.attention_backend,
         max_total_tokens=args.max_total_tokens,
         mem_fraction_static=args.mem_fraction_static,
+        swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+        disable_hybrid_swa_memory=args.disable_hybrid_swa_memory,
         max_running_requests=args.max_running_requests,
         context_len=args.context_length,
         cuda_graph_max_bs=args.cuda_graph_max_bs,

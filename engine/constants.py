@@ -33,6 +33,9 @@ IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD: int = _env(
     "IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD", 32
 )
 """...and defers those sharing at least this many tokens with a queue-mate."""
+SWA_EVICTION_INTERVAL: int = _env("SWA_EVICTION_INTERVAL", 32)
+"""A hybrid model's request frees the SWA slots its window has left behind once this many
+have piled up: one batched free per that many tokens, not one per token."""
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8")
 """`--quantization`; `auto`: `gguf` for a GGUF file on CPU at one rank, else none
 (engine/model/layers/quantization.py)."""

@@ -14,6 +14,7 @@ from engine.cache.radix_key import RadixKey
 from engine.cache.tree_node import TreeNode
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.req_to_token_pool import ReqToTokenPool
+from engine.mem.swa_allocator import SWATokenToKVPoolAllocator
 from engine.sched.cache_manager import CacheManager
 
 
@@ -23,16 +24,23 @@ def simulated_cache(
     max_context_len: int = 64,
     eviction_policy: str = "lru",
     disable_radix_cache: bool = False,
+    swa_slots: int | None = None,
+    sliding_window: int | None = None,
 ) -> CacheManager:
     """A CacheManager over a `num_slots`-slot allocator and a `max_reqs`-row table, with a
-    RadixCache (or, with `disable_radix_cache`, a ChunkCache) as the scheduler builds it."""
-    allocator = TokenToKVPoolAllocator(num_slots)
+    RadixCache (or, with `disable_radix_cache`, a ChunkCache) as the scheduler builds it;
+    with `swa_slots`, a hybrid model's two pools, for layers of `sliding_window`."""
+    allocator = (
+        TokenToKVPoolAllocator(num_slots)
+        if swa_slots is None
+        else SWATokenToKVPoolAllocator(num_slots, swa_slots)
+    )
     tree: BasePrefixCache = (
         ChunkCache(allocator.device)
         if disable_radix_cache
         else RadixCache(allocator, eviction_policy)
     )
-    return CacheManager(ReqToTokenPool(max_reqs, max_context_len), allocator, tree)
+    return CacheManager(ReqToTokenPool(max_reqs, max_context_len), allocator, tree, sliding_window)
 
 
 def insert_fresh(

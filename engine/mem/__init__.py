@@ -3,5 +3,14 @@
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
+from engine.mem.swa_allocator import SWATokenToKVPoolAllocator
+from engine.mem.swa_kv_pool import KVPool, SWAKVPool
 
-__all__ = ["MHATokenToKVPool", "ReqToTokenPool", "TokenToKVPoolAllocator"]
+__all__ = [
+    "KVPool",
+    "MHATokenToKVPool",
+    "ReqToTokenPool",
+    "SWAKVPool",
+    "SWATokenToKVPoolAllocator",
+    "TokenToKVPoolAllocator",
+]

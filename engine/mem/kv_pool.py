@@ -47,6 +47,10 @@ class MHATokenToKVPool:
         """How many token slots fit in `budget_bytes` (the padding slot included)."""
         return budget_bytes // cls.cell_size(head_num, head_dim, layer_num, dtype) - 1
 
+    def slot_map(self, layer_id: int) -> torch.Tensor | None:
+        """None: every layer's rows are its slots (`SWAKVPool` maps its sliding layers')."""
+        return None
+
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 

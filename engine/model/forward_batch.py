@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
+from engine.mem.swa_kv_pool import KVPool
 
 
 class ForwardMode(enum.Enum):
@@ -68,7 +68,7 @@ class ForwardBatch:
     prefix_lens_cpu: list[int]
     extend_lens_cpu: list[int]
     req_to_token_pool: ReqToTokenPool
-    token_to_kv_pool: MHATokenToKVPool
+    token_to_kv_pool: KVPool
     prompt_logprobs: PromptLogprobsInput | None = None
     """Set when some extend request asks for prompt logprobs (the scheduler sets it)."""
     lora_slots: torch.Tensor | None = None
@@ -94,7 +94,7 @@ class ForwardBatch:
         extend_lens: torch.Tensor,
         out_cache_loc: torch.Tensor,
         req_to_token_pool: ReqToTokenPool,
-        token_to_kv_pool: MHATokenToKVPool,
+        token_to_kv_pool: KVPool,
         tree_depths: torch.Tensor | None = None,
     ) -> ForwardBatch:
         """Lay out per-request host vectors (int64) on the pool's device, positions

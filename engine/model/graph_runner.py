@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from engine.lora import LoRAManager
-from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
+from engine.mem.swa_kv_pool import KVPool
 from engine.model.attention.base import AttentionBackend
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.model.layers.logits_processor import LogitsProcessorOutput
@@ -137,7 +137,7 @@ class GraphRunner:
         model: nn.Module,
         attn_backend: AttentionBackend,
         req_to_token_pool: ReqToTokenPool,
-        token_to_kv_pool: MHATokenToKVPool,
+        token_to_kv_pool: KVPool,
         max_bs: int,
         backend: GraphBackend,
         batch_sizes: list[int] | None = None,

@@ -14,6 +14,8 @@ from engine.lora import LoRAManager
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.kv_pool import MHATokenToKVPool
 from engine.mem.req_to_token_pool import ReqToTokenPool
+from engine.mem.swa_allocator import SWATokenToKVPoolAllocator
+from engine.mem.swa_kv_pool import KVPool, SWAKVPool
 from engine.model.attention import create_attention_backend, default_attention_backend
 from engine.model.batch_invariant import check_supported, make_batch_invariant
 from engine.model.config import ModelConfig
@@ -53,6 +55,9 @@ class ModelRunner:
     owns: the request table, the KV slot allocator and the KV buffers. The KV pool holds
     `max_total_tokens` tokens; on CUDA, by default, what `mem_fraction_static` of the GPU
     leaves once the weights are loaded; on CPU, by default, `DEFAULT_CPU_KV_CACHE_BYTES`.
+    A hybrid model's (`ModelConfig.is_hybrid_swa`) sliding layers get a pool of their own,
+    `swa_full_tokens_ratio` slots per full-attention slot, in the same bytes
+    (`SWAKVPool.split_tokens`), unless `disable_hybrid_swa_memory`.
 
     Decode batches of up to `min(cuda_graph_max_bs, max_running_requests)` requests replay
     captured graphs (`GraphRunner`): CUDA graphs on a GPU unless `disable_cuda_graph`, and
@@ -74,6 +79,8 @@ class ModelRunner:
         attention_backend: str | None = None,
         max_total_tokens: int | None = None,
         mem_fraction_static: float = 0.85,
+        swa_full_tokens_ratio: float = 0.8,
+        disable_hybrid_swa_memory: bool = False,
         max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
         context_len: int | None = None,
         cuda_graph_max_bs: int = 160,
@@ -139,6 +146,16 @@ class ModelRunner:
             graph_backend, enable_torch_compile, disable_cuda_graph
         )
         self.graph_runner: GraphRunner | None = None  # the pool's sizing may run forwards
+        self.swa_layers: tuple[bool, ...] | None = None
+        """Which layers keep their K/V in the SWA pool; None: one pool for every layer."""
+        if config.is_hybrid_swa and not disable_hybrid_swa_memory:
+            if not 0 < swa_full_tokens_ratio <= 1:
+                raise ValueError(
+                    f"swa_full_tokens_ratio must be in (0, 1], got {swa_full_tokens_ratio}"
+                )
+            layers = range(config.num_hidden_layers)
+            self.swa_layers = tuple(config.layer_window(i) is not None for i in layers)
+        self.swa_full_tokens_ratio = swa_full_tokens_ratio
         self.init_memory_pool(
             max_total_tokens, mem_fraction_static, max_running_requests, graph_backend
         )
@@ -232,7 +249,7 @@ class ModelRunner:
         if max_total_tokens is None:
             graph_bytes = 0
             if graph_backend is not None and self.device.type == "cuda":
-                graph_bytes = self._measure_graph_memory(kv_shape)
+                graph_bytes = self._measure_graph_memory()
             max_total_tokens = get_tp_group().min_over_ranks(
                 MHATokenToKVPool.max_tokens_for_budget(
                     self._kv_cache_budget(mem_fraction_static) - graph_bytes,
@@ -244,22 +261,61 @@ class ModelRunner:
             raise RuntimeError(
                 "no memory left for the KV cache; raise mem_fraction_static or set max_total_tokens"
             )
-        self.max_total_num_tokens = max_total_tokens
-        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_tokens, self.device)
-        self.token_to_kv_pool = MHATokenToKVPool(
-            max_total_tokens, self.kv_cache_dtype, *kv_shape, self.device
+        kv_bytes = max_total_tokens * MHATokenToKVPool.cell_size(*kv_shape, self.kv_cache_dtype)
+        self.token_to_kv_pool_allocator = self._allocator(max_total_tokens)
+        self.max_total_num_tokens = self.token_to_kv_pool_allocator.size
+        self.swa_max_total_num_tokens = (
+            self.token_to_kv_pool_allocator.size_swa
+            if isinstance(self.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
+            else None
         )
+        """The SWA pool's slots of a hybrid model (None: one pool)."""
+        self.token_to_kv_pool = self._kv_pool(self.token_to_kv_pool_allocator)
         logger.info(
-            "KV cache: %d tokens, %.2f GiB, sized in %.1f s",
-            max_total_tokens,
-            max_total_tokens
-            * MHATokenToKVPool.cell_size(*kv_shape, self.kv_cache_dtype)
-            / (1 << 30),
+            "KV cache: %d tokens%s, %.2f GiB, sized in %.1f s",
+            self.max_total_num_tokens,
+            ""
+            if self.swa_layers is None
+            else f" (sliding-window layers: {self.swa_max_total_num_tokens})",
+            kv_bytes / (1 << 30),
             time.perf_counter() - started,
         )
 
+    def _allocator(self, max_total_tokens: int) -> TokenToKVPoolAllocator:
+        """The slots of `max_total_tokens` tokens' bytes in every layer: one pool, or a
+        hybrid model's two, split by `SWAKVPool.split_tokens`."""
+        if self.swa_layers is None:
+            return TokenToKVPoolAllocator(max_total_tokens, self.device)
+        full, swa = SWAKVPool.split_tokens(
+            max_total_tokens, self.swa_layers, self.swa_full_tokens_ratio
+        )
+        return SWATokenToKVPoolAllocator(full, swa, self.device)
+
+    def _kv_pool(self, allocator: TokenToKVPoolAllocator) -> KVPool:
+        """The K/V buffers of `allocator`'s slots: two pools for a hybrid model."""
+        config = self.model_config
+        head_shape = (config.get_num_kv_heads(self.tp_size), config.head_dim)
+        if isinstance(allocator, SWATokenToKVPoolAllocator):
+            assert self.swa_layers is not None, "a hybrid allocator serves a hybrid model"
+            return SWAKVPool(
+                allocator.size,
+                allocator.size_swa,
+                self.kv_cache_dtype,
+                *head_shape,
+                self.swa_layers,
+                allocator.full_to_swa_index_mapping,
+                self.device,
+            )
+        return MHATokenToKVPool(
+            allocator.size,
+            self.kv_cache_dtype,
+            *head_shape,
+            config.num_hidden_layers,
+            self.device,
+        )
+
     def _graph_runner(
-        self, token_to_kv_pool: MHATokenToKVPool, backend: GraphBackend, largest_only: bool = False
+        self, token_to_kv_pool: KVPool, backend: GraphBackend, largest_only: bool = False
     ) -> GraphRunner:
         batch_sizes = capture_batch_sizes(self.cuda_graph_bs)
         return GraphRunner(
@@ -273,12 +329,12 @@ class ModelRunner:
             self.lora_manager,
         )
 
-    def _measure_graph_memory(self, kv_shape: tuple[int, int, int]) -> int:
+    def _measure_graph_memory(self) -> int:
         """Bytes a capture of the largest bucket takes (its pool, the warm-up's
         activations), over a one-slot stand-in KV pool, freed again after."""
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
-        stand_in = MHATokenToKVPool(1, self.kv_cache_dtype, *kv_shape, self.device)
+        stand_in = self._kv_pool(self._allocator(1))
         trial = self._graph_runner(stand_in, CudaGraphBackend(self.device), largest_only=True)
         trial.capture()
         torch.cuda.synchronize(self.device)

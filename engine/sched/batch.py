@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from engine.grammar import allocate_vocab_mask
-from engine.mem.kv_pool import MHATokenToKVPool
+from engine.mem.swa_kv_pool import KVPool
 from engine.model.forward_batch import ForwardBatch, ForwardMode, PromptLogprobsInput
 from engine.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRows
 from engine.sched.cache_manager import CacheManager, req_row
@@ -47,7 +47,7 @@ class ScheduleBatch:
         extend_reqs: list[Req],
         decodes: RunningBatch | None,
         cache_manager: CacheManager,
-        token_to_kv_pool: MHATokenToKVPool,
+        token_to_kv_pool: KVPool,
         vocab_size: int,
         eos_token_ids: Collection[int],
     ) -> ScheduleBatch:
@@ -127,7 +127,7 @@ class ScheduleBatch:
         cls,
         decodes: RunningBatch,
         cache_manager: CacheManager,
-        token_to_kv_pool: MHATokenToKVPool,
+        token_to_kv_pool: KVPool,
         eos_token_ids: Collection[int],
     ) -> ScheduleBatch:
         """A decode step from the running batch's arrays: no pass over the requests but the

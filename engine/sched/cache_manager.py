@@ -7,8 +7,11 @@ A request's row maps its tokens to KV slots in two parts:
 - `[len(prefix_indices), allocated_len)`: slots the request owns and must free.
 
 Every write to a request's `KVState` (`req.kv`: `req_pool_idx`, `prefix_indices`,
-`last_node`, `allocated_len`, `committed_len`) happens here, so the slot accounting that
-`check_integrity` proves has one place to go wrong.
+`last_node`, `allocated_len`, `committed_len`, `swa_evicted_len`) happens here, so the slot
+accounting that `check_integrity` proves has one place to go wrong.
+
+A hybrid model's (`SWATokenToKVPoolAllocator`) request also frees, as it moves on, the SWA
+slots of its own tokens that no query of its will see again (`free_out_of_window`).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from engine.cache.base_prefix_cache import BasePrefixCache, check_invariant
 from engine.cache.chunk_cache import ChunkCache
 from engine.cache.radix_cache import RadixCache
 from engine.cache.radix_key import RadixKey
+from engine.constants import SWA_EVICTION_INTERVAL
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.req_to_token_pool import ReqToTokenPool
+from engine.mem.swa_allocator import SWATokenToKVPoolAllocator
 from engine.model.forward_batch import ForwardBatch
 from engine.sched.req import Req
 
@@ -38,10 +43,18 @@ class CacheManager:
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool_allocator: TokenToKVPoolAllocator,
         tree_cache: BasePrefixCache,
+        sliding_window: int | None = None,
     ) -> None:
+        """`sliding_window`: a hybrid model's window, with an `SWATokenToKVPoolAllocator`."""
         self.req_to_token_pool = req_to_token_pool
         self.allocator = token_to_kv_pool_allocator
         self.tree_cache = tree_cache
+        self.swa_allocator: SWATokenToKVPoolAllocator | None = None
+        self.sliding_window = sliding_window
+        if isinstance(token_to_kv_pool_allocator, SWATokenToKVPoolAllocator):
+            if sliding_window is None:
+                raise ValueError("two KV pools serve a model with a sliding window")
+            self.swa_allocator = token_to_kv_pool_allocator
 
     @classmethod
     def over_pools(cls, runner: ModelRunner, radix_cache: bool, eviction_policy: str) -> Self:
@@ -51,7 +64,8 @@ class CacheManager:
         tree_cache: BasePrefixCache = (
             RadixCache(allocator, eviction_policy) if radix_cache else ChunkCache(allocator.device)
         )
-        return cls(runner.req_to_token_pool, allocator, tree_cache)
+        window = None if runner.swa_layers is None else runner.model_config.sliding_window
+        return cls(runner.req_to_token_pool, allocator, tree_cache, window)
 
     # ----- admission --------------------------------------------------------------------
 
@@ -86,6 +100,7 @@ class CacheManager:
         (req.kv.req_pool_idx,) = rows
         self.req_to_token_pool.write(req.kv.req_pool_idx, 0, req.kv.prefix_indices)
         req.kv.allocated_len = req.kv.committed_len = len(req.kv.prefix_indices)
+        req.kv.swa_evicted_len = 0
 
     def make_room(self, num_tokens: int) -> bool:
         """Evict cache until `num_tokens` slots are free; True if they are."""
@@ -155,6 +170,8 @@ class CacheManager:
         Duplicate slots are freed and the request's row is repointed at the cache's copy,
         so one prefix has one copy; the request then locks its new, longer prefix.
         """
+        if self._swa_freed(req):  # its next tokens have no SWA KV to share
+            return
         row = req_row(req)
         kv_len = req.kv.committed_len
         indices = self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64)
@@ -177,7 +194,7 @@ class CacheManager:
         allocated but never written.
         """
         indices = self._row_slots(req)
-        kv_len = req.kv.committed_len
+        kv_len = len(req.kv.prefix_indices) if self._swa_freed(req) else req.kv.committed_len
         key = RadixKey(req.all_token_ids()[:kv_len], req.admission.extra_key)
         inserted = self.tree_cache.insert(key, indices[:kv_len], req.admission.priority)
         self.allocator.free(indices[len(req.kv.prefix_indices) : inserted.prefix_len])
@@ -201,7 +218,51 @@ class CacheManager:
         req.kv.req_pool_idx = None
         req.kv.last_node = None
         req.kv.prefix_indices = torch.empty(0, dtype=torch.int64, device=self.allocator.device)
-        req.kv.allocated_len = req.kv.committed_len = 0
+        req.kv.allocated_len = req.kv.committed_len = req.kv.swa_evicted_len = 0
+
+    # ----- a hybrid model's sliding-window KV -------------------------------------------
+
+    def free_out_of_window(self, reqs: Iterable[Req]) -> None:
+        """Free the SWA slots of the requests' own tokens that no query will see again, in
+        one batched free, for each request only once `SWA_EVICTION_INTERVAL` are due.
+
+        After a step, a request's next query (a decode, the next chunk, a verify's first
+        draft) sits at `committed_len` and sees positions from `committed_len + 1 - window`
+        on; later queries see less. A batch already in flight under the overlap loop is
+        that next query. Retraction recomputes from scratch. The tree's part of the row is
+        the tree's to free."""
+        if self.swa_allocator is None or self.sliding_window is None:
+            return
+        table, spans = self.req_to_token_pool.req_to_token, []
+        for req in reqs:
+            kv = req.kv
+            if kv.req_pool_idx is None:  # finished or retracted while the batch ran
+                continue
+            start = max(kv.swa_evicted_len, len(kv.prefix_indices))
+            end = kv.committed_len + 1 - self.sliding_window
+            if end - start >= SWA_EVICTION_INTERVAL:
+                spans.append(table[kv.req_pool_idx, start:end])
+                kv.swa_evicted_len = end
+        if spans:
+            self.swa_allocator.free_swa(torch.cat(spans).to(torch.int64))
+
+    def full_available_size(self) -> int:
+        """Free full-attention slots (with one pool, every free slot)."""
+        if self.swa_allocator is None:
+            return self.allocator.available_size()
+        return self.swa_allocator.full_available_size()
+
+    def swa_tokens_held_at_most(self, num_tokens: int) -> int:
+        """Of `num_tokens` new tokens of one request's decode, how many can hold SWA slots
+        at once: the window and an eviction interval at most (all of them with one pool)."""
+        if self.sliding_window is None:
+            return num_tokens
+        return min(num_tokens, self.sliding_window + SWA_EVICTION_INTERVAL)
+
+    def _swa_freed(self, req: Req) -> bool:
+        """Some of the request's own tokens have lost their SWA slots: the tree, which
+        holds every layer's KV of each token it keeps, cannot take them."""
+        return req.kv.swa_evicted_len > len(req.kv.prefix_indices)
 
     def reset(self) -> None:
         """Empty the cache and both pools. Only while no request holds KV."""
@@ -215,11 +276,15 @@ class CacheManager:
         """Raise AssertionError unless the cache, the pools and the given running requests
         agree: the cache's own check passes; every KV slot 1..size is accounted exactly once
         among the allocator's free list, the cache, and the slots the requests own; each
-        request's row starts with its prefix, which is locked and is its last node's path."""
+        request's row starts with its prefix, which is locked and is its last node's path.
+        With two pools, every SWA slot too, through the mapping: among the SWA free list,
+        the cache's tokens and the requests' own tokens their window still sees; a free
+        full slot and a token whose SWA slot was freed map to none."""
         self.tree_cache.check_integrity()
         table = self.req_to_token_pool.req_to_token
         free_rows = set(self.req_to_token_pool.free_slots)
-        slots = [self.allocator.free_slots(), self.tree_cache.cached_slots()]
+        free, cached = self.allocator.free_slots(), self.tree_cache.cached_slots()
+        live, dead = [cached], [free]
         for req in reqs:
             row = req.kv.req_pool_idx
             if row is None or row in free_rows:
@@ -241,19 +306,32 @@ class CacheManager:
                     and torch.equal(last_node.matched_indices().cpu(), req.kv.prefix_indices.cpu()),
                     f"request {req.rid}: prefix is not its last_node's match",
                 )
-            slots.append(held[prefix_len:])
+            evicted = max(req.kv.swa_evicted_len, prefix_len)
+            dead.append(held[prefix_len:evicted])
+            live.append(held[evicted:])
+        check_each_once(torch.cat(live + dead), self.allocator.size, "slots")
+        if self.swa_allocator is not None:
+            mapping = self.swa_allocator.full_to_swa_index_mapping
+            check_invariant(
+                not mapping[torch.cat(dead)].any(), "a free or out-of-window slot has SWA KV"
+            )
+            swa = torch.cat([self.swa_allocator.swa_free_slots(), mapping[torch.cat(live)]])
+            check_each_once(swa, self.swa_allocator.size_swa, "SWA slots")
 
-        counts = Counter(torch.cat(slots).tolist())
-        expected = set(range(1, self.allocator.size + 1))
-        check_invariant(
-            set(counts) == expected,
-            f"slots unaccounted: {sorted(expected - set(counts))[:10]}"
-            f", foreign: {sorted(set(counts) - expected)[:10]}",
-        )
-        check_invariant(
-            max(counts.values(), default=1) == 1,
-            f"slots held twice: {[s for s, c in counts.items() if c > 1][:10]}",
-        )
+
+def check_each_once(slots: torch.Tensor, size: int, what: str) -> None:
+    """`slots` are 1..size, each exactly once."""
+    counts = Counter(slots.tolist())
+    expected = set(range(1, size + 1))
+    check_invariant(
+        set(counts) == expected,
+        f"{what} unaccounted: {sorted(expected - set(counts))[:10]}"
+        f", foreign: {sorted(set(counts) - expected)[:10]}",
+    )
+    check_invariant(
+        max(counts.values(), default=1) == 1,
+        f"{what} held twice: {[s for s, c in counts.items() if c > 1][:10]}",
+    )
 
 
 def req_row(req: Req) -> int:

@@ -5,6 +5,10 @@ are expected to still need. A running request reserves `min(max_new_tokens −
 len(output_ids), CLIP) × new_token_ratio`: overcommitted, because most requests stop
 early. A request being admitted must fit `extend_input_len + min(max_new_tokens, CLIP)`
 in full — the discount applies to requests already running, never to the newcomer.
+
+A hybrid model's SWA pool has a budget of its own (`rem_swa_tokens`), which neither may
+overdraw: a request holds SWA slots for its prompt and, as it decodes, for its window and an
+eviction interval at most (`CacheManager.swa_tokens_held_at_most`), the rest being freed.
 """
 
 from __future__ import annotations
@@ -44,10 +48,14 @@ class PrefillAdder:
             if chunked_prefill_size is None
             else chunked_prefill_size - mixed_with_decode_tokens
         )
-        self.rem_total_token_offset = mixed_with_decode_tokens + sum(
+        reserved = [
             min(r.sampling_params.max_new_tokens - len(r.output_ids), clip_max_new_tokens)
             * new_token_ratio
             for r in running_reqs
+        ]
+        self.rem_total_token_offset = mixed_with_decode_tokens + sum(reserved)
+        self.rem_swa_token_offset = mixed_with_decode_tokens + sum(
+            cache_manager.swa_tokens_held_at_most(int(n)) for n in reserved
         )
         self.can_run_list: list[Req] = []
         self.new_chunked_req: Req | None = None
@@ -57,14 +65,37 @@ class PrefillAdder:
         """Recomputed on every read: locking a prefix shrinks `evictable_size`."""
         cache = self.cache_manager
         return (
-            cache.allocator.available_size()
+            cache.full_available_size()
             + cache.tree_cache.evictable_size()
             - self.rem_total_token_offset
+        )
+
+    @property
+    def rem_swa_tokens(self) -> float:
+        """As `rem_total_tokens`, for a hybrid model's SWA pool (every token the tree keeps
+        holds an SWA slot); with one pool, `rem_total_tokens`."""
+        cache = self.cache_manager
+        if cache.swa_allocator is None:
+            return self.rem_total_tokens
+        return (
+            cache.swa_allocator.swa_available_size()
+            + cache.tree_cache.evictable_size()
+            - self.rem_swa_token_offset
+        )
+
+    def _fits(self, req: Req, max_new_tokens: int) -> bool:
+        """Whether `req`'s prompt and `max_new_tokens` fit both budgets."""
+        extend_len = req.prefill.extend_input_len
+        swa_tokens = extend_len + self.cache_manager.swa_tokens_held_at_most(max_new_tokens)
+        return (
+            extend_len + max_new_tokens <= self.rem_total_tokens
+            and swa_tokens <= self.rem_swa_tokens
         )
 
     def budget_exhausted(self) -> bool:
         return (
             self.rem_total_tokens <= 0
+            or self.rem_swa_tokens <= 0
             or self.rem_input_tokens <= 0
             or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0)
         )
@@ -76,20 +107,16 @@ class PrefillAdder:
 
     def add_one_req(self, req: Req) -> AddReqResult:
         """Admit `req` (matched by `CacheManager.match_req`) if it fits; lock its prefix."""
-        total_tokens = req.prefill.extend_input_len + min(
-            req.sampling_params.max_new_tokens, self.clip_max_new_tokens
-        )
-        if total_tokens > self.rem_total_tokens:
+        max_new_tokens = min(req.sampling_params.max_new_tokens, self.clip_max_new_tokens)
+        if not self._fits(req, max_new_tokens):
             return AddReqResult.NO_TOKEN
         if req.prefill.extend_input_len > self.rem_input_tokens and self.can_run_list:
             return AddReqResult.OTHER
         self.cache_manager.lock(req)
-        if total_tokens > self.rem_total_tokens:  # the lock took the prefix out of `evictable`
+        if not self._fits(req, max_new_tokens):  # the lock took the prefix out of `evictable`
             self.cache_manager.unlock(req)
             return AddReqResult.NO_TOKEN
-        self._add_prefill(
-            req, max_new_tokens=min(req.sampling_params.max_new_tokens, self.clip_max_new_tokens)
-        )
+        self._add_prefill(req, max_new_tokens)
         return AddReqResult.CONTINUE
 
     def _add_prefill(self, req: Req, max_new_tokens: int) -> None:
@@ -106,6 +133,10 @@ class PrefillAdder:
             req.prefill.is_chunked = False
         self.can_run_list.append(req)
         self.rem_total_token_offset += req.prefill.extend_input_len + max_new_tokens
+        self.rem_swa_token_offset += (
+            req.prefill.extend_input_len
+            + self.cache_manager.swa_tokens_held_at_most(max_new_tokens)
+        )
         self.rem_input_tokens -= req.prefill.extend_input_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= req.prefill.extend_input_len

@@ -64,6 +64,9 @@ class KVState:
     allocated_len: int = 0
     committed_len: int = 0
     """The leading tokens whose K/V has actually been written."""
+    swa_evicted_len: int = 0
+    """Hybrid models: the request's own tokens before this position (from
+    `len(prefix_indices)` on) have had their SWA slots freed: no query sees them any more."""
 
 
 @dataclass

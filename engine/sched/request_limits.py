@@ -19,6 +19,11 @@ class RequestLimits:
     """A tokenizer decodes outputs, so stop strings can match."""
     grammars: bool
     """A grammar backend compiles json_schema, regex and ebnf."""
+    swa_max_total_tokens: int | None = None
+    """A hybrid model's SWA pool, in tokens (None: one pool)."""
+    swa_decode_tokens: int = 0
+    """With an SWA pool: how many of a request's decoded tokens hold SWA slots at once at
+    most (`CacheManager.swa_tokens_held_at_most`)."""
 
     def check(self, req: Req) -> None:
         """Raise ValueError naming the limit `req` breaks; clip its `max_new_tokens` to
@@ -46,6 +51,14 @@ class RequestLimits:
                 f"needs {needed} KV slots; the KV cache holds {self.max_total_tokens}. "
                 "Lower max_tokens or raise --max-total-tokens"
             )
+        if self.swa_max_total_tokens is not None:
+            swa_needed = input_len + min(needed - input_len, self.swa_decode_tokens)
+            if swa_needed > self.swa_max_total_tokens:
+                raise ValueError(
+                    f"the prompt ({input_len} tokens) needs {swa_needed} slots of the "
+                    f"sliding-window KV pool, which holds {self.swa_max_total_tokens}. Shorten "
+                    "the prompt or raise --max-total-tokens or --swa-full-tokens-ratio"
+                )
         if params.grammar is not None and not self.grammars:
             raise ValueError(
                 "json_schema, regex and ebnf need a tokenizer and a grammar backend; this "

@@ -270,6 +270,7 @@ class Scheduler(SchedulerStatus):
             self.prefill.waiting.insert(0, req)
         if any(req.finished for req in self.prefill.chunked()):  # failed mid-prompt
             self.prefill.chunked_req = None
+        self.cache_manager.free_out_of_window(batch.reqs)
 
     def has_work(self) -> bool:
         queued = self.prefill.waiting or self.prefill.chunked_req or self.grammar_queue

@@ -126,6 +126,8 @@ class SchedulerInfo:
     the model's and device's facts, for WorkerReady, /get_server_info and the metrics."""
 
     max_total_tokens: int
+    swa_max_total_tokens: int | None
+    """A hybrid model's sliding-window KV pool, in tokens (None: one pool)."""
     context_len: int
     max_running_requests: int
     chunked_prefill_size: int | None
@@ -148,6 +150,7 @@ class SchedulerInfo:
     ) -> SchedulerInfo:
         return cls(
             max_total_tokens=runner.max_total_num_tokens,
+            swa_max_total_tokens=runner.swa_max_total_num_tokens,
             context_len=runner.context_len,
             max_running_requests=runner.req_to_token_pool.size,
             chunked_prefill_size=chunked_prefill_size,

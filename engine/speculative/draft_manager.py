@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from engine import constants
-from engine.mem.kv_pool import MHATokenToKVPool
+from engine.mem.swa_kv_pool import KVPool
 from engine.sched.batch import ScheduleBatch
 from engine.sched.cache_manager import CacheManager
 from engine.sched.lora_slots import LoRASlots
@@ -25,7 +25,7 @@ class DraftManager:
         self,
         drafter: Drafter,
         cache_manager: CacheManager,
-        token_to_kv_pool: MHATokenToKVPool,
+        token_to_kv_pool: KVPool,
         eos_token_ids: Collection[int],
         lora: LoRASlots,
         outputs: OutputProcessor,

@@ -8,7 +8,7 @@ from collections.abc import Collection
 import torch
 
 from engine.grammar import allocate_vocab_mask
-from engine.mem.kv_pool import MHATokenToKVPool
+from engine.mem.swa_kv_pool import KVPool
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 from engine.sched.batch import ScheduleBatch, VocabMask
@@ -23,7 +23,7 @@ def prepare_verify(
     decodes: RunningBatch,
     trees: list[DraftTree],
     cache_manager: CacheManager,
-    token_to_kv_pool: MHATokenToKVPool,
+    token_to_kv_pool: KVPool,
     eos_token_ids: Collection[int],
 ) -> ScheduleBatch:
     """A verify step of every running request: its draft tree's nodes as new tokens,

@@ -119,6 +119,7 @@ class WorkerControlMixin(WorkerOutputMixin, WorkerMetricsMixin):
             "model_path": self.settings.model,
             "served_model_name": self.model_name,
             "max_total_tokens": info.max_total_tokens,
+            "swa_max_total_tokens": info.swa_max_total_tokens,
             "context_length": info.context_len,
             "max_running_requests": info.max_running_requests,
             "chunked_prefill_size": info.chunked_prefill_size,

@@ -3,12 +3,13 @@ two of three layers see the last 8 tokens: greedy answers equal transformers' in
 the scheduler can reach a token's keys (one prefill, chunks across a window edge, a radix
 hit ending inside or past a window, retraction and re-prefill, speculative verify). Each
 case also runs with the window ignored, and its answers then part from transformers': the
-case really reaches past a window."""
+case really reaches past a window. The sliding layers keep their K/V in a pool of their own
+(`SWAKVPool`) unless `disable_hybrid_swa_memory`; every case runs both ways."""
 
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,13 @@ import torch
 from transformers import PreTrainedModel
 
 from engine.api import Engine
+from engine.constants import SWA_EVICTION_INTERVAL
+from engine.mem.kv_pool import MHATokenToKVPool
+from engine.mem.swa_allocator import SWATokenToKVPoolAllocator
+from engine.mem.swa_kv_pool import SWAKVPool
 from engine.model.attention.base import AttentionLayer
+from engine.sched.req import Req
+from engine.sched.scheduler import Scheduler
 from testing.models import TINY_SLIDING_WINDOW, tiny_hf_model
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
@@ -53,7 +60,14 @@ CASES: dict[str, tuple[list[list[int]], dict[str, Any], dict[str, Any]]] = {
     "retraction": (
         [prompt(10 + i, 20) for i in range(5)],
         {"max_new_tokens": 50},
-        {"max_total_tokens": 320, "chunked_prefill_size": 32},
+        {"max_total_tokens": 280, "chunked_prefill_size": 32},
+    ),
+    # An SWA pool of 150 slots for two requests of 180 and 172 tokens: each finishes, even
+    # alone, only if the window's leavings are freed as it decodes.
+    "small_swa_pool": (
+        [prompt(30, 20), prompt(31, 12)],
+        {"max_new_tokens": 160},
+        {"max_total_tokens": 600, "swa_full_tokens_ratio": 0.1},
     ),
     "ngram_verify": (
         [prompt(20, 6) * 5],
@@ -94,15 +108,43 @@ def hf_greedy(model: PreTrainedModel, ids: list[int], max_new_tokens: int) -> li
     return out[0, len(ids) :].tolist()
 
 
-def run_case(model_dir: Path, name: str) -> tuple[list[list[int]], list[int], dict[str, int]]:
-    """Each prompt's greedy answer and cached prompt tokens, and the scheduler's counters."""
+def run_case(
+    model_dir: Path, name: str, hybrid: bool = True
+) -> tuple[list[list[int]], list[int], dict[str, int]]:
+    """Each prompt's greedy answer and cached prompt tokens, and the scheduler's counters;
+    `hybrid`: over the two pools of a hybrid model, else one pool for every layer."""
     prompts, params, options = CASES[name]
-    with Engine(str(model_dir), **{**OPTIONS, **options}) as engine:
+    options = {**OPTIONS, **options, "disable_hybrid_swa_memory": not hybrid}
+    with Engine(str(model_dir), **options) as engine:
+        runner = engine.scheduler.model_runner
+        assert isinstance(runner.token_to_kv_pool, SWAKVPool) == hybrid
+        assert engine.scheduler.info().swa_max_total_tokens == runner.swa_max_total_num_tokens
+        check_integrity_after_every_step(engine.scheduler)
         if name.startswith("radix_hit"):
             engine.generate(prompts[0], {**GREEDY, **params})  # the tree holds the first
         results = engine.generate(prompts, {**GREEDY, **params})
         counters = engine.scheduler.stats.counters()
     return [r.output_ids for r in results], [r.meta.cached_tokens for r in results], counters
+
+
+def holding_kv(scheduler: Scheduler) -> list[Req]:
+    reqs = {id(r): r for r in [*scheduler.running.reqs, *scheduler.prefill.chunked()]}
+    return [r for r in reqs.values() if r.kv.req_pool_idx is not None]
+
+
+def check_integrity_after_every_step(
+    scheduler: Scheduler, after: Callable[[], None] | None = None
+) -> None:
+    """Every slot of both pools accounted exactly once after each batch's result."""
+    process = scheduler.process_batch_result
+
+    def checked(*args: Any) -> None:
+        process(*args)
+        scheduler.cache_manager.check_integrity(holding_kv(scheduler))
+        if after is not None:
+            after()
+
+    scheduler.process_batch_result = checked  # type: ignore[method-assign]
 
 
 @pytest.fixture
@@ -130,9 +172,10 @@ CACHED = {
 the window."""
 
 
+@pytest.mark.parametrize("hybrid", [True, False], ids=["two-pools", "one-pool"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_greedy_answers_match_transformers(model_dir, reference, name):
-    answers, cached, counters = run_case(model_dir, name)
+def test_greedy_answers_match_transformers(model_dir, reference, name, hybrid):
+    answers, cached, counters = run_case(model_dir, name, hybrid)
     assert answers == expected(reference, name)
     if name == "retraction":
         assert counters["num_retractions"] > 0
@@ -147,3 +190,34 @@ def test_greedy_answers_match_transformers(model_dir, reference, name):
 def test_ignoring_the_window_changes_the_answers(model_dir, reference, name, window_ignored):
     answers, _, _ = run_case(model_dir, name)
     assert answers != expected(reference, name)
+
+
+def test_a_long_decode_holds_far_less_kv_than_one_pool_of_every_layer(model_dir, reference):
+    """At 320 tokens, the sliding layers hold the prompt (which the tree keeps) and about a
+    window and an eviction interval of the output: the request's KV bytes, at their peak,
+    stay under half of what every layer holding every token takes."""
+    ids, new_tokens = prompt(40, 20), 300
+    with Engine(str(model_dir), **OPTIONS) as engine:
+        runner = engine.scheduler.model_runner
+        allocator = runner.token_to_kv_pool_allocator
+        assert isinstance(allocator, SWATokenToKVPoolAllocator)
+        peak = [0, 0]
+
+        def record() -> None:
+            peak[0] = max(peak[0], allocator.size - allocator.full_available_size())
+            peak[1] = max(peak[1], allocator.size_swa - allocator.swa_available_size())
+
+        check_integrity_after_every_step(engine.scheduler, record)
+        (result,) = engine.generate([ids], {**GREEDY, "max_new_tokens": new_tokens})
+    assert result.output_ids == hf_greedy(reference, ids, new_tokens)
+    config = runner.model_config
+    cell = MHATokenToKVPool.cell_size(
+        config.num_key_value_heads, config.head_dim, 1, runner.kv_cache_dtype
+    )
+    swa_layers = sum(runner.swa_layers or ())
+    full_layers = config.num_hidden_layers - swa_layers
+    held = (peak[0] * full_layers + peak[1] * swa_layers) * cell
+    all_full = (len(ids) + new_tokens) * config.num_hidden_layers * cell
+    assert peak[0] >= len(ids) + new_tokens - 2  # measured at the longest context
+    assert peak[1] <= len(ids) + TINY_SLIDING_WINDOW + SWA_EVICTION_INTERVAL + 1
+    assert held < 0.5 * all_full

@@ -80,9 +80,13 @@ class ForwardMetadata:
     captured: bool = False
     """Built for a captured graph (`init_forward_metadata_graph`): its layers go through
     `forward`, which the graph backend records."""
-    windows: dict[int, ForwardMetadata] = field(default_factory=dict)
-    """This batch's metadata for each sliding window its layers use, built from this one at
-    the first layer with that window (`window_metadata`)."""
+    out_cache_loc: torch.Tensor | None = None
+    """The new tokens' rows of this metadata's pool where they are not the batch's
+    `out_cache_loc` (a variant over the SWA pool)."""
+    windows: dict[tuple[int | None, bool], ForwardMetadata] = field(default_factory=dict)
+    """This batch's metadata for each (sliding window, over the SWA pool) its layers use
+    other than (None, False), built from this one at the first such layer
+    (`window_metadata`)."""
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -122,7 +126,9 @@ class TorchAttnBackend(AttentionBackend):
     built once per batch and window at the first such layer (`_metadata`): the C++ kernels
     take the window and skip the keys before it; the torch ops get each request's keys from
     its window's first one (`window_extend_seq`, `window_group`). No path reads a key
-    before a query's window, so that KV may be freed.
+    before a query's window, so that KV may be freed. Where the pool keeps the layer's K/V
+    in a pool of its own (`SWAKVPool.slot_map`), the variant's slots are translated into
+    that pool's rows in the same pass.
     """
 
     batch_invariant = False
@@ -266,13 +272,17 @@ class TorchAttnBackend(AttentionBackend):
         md = self.forward_metadata
         if md is None or md.captured or md.extend_seqs:
             return None
-        decode = self._metadata(layer).decode
+        md = self._metadata(layer, forward_batch)
+        decode = md.decode
+        out_cache_loc = (
+            forward_batch.out_cache_loc if md.out_cache_loc is None else md.out_cache_loc
+        )
         if self.batch_invariant and decode is not None:  # every batch: decode rows or tokens
             k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
             return CpuDecodeInputs(
                 k_buffer,
                 v_buffer,
-                forward_batch.out_cache_loc,
+                out_cache_loc,
                 decode.slots,
                 decode.seq_lens,
                 decode.slot_index,
@@ -285,25 +295,29 @@ class TorchAttnBackend(AttentionBackend):
         return CpuDecodeInputs(
             k_buffer,
             v_buffer,
-            forward_batch.out_cache_loc,
+            out_cache_loc,
             decode.slots,
             decode.seq_lens,
             window=decode.window,
         )
 
-    def _metadata(self, layer: AttentionLayer) -> ForwardMetadata:
+    def _metadata(self, layer: AttentionLayer, forward_batch: ForwardBatch) -> ForwardMetadata:
         """The batch's metadata as `layer` attends: the full one, or its variant for the
-        layer's sliding window, built at the first layer of the batch with that window."""
+        layer's sliding window and pool, built at the first layer of the batch with them."""
         md = self.forward_metadata
         assert md is not None, "init_forward_metadata runs before the first layer"
         window = layer.sliding_window
-        if window is None:
+        slot_map = forward_batch.token_to_kv_pool.slot_map(layer.layer_id)
+        if window is None and slot_map is None:
             return md
-        windowed = md.windows.get(window)
-        if windowed is None:
-            windowed = window_metadata(md, window, self.num_heads, self.num_kv_heads)
-            md.windows[window] = windowed
-        return windowed
+        key = (window, slot_map is not None)
+        variant = md.windows.get(key)
+        if variant is None:
+            variant = window_metadata(
+                md, window, slot_map, forward_batch.out_cache_loc, self.num_heads, self.num_kv_heads
+            )
+            md.windows[key] = variant
+        return variant
 
     def forward(
         self,
@@ -332,13 +346,14 @@ class TorchAttnBackend(AttentionBackend):
             layer.scaling,
             self.cpu_kernel,
             layer.sliding_window or 0,
+            fb.token_to_kv_pool.slot_map(layer.layer_id),
         )
         return out
 
     def forward_extend(
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        md = self._metadata(layer)
+        md = self._metadata(layer, forward_batch)
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
         extend = md.extend_group
         if extend is not None:  # the pool is bf16, and so are the activations
@@ -380,7 +395,7 @@ class TorchAttnBackend(AttentionBackend):
     def forward_decode(
         self, q: torch.Tensor, layer: AttentionLayer, forward_batch: ForwardBatch
     ) -> torch.Tensor:
-        md = self._metadata(layer)
+        md = self._metadata(layer, forward_batch)
         assert md.decode is not None, "a decode batch has a decode group"
         return self._attend_decode(q, layer, forward_batch, md.decode)
 
@@ -488,19 +503,57 @@ def group_over_slots(
 
 
 def window_metadata(
-    md: ForwardMetadata, window: int, num_heads: int, num_kv_heads: int
+    md: ForwardMetadata,
+    window: int | None,
+    slot_map: torch.Tensor | None,
+    out_cache_loc: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
 ) -> ForwardMetadata:
-    """`md` for a layer with a sliding `window`: the kernels' groups carry the window, the
-    torch ops' requests are cut to it."""
-    extend_seqs = md.extend_seqs
-    if md.extend_group is None:  # SDPA reads every key it is given
-        extend_seqs = [window_extend_seq(seq, window) for seq in extend_seqs]
+    """`md` for a layer with a sliding `window` (None: none) whose slots `slot_map` turns
+    into rows of its pool (None: they are): the kernels' groups carry the window, the torch
+    ops' requests are cut to it; then every slot is translated, after the cut, so only
+    the keys a window holds are."""
+    extend_seqs, decode, extend_group = md.extend_seqs, md.decode, md.extend_group
+    if window is not None:
+        if extend_group is None:  # SDPA reads every key it is given
+            extend_seqs = [window_extend_seq(seq, window) for seq in extend_seqs]
+        else:
+            extend_group = replace(extend_group, window=window)
+        if decode is not None:
+            decode = window_group(decode, window, num_heads, num_kv_heads)
+    if slot_map is not None:
+        extend_seqs = [replace(seq, kv_indices=slot_map[seq.kv_indices]) for seq in extend_seqs]
+        if extend_group is not None:
+            extend_group = replace(extend_group, slots=slot_map[extend_group.slots])
+        if decode is not None:
+            decode = translate_group(decode, slot_map, num_heads, num_kv_heads)
     return ForwardMetadata(
         extend_seqs,
-        None if md.decode is None else window_group(md.decode, window, num_heads, num_kv_heads),
-        None if md.extend_group is None else replace(md.extend_group, window=window),
+        decode,
+        extend_group,
         opaque_decode=md.opaque_decode,
         captured=md.captured,
+        out_cache_loc=None if slot_map is None else slot_map[out_cache_loc],
+    )
+
+
+def translate_group(
+    group: DecodeGroup, slot_map: torch.Tensor, num_heads: int, num_kv_heads: int
+) -> DecodeGroup:
+    """`group` over the rows `slot_map` gives its slots (the torch ops' gather rows rebuilt
+    from them). Static shapes only, so a graph can replay it."""
+    slots = slot_map[group.slots]
+    if group.rows is None:
+        return replace(group, slots=slots)
+    return group_over_slots(
+        slots,
+        group.seq_lens,
+        group.max_seq_len,
+        num_heads,
+        num_kv_heads,
+        cpu_kernel=False,
+        token_indices=group.token_indices,
     )
 
 
@@ -598,13 +651,16 @@ def decode_attention(
     scaling: float,
     cpu_kernel: bool,
     window: int,
+    slot_map: torch.Tensor | None,
 ) -> torch.Tensor:
     """One layer's decode step as a single op that `torch.compile` does not look into: it
     writes the new tokens' K/V, then attends over the batch's longest context, a size read
     from `seq_lens` at run time (inside a compiled graph it would be baked in); `window`:
-    the layer's sliding window (0: none)."""
-    k_buffer.index_copy_(0, out_cache_loc, k.to(k_buffer.dtype))
-    v_buffer.index_copy_(0, out_cache_loc, v.to(v_buffer.dtype))
+    the layer's sliding window (0: none); `slot_map`: what turns slots into rows of the
+    layer's buffers (`SWAKVPool.slot_map`; None: they are rows)."""
+    rows = out_cache_loc if slot_map is None else slot_map[out_cache_loc]
+    k_buffer.index_copy_(0, rows, k.to(k_buffer.dtype))
+    v_buffer.index_copy_(0, rows, v.to(v_buffer.dtype))
     max_seq_len = int(seq_lens.max())
     group = decode_group(
         req_to_token,
@@ -618,6 +674,8 @@ def decode_attention(
     )
     if window > 0:
         group = window_group(group, window, q.shape[1], num_kv_heads)
+    if slot_map is not None:
+        group = translate_group(group, slot_map, q.shape[1], num_kv_heads)
     return attend_decode(q, k_buffer, v_buffer, group, num_kv_heads, scaling)
 
 

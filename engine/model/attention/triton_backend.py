@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,21 @@ class DecodeMetadata:
     num_kv_splits: torch.Tensor  # [batch] int32
     attn_logits: torch.Tensor  # [batch, heads, max_kv_splits, head_dim] fp32
     attn_lse: torch.Tensor  # [batch, heads, max_kv_splits] fp32
+    swa_tables: dict[int | None, SWATable] = field(default_factory=dict)
+    """Per sliding window, the batch's keys in the SWA pool (`swa_table`), built at the
+    first layer that reads them."""
+
+
+@dataclass
+class SWATable:
+    """A decode batch's keys in the SWA pool as the decode kernel reads a table: row i
+    holds request i's last `window` slots translated, `seq_lens[i]` of them, the new
+    token's at `out_cache_loc[i]`."""
+
+    req_to_token: torch.Tensor  # [batch, window] int32
+    req_pool_indices: torch.Tensor  # [batch] int64: arange
+    seq_lens: torch.Tensor  # [batch] int64
+    out_cache_loc: torch.Tensor  # [batch] int64
 
 
 @dataclass
@@ -34,6 +49,8 @@ class ExtendMetadata:
     # [sum(seq_lens)] int32 KV slots: prefix from req_to_token, then out_cache_loc
     kv_indices: torch.Tensor
     max_extend_len: int
+    swa_kv_indices: torch.Tensor | None = None
+    """`kv_indices` in the SWA pool, translated at the first layer that reads them."""
 
 
 def get_num_kv_splits(
@@ -56,7 +73,9 @@ class TritonAttnBackend(AttentionBackend):
 
     A layer's sliding window goes to the kernels as an argument: the metadata (and the
     graph's static buffers) serve every layer, windowed or not, and a windowed decode
-    recounts its splits over the window inside the kernel.
+    recounts its splits over the window inside the kernel. A layer whose K/V live in a
+    pool of their own (`SWAKVPool.slot_map`) reads slots translated once per batch: an
+    extend's `kv_indices`, a decode's table of each request's last `window` slots.
     """
 
     def __init__(
@@ -114,6 +133,12 @@ class TritonAttnBackend(AttentionBackend):
         md = self.forward_metadata
         assert isinstance(md, ExtendMetadata), "init_forward_metadata runs before the first layer"
         k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        slot_map = forward_batch.token_to_kv_pool.slot_map(layer.layer_id)
+        kv_indices = md.kv_indices
+        if slot_map is not None:
+            if md.swa_kv_indices is None:
+                md.swa_kv_indices = slot_map[kv_indices].to(torch.int32)
+            kv_indices = md.swa_kv_indices
         o = torch.empty_like(q)
         extend_attention_fwd(
             q,
@@ -122,7 +147,7 @@ class TritonAttnBackend(AttentionBackend):
             v_buffer,
             md.qo_indptr,
             md.kv_indptr,
-            md.kv_indices,
+            kv_indices,
             md.max_extend_len,
             layer.scaling,
             layer.sliding_window or 0,
@@ -134,17 +159,26 @@ class TritonAttnBackend(AttentionBackend):
     ) -> torch.Tensor:
         md = self.forward_metadata
         assert isinstance(md, DecodeMetadata), "a decode batch has its splits"
-        k_buffer, v_buffer = forward_batch.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        fb = forward_batch
+        k_buffer, v_buffer = fb.token_to_kv_pool.get_kv_buffer(layer.layer_id)
+        slot_map = fb.token_to_kv_pool.slot_map(layer.layer_id)
+        table = SWATable(
+            fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc
+        )
+        if slot_map is not None:
+            if layer.sliding_window not in md.swa_tables:
+                md.swa_tables[layer.sliding_window] = swa_table(fb, slot_map, layer.sliding_window)
+            table = md.swa_tables[layer.sliding_window]
         o = torch.empty_like(q)
         decode_attention_fwd(
             q,
             o,
             k_buffer,
             v_buffer,
-            forward_batch.req_to_token_pool.req_to_token,
-            forward_batch.req_pool_indices,
-            forward_batch.seq_lens,
-            forward_batch.out_cache_loc,
+            table.req_to_token,
+            table.req_pool_indices,
+            table.seq_lens,
+            table.out_cache_loc,
             md.num_kv_splits,
             md.attn_logits,
             md.attn_lse,
@@ -183,3 +217,23 @@ class TritonAttnBackend(AttentionBackend):
         ]
         new = fb.out_cache_loc[torch.where(in_prefix, 0, qo_indptr[req] + pos - prefix_lens)]
         return torch.where(in_prefix, cached, new.to(torch.int32))
+
+
+def swa_table(fb: ForwardBatch, slot_map: torch.Tensor, window: int | None) -> SWATable:
+    """The decode batch's last `window` keys per request (every key: None), translated into
+    the SWA pool's rows by `slot_map`; columns past a request's keys hold the padding slot.
+    Static shapes only, so a graph can replay it."""
+    table = fb.req_to_token_pool.req_to_token
+    width = table.shape[1] if window is None else min(window, table.shape[1])
+    first = (fb.seq_lens - width).clamp(min=0)
+    seq_lens = fb.seq_lens - first
+    offsets = torch.arange(width, device=table.device)[None, :]
+    columns = (first[:, None] + offsets).clamp_(max=table.shape[1] - 1)
+    slots = table.index_select(0, fb.req_pool_indices).gather(1, columns).long()
+    slots.masked_fill_(offsets >= seq_lens[:, None], 0)
+    return SWATable(
+        slot_map[slots].to(torch.int32),
+        torch.arange(len(first), device=table.device),
+        seq_lens,
+        slot_map[fb.out_cache_loc],
+    )

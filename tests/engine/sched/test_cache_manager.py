@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine.cache.radix_key import RadixKey
+from engine.constants import SWA_EVICTION_INTERVAL as INTERVAL
 from engine.sched.cache_manager import CacheManager
 from engine.sched.req import Req
 from testing.radix import insert_fresh, simulated_cache, total_size
@@ -168,4 +169,94 @@ def test_integrity_check_catches_a_row_that_is_not_its_locked_prefix():
     cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, 0] = first
     cache.unlock(req)
     with pytest.raises(AssertionError, match="prefix unlocked"):
+        cache.check_integrity([req])
+
+
+def hybrid_cache(disable_radix_cache: bool = False) -> CacheManager:
+    """Two pools of 256 full and 128 SWA slots, a window of 8."""
+    return simulated_cache(
+        256,
+        max_context_len=256,
+        disable_radix_cache=disable_radix_cache,
+        swa_slots=128,
+        sliding_window=8,
+    )
+
+
+def decode(cache: CacheManager, req: Req, steps: int) -> None:
+    """`steps` decode steps: a slot each, committed, then what the scheduler frees."""
+    for _ in range(steps):
+        slot = cache.alloc_slots(1)
+        cache.keep_verified(req, slot)
+        cache.free_out_of_window([req])
+        cache.check_integrity([req])
+
+
+def swa_live(cache: CacheManager, req: Req) -> list[bool]:
+    assert cache.swa_allocator is not None
+    slots = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : req.kv.allocated_len]
+    return cache.swa_allocator.full_to_swa_index_mapping[slots.long()].gt(0).tolist()
+
+
+def test_decode_frees_its_own_swa_slots_behind_the_window_in_batches():
+    cache = hybrid_cache()
+    req = Req("a", list(range(100, 110)))
+    admit(cache, req)
+    cache.commit(req, 10)
+    cache.cache_unfinished_req(req)  # the prompt becomes the tree's
+    assert cache.swa_allocator is not None
+    # After s steps the next query sees positions 10 + s - 7 on: s - 7 are due.
+    decode(cache, req, 7 + INTERVAL - 1)
+    assert all(swa_live(cache, req)), "fewer than an interval are due: nothing freed yet"
+    decode(cache, req, 1)
+    live = swa_live(cache, req)
+    seq_len = req.kv.committed_len
+    # The next query, at seq_len, sees from seq_len - 7 on: those keep their SWA slots.
+    assert live[10 : seq_len - 7] == [False] * (seq_len - 17)
+    assert all(live[:10]), "the tree's prompt is the tree's to free"
+    assert all(live[seq_len - 7 :])
+    assert cache.swa_allocator.full_available_size() == 256 - seq_len
+
+
+def test_a_request_that_freed_swa_slots_caches_only_its_prefix_and_frees_the_rest():
+    cache = hybrid_cache()
+    req = Req("a", list(range(100, 110)))
+    admit(cache, req)
+    cache.commit(req, 10)
+    cache.cache_unfinished_req(req)
+    decode(cache, req, 8 + INTERVAL)
+    req.output_ids = list(range(8 + INTERVAL + 1))
+    cache.cache_unfinished_req(req)  # nothing of its own may enter the tree now
+    assert len(req.kv.prefix_indices) == 10
+    cache.cache_finished_req(req)
+    cache.check_integrity()
+    assert total_size(cache.tree_cache) == 10
+    assert cache.swa_allocator is not None
+    assert cache.swa_allocator.swa_available_size() == 128 - 10
+
+
+def test_without_the_radix_cache_the_whole_row_is_freed_behind_the_window():
+    cache = hybrid_cache(disable_radix_cache=True)
+    req = Req("a", list(range(100, 160)))
+    admit(cache, req)
+    cache.commit(req, 60)
+    cache.free_out_of_window([req])
+    cache.check_integrity([req])
+    assert swa_live(cache, req) == [False] * 53 + [True] * 7
+
+
+def test_integrity_counts_every_swa_slot_once():
+    cache = hybrid_cache()
+    req = Req("a", list(range(100, 110)))
+    admit(cache, req)
+    cache.commit(req, 10)
+    cache.check_integrity([req])
+    assert cache.swa_allocator is not None
+    slots = cache.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :2].long()
+    swa = cache.swa_allocator.full_to_swa_index_mapping[slots]
+    cache.swa_allocator.swa.free(swa[:1])  # an SWA slot both free and held
+    with pytest.raises(AssertionError, match="SWA slots held twice"):
+        cache.check_integrity([req])
+    cache.swa_allocator.full_to_swa_index_mapping[slots[1]] = 0  # a live token lost its slot
+    with pytest.raises(AssertionError, match="SWA slots unaccounted"):
         cache.check_integrity([req])

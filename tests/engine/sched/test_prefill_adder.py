@@ -1,6 +1,7 @@
 import pytest
 
 from engine.cache.radix_key import RadixKey
+from engine.constants import SWA_EVICTION_INTERVAL as INTERVAL
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.cache_manager import CacheManager
 from engine.sched.prefill_adder import AddReqResult, PrefillAdder
@@ -91,3 +92,20 @@ def test_chunked_prefill_truncates_to_the_chunk_and_reserves_no_output_yet():
     )
     assert adder.rem_chunk_tokens == 0 and adder.budget_exhausted()
     assert adder.rem_total_token_offset == 64
+
+
+def test_a_hybrid_models_swa_pool_is_a_budget_of_its_own():
+    """1000 full slots and 100 SWA slots, a window of 8: a request holds SWA slots for its
+    prompt and a window and an eviction interval of its output at most, so a long output
+    fits the small pool, and a long prompt does not, however roomy the full pool."""
+    cache = simulated_cache(num_slots=1000, swa_slots=100, sliding_window=8)
+    adder = make_adder(cache)
+    assert adder.add_one_req(waiting(cache, "long-output", 10, 800)) is AddReqResult.CONTINUE
+    assert adder.rem_total_tokens == 1000 - 810
+    assert adder.rem_swa_tokens == 100 - (10 + 8 + INTERVAL)
+    prompt_len = 100 - (10 + 8 + INTERVAL) - 8 - INTERVAL + 1
+    too_long = waiting(cache, "long-prompt", prompt_len, 8 + INTERVAL, first_token=5000)
+    assert adder.add_one_req(too_long) is AddReqResult.NO_TOKEN
+    fits = waiting(cache, "fits", prompt_len - 1, 8 + INTERVAL, first_token=6000)
+    assert adder.add_one_req(fits) is AddReqResult.CONTINUE
+    assert adder.rem_swa_tokens == 0 and adder.budget_exhausted()

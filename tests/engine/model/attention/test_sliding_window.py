@@ -101,8 +101,8 @@ def test_one_batch_serves_global_layers_and_layers_of_different_windows(case, cp
     for layer, reference in zip(layers, expected):
         close(backend.forward(q, k, v, layer, fb), reference)
         variants.append(dict(md.windows))
-    assert list(variants[-1]) == [8, 3]
-    assert variants[1][8] is variants[-1][8]
+    assert list(variants[-1]) == [(8, False), (3, False)]  # (window, over an SWA pool)
+    assert variants[1][8, False] is variants[-1][8, False]
 
 
 @KERNEL
