@@ -9,6 +9,7 @@ the float32 model with the GGUF dequantized at load: the weights as shipped, wit
 format's kernels. Results: docs/benchmarks/quantization.md.
 
     flock /tmp/radixserve-bench.lock .venv/bin/python -m benchmarks.quant_accuracy
+    .venv/bin/python -m benchmarks.quant_accuracy --model gemma3-270m --configs 1 2 5
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels.cpu.isa import cpu_isa
+from engine.model.embedded import EMBEDDED_MODEL, GEMMA3_MODEL
 from engine.model.runner import ModelRunner
 from engine.model.tokenizer_cache import load_tokenizer
 from testing.batches import ExtendInput, build_forward_batch
@@ -54,10 +56,15 @@ def teacher_forced_logprobs(runner: ModelRunner, tokens: list[int]) -> torch.Ten
 
 
 def runner_for(
-    dtype: str, quantization: str, activations: str, kv_cache_dtype: str, context: int
+    model: str,
+    dtype: str,
+    quantization: str,
+    activations: str,
+    kv_cache_dtype: str,
+    context: int,
 ) -> ModelRunner:
     return ModelRunner(
-        "embedded",
+        model,
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         max_total_tokens=context + 16,
@@ -70,22 +77,37 @@ def runner_for(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=512, help="tokens of the held text fed")
+    parser.add_argument("--model", choices=(EMBEDDED_MODEL, GEMMA3_MODEL), default=EMBEDDED_MODEL)
+    parser.add_argument(
+        "--configs",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="I",
+        help="run only these rows of CONFIGS (0-based; default: all)",
+    )
     args = parser.parse_args()
-    tokens = load_tokenizer("embedded").encode(HELD_TEXT.read_text())[: args.tokens]
+    tokens = load_tokenizer(args.model).encode(HELD_TEXT.read_text())[: args.tokens]
     targets = torch.tensor(tokens[1:])
     reference = teacher_forced_logprobs(
-        runner_for("float32", "none", "float", "float32", len(tokens)), tokens
+        runner_for(args.model, "float32", "none", "float", "float32", len(tokens)), tokens
     )
     isa = cpu_isa()
     print(f"kernel path {isa.path}; CPU flags {' '.join(isa.flags)}; load {os.getloadavg()}")
-    print(f"{len(tokens)} tokens of {HELD_TEXT.name}; reference: float32, GGUF dequantized at load")
+    print(
+        f"{args.model}: {len(tokens)} tokens of {HELD_TEXT.name}; reference: float32, GGUF "
+        "dequantized at load"
+    )
     print(
         "| dtype | weights | decode activations | KV cache | mean abs delta logprob "
         "| top-1 agreement |"
     )
     print("|---|---|---|---|---|---|")
-    for dtype, quantization, activations, kv_cache_dtype in CONFIGS:
-        runner = runner_for(dtype, quantization, activations, kv_cache_dtype, len(tokens))
+    rows = CONFIGS if args.configs is None else [CONFIGS[i] for i in args.configs]
+    for dtype, quantization, activations, kv_cache_dtype in rows:
+        runner = runner_for(
+            args.model, dtype, quantization, activations, kv_cache_dtype, len(tokens)
+        )
         logprobs = teacher_forced_logprobs(runner, tokens)
         picked = (logprobs - reference).gather(1, targets[:, None]).abs().mean().item()
         agree = (logprobs.argmax(-1) == reference.argmax(-1)).double().mean().item()
