@@ -89,9 +89,9 @@ def test_a_match_shorter_than_the_window_must_be_live_from_the_root():
 
 def test_swa_eviction_tombstones_least_recently_used_before_any_full_eviction():
     cache, tree, allocator = hybrid()
-    insert(tree, allocator, SEQ)
     insert(tree, allocator, [1, 2, 3, 4, 5])
-    matched_len(tree, [1, 2, 3, 4, 5])  # SEQ is now least recently used
+    insert(tree, allocator, SEQ)
+    matched_len(tree, [1, 2, 3, 4, 5])  # used since: SEQ is now least recently used
     assert tree.evict_swa(1) == 10
     assert live(tree) == 5 and total_size(tree) == 15, "full KV stays"
     assert (tree.evictable_size(), tree.swa_evictable_size()) == (15, 5)

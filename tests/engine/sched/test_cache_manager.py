@@ -268,3 +268,30 @@ def test_integrity_counts_every_swa_slot_once():
     cache.swa_allocator.full_to_swa_index_mapping[slots[1]] = 0  # a live token lost its slot
     with pytest.raises(AssertionError, match="SWA slots unaccounted"):
         cache.check_integrity([req])
+
+
+def test_make_room_evicts_the_swa_pool_alone_when_only_it_is_short():
+    cache = hybrid_cache()
+    insert_fresh(cache, list(range(120)))
+    assert cache.swa_allocator is not None
+    assert cache.swa_allocator.swa_available_size() == 8
+    assert cache.make_room(20)
+    assert total_size(cache.tree_cache) == 120, "full KV stays: only SWA KV was short"
+    assert cache.swa_allocator.swa_available_size() >= 20
+    cache.check_integrity()
+
+
+def test_a_chunked_prefill_holds_only_its_window_of_the_trees_swa():
+    cache = hybrid_cache()
+    req = Req("a", list(range(100, 200)))
+    admit(cache, req)
+    cache.commit(req, 40)  # a first chunk of 40
+    cache.cache_unfinished_req(req)
+    tree = cache.tree_cache
+    assert (tree.swa_protected_size(), tree.swa_evictable_size()) == (7, 33)
+    assert tree.evict_swa(100) == 33, "the chunk's SWA behind the window is the tree's to free"
+    cache.commit(req, 40)  # the next chunk reads the 7 it kept
+    cache.cache_unfinished_req(req)
+    cache.check_integrity([req])
+    assert len(req.kv.prefix_indices) == 80
+    assert swa_live(cache, req)[:80] == [False] * 33 + [True] * 47
