@@ -11,6 +11,7 @@ from engine.cache.kv_events import block_hashes
 from engine.cache.namespace import PrefixNamespace
 from engine.cache.radix_cache import RadixCache, _parent
 from engine.cache.radix_key import RadixKey
+from engine.cache.swa_radix_cache import SWARadixCache
 from engine.cache.tree_node import TreeNode
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.req_to_token_pool import ReqToTokenPool
@@ -29,17 +30,20 @@ def simulated_cache(
 ) -> CacheManager:
     """A CacheManager over a `num_slots`-slot allocator and a `max_reqs`-row table, with a
     RadixCache (or, with `disable_radix_cache`, a ChunkCache) as the scheduler builds it;
-    with `swa_slots`, a hybrid model's two pools, for layers of `sliding_window`."""
+    with `swa_slots`, a hybrid model's two pools and an SWARadixCache, for layers of
+    `sliding_window`."""
     allocator = (
         TokenToKVPoolAllocator(num_slots)
         if swa_slots is None
         else SWATokenToKVPoolAllocator(num_slots, swa_slots)
     )
-    tree: BasePrefixCache = (
-        ChunkCache(allocator.device)
-        if disable_radix_cache
-        else RadixCache(allocator, eviction_policy)
-    )
+    tree: BasePrefixCache
+    if disable_radix_cache:
+        tree = ChunkCache(allocator.device)
+    elif isinstance(allocator, SWATokenToKVPoolAllocator) and sliding_window is not None:
+        tree = SWARadixCache(allocator, sliding_window, eviction_policy)
+    else:
+        tree = RadixCache(allocator, eviction_policy)
     return CacheManager(ReqToTokenPool(max_reqs, max_context_len), allocator, tree, sliding_window)
 
 

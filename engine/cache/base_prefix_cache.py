@@ -77,10 +77,17 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def insert(
-        self, key: RadixKey, value: torch.Tensor, priority: int = 0, chunked: bool = False
+        self,
+        key: RadixKey,
+        value: torch.Tensor,
+        priority: int = 0,
+        chunked: bool = False,
+        swa_live_from: int = 0,
     ) -> InsertResult:
         """Offer `key` with its KV slots `value`. `chunked` marks a chunked-prefill
-        self-insert, which does not count as a hit."""
+        self-insert, which does not count as a hit. `swa_live_from`: a hybrid model's
+        tokens before it have no sliding-window KV left in `value` (a cache that knows no
+        windows is never given such tokens)."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
@@ -121,9 +128,27 @@ class BasePrefixCache(ABC):
     def protected_size(self) -> int:
         """Slots held and locked by running requests."""
 
+    def swa_evictable_size(self) -> int:
+        """A hybrid model's SWA slots held and unlocked; none in a cache without windows."""
+        return 0
+
+    def swa_protected_size(self) -> int:
+        """A hybrid model's SWA slots held and locked; none in a cache without windows."""
+        return 0
+
+    def evict_swa(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` unlocked SWA slots, if held, keeping their tokens'
+        full KV; return how many were freed. A cache without windows holds none apart."""
+        return 0
+
     @abstractmethod
     def cached_slots(self) -> torch.Tensor:
         """Every slot the cache holds, for the slot accounting of integrity checks."""
+
+    def cached_swa_slots(self) -> torch.Tensor:
+        """The (full) slots whose sliding-window KV the cache holds: a cache without
+        windows holds every layer's KV of each token it keeps."""
+        return self.cached_slots()
 
     @abstractmethod
     def reset(self) -> None:

@@ -51,7 +51,12 @@ class ChunkCache(BasePrefixCache):
         return MatchResult(self.cached_slots(), self.empty_handle)
 
     def insert(
-        self, key: RadixKey, value: torch.Tensor, priority: int = 0, chunked: bool = False
+        self,
+        key: RadixKey,
+        value: torch.Tensor,
+        priority: int = 0,
+        chunked: bool = False,
+        swa_live_from: int = 0,
     ) -> InsertResult:
         return InsertResult(prefix_len=0, kept_len=0)
 

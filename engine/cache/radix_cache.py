@@ -41,6 +41,8 @@ class RadixCache(BasePrefixCache):
     `token_to_kv_pool_allocator`. Its handles are its `TreeNode`s."""
 
     disable = False
+    node_type: type[TreeNode] = TreeNode
+    """The class of the tree's nodes: a subclass may keep more per node."""
 
     def __init__(
         self, token_to_kv_pool_allocator: TokenToKVPoolAllocator, eviction_policy: str = "lru"
@@ -55,7 +57,9 @@ class RadixCache(BasePrefixCache):
         self.reset()
 
     def reset(self) -> None:
-        self.root_node = TreeNode(RadixKey([]), self._empty_indices(), None, priority=-sys.maxsize)
+        self.root_node = self.node_type(
+            RadixKey([]), self._empty_indices(), None, priority=-sys.maxsize
+        )
         self.root_node.lock_ref = 1
         self.evictable_size_ = 0
         self.protected_size_ = 0
@@ -104,7 +108,12 @@ class RadixCache(BasePrefixCache):
         return MatchResult(indices, node)
 
     def insert(
-        self, key: RadixKey, value: torch.Tensor, priority: int = 0, chunked: bool = False
+        self,
+        key: RadixKey,
+        value: torch.Tensor,
+        priority: int = 0,
+        chunked: bool = False,
+        swa_live_from: int = 0,
     ) -> InsertResult:
         """Insert `key` with KV slots `value`; the tree keeps the whole key.
 
@@ -258,15 +267,16 @@ class RadixCache(BasePrefixCache):
         value: torch.Tensor,
         priority: int,
         path: memoryview,
-    ) -> None:
+    ) -> TreeNode:
         """Hang `key` under `parent`; `path` is every token from the root to the leaf's end."""
-        leaf = TreeNode(key, value, parent, priority)
+        leaf = self.node_type(key, value, parent, priority)
         parent.children[key.child_key()] = leaf
         if self.kv_events is not None:
             self.kv_events.on_add_leaf(leaf, path)
         self.evictable_leaves.discard(parent)
         self._add_evictable_leaf(leaf)
         self.evictable_size_ += len(key)
+        return leaf
 
     # The eviction heap is persistent and lazy: an entry is pushed whenever a node becomes
     # an unlocked leaf or an unlocked leaf's policy key changes, and entries that no longer
@@ -294,7 +304,9 @@ class RadixCache(BasePrefixCache):
         through it) and the eviction metadata, so the size ledgers do not move.
         """
         parent = _parent(child)
-        upper = TreeNode(child.key[:split_len], child.value[:split_len], parent, child.priority)
+        upper = self.node_type(
+            child.key[:split_len], child.value[:split_len], parent, child.priority
+        )
         upper.lock_ref = child.lock_ref
         upper.hit_count = child.hit_count
         upper.last_access_time = child.last_access_time

@@ -58,6 +58,13 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
             self.swa.free(swa[swa > 0])
             self.full_to_swa_index_mapping[slots] = 0
 
+    def move_swa(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Give full slots `dst`, which have no SWA slot, the SWA slots of `src` (same
+        tokens, so the same K/V), which are left with none: a cached prefix whose sliding
+        KV was evicted takes a request's live copy instead of both being kept."""
+        self.full_to_swa_index_mapping[dst] = self.full_to_swa_index_mapping[src]
+        self.full_to_swa_index_mapping[src] = 0
+
     def swa_free_slots(self) -> torch.Tensor:
         """Every free SWA slot."""
         return self.swa.free_slots()

@@ -26,6 +26,7 @@ from engine.cache.base_prefix_cache import BasePrefixCache, check_invariant
 from engine.cache.chunk_cache import ChunkCache
 from engine.cache.radix_cache import RadixCache
 from engine.cache.radix_key import RadixKey
+from engine.cache.swa_radix_cache import SWARadixCache
 from engine.constants import SWA_EVICTION_INTERVAL
 from engine.mem.allocator import TokenToKVPoolAllocator
 from engine.mem.req_to_token_pool import ReqToTokenPool
@@ -58,13 +59,18 @@ class CacheManager:
 
     @classmethod
     def over_pools(cls, runner: ModelRunner, radix_cache: bool, eviction_policy: str) -> Self:
-        """Over a model runner's pools, with a radix tree (`eviction_policy` its order) or,
-        with the radix cache off, a cache that keeps nothing."""
+        """Over a model runner's pools, with a radix tree (`eviction_policy` its order; over
+        a hybrid model's two pools, one that knows windows) or, with the radix cache off, a
+        cache that keeps nothing."""
         allocator = runner.token_to_kv_pool_allocator
-        tree_cache: BasePrefixCache = (
-            RadixCache(allocator, eviction_policy) if radix_cache else ChunkCache(allocator.device)
-        )
         window = None if runner.swa_layers is None else runner.model_config.sliding_window
+        tree_cache: BasePrefixCache
+        if not radix_cache:
+            tree_cache = ChunkCache(allocator.device)
+        elif isinstance(allocator, SWATokenToKVPoolAllocator) and window is not None:
+            tree_cache = SWARadixCache(allocator, window, eviction_policy)
+        else:
+            tree_cache = RadixCache(allocator, eviction_policy)
         return cls(runner.req_to_token_pool, allocator, tree_cache, window)
 
     # ----- admission --------------------------------------------------------------------
@@ -103,10 +109,15 @@ class CacheManager:
         req.kv.swa_evicted_len = 0
 
     def make_room(self, num_tokens: int) -> bool:
-        """Evict cache until `num_tokens` slots are free; True if they are."""
-        shortfall = num_tokens - self.allocator.available_size()
+        """Evict cache until `num_tokens` slots are free; True if they are. With two pools,
+        from whichever is short: a full eviction frees both, an SWA one only SWA slots."""
+        shortfall = num_tokens - self.full_available_size()
         if shortfall > 0:
             self.tree_cache.evict(shortfall)
+        if self.swa_allocator is not None:
+            swa_shortfall = num_tokens - self.swa_allocator.swa_available_size()
+            if swa_shortfall > 0:
+                self.tree_cache.evict_swa(swa_shortfall)
         return self.allocator.available_size() >= num_tokens
 
     def alloc_slots(self, num_tokens: int) -> torch.Tensor:
@@ -170,14 +181,14 @@ class CacheManager:
         Duplicate slots are freed and the request's row is repointed at the cache's copy,
         so one prefix has one copy; the request then locks its new, longer prefix.
         """
-        if self._swa_freed(req):  # its next tokens have no SWA KV to share
-            return
         row = req_row(req)
         kv_len = req.kv.committed_len
         indices = self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64)
         key = RadixKey(req.all_token_ids()[:kv_len], req.admission.extra_key)
         owned_from = len(req.kv.prefix_indices)
-        inserted = self.tree_cache.insert(key, indices, req.admission.priority, chunked=chunked)
+        inserted = self.tree_cache.insert(
+            key, indices, req.admission.priority, chunked, self._swa_live_from(req)
+        )
         self.allocator.free(indices[owned_from : inserted.prefix_len])
         new_indices, new_last_node = self.tree_cache.match_prefix(key)
         self.req_to_token_pool.write(row, owned_from, new_indices[owned_from:])
@@ -194,9 +205,11 @@ class CacheManager:
         allocated but never written.
         """
         indices = self._row_slots(req)
-        kv_len = len(req.kv.prefix_indices) if self._swa_freed(req) else req.kv.committed_len
+        kv_len = req.kv.committed_len
         key = RadixKey(req.all_token_ids()[:kv_len], req.admission.extra_key)
-        inserted = self.tree_cache.insert(key, indices[:kv_len], req.admission.priority)
+        inserted = self.tree_cache.insert(
+            key, indices[:kv_len], req.admission.priority, swa_live_from=self._swa_live_from(req)
+        )
         self.allocator.free(indices[len(req.kv.prefix_indices) : inserted.prefix_len])
         self.allocator.free(indices[inserted.kept_len :])
         self._release(req)
@@ -252,6 +265,15 @@ class CacheManager:
             return self.allocator.available_size()
         return self.swa_allocator.full_available_size()
 
+    def room_with_eviction(self) -> int:
+        """Tokens that can get slots now, the cache giving up what it may: with two pools,
+        the smaller of the two pools' free and evictable counts."""
+        room = self.full_available_size() + self.tree_cache.evictable_size()
+        if self.swa_allocator is None:
+            return room
+        swa_room = self.swa_allocator.swa_available_size() + self.tree_cache.swa_evictable_size()
+        return min(room, swa_room)
+
     def swa_tokens_held_at_most(self, num_tokens: int) -> int:
         """Of `num_tokens` new tokens of one request's decode, how many can hold SWA slots
         at once: the window and an eviction interval at most (all of them with one pool)."""
@@ -259,10 +281,10 @@ class CacheManager:
             return num_tokens
         return min(num_tokens, self.sliding_window + SWA_EVICTION_INTERVAL)
 
-    def _swa_freed(self, req: Req) -> bool:
-        """Some of the request's own tokens have lost their SWA slots: the tree, which
-        holds every layer's KV of each token it keeps, cannot take them."""
-        return req.kv.swa_evicted_len > len(req.kv.prefix_indices)
+    def _swa_live_from(self, req: Req) -> int:
+        """The first of the request's tokens from which on its own slots all keep their SWA
+        KV: before it, the prefix (the tree's) and its own tokens behind the window."""
+        return max(req.kv.swa_evicted_len, len(req.kv.prefix_indices))
 
     def reset(self) -> None:
         """Empty the cache and both pools. Only while no request holds KV."""
@@ -278,21 +300,21 @@ class CacheManager:
         among the allocator's free list, the cache, and the slots the requests own; each
         request's row starts with its prefix, which is locked and is its last node's path.
         With two pools, every SWA slot too, through the mapping: among the SWA free list,
-        the cache's tokens and the requests' own tokens their window still sees; a free
-        full slot and a token whose SWA slot was freed map to none."""
+        the cache's tokens that keep SWA KV and the requests' own tokens their window still
+        sees; a free full slot and a request's token whose SWA slot was freed map to none."""
         self.tree_cache.check_integrity()
         table = self.req_to_token_pool.req_to_token
         free_rows = set(self.req_to_token_pool.free_slots)
         free, cached = self.allocator.free_slots(), self.tree_cache.cached_slots()
-        live, dead = [cached], [free]
+        owned, live, dead = [cached, free], [self.tree_cache.cached_swa_slots()], [free]
         for req in reqs:
             row = req.kv.req_pool_idx
             if row is None or row in free_rows:
                 raise AssertionError(f"request {req.rid} has no allocated row")
             prefix_len = len(req.kv.prefix_indices)
-            held = table[row, : req.kv.allocated_len].to(torch.int64)
+            row_slots = table[row, : req.kv.allocated_len].to(torch.int64)
             check_invariant(
-                torch.equal(held[:prefix_len].cpu(), req.kv.prefix_indices.cpu()),
+                torch.equal(row_slots[:prefix_len].cpu(), req.kv.prefix_indices.cpu()),
                 f"request {req.rid}: row != prefix",
             )
             if prefix_len:
@@ -307,9 +329,10 @@ class CacheManager:
                     f"request {req.rid}: prefix is not its last_node's match",
                 )
             evicted = max(req.kv.swa_evicted_len, prefix_len)
-            dead.append(held[prefix_len:evicted])
-            live.append(held[evicted:])
-        check_each_once(torch.cat(live + dead), self.allocator.size, "slots")
+            owned.append(row_slots[prefix_len:])
+            dead.append(row_slots[prefix_len:evicted])
+            live.append(row_slots[evicted:])
+        check_each_once(torch.cat(owned), self.allocator.size, "slots")
         if self.swa_allocator is not None:
             mapping = self.swa_allocator.full_to_swa_index_mapping
             check_invariant(

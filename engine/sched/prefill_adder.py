@@ -72,14 +72,14 @@ class PrefillAdder:
 
     @property
     def rem_swa_tokens(self) -> float:
-        """As `rem_total_tokens`, for a hybrid model's SWA pool (every token the tree keeps
-        holds an SWA slot); with one pool, `rem_total_tokens`."""
+        """As `rem_total_tokens`, for a hybrid model's SWA pool (the tree gives up SWA KV
+        apart from full KV); with one pool, `rem_total_tokens`."""
         cache = self.cache_manager
         if cache.swa_allocator is None:
             return self.rem_total_tokens
         return (
             cache.swa_allocator.swa_available_size()
-            + cache.tree_cache.evictable_size()
+            + cache.tree_cache.swa_evictable_size()
             - self.rem_swa_token_offset
         )
 

@@ -42,8 +42,7 @@ class DraftManager:
         and `SPEC_MAX_VERIFY_ROWS` rows; None when nobody drafts (the step is then a plain
         decode). Nothing of the running requests may be in flight."""
         cache = self.cache_manager
-        room = cache.allocator.available_size() + cache.tree_cache.evictable_size()
-        room = min(room, constants.SPEC_MAX_VERIFY_ROWS) - len(running)
+        room = min(cache.room_with_eviction(), constants.SPEC_MAX_VERIFY_ROWS) - len(running)
         trees = self.drafter.propose(running.reqs, room)
         if trees is None:
             return None

@@ -221,3 +221,23 @@ def test_a_long_decode_holds_far_less_kv_than_one_pool_of_every_layer(model_dir,
     assert peak[0] >= len(ids) + new_tokens - 2  # measured at the longest context
     assert peak[1] <= len(ids) + TINY_SLIDING_WINDOW + SWA_EVICTION_INTERVAL + 1
     assert held < 0.5 * all_full
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["two-pools", "one-pool"])
+def test_a_second_turn_hits_the_first_turns_output_past_the_window(model_dir, reference, hybrid):
+    """A second turn extends the first's prompt and output: the tree kept all of the first
+    turn's KV, the SWA KV behind its window as tombstones (two pools), and the hit reaches
+    the first turn's last committed token, far past a window."""
+    first, new_tokens = prompt(50, 6), 60
+    options = {**OPTIONS, "disable_hybrid_swa_memory": not hybrid}
+    with Engine(str(model_dir), **options) as engine:
+        check_integrity_after_every_step(engine.scheduler)
+        (one,) = engine.generate([first], {**GREEDY, "max_new_tokens": new_tokens})
+        tree = engine.scheduler.cache_manager.tree_cache
+        tombstoned = len(tree.cached_slots()) - len(tree.cached_swa_slots())
+        second = first + one.output_ids + prompt(51, 5)
+        (two,) = engine.generate([second], {**GREEDY, "max_new_tokens": 6})
+    assert one.output_ids == hf_greedy(reference, first, new_tokens)
+    assert two.output_ids == hf_greedy(reference, second, 6)
+    assert two.meta.cached_tokens == len(first) + new_tokens - 1 > TINY_SLIDING_WINDOW
+    assert (tombstoned > 0) == hybrid, "the first turn freed SWA KV behind its window"

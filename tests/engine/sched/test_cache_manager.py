@@ -218,7 +218,7 @@ def test_decode_frees_its_own_swa_slots_behind_the_window_in_batches():
     assert cache.swa_allocator.full_available_size() == 256 - seq_len
 
 
-def test_a_request_that_freed_swa_slots_caches_only_its_prefix_and_frees_the_rest():
+def test_a_request_that_freed_swa_slots_caches_all_of_it_behind_tombstones():
     cache = hybrid_cache()
     req = Req("a", list(range(100, 110)))
     admit(cache, req)
@@ -226,13 +226,21 @@ def test_a_request_that_freed_swa_slots_caches_only_its_prefix_and_frees_the_res
     cache.cache_unfinished_req(req)
     decode(cache, req, 8 + INTERVAL)
     req.output_ids = list(range(8 + INTERVAL + 1))
-    cache.cache_unfinished_req(req)  # nothing of its own may enter the tree now
-    assert len(req.kv.prefix_indices) == 10
+    freed_to = req.kv.swa_evicted_len
+    assert freed_to > 10
+    cache.cache_unfinished_req(req)  # its own tokens enter the tree, the freed ones as tombstones
+    cache.check_integrity([req])
+    assert len(req.kv.prefix_indices) == req.kv.committed_len == 18 + INTERVAL
+    live = swa_live(cache, req)
+    assert live == [True] * 10 + [False] * (freed_to - 10) + [True] * (len(live) - freed_to)
+    tree = cache.tree_cache
+    assert tree.swa_protected_size() == 7, "a lock protects the SWA KV of its last window - 1"
+    assert tree.swa_evictable_size() == len(live) - (freed_to - 10) - 7
     cache.cache_finished_req(req)
     cache.check_integrity()
-    assert total_size(cache.tree_cache) == 10
+    assert total_size(tree) == 18 + INTERVAL
     assert cache.swa_allocator is not None
-    assert cache.swa_allocator.swa_available_size() == 128 - 10
+    assert cache.swa_allocator.swa_available_size() == 128 - live.count(True)
 
 
 def test_without_the_radix_cache_the_whole_row_is_freed_behind_the_window():
@@ -260,3 +268,30 @@ def test_integrity_counts_every_swa_slot_once():
     cache.swa_allocator.full_to_swa_index_mapping[slots[1]] = 0  # a live token lost its slot
     with pytest.raises(AssertionError, match="SWA slots unaccounted"):
         cache.check_integrity([req])
+
+
+def test_make_room_evicts_the_swa_pool_alone_when_only_it_is_short():
+    cache = hybrid_cache()
+    insert_fresh(cache, list(range(120)))
+    assert cache.swa_allocator is not None
+    assert cache.swa_allocator.swa_available_size() == 8
+    assert cache.make_room(20)
+    assert total_size(cache.tree_cache) == 120, "full KV stays: only SWA KV was short"
+    assert cache.swa_allocator.swa_available_size() >= 20
+    cache.check_integrity()
+
+
+def test_a_chunked_prefill_holds_only_its_window_of_the_trees_swa():
+    cache = hybrid_cache()
+    req = Req("a", list(range(100, 200)))
+    admit(cache, req)
+    cache.commit(req, 40)  # a first chunk of 40
+    cache.cache_unfinished_req(req)
+    tree = cache.tree_cache
+    assert (tree.swa_protected_size(), tree.swa_evictable_size()) == (7, 33)
+    assert tree.evict_swa(100) == 33, "the chunk's SWA behind the window is the tree's to free"
+    cache.commit(req, 40)  # the next chunk reads the 7 it kept
+    cache.cache_unfinished_req(req)
+    cache.check_integrity([req])
+    assert len(req.kv.prefix_indices) == 80
+    assert swa_live(cache, req)[:80] == [False] * 33 + [True] * 47
