@@ -22,7 +22,7 @@ from engine.cache.kv_events import (
 )
 from engine.cache.namespace import PrefixNamespace
 from engine.sampling.sampling_params import SamplingParams
-from engine.sched.req import Req
+from engine.sched.req import Admission, Req
 from services.kv_events_config import KVEventsConfig
 from services.worker.kv_event_publisher import ZmqEventPublisher
 from testing.kv_events import Subscriber
@@ -171,7 +171,9 @@ def test_the_subscribed_blocks_equal_the_tree_after_every_turn_through_retractio
                 f"r{i}",
                 prefixes[i % 3] + tokens(rng.randint(5, 30)),
                 SamplingParams(max_new_tokens=48, temperature=0, ignore_eos=True),
-                extra_key=PrefixNamespace(cache_salt="tenant-a") if i % 2 else None,
+                admission=Admission(
+                    extra_key=PrefixNamespace(cache_salt="tenant-a") if i % 2 else None
+                ),
             )
         )
     turns = 0

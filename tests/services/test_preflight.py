@@ -27,5 +27,5 @@ def test_a_service_started_alone_refuses_a_missing_model_in_one_line(role: str, 
     assert "Traceback" not in proc.stderr
     assert proc.stderr.splitlines() == [
         f"python -m services.{role}: error: model '{missing}' does not exist (a model is a "
-        "Hugging Face directory, a .gguf file, a Hub repo id, or 'embedded')"
+        "Hugging Face directory, a .gguf file, a Hub repo id, 'embedded' or 'gemma3-270m')"
     ]

@@ -91,22 +91,23 @@ def refusal(flags: list[str]) -> str:
         (
             ["--model-path", "{tmp}/no-such-model.gguf"],
             "radixserve serve: error: model '{tmp}/no-such-model.gguf' does not exist "
-            "(a model is a Hugging Face directory, a .gguf file, a Hub repo id, or 'embedded')",
+            "(a model is a Hugging Face directory, a .gguf file, a Hub repo id, 'embedded' or "
+            "'gemma3-270m')",
         ),
         (
-            ["--model-path", "{tmp}/gemma.gguf"],
-            "radixserve serve: error: {tmp}/gemma.gguf: GGUF architecture 'gemma3' is not "
-            "supported (supported: llama, qwen2, qwen3)",
+            ["--model-path", "{tmp}/mamba.gguf"],
+            "radixserve serve: error: {tmp}/mamba.gguf: GGUF architecture 'mamba' is not "
+            "supported (supported: llama, qwen2, qwen3, gemma3)",
         ),
         (
             ["--model-path", "{tmp}/falcon.gguf"],
             "radixserve serve: error: {tmp}/falcon.gguf: GGUF architecture 'falcon' is not "
-            "supported (supported: llama, qwen2, qwen3)",
+            "supported (supported: llama, qwen2, qwen3, gemma3)",
         ),
         (
             ["--model-path", "{tmp}/text.gguf"],
             "radixserve serve: error: {tmp}/text.gguf is not a readable GGUF file (GGUF magic "
-            "invalid); supported: GGUF files of the architectures llama, qwen2, qwen3",
+            "invalid); supported: GGUF files of the architectures llama, qwen2, qwen3, gemma3",
         ),
         (
             ["--lora-paths", "a={tmp}", "b={tmp}/no-such-adapter"],
@@ -122,7 +123,7 @@ def refusal(flags: list[str]) -> str:
     ],
 )
 def test_what_cannot_be_served_is_refused_in_one_line(flags: list[str], line: str, tmp_path):
-    write_gguf(tmp_path / "gemma.gguf", "gemma3")
+    write_gguf(tmp_path / "mamba.gguf", "mamba")
     write_gguf(tmp_path / "falcon.gguf", "falcon")
     (tmp_path / "text.gguf").write_text("not a GGUF file")
     stderr = refusal([flag.format(tmp=tmp_path) for flag in flags])
@@ -130,7 +131,7 @@ def test_what_cannot_be_served_is_refused_in_one_line(flags: list[str], line: st
 
 
 def test_debug_logging_shows_the_refusals_traceback(tmp_path: Path):
-    gguf_file = write_gguf(tmp_path / "gemma.gguf", "gemma3")
+    gguf_file = write_gguf(tmp_path / "mamba.gguf", "mamba")
     stderr = refusal(["--model-path", str(gguf_file), "--log-level", "debug"])
     assert "Traceback" in stderr
     assert stderr.splitlines()[-1].startswith("radixserve serve: error: ")
