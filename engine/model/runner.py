@@ -146,15 +146,8 @@ class ModelRunner:
             graph_backend, enable_torch_compile, disable_cuda_graph
         )
         self.graph_runner: GraphRunner | None = None  # the pool's sizing may run forwards
-        self.swa_layers: tuple[bool, ...] | None = None
+        self.swa_layers = _swa_layers(config, disable_hybrid_swa_memory, swa_full_tokens_ratio)
         """Which layers keep their K/V in the SWA pool; None: one pool for every layer."""
-        if config.is_hybrid_swa and not disable_hybrid_swa_memory:
-            if not 0 < swa_full_tokens_ratio <= 1:
-                raise ValueError(
-                    f"swa_full_tokens_ratio must be in (0, 1], got {swa_full_tokens_ratio}"
-                )
-            layers = range(config.num_hidden_layers)
-            self.swa_layers = tuple(config.layer_window(i) is not None for i in layers)
         self.swa_full_tokens_ratio = swa_full_tokens_ratio
         self.init_memory_pool(
             max_total_tokens, mem_fraction_static, max_running_requests, graph_backend
@@ -380,3 +373,15 @@ class ModelRunner:
             forward_batch.input_ids, forward_batch.positions, forward_batch
         )
         return output
+
+
+def _swa_layers(
+    config: ModelConfig, disable_hybrid_swa_memory: bool, swa_full_tokens_ratio: float
+) -> tuple[bool, ...] | None:
+    """Which layers' K/V go to the SWA pool: a hybrid model's sliding layers, unless one
+    pool is asked for; None: one pool for every layer."""
+    if not config.is_hybrid_swa or disable_hybrid_swa_memory:
+        return None
+    if not 0 < swa_full_tokens_ratio <= 1:
+        raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {swa_full_tokens_ratio}")
+    return tuple(config.layer_window(i) is not None for i in range(config.num_hidden_layers))

@@ -249,6 +249,19 @@ def decode_attention_fwd(
         BLOCK_N=64 if k_buffer.element_size() <= 2 else 32,
         num_warps=4,
     )
+    _merge_splits(attn_logits, attn_lse, o, seq_lens, num_kv_splits, window)
+
+
+def _merge_splits(
+    attn_logits: torch.Tensor,
+    attn_lse: torch.Tensor,
+    o: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_kv_splits: torch.Tensor,
+    window: int,
+) -> None:
+    """Stage 2: each (request, head)'s split results summed into `o` by their log-sum-exp."""
+    batch_size, num_heads, head_dim = o.shape
     _fwd_kernel_stage2[(batch_size, num_heads)](
         attn_logits,
         attn_lse,
@@ -264,6 +277,6 @@ def decode_attention_fwd(
         o.stride(0),
         o.stride(1),
         Lv=head_dim,
-        BLOCK_DV=block_dmodel,
+        BLOCK_DV=triton.next_power_of_2(head_dim),
         num_warps=4,
     )
