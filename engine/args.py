@@ -76,6 +76,12 @@ class EngineArgs:
     disable_hybrid_swa_memory: bool = _opt(
         False, "hybrid sliding-window models: keep every layer's KV in one pool"
     )
+    disable_window_checkpoints: bool = _opt(
+        False,
+        "hybrid sliding-window models: keep the sliding layers' KV of cached prefixes only "
+        "before each cached sequence's end, not also before its branch points, where a "
+        "prefix shared by later requests ends (docs/architecture.md)",
+    )
     max_running_requests: int = _opt(256, "cap on the running batch (rows of req_to_token)")
     max_prefill_tokens: int = _opt(16384, "cap on the new tokens of one prefill batch")
     chunked_prefill_size: int | None = _opt(

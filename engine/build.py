@@ -161,7 +161,10 @@ def build_scheduler(
         model_runner.context_len,
     )
     cache_manager = CacheManager.over_pools(
-        model_runner, not args.disable_radix_cache, args.radix_eviction_policy
+        model_runner,
+        not args.disable_radix_cache,
+        args.radix_eviction_policy,
+        window_checkpoints=not args.disable_window_checkpoints,
     )
     stats = SchedulerStats()
     limits = RequestLimits(

@@ -27,11 +27,12 @@ def simulated_cache(
     disable_radix_cache: bool = False,
     swa_slots: int | None = None,
     sliding_window: int | None = None,
+    window_checkpoints: bool = True,
 ) -> CacheManager:
     """A CacheManager over a `num_slots`-slot allocator and a `max_reqs`-row table, with a
     RadixCache (or, with `disable_radix_cache`, a ChunkCache) as the scheduler builds it;
     with `swa_slots`, a hybrid model's two pools and an SWARadixCache, for layers of
-    `sliding_window`."""
+    `sliding_window` (`window_checkpoints` as `SWARadixCache` takes it)."""
     allocator = (
         TokenToKVPoolAllocator(num_slots)
         if swa_slots is None
@@ -41,7 +42,7 @@ def simulated_cache(
     if disable_radix_cache:
         tree = ChunkCache(allocator.device)
     elif isinstance(allocator, SWATokenToKVPoolAllocator) and sliding_window is not None:
-        tree = SWARadixCache(allocator, sliding_window, eviction_policy)
+        tree = SWARadixCache(allocator, sliding_window, eviction_policy, window_checkpoints)
     else:
         tree = RadixCache(allocator, eviction_policy)
     return CacheManager(ReqToTokenPool(max_reqs, max_context_len), allocator, tree, sliding_window)

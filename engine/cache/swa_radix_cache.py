@@ -6,6 +6,12 @@ A query at position p reads the sliding layers' K/V of the `window - 1` tokens b
 usable up to p only where those tokens still have SWA KV; older SWA KV can go first, long
 before the full KV of the same tokens. A node whose SWA KV went is an SWA tombstone: its
 full KV stays, a match may pass through it, but may not end within a window of it.
+
+The tree keeps SWA KV only where a match can end on it: the window before each inserted
+key's end (where a conversation goes on), and with window checkpoints the window before
+each branch point on the key's path (where a shared prefix ends: a fan-out's later requests
+hit it, though the request that first branched off recomputed it). The rest of an inserted
+path's SWA KV is freed at the insert, unless a running request's match still reads it.
 """
 
 from __future__ import annotations
@@ -56,11 +62,15 @@ class SWARadixCache(RadixCache):
         token_to_kv_pool_allocator: SWATokenToKVPoolAllocator,
         sliding_window: int,
         eviction_policy: str = "lru",
+        window_checkpoints: bool = True,
     ) -> None:
+        """`window_checkpoints` off keeps only the windows before keys' ends: SGLang's and
+        vLLM's design, where a prefix shared past its window is recomputed every time."""
         self.swa_allocator = token_to_kv_pool_allocator
         self.swa_tail = sliding_window - 1
         """Tokens before a query whose SWA KV it reads: a match must end after this many
         live ones (or after all, live from the root), and a lock protects this many."""
+        self.window_checkpoints = window_checkpoints
         super().__init__(token_to_kv_pool_allocator, eviction_policy)
 
     def reset(self) -> None:
@@ -103,7 +113,8 @@ class SWARadixCache(RadixCache):
     ) -> InsertResult:
         """`RadixCache.insert`, then the SWA state of the key's path: new tokens before
         `swa_live_from` become tombstones; cached tombstones from it on take the caller's
-        live SWA slots (`move_swa`), so the caller frees its duplicates as full slots only."""
+        live SWA slots (`move_swa`), so the caller frees its duplicates as full slots only.
+        Last, the path keeps live SWA only where a match can end on it (`_drop_unmatchable`)."""
         inserted = super().insert(key, value, priority, chunked)
         node, pos, rest = self.root_node, 0, key
         while len(rest):
@@ -121,7 +132,35 @@ class SWARadixCache(RadixCache):
                 self.swa_evictable_size_ += len(child.key)
                 self._push_swa_entry(child)
             node, pos, rest = child, end, rest[end - pos :]
+        self._drop_unmatchable(key)
         return inserted
+
+    def _drop_unmatchable(self, key: RadixKey) -> None:
+        """Tombstone the SWA KV of the key's path outside the windows before its end and
+        (with checkpoints) before its branch points, except what a running match reads.
+
+        A window ends at a node's end, so the part of a node it covers is a suffix: the node
+        splits there, and its upper part goes."""
+        path: list[tuple[SWATreeNode, int]] = []  # each node on the path, and its end
+        node, pos, rest = _swa_node(self.root_node), 0, key
+        while len(rest):
+            node = _swa_node(node.children[rest.child_key()])
+            pos += len(node.key)
+            path.append((node, pos))
+            rest = rest[len(node.key) :]
+        window_start, freed = len(key) - self.swa_tail, []
+        for node, end in reversed(path):
+            if self.window_checkpoints and len(node.children) > 1:
+                window_start = min(window_start, end - self.swa_tail)
+            start = end - len(node.key)
+            if not _swa_evictable(node) or window_start <= start:
+                continue
+            if window_start < end:
+                node = _swa_node(self._split_node(node, window_start - start))
+            freed.append(node.value)
+            self._tombstone(node)
+        if freed:
+            self.swa_allocator.free_swa(torch.cat(freed))
 
     # ----- locking and eviction ---------------------------------------------------------
 

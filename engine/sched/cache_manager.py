@@ -58,17 +58,23 @@ class CacheManager:
             self.swa_allocator = token_to_kv_pool_allocator
 
     @classmethod
-    def over_pools(cls, runner: ModelRunner, radix_cache: bool, eviction_policy: str) -> Self:
+    def over_pools(
+        cls,
+        runner: ModelRunner,
+        radix_cache: bool,
+        eviction_policy: str,
+        window_checkpoints: bool = True,
+    ) -> Self:
         """Over a model runner's pools, with a radix tree (`eviction_policy` its order; over
-        a hybrid model's two pools, one that knows windows) or, with the radix cache off, a
-        cache that keeps nothing."""
+        a hybrid model's two pools, one that knows windows, `window_checkpoints` as
+        `SWARadixCache` takes it) or, with the radix cache off, a cache that keeps nothing."""
         allocator = runner.token_to_kv_pool_allocator
         window = None if runner.swa_layers is None else runner.model_config.sliding_window
         tree_cache: BasePrefixCache
         if not radix_cache:
             tree_cache = ChunkCache(allocator.device)
         elif isinstance(allocator, SWATokenToKVPoolAllocator) and window is not None:
-            tree_cache = SWARadixCache(allocator, window, eviction_policy)
+            tree_cache = SWARadixCache(allocator, window, eviction_policy, window_checkpoints)
         else:
             tree_cache = RadixCache(allocator, eviction_policy)
         return cls(runner.req_to_token_pool, allocator, tree_cache, window)
@@ -179,21 +185,23 @@ class CacheManager:
         """Insert a running request's committed KV so others can share it mid-flight.
 
         Duplicate slots are freed and the request's row is repointed at the cache's copy,
-        so one prefix has one copy; the request then locks its new, longer prefix.
+        so one prefix has one copy; the request then locks its new, longer prefix. The old
+        lock goes first: the insert may then drop the SWA KV of the old prefix's window,
+        which no query of the request reads again.
         """
         row = req_row(req)
         kv_len = req.kv.committed_len
         indices = self.req_to_token_pool.req_to_token[row, :kv_len].to(torch.int64)
         key = RadixKey(req.all_token_ids()[:kv_len], req.admission.extra_key)
-        owned_from = len(req.kv.prefix_indices)
+        owned_from, swa_live_from = len(req.kv.prefix_indices), self._swa_live_from(req)
+        self._unlock_for_insert(req)
         inserted = self.tree_cache.insert(
-            key, indices, req.admission.priority, chunked, self._swa_live_from(req)
+            key, indices, req.admission.priority, chunked, swa_live_from
         )
         self.allocator.free(indices[owned_from : inserted.prefix_len])
         new_indices, new_last_node = self.tree_cache.match_prefix(key)
         self.req_to_token_pool.write(row, owned_from, new_indices[owned_from:])
         self.tree_cache.inc_lock_ref(new_last_node)
-        self.unlock(req)
         req.kv.prefix_indices, req.kv.last_node = new_indices, new_last_node
 
     def cache_finished_req(self, req: Req) -> None:
@@ -207,12 +215,20 @@ class CacheManager:
         indices = self._row_slots(req)
         kv_len = req.kv.committed_len
         key = RadixKey(req.all_token_ids()[:kv_len], req.admission.extra_key)
+        owned_from, swa_live_from = len(req.kv.prefix_indices), self._swa_live_from(req)
+        self._unlock_for_insert(req)
         inserted = self.tree_cache.insert(
-            key, indices[:kv_len], req.admission.priority, swa_live_from=self._swa_live_from(req)
+            key, indices[:kv_len], req.admission.priority, swa_live_from=swa_live_from
         )
-        self.allocator.free(indices[len(req.kv.prefix_indices) : inserted.prefix_len])
+        self.allocator.free(indices[owned_from : inserted.prefix_len])
         self.allocator.free(indices[inserted.kept_len :])
         self._release(req)
+
+    def _unlock_for_insert(self, req: Req) -> None:
+        """Unlock the request's prefix just before its KV goes into the cache: nothing is
+        evicted in between, and the prefix's slots are in the cache either way."""
+        self.unlock(req)
+        req.kv.last_node = None
 
     def free_req(self, req: Req) -> None:
         """Free every slot the request owns without caching any (retraction, abort), unlock

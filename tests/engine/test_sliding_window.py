@@ -120,8 +120,10 @@ def run_case(
         assert isinstance(runner.token_to_kv_pool, SWAKVPool) == hybrid
         assert engine.scheduler.info().swa_max_total_tokens == runner.swa_max_total_num_tokens
         check_integrity_after_every_step(engine.scheduler)
-        if name.startswith("radix_hit"):
-            engine.generate(prompts[0], {**GREEDY, **params})  # the tree holds the first
+        if name in CACHED:  # the tree holds the first, and a branch point where the second
+            engine.generate(prompts[0], {**GREEDY, **params})  # parts from it: the request
+            branching = prompts[1][: CACHED[name]] + prompt(99, 3)  # that first branches off
+            engine.generate([branching], {**GREEDY, **params})  # recomputes the shared part
         results = engine.generate(prompts, {**GREEDY, **params})
         counters = engine.scheduler.stats.counters()
     return [r.output_ids for r in results], [r.meta.cached_tokens for r in results], counters
@@ -169,7 +171,7 @@ CACHED = {
     "radix_hit_inside_the_window": 5,
 }
 """The second prompt's hit in the radix cases: the shared prefix, longer and shorter than
-the window."""
+the window, whose SWA KV the tree kept as the window before a branch point."""
 
 
 @pytest.mark.parametrize("hybrid", [True, False], ids=["two-pools", "one-pool"])
@@ -188,14 +190,30 @@ def test_greedy_answers_match_transformers(model_dir, reference, name, hybrid):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_ignoring_the_window_changes_the_answers(model_dir, reference, name, window_ignored):
-    answers, _, _ = run_case(model_dir, name)
+    """In one pool, where every token's K/V stays for a layer that ignores the window to
+    read (two pools would have freed what it reads)."""
+    answers, _, _ = run_case(model_dir, name, hybrid=False)
     assert answers != expected(reference, name)
 
 
+def test_without_window_checkpoints_the_request_after_a_branch_recomputes(model_dir, reference):
+    """The anchors' design (`disable_window_checkpoints`): the tree keeps no window where the
+    shared prefix ends, so the radix case's second prompt hits nothing."""
+    name = "radix_hit_past_the_window"
+    prompts, params, _ = CASES[name]
+    with Engine(str(model_dir), **OPTIONS, disable_window_checkpoints=True) as engine:
+        check_integrity_after_every_step(engine.scheduler)
+        engine.generate(prompts[0], {**GREEDY, **params})
+        engine.generate([prompts[1][: len(SHARED)] + prompt(99, 3)], {**GREEDY, **params})
+        results = engine.generate(prompts, {**GREEDY, **params})
+    assert [r.output_ids for r in results] == expected(reference, name)
+    assert results[1].meta.cached_tokens == 0
+
+
 def test_a_long_decode_holds_far_less_kv_than_one_pool_of_every_layer(model_dir, reference):
-    """At 320 tokens, the sliding layers hold the prompt (which the tree keeps) and about a
-    window and an eviction interval of the output: the request's KV bytes, at their peak,
-    stay under half of what every layer holding every token takes."""
+    """At 320 tokens, the sliding layers hold about a window and an eviction interval of
+    the output (the prompt's window, which the tree keeps, left behind): the request's KV
+    bytes, at their peak, stay under half of what every layer holding every token takes."""
     ids, new_tokens = prompt(40, 20), 300
     with Engine(str(model_dir), **OPTIONS) as engine:
         runner = engine.scheduler.model_runner

@@ -48,33 +48,56 @@ def live(tree: SWARadixCache) -> int:
     return len(tree.cached_swa_slots())
 
 
-def test_insert_makes_the_tokens_before_swa_live_from_tombstones_split_at_the_boundary():
+def test_insert_keeps_live_swa_only_in_the_window_before_the_key_end():
     cache, tree, allocator = hybrid()
     insert(tree, allocator, SEQ, live_from=6)
     cache.check_integrity()
     (node,) = tree.root_node.children.values()
     assert len(node.key) == 6 and node.swa_tombstone
-    (tail,) = node.children.values()
-    assert len(tail.key) == 4 and not tail.swa_tombstone
-    assert (tree.evictable_size(), tree.swa_evictable_size()) == (10, 4)
-    assert allocator.swa_available_size() == 48 - 4
+    (middle,) = node.children.values()
+    assert len(middle.key) == 1 and middle.swa_tombstone, "behind the window: dropped"
+    (tail,) = middle.children.values()
+    assert len(tail.key) == WINDOW - 1 and not tail.swa_tombstone
+    assert (tree.evictable_size(), tree.swa_evictable_size()) == (10, WINDOW - 1)
+    assert allocator.swa_available_size() == 48 - (WINDOW - 1)
 
 
 def test_match_ends_where_the_window_before_it_is_live():
     cache, tree, allocator = hybrid()
-    insert(tree, allocator, SEQ, live_from=6)
-    assert matched_len(tree, SEQ + [99]) == 10  # 4 live before the end
-    assert matched_len(tree, SEQ[:9]) == 9  # 3 live: what a query at 9 reads
-    assert matched_len(tree, SEQ[:8]) == 0, "2 live before the end, then tombstones"
+    insert(tree, allocator, SEQ)
+    assert matched_len(tree, SEQ + [99]) == 10  # 3 live before the end
+    assert matched_len(tree, SEQ[:9]) == 0, "2 live before 9, then tombstones"
     cache.check_integrity()
+
+
+def test_a_branch_point_keeps_its_window_for_the_requests_after_the_branching_one():
+    """The fan-out: the first request's prompt ran alone, so its shared part kept no window.
+    The second recomputes it; its insert makes the branch point, whose window stays live,
+    so the third hits up to it. Without checkpoints the third recomputes too."""
+    for checkpoints, third_hit in ((True, 6), (False, 0)):
+        cache = simulated_cache(
+            num_slots=64, swa_slots=48, sliding_window=WINDOW, window_checkpoints=checkpoints
+        )
+        tree, allocator = cache.tree_cache, cache.allocator
+        assert isinstance(tree, SWARadixCache)
+        assert isinstance(allocator, SWATokenToKVPoolAllocator)
+        insert(tree, allocator, SEQ)
+        assert matched_len(tree, SEQ[:6] + [98]) == 0, "the first left no window at 6"
+        insert(tree, allocator, SEQ[:6] + [98, 97])
+        assert matched_len(tree, SEQ[:6] + [96]) == third_hit
+        cache.check_integrity()
+        assert live(tree) == (WINDOW - 1) * 2 + (2 if checkpoints else 0)
 
 
 def test_match_ending_inside_a_tombstone_falls_back_to_the_last_live_window():
     cache, tree, allocator = hybrid()
-    insert(tree, allocator, SEQ[:5])  # live, 5 long
+    insert(tree, allocator, SEQ[:5])  # live [2, 5)
+    _, held = tree.match_prefix(RadixKey(SEQ[:5]))
+    tree.inc_lock_ref(held)  # a running request reads the window before 5
     insert(tree, allocator, SEQ, live_from=8)  # [5, 8) tombstones, [8, 10) live
     assert matched_len(tree, SEQ[:7] + [99]) == 5, "ends inside [5, 8): back to 5"
     assert matched_len(tree, SEQ) == 5, "only 2 live before 10"
+    tree.dec_lock_ref(held)
     cache.check_integrity()
 
 
@@ -92,10 +115,10 @@ def test_swa_eviction_tombstones_least_recently_used_before_any_full_eviction():
     insert(tree, allocator, [1, 2, 3, 4, 5])
     insert(tree, allocator, SEQ)
     matched_len(tree, [1, 2, 3, 4, 5])  # used since: SEQ is now least recently used
-    assert tree.evict_swa(1) == 10
-    assert live(tree) == 5 and total_size(tree) == 15, "full KV stays"
-    assert (tree.evictable_size(), tree.swa_evictable_size()) == (15, 5)
-    assert allocator.swa_available_size() == 48 - 5
+    assert tree.evict_swa(1) == WINDOW - 1
+    assert live(tree) == WINDOW - 1 and total_size(tree) == 15, "full KV stays"
+    assert (tree.evictable_size(), tree.swa_evictable_size()) == (15, WINDOW - 1)
+    assert allocator.swa_available_size() == 48 - (WINDOW - 1)
     assert matched_len(tree, SEQ) == 0 and matched_len(tree, [1, 2, 3, 4, 5]) == 5
     cache.check_integrity()
     assert tree.evict(15) == 15
@@ -105,27 +128,27 @@ def test_swa_eviction_tombstones_least_recently_used_before_any_full_eviction():
 
 def test_live_swa_over_a_tombstone_revives_it_and_the_duplicates_free_only_full_slots():
     cache, tree, allocator = hybrid()
-    first = insert(tree, allocator, SEQ, live_from=6)
-    second = insert(tree, allocator, SEQ)  # the same tokens, every SWA slot live
+    first = insert(tree, allocator, SEQ, live_from=6)  # live [7, 10)
+    second = insert(tree, allocator, SEQ[:8] + [99, 98])  # every SWA slot live
     cache.check_integrity()
-    assert live(tree) == 10 and matched_len(tree, SEQ[:8]) == 8
-    assert tree.swa_evictable_size() == 10
-    assert allocator.swa_available_size() == 48 - 10, "one SWA copy of each token"
-    assert allocator.full_available_size() == 64 - 10
+    assert matched_len(tree, SEQ[:8] + [97]) == 8, "the branch point's window [5, 8)"
     mapping = allocator.full_to_swa_index_mapping
-    assert not mapping[second].any(), "the revived node took the request's SWA slots"
-    assert mapping[first].all()
+    assert mapping[first[5:]].all(), "[5, 7) took the second request's SWA slots"
+    assert not mapping[first[:5]].any() and not mapping[second[:8]].any()
+    assert mapping[second[8:]].all()
+    assert allocator.swa_available_size() == 48 - 7, "one SWA copy of each live token"
+    assert allocator.full_available_size() == 64 - 12
 
 
-def test_a_lock_protects_the_swa_of_the_last_window_only():
+def test_a_lock_keeps_the_swa_of_its_window_through_others_inserts():
     cache, tree, allocator = hybrid()
     insert(tree, allocator, SEQ)
     _, node = tree.match_prefix(RadixKey(SEQ))
     tree.inc_lock_ref(node)
     assert (tree.protected_size(), tree.swa_protected_size()) == (10, WINDOW - 1)
-    assert tree.evict_swa(100) == 10 - (WINDOW - 1)
-    assert tree.evict(100) == 0, "full KV of a locked path stays"
-    assert matched_len(tree, SEQ) == 10, "its last window is still live"
+    insert(tree, allocator, SEQ + [1, 2, 3, 4, 5])  # would drop SEQ's window, but it is read
+    assert matched_len(tree, SEQ + [99]) == 10, "its last window is still live"
+    assert tree.evict(100) == 5, "the extension goes; full KV of a locked path stays"
     insert(tree, allocator, SEQ[:8] + [99], live_from=8)  # a split inside the locked window
     cache.check_integrity()
     tree.dec_lock_ref(node)

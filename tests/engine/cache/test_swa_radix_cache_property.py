@@ -1,6 +1,9 @@
 """Differential test of the hybrid model's tree: random interleavings of insert (with SWA
 KV freed before a random boundary) / match / lock / unlock / evict / evict_swa against a
-brute-force model that stores each cached token's slot and whether its SWA KV is live.
+brute-force model that stores each cached token's slot and whether its SWA KV is live,
+with window checkpoints on and off. After an insert, the model keeps live SWA on the key's
+path only within the windows before its end and (checkpoints on) its branch points, or
+under an SWA lock.
 
 A window of 3: a match must end after 2 live tokens (or be live from the root), and a
 lock protects the SWA KV of its last 2. Short sequences on a three-token alphabet make
@@ -29,6 +32,8 @@ sequences = st.lists(st.integers(0, 2), min_size=1, max_size=8)
 
 
 class SWARadixCacheVersusBruteForce(RuleBasedStateMachine):
+    window_checkpoints = True
+
     def __init__(self) -> None:
         super().__init__()
         self.slot_of: dict[Position, int] = {}
@@ -40,7 +45,10 @@ class SWARadixCacheVersusBruteForce(RuleBasedStateMachine):
     @initialize()
     def make_cache(self) -> None:
         self.manager = simulated_cache(
-            num_slots=NUM_SLOTS, swa_slots=NUM_SWA_SLOTS, sliding_window=WINDOW
+            num_slots=NUM_SLOTS,
+            swa_slots=NUM_SWA_SLOTS,
+            sliding_window=WINDOW,
+            window_checkpoints=self.window_checkpoints,
         )
         tree, allocator = self.manager.tree_cache, self.manager.allocator
         assert isinstance(tree, SWARadixCache)
@@ -81,6 +89,29 @@ class SWARadixCacheVersusBruteForce(RuleBasedStateMachine):
                 self.slot_of[position] = int(slots[i])
             if i >= live_from:
                 self.live.add(position)
+        self.drop_unmatchable(seq)
+
+    def drop_unmatchable(self, seq: list[int]) -> None:
+        ends = [len(seq)]
+        if self.window_checkpoints:
+            ends += [e for e in range(1, len(seq)) if self.branches(tuple(seq[:e]))]
+        for i in range(len(seq)):
+            position = tuple(seq[: i + 1])
+            in_window = any(e - TAIL <= i < e for e in ends)
+            if not in_window and not self.swa_lock_count[position]:
+                self.live.discard(position)
+
+    def branches(self, prefix: Position) -> bool:
+        return (
+            len(
+                {
+                    p[len(prefix)]
+                    for p in self.slot_of
+                    if p[: len(prefix)] == prefix and len(p) > len(prefix)
+                }
+            )
+            > 1
+        )
 
     @rule(seq=sequences, lock=st.booleans())
     def match(self, seq: list[int], lock: bool) -> None:
@@ -157,3 +188,11 @@ SWARadixCacheVersusBruteForce.TestCase.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None
 )
 test_swa_radix_cache_matches_brute_force_model = SWARadixCacheVersusBruteForce.TestCase
+
+
+class WithoutCheckpoints(SWARadixCacheVersusBruteForce):
+    window_checkpoints = False
+
+
+WithoutCheckpoints.TestCase.settings = SWARadixCacheVersusBruteForce.TestCase.settings
+test_swa_radix_cache_without_checkpoints_matches_brute_force_model = WithoutCheckpoints.TestCase

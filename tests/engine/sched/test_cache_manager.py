@@ -207,18 +207,18 @@ def test_decode_frees_its_own_swa_slots_behind_the_window_in_batches():
     assert cache.swa_allocator is not None
     # After s steps the next query sees positions 10 + s - 7 on: s - 7 are due.
     decode(cache, req, 7 + INTERVAL - 1)
-    assert all(swa_live(cache, req)), "fewer than an interval are due: nothing freed yet"
+    assert all(swa_live(cache, req)[10:]), "fewer than an interval are due: nothing freed yet"
     decode(cache, req, 1)
     live = swa_live(cache, req)
     seq_len = req.kv.committed_len
     # The next query, at seq_len, sees from seq_len - 7 on: those keep their SWA slots.
     assert live[10 : seq_len - 7] == [False] * (seq_len - 17)
-    assert all(live[:10]), "the tree's prompt is the tree's to free"
+    assert live[:10] == [False] * 3 + [True] * 7, "the tree's window of the prompt, locked"
     assert all(live[seq_len - 7 :])
     assert cache.swa_allocator.full_available_size() == 256 - seq_len
 
 
-def test_a_request_that_freed_swa_slots_caches_all_of_it_behind_tombstones():
+def test_a_request_that_freed_swa_slots_caches_all_of_it_with_the_window_before_its_end():
     cache = hybrid_cache()
     req = Req("a", list(range(100, 110)))
     admit(cache, req)
@@ -232,15 +232,16 @@ def test_a_request_that_freed_swa_slots_caches_all_of_it_behind_tombstones():
     cache.check_integrity([req])
     assert len(req.kv.prefix_indices) == req.kv.committed_len == 18 + INTERVAL
     live = swa_live(cache, req)
-    assert live == [True] * 10 + [False] * (freed_to - 10) + [True] * (len(live) - freed_to)
+    assert live == [False] * (len(live) - 7) + [True] * 7, "the prompt's window went too"
     tree = cache.tree_cache
     assert tree.swa_protected_size() == 7, "a lock protects the SWA KV of its last window - 1"
-    assert tree.swa_evictable_size() == len(live) - (freed_to - 10) - 7
+    assert tree.swa_evictable_size() == 0
     cache.cache_finished_req(req)
     cache.check_integrity()
     assert total_size(tree) == 18 + INTERVAL
+    assert (tree.swa_protected_size(), tree.swa_evictable_size()) == (0, 7)
     assert cache.swa_allocator is not None
-    assert cache.swa_allocator.swa_available_size() == 128 - live.count(True)
+    assert cache.swa_allocator.swa_available_size() == 128 - 7
 
 
 def test_without_the_radix_cache_the_whole_row_is_freed_behind_the_window():
@@ -272,11 +273,12 @@ def test_integrity_counts_every_swa_slot_once():
 
 def test_make_room_evicts_the_swa_pool_alone_when_only_it_is_short():
     cache = hybrid_cache()
-    insert_fresh(cache, list(range(120)))
+    for first in range(0, 119, 7):  # 17 prompts of a window - 1: all their SWA is live
+        insert_fresh(cache, list(range(1000 + first, 1007 + first)))
     assert cache.swa_allocator is not None
-    assert cache.swa_allocator.swa_available_size() == 8
+    assert cache.swa_allocator.swa_available_size() == 9
     assert cache.make_room(20)
-    assert total_size(cache.tree_cache) == 120, "full KV stays: only SWA KV was short"
+    assert total_size(cache.tree_cache) == 119, "full KV stays: only SWA KV was short"
     assert cache.swa_allocator.swa_available_size() >= 20
     cache.check_integrity()
 
@@ -288,10 +290,11 @@ def test_a_chunked_prefill_holds_only_its_window_of_the_trees_swa():
     cache.commit(req, 40)  # a first chunk of 40
     cache.cache_unfinished_req(req)
     tree = cache.tree_cache
-    assert (tree.swa_protected_size(), tree.swa_evictable_size()) == (7, 33)
-    assert tree.evict_swa(100) == 33, "the chunk's SWA behind the window is the tree's to free"
+    assert (tree.swa_protected_size(), tree.swa_evictable_size()) == (7, 0), "33 dropped"
+    assert cache.swa_allocator is not None
+    assert cache.swa_allocator.swa_available_size() == 128 - 100 + 33, "33 freed at once"
     cache.commit(req, 40)  # the next chunk reads the 7 it kept
     cache.cache_unfinished_req(req)
     cache.check_integrity([req])
     assert len(req.kv.prefix_indices) == 80
-    assert swa_live(cache, req)[:80] == [False] * 33 + [True] * 47
+    assert swa_live(cache, req)[:80] == [False] * 73 + [True] * 7
