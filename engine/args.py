@@ -40,9 +40,9 @@ class EngineArgs:
     quantization: str = _opt(
         "auto",
         "how weights are held: gguf (a GGUF file's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K "
-        "blocks as stored), int8 "
-        "(int8 rows quantized at load), none (the dtype); auto: gguf for a GGUF file on CPU "
-        "at --tp-size 1, else none",
+        "blocks as stored, on CPU or CUDA), int8 (int8 rows quantized at load, CPU), none "
+        "(the dtype), each at --tp-size 1; auto: gguf for a GGUF file on CPU at --tp-size 1, "
+        "else none",
         choices=constants.QUANTIZATION_METHODS,
     )
     quantized_activations: str = _opt(

@@ -37,8 +37,8 @@ SWA_EVICTION_INTERVAL: int = _env("SWA_EVICTION_INTERVAL", 32)
 """A hybrid model's request frees the SWA slots its window has left behind once this many
 have piled up: one batched free per that many tokens, not one per token."""
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8")
-"""`--quantization`; `auto`: `gguf` for a GGUF file on CPU at one rank, else none
-(engine/model/layers/quantization.py)."""
+"""`--quantization`; `auto`: `gguf` for a GGUF file on CPU at one rank, else none; `gguf`
+runs on CUDA too, when asked for (engine/model/loader.py's `resolve_quantization`)."""
 
 ACTIVATION_BITS = {"int16": 16, "int8": 8, "float": 32}
 """`--quantized-activations`: the bits decode rows are rounded to, per block of 32, before

@@ -278,18 +278,22 @@ def load_model(
 def resolve_quantization(
     quantization: str, checkpoint: Checkpoint, device: torch.device, tp_size: int
 ) -> str:
-    """`auto`: a GGUF file's blocks as stored where the kernels run them (CPU, one rank),
-    else none. An explicit method the device or group cannot serve is refused."""
+    """`auto`: a GGUF file's blocks as stored on CPU at one rank, else none (on CUDA the
+    matmul of dequantized weights stays the default, and `gguf` trades it for the blocks'
+    memory). `gguf` runs on CPU or CUDA, `int8` on CPU, both at one rank: a rank's shard
+    of a row-parallel layer would split blocks. An explicit method the device or group
+    cannot serve is refused."""
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(
             f"--quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}"
         )
-    servable = device.type == "cpu" and tp_size == 1
     if quantization == "auto":
-        return "gguf" if servable and isinstance(checkpoint, GGUFCheckpoint) else "none"
-    if quantization != "none" and not servable:
+        gguf_file = isinstance(checkpoint, GGUFCheckpoint)
+        return "gguf" if gguf_file and device.type == "cpu" and tp_size == 1 else "none"
+    devices = ("cpu", "cuda") if quantization == "gguf" else ("cpu",)
+    if quantization != "none" and (device.type not in devices or tp_size != 1):
         raise ValueError(
-            f"--quantization {quantization} runs on CPU with --tp-size 1 "
+            f"--quantization {quantization} runs on {' or '.join(devices)} with --tp-size 1 "
             f"(here: {device.type}, tp {tp_size}); use --quantization none"
         )
     return quantization

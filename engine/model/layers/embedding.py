@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_group
+from engine.kernels import custom_op
 from engine.kernels.cpu import ops as cpu_ops
 from engine.model.layers.linear import CheckpointTensor, copy_shard, set_weight_loader
 
@@ -49,6 +50,11 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quant_format is not None:  # one rank (quantization.py): widen the rows looked up
+            if custom_op.uses_triton(input_ids):
+                from engine.kernels.triton.gguf_matmul import gguf_embedding  # imports Triton
+
+                dim = self.embedding_dim
+                return gguf_embedding(self.weight, input_ids, self.quant_format, dim, self.dtype)
             rows = self.weight.index_select(0, input_ids.reshape(-1))
             out = cpu_ops.quant_dequantize(rows, self.quant_format, self.embedding_dim)
             return out.to(self.dtype).view(*input_ids.shape, self.embedding_dim)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed import get_tp_group
+from engine.kernels import custom_op
 from engine.kernels.cpu import ops as cpu_ops
 from engine.kernels.custom_op import cpu_kernels_on
 
@@ -126,7 +127,8 @@ def linear(
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """F.linear through the CPU's faster kernels where they apply: over a quantized weight
-    (`quant_format`, engine/model/layers/quantization.py) `cpu_ops.quant_linear`; for
+    (`quant_format`, engine/model/layers/quantization.py) `cpu_ops.quant_linear`, on CUDA
+    the Triton `gguf_linear` (float activations: `activation_bits` is the CPU's); for
     the few rows of a small bf16 decode batch `cpu_ops.linear_few_rows`, else the packed
     copy of `weight` (AMX or oneDNN). Under `torch.compile`, torch's own matmul.
 
@@ -141,6 +143,10 @@ def linear(
             out = cpu_ops.quant_linear(rows, weight, quant_format, bias, 32, True)
         return out.view(*x.shape[:-1], out.shape[-1])
     if quant_format is not None:
+        if custom_op.uses_triton(x):
+            from engine.kernels.triton.gguf_matmul import gguf_linear  # imports Triton
+
+            return gguf_linear(x, weight, quant_format, bias)
         rows = x.reshape(-1, x.shape[-1])
         out = cpu_ops.quant_linear(rows, weight, quant_format, bias, activation_bits)
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -13,7 +13,9 @@
 A quantized module holds `weight` as uint8 rows of `row_bytes(format, K)` bytes and its
 `quant_format`; `cpu_ops.quant_linear` widens the blocks in registers for decode rows
 and per band for a prefill's GEMM (csrc/quant_linear.cpp, which documents the layouts).
-CPU only, one rank: a tensor-parallel shard of a row-parallel layer would split blocks.
+On CUDA the GGUF blocks are decoded in registers per tile of a Triton matmul
+(engine/kernels/triton/gguf_matmul.py); int8 rows are CPU only. One rank: a
+tensor-parallel shard of a row-parallel layer would split blocks.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ LAYER_DIRS = ("engine/model/layers", "engine/model/models", "engine/lora")
 DEVICE_QUESTIONS = {"is_cuda", "is_cpu"}
 """Tensor attributes that name a device: asking them chooses a backend."""
 LIBRARY_MODULES = ("engine.kernels.cpu.build", "engine.kernels.triton")
-"""Modules whose import outside a `forward_cuda` means picking a library by hand."""
+"""Modules whose import outside a `forward_cuda` means picking a library by hand, unless the
+importing function asked `uses_triton` for it (a Triton kernel called from a plain function:
+LoRA's term, the quantized matmul)."""
 ALLOWED = {("engine/model/layers/linear.py", "mkldnn_packing_applies")}
 """Functions that may read a device: oneDNN's weight layout, chosen once at load."""
 
@@ -33,9 +35,13 @@ def backend_picks(path: Path, root: Path = REPO) -> list[str]:
     rel = str(path.relative_to(root))
     found: list[str] = []
 
-    def visit(node: ast.AST, function: str) -> None:
+    def visit(node: ast.AST, function: str, asks_triton: bool) -> None:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             function = node.name
+            asks_triton = any(
+                isinstance(n, ast.Call) and ast.unparse(n.func).endswith("uses_triton")
+                for n in ast.walk(node)
+            )
         where = f"{rel}:{getattr(node, 'lineno', 0)} in {function}"
         if (rel, function) not in ALLOWED:
             if isinstance(node, ast.Attribute) and node.attr in DEVICE_QUESTIONS:
@@ -54,12 +60,12 @@ def backend_picks(path: Path, root: Path = REPO) -> list[str]:
             if function != "forward_cuda" and any(
                 name.startswith(LIBRARY_MODULES) for name in (node.module, *names)
             ):
-                if not (rel.startswith("engine/lora") and "triton" in node.module):
+                if not (asks_triton and node.module.startswith("engine.kernels.triton")):
                     found.append(f"{where}: imports {node.module}")
         for child in ast.iter_child_nodes(node):
-            visit(child, function)
+            visit(child, function, asks_triton)
 
-    visit(tree, "<module>")
+    visit(tree, "<module>", False)
     return found
 
 
@@ -77,9 +83,14 @@ def test_the_walk_sees_a_backend_picked_by_hand(tmp_path):
         "def forward(x):\n"
         "    if x.is_cuda or x.device.type == 'cpu' and build.enabled():\n"
         "        return x\n"
+        "def unasked(x):\n"
+        "    from engine.kernels.triton import gguf_matmul\n"
+        "def asked(x):\n"
+        "    if custom_op.uses_triton(x):\n"
+        "        from engine.kernels.triton import gguf_matmul\n"
     )
     picks = backend_picks(source, root=tmp_path)
-    assert len(picks) == 3, picks
+    assert len(picks) == 4 and "in unasked" in picks[-1], picks
 
 
 def test_every_class_with_a_device_forward_is_a_custom_op():

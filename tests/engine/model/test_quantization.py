@@ -212,6 +212,32 @@ def test_q5_layers_and_embedding_are_served_from_their_blocks(
         assert (greedy.logits[0][1] - decoded).abs().max() <= 1e-3 * largest
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gguf_blocks_on_cuda_give_the_logits_of_the_weights_they_hold(
+    tmp_path, hf_model_factory, hf_logits, runner_factory, prompts_factory
+):
+    """`--quantization gguf` on CUDA: the projections and the tied embedding (its lookup
+    and the LM head) held on the GPU in the file's blocks and read by the Triton kernels;
+    the prefill's and the graph-replayed decode's logits as transformers' over the weights
+    those blocks hold."""
+    hf_model = hf_model_factory("llama", hidden_size=256, intermediate_size=256)
+    path = tmp_path / "mixed.gguf"
+    kinds = {".down_proj.": Q.Q6_K, ".o_proj.": Q.Q8_0, "_proj.": Q.Q4_K, "embed_tokens": Q.Q5_0}
+    write_gguf(hf_model, path, quantize=kinds)
+    runner = runner_factory(path, device="cuda", dtype="float32", quantization="gguf")
+    layer = runner.model.model.layers[0]
+    assert layer.mlp.down_proj.weight.dtype == torch.uint8 and layer.mlp.down_proj.weight.is_cuda
+    assert runner.weights_format == "gguf:Q5_0,Q8_0,Q4_K,Q6_K"
+    hf_model = hf_model.float()
+    for prompt in prompts_factory([9, 30]):
+        greedy = run_greedy(runner, [prompt], 2)
+        expected = hf_logits(hf_model, prompt)
+        assert (greedy.logits[0][0].cpu() - expected).abs().max() <= 1e-3
+        assert greedy.tokens[0][0] == int(expected.argmax())
+        decoded = hf_logits(hf_model, [*prompt, greedy.tokens[0][0]])
+        assert (greedy.logits[0][1].cpu() - decoded).abs().max() <= 1e-3
+
+
 def test_int8_rows_quantized_at_load_give_the_logits_of_those_weights(
     tmp_path, hf_model_factory, hf_logits, runner_factory, prompts_factory
 ):
@@ -237,7 +263,9 @@ def test_int8_rows_quantized_at_load_give_the_logits_of_those_weights(
         torch.testing.assert_close(logits, hf_logits(hf_model, prompt), rtol=0, atol=1e-4)
 
 
-def test_auto_quantization_serves_gguf_blocks_on_one_cpu_rank_only(tmp_path, hf_model_factory):
+def test_auto_quantization_serves_gguf_blocks_on_one_cpu_rank_and_gguf_on_cuda_too(
+    tmp_path, hf_model_factory
+):
     hf_model = hf_model_factory("llama")
     gguf_path, hf_dir = tmp_path / "m.gguf", tmp_path / "hf"
     write_gguf(hf_model, gguf_path)
@@ -249,8 +277,13 @@ def test_auto_quantization_serves_gguf_blocks_on_one_cpu_rank_only(tmp_path, hf_
     assert resolve_quantization("auto", from_gguf, torch.device("cuda"), 1) == "none"
     assert resolve_quantization("auto", from_gguf, CPU, 2) == "none"
     assert resolve_quantization("int8", from_hf, CPU, 1) == "int8"
-    with pytest.raises(ValueError, match="--quantization gguf runs on CPU with --tp-size 1"):
-        resolve_quantization("gguf", from_gguf, torch.device("cuda"), 1)
+    assert resolve_quantization("gguf", from_gguf, torch.device("cuda"), 1) == "gguf"
+    with pytest.raises(
+        ValueError, match="--quantization gguf runs on cpu or cuda with --tp-size 1"
+    ):
+        resolve_quantization("gguf", from_gguf, torch.device("cuda"), 2)
+    with pytest.raises(ValueError, match="--quantization int8 runs on cpu with --tp-size 1"):
+        resolve_quantization("int8", from_hf, torch.device("cuda"), 1)
     with pytest.raises(ValueError, match="--quantization must be one of"):
         resolve_quantization("awq", from_gguf, CPU, 1)
 
