@@ -13,14 +13,20 @@
 #                                          1/8/32/128 x 512), greedy graph == eager, then
 #                                          shared-prefix and random at concurrency 32, overlap
 #                                          loop on and off
+#   benchmarks/gpu_checks.sh gguf    OUT   GGUF blocks on CUDA: the Triton block matmul's tests
+#                                          (every format, compiled) and a quantized model's
+#                                          logits on CUDA, then its GB/s against cuBLAS's bf16
+#                                          matmul at Gemma-3-270M's LM head (Q8_0) and gate/up
+#                                          (Q5_0) shapes
 # Results go under OUT (junit XML and logs; OUT/serving/results.json, plots and OUT/serving.md;
-# OUT/graph_bench.json and OUT/graph-serving/results.json for the graph stage).
+# OUT/graph_bench.json and OUT/graph-serving/results.json for the graph stage; OUT/gguf-bench.log
+# for the gguf stage).
 #
 # What the machine's image lacks travels as benchmarks/gpu_carry.sh prepares it (.carry/): the
 # wheels are installed to /tmp/site, and the embedded GGUF's halves, carried by two calls, are
 # joined there once both have arrived.
 set -uo pipefail
-stage=${1:?tests, serving, graph, graph-tests or graph-bench}
+stage=${1:?tests, serving, graph, graph-tests, graph-bench or gguf}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -95,8 +101,16 @@ graph-tests)
 graph-bench)
     graph_bench
     ;;
+gguf)
+    timeout "${GGUF_TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider --timeout 120 \
+        --junitxml "$out/gguf-tests.xml" tests/engine/kernels/triton/test_gguf_matmul.py \
+        "tests/engine/model/test_quantization.py::test_gguf_blocks_on_cuda_give_the_logits_of_the_weights_they_hold" \
+        2>&1 | tee "$out/gguf-tests.log" | tail -15
+    timeout "${GGUF_BENCH_TIMEOUT:-120}" python3 -m benchmarks.gguf_cuda 2>&1 \
+        | tee "$out/gguf-bench.log" | tail -10
+    ;;
 *)
-    echo "unknown stage $stage: tests, serving, graph, graph-tests or graph-bench" >&2
+    echo "unknown stage $stage: tests, serving, graph, graph-tests, graph-bench or gguf" >&2
     exit 2
     ;;
 esac

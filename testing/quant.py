@@ -1,6 +1,7 @@
 """Quantized weights for the kernel tests and benchmarks: GGUF blocks of random or real
 weights laid out as llama.cpp lays them (gguf-py's quantizer, and a plain one for the
-K-quants, which gguf-py only dequantizes), with the float64 weights they hold."""
+K-quants, which gguf-py only dequantizes), with the float64 weights they hold; and blocks
+of random bytes, which set every bit of every field."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import gguf
 import numpy as np
 import torch
 
-from engine.model.layers.quantization import BLOCK_LAYOUTS, WeightFormat, quantize_int8_rows
+from engine.model.layers.quantization import (
+    BLOCK_LAYOUTS,
+    WeightFormat,
+    quantize_int8_rows,
+    row_bytes,
+)
 
 
 def quantize_blocks(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
@@ -99,6 +105,34 @@ def quantized(format: WeightFormat, weight: np.ndarray) -> tuple[torch.Tensor, t
     reference = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(int(format)))
     rows = torch.from_numpy(blocks.view(np.uint8).reshape(weight.shape[0], -1).copy())
     return rows, torch.from_numpy(reference).double()
+
+
+FACTORS_AT = {
+    WeightFormat.Q4_0: (0,),
+    WeightFormat.Q4_1: (0, 2),
+    WeightFormat.Q5_0: (0,),
+    WeightFormat.Q5_1: (0, 2),
+    WeightFormat.Q8_0: (0,),
+    WeightFormat.Q4_K: (0, 2),
+    WeightFormat.Q5_K: (0, 2),
+    WeightFormat.Q6_K: (208,),
+}
+"""Where each GGUF block holds its float16 factors (d, and m or dmin)."""
+
+
+def random_blocks(format: WeightFormat, n: int, k: int, seed: int) -> torch.Tensor:
+    """`[n, row bytes]` of random bytes, every bit field (nibbles, fifth bits, the
+    K-quants' packed 6-bit scales and mins, Q6_K's int8 scales) at random, the float16
+    factors finite: a decode that takes any field from the wrong bits disagrees with
+    gguf-py's."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, 256, (n, row_bytes(format, k)), dtype=np.uint8)
+    block_weights, block_bytes = BLOCK_LAYOUTS[format]
+    blocks = rows.reshape(n, k // block_weights, block_bytes)
+    for at in FACTORS_AT[format]:
+        factors = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16)
+        blocks[:, :, at : at + 2] = factors.view(np.uint8).reshape(*factors.shape, 2)
+    return torch.from_numpy(rows)
 
 
 def random_weight(n: int, k: int, seed: int) -> np.ndarray:

@@ -7,7 +7,6 @@ shapes; the interpreter's bf16 tl.dot is wrong, so bf16 runs on CUDA only."""
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -16,8 +15,8 @@ from engine.kernels import custom_op
 from engine.kernels.triton import gguf_matmul
 from engine.model.layers.embedding import VocabParallelEmbedding
 from engine.model.layers.linear import Linear
-from engine.model.layers.quantization import WeightFormat, hold_blocks, row_bytes
-from testing.quant import cases, quantized, random_weight
+from engine.model.layers.quantization import WeightFormat, hold_blocks
+from testing.quant import cases, quantized, random_blocks, random_weight
 
 INTERPRETED = isinstance(gguf_matmul._gguf_matmul_kernel, InterpretedFunction)
 DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -26,17 +25,6 @@ pytestmark = pytest.mark.skipif(
 )
 GGUF_FORMATS = [f for f in WeightFormat if f is not WeightFormat.INT8]
 DTYPES = [torch.float32, torch.float16] + ([] if INTERPRETED else [torch.bfloat16])
-HALVES = {
-    WeightFormat.Q4_0: (0,),
-    WeightFormat.Q4_1: (0, 2),
-    WeightFormat.Q5_0: (0,),
-    WeightFormat.Q5_1: (0, 2),
-    WeightFormat.Q8_0: (0,),
-    WeightFormat.Q4_K: (0, 2),
-    WeightFormat.Q5_K: (0, 2),
-    WeightFormat.Q6_K: (208,),
-}
-"""Where each block holds its float16 factors (d, and m or dmin)."""
 
 
 @pytest.fixture
@@ -52,21 +40,6 @@ def format_name(value: object) -> str | None:
 
 def gguf_cases(shapes: list[tuple[int, int]]) -> list[tuple[WeightFormat, int, int]]:
     return [case for case in cases(shapes) if case[0] is not WeightFormat.INT8]
-
-
-def random_blocks(format: WeightFormat, n: int, k: int, seed: int) -> torch.Tensor:
-    """`[n, row bytes]` of random bytes, every bit field (nibbles, fifth bits, the
-    K-quants' packed 6-bit scales and mins, Q6_K's int8 scales) at random, the float16
-    factors finite: a decode that takes any field from the wrong bits disagrees with
-    gguf-py's."""
-    rng = np.random.default_rng(seed)
-    rows = rng.integers(0, 256, (n, row_bytes(format, k)), dtype=np.uint8)
-    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(format))]
-    blocks = rows.reshape(n, k // block_weights, block_bytes)
-    for at in HALVES[format]:
-        factors = rng.uniform(-0.05, 0.05, blocks.shape[:2]).astype(np.float16)
-        blocks[:, :, at : at + 2] = factors.view(np.uint8).reshape(*factors.shape, 2)
-    return torch.from_numpy(rows)
 
 
 def dequantized(format: WeightFormat, rows: torch.Tensor) -> torch.Tensor:
