@@ -105,7 +105,7 @@ def test_every_bit_field_decodes_as_gguf_decodes_it(format):
 
 
 @pytest.mark.parametrize(
-    ("format", "n", "k"), gguf_cases([(6, 32), (5, 256), (4, 640)]), ids=format_name
+    ("format", "n", "k"), gguf_cases([(4, 640)]), ids=format_name
 )
 def test_lookup_returns_the_rows_of_the_ids_in_their_shape(format, n, k):
     rows, _ = quantized(format, random_weight(n, k, seed=k))
