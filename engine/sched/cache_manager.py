@@ -235,9 +235,12 @@ class CacheManager:
 
     # ----- a hybrid model's sliding-window KV -------------------------------------------
 
-    def free_out_of_window(self, reqs: Iterable[Req]) -> None:
+    def free_out_of_window(
+        self, reqs: Iterable[Req], interval: int = SWA_EVICTION_INTERVAL
+    ) -> None:
         """Free the SWA slots of the requests' own tokens that no query will see again, in
-        one batched free, for each request only once `SWA_EVICTION_INTERVAL` are due.
+        one batched free, for each request only once `interval` are due (1: all that are,
+        when a decode step finds the SWA pool short).
 
         After a step, a request's next query (a decode, the next chunk, a verify's first
         draft) sits at `committed_len` and sees positions from `committed_len + 1 - window`
@@ -253,7 +256,7 @@ class CacheManager:
                 continue
             start = max(kv.swa_evicted_len, len(kv.prefix_indices))
             end = kv.committed_len + 1 - self.sliding_window
-            if end - start >= SWA_EVICTION_INTERVAL:
+            if end - start >= interval:
                 spans.append(table[kv.req_pool_idx, start:end])
                 kv.swa_evicted_len = end
         if spans:
