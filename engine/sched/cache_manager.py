@@ -80,10 +80,12 @@ class CacheManager:
         most `req.max_prefix_len` tokens: the last token is always recomputed, and so are the
         positions whose logits its pending prompt logprobs need."""
         fill_ids = req.all_token_ids()
-        req.kv.prefix_indices, req.kv.last_node = self.tree_cache.match_prefix(
+        match = self.tree_cache.match_prefix(
             RadixKey(fill_ids[: req.max_prefix_len], req.admission.extra_key)
         )
+        req.kv.prefix_indices, req.kv.last_node = match.device_indices, match.last_node
         req.prefill.extend_input_len = len(fill_ids) - len(req.kv.prefix_indices)
+        req.prefill.full_match_len = match.full_match_len
 
     def lock(self, req: Req) -> None:
         """Pin the request's matched prefix: locked slots are never evicted."""
@@ -190,7 +192,7 @@ class CacheManager:
             key, indices, req.admission.priority, chunked, self._swa_live_from(req)
         )
         self.allocator.free(indices[owned_from : inserted.prefix_len])
-        new_indices, new_last_node = self.tree_cache.match_prefix(key)
+        new_indices, new_last_node, _ = self.tree_cache.match_prefix(key)
         self.req_to_token_pool.write(row, owned_from, new_indices[owned_from:])
         self.tree_cache.inc_lock_ref(new_last_node)
         self.unlock(req)

@@ -39,7 +39,7 @@ def insert(
 
 
 def matched_len(tree: SWARadixCache, seq: list[int]) -> int:
-    indices, node = tree.match_prefix(RadixKey(seq))
+    indices, node, _ = tree.match_prefix(RadixKey(seq))
     assert torch.equal(node.matched_indices(), indices), "the handle's path is the match"
     return len(indices)
 
@@ -66,6 +66,16 @@ def test_match_ends_where_the_window_before_it_is_live():
     assert matched_len(tree, SEQ + [99]) == 10  # 4 live before the end
     assert matched_len(tree, SEQ[:9]) == 9  # 3 live: what a query at 9 reads
     assert matched_len(tree, SEQ[:8]) == 0, "2 live before the end, then tombstones"
+    cache.check_integrity()
+
+
+def test_a_match_the_window_cuts_back_reports_its_full_kv_length():
+    cache, tree, allocator = hybrid()
+    insert(tree, allocator, SEQ, live_from=6)
+    cut = tree.match_prefix(RadixKey(SEQ[:8] + [99]))
+    assert (len(cut.device_indices), cut.full_match_len) == (0, 8)
+    whole = tree.match_prefix(RadixKey(SEQ + [99]))
+    assert (len(whole.device_indices), whole.full_match_len) == (10, 10)
     cache.check_integrity()
 
 
@@ -120,7 +130,7 @@ def test_live_swa_over_a_tombstone_revives_it_and_the_duplicates_free_only_full_
 def test_a_lock_protects_the_swa_of_the_last_window_only():
     cache, tree, allocator = hybrid()
     insert(tree, allocator, SEQ)
-    _, node = tree.match_prefix(RadixKey(SEQ))
+    _, node, _ = tree.match_prefix(RadixKey(SEQ))
     tree.inc_lock_ref(node)
     assert (tree.protected_size(), tree.swa_protected_size()) == (10, WINDOW - 1)
     assert tree.evict_swa(100) == 10 - (WINDOW - 1)
