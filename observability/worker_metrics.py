@@ -86,6 +86,26 @@ TP_RANK = "0"
 PAGE_SIZE = 1
 
 
+def held_share(total: int, available: int, evictable: int) -> float:
+    """Share of a pool held by live requests: what the tree could give back is free."""
+    if total <= 0:
+        return 0.0
+    return min(1.0, max(0.0, (total - available - evictable) / total))
+
+
+class SWASample(NamedTuple):
+    """A hybrid model's sliding-window KV pool at the moment of a `WorkerSample`."""
+
+    total_tokens: int
+    available_tokens: int
+    evictable_tokens: int
+    protected_tokens: int
+
+    @property
+    def usage(self) -> float:
+        return held_share(self.total_tokens, self.available_tokens, self.evictable_tokens)
+
+
 @dataclass(frozen=True)
 class WorkerSample:
     """The worker's counters and sizes at one moment, in plain numbers."""
@@ -123,14 +143,16 @@ class WorkerSample:
     """Drafted tokens accepted."""
     spec_accept_lengths: tuple[tuple[int, int], ...] = ()
     """(tokens a request took from one verify pass, how many times), by length."""
+    swa: SWASample | None = None
+    """A hybrid model's sliding-window pool (None: one pool); the sizes above are then the
+    full-attention pool's."""
+    cache_full_hit_tokens: int = 0
+    """Of `cache_query_tokens`, those whose full-attention KV the tree held: a hybrid
+    model's hit (`cache_hit_tokens`) stops short of them where its window's SWA KV went."""
 
     @property
     def kv_usage(self) -> float:
-        """Share of the pool held by live requests: what the tree could give back is free."""
-        if self.total_tokens <= 0:
-            return 0.0
-        used = self.total_tokens - self.available_tokens - self.evictable_tokens
-        return min(1.0, max(0.0, used / self.total_tokens))
+        return held_share(self.total_tokens, self.available_tokens, self.evictable_tokens)
 
 
 class CpuInfo(NamedTuple):
@@ -284,6 +306,10 @@ class WorkerMetrics(Collector):
             yield self._family(CounterMetricFamily, name, doc, value)
         for name, doc, value in _gauges(s, hit_rate, throughput):
             yield self._family(GaugeMetricFamily, name, doc, value)
+        if s.swa is not None:
+            for name, doc, value in _swa_gauges(s.swa):
+                yield self._family(GaugeMetricFamily, name, doc, value)
+            yield self._pool_hits(s)
         yield self._histogram(
             "radixserve_spec_accept_length",
             "Tokens a request took from one speculative verify pass (1 + drafts accepted)",
@@ -291,6 +317,20 @@ class WorkerMetrics(Collector):
             s.spec_accept_lengths,
         )
         yield self._cache_config_info(s)
+
+    def _pool_hits(self, s: WorkerSample) -> Metric:
+        """A hybrid model's prefix-cache hits per pool: the full-attention KV the tree held,
+        and what the window rule left of it to reuse (the hit itself)."""
+        hits = CounterMetricFamily(
+            "radixserve_swa_prefix_cache_hit_tokens",
+            "Hybrid models: prompt tokens of first admissions whose KV the radix tree held, "
+            'per pool: "full", the full-attention KV; "swa", what was reused once the window '
+            "before the hit's end had to be live (radixserve_prefix_cache_hit_tokens)",
+            labels=[*self.labels, "pool"],
+        )
+        hits.add_metric([*self.labels.values(), "full"], s.cache_full_hit_tokens)
+        hits.add_metric([*self.labels.values(), "swa"], s.cache_hit_tokens)
+        return hits
 
     def _cache_config_info(self, s: WorkerSample) -> Metric:
         info = GaugeMetricFamily(
@@ -472,5 +512,32 @@ def _gauges(s: WorkerSample, hit_rate: float, throughput: float) -> Series:
             "radixserve_num_requests_grammar_queue",
             "Requests waiting for their grammar to compile",
             s.num_grammar_queue,
+        ),
+    )
+
+
+def _swa_gauges(swa: SWASample) -> Series:
+    """A hybrid model's sliding-window pool, beside the full pool's gauges."""
+    return (
+        (
+            "radixserve_swa_kv_usage_ratio",
+            "(total - available - evictable) / total of the sliding-window KV pool: its share "
+            "held by live requests (SGLang's swa_token_usage)",
+            swa.usage,
+        ),
+        (
+            "radixserve_swa_kv_total_tokens",
+            "Sliding-window KV pool size in tokens",
+            swa.total_tokens,
+        ),
+        (
+            "radixserve_radix_swa_evictable_tokens",
+            "Tokens whose sliding-window KV the radix tree holds and no request locks",
+            swa.evictable_tokens,
+        ),
+        (
+            "radixserve_radix_swa_protected_tokens",
+            "Tokens whose sliding-window KV the radix tree holds locked by running requests",
+            swa.protected_tokens,
         ),
     )

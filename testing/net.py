@@ -66,7 +66,17 @@ def all_kv_free(client: httpx2.Client) -> bool:
         info["num_running_reqs"] == 0
         and info["num_waiting_reqs"] == 0
         and info["protected_kv_tokens"] == 0
-        and info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_tokens"]
+        and kv_whole(info)
+    )
+
+
+def kv_whole(info: dict[str, Any]) -> bool:
+    """Every KV slot free or evictable, in each pool: a hybrid model's SWA pool too."""
+    pools = {"": info["max_total_tokens"], "swa_": info.get("swa_max_total_tokens")}
+    return all(
+        info[f"{pool}available_kv_tokens"] + info[f"{pool}evictable_kv_tokens"] == total
+        for pool, total in pools.items()
+        if total is not None
     )
 
 
@@ -79,5 +89,5 @@ def assert_idle_and_whole(client: httpx2.Client) -> None:
         return info if info["num_running_reqs"] == info["num_waiting_reqs"] == 0 else None
 
     info = wait_until(idle, 30, "an idle worker")
-    assert info["available_kv_tokens"] + info["evictable_kv_tokens"] == info["max_total_tokens"]
+    assert kv_whole(info), info
     assert info["radix_integrity"] == "ok"

@@ -42,6 +42,9 @@ class MatchResult(NamedTuple):
     """KV slots of the longest cached prefix (int64, possibly empty)."""
     last_node: CacheHandle
     """The handle of the match: lock it to pin the prefix."""
+    full_match_len: int
+    """Tokens whose full-attention KV the cache held: a hybrid model's tree cuts its match
+    back from them to where the window before its end is live; elsewhere, the match."""
 
 
 class InsertResult(NamedTuple):

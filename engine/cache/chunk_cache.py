@@ -48,7 +48,7 @@ class ChunkCache(BasePrefixCache):
         self.empty_handle = EmptyHandle(device)
 
     def match_prefix(self, key: RadixKey) -> MatchResult:
-        return MatchResult(self.cached_slots(), self.empty_handle)
+        return MatchResult(self.cached_slots(), self.empty_handle, 0)
 
     def insert(
         self,

@@ -84,7 +84,7 @@ class RadixCache(BasePrefixCache):
         that edge may be matched (the bug SGLang fixed 8 days after its first release).
         """
         if len(key) == 0:
-            return MatchResult(self._empty_indices(), self.root_node)
+            return MatchResult(self._empty_indices(), self.root_node, 0)
         now = time.monotonic()
         node = self.root_node
         node.last_access_time = now
@@ -105,7 +105,7 @@ class RadixCache(BasePrefixCache):
             node = child
             key = key[prefix_len:]
         indices = torch.cat(values) if values else self._empty_indices()
-        return MatchResult(indices, node)
+        return MatchResult(indices, node, len(indices))
 
     def insert(
         self,

@@ -88,7 +88,7 @@ class SWARadixCache(RadixCache):
         """The longest prefix of the full-KV match whose last `window - 1` tokens (or all,
         from the root) have live SWA KV; the rest is recomputed. Such a prefix always ends
         at a node's end, so the handle's path is exactly the match."""
-        indices, end = super().match_prefix(key)
+        indices, end, _ = super().match_prefix(key)
         path: list[SWATreeNode] = []
         node = _swa_node(_node(end))
         while node.parent is not None:
@@ -101,7 +101,7 @@ class SWARadixCache(RadixCache):
                 run_start = pos
             elif run_start == 0 or pos - run_start >= self.swa_tail:
                 best, best_len = node, pos
-        return MatchResult(indices[:best_len], best)
+        return MatchResult(indices[:best_len], best, len(indices))
 
     def insert(
         self,

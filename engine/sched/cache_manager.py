@@ -86,10 +86,12 @@ class CacheManager:
         most `req.max_prefix_len` tokens: the last token is always recomputed, and so are the
         positions whose logits its pending prompt logprobs need."""
         fill_ids = req.all_token_ids()
-        req.kv.prefix_indices, req.kv.last_node = self.tree_cache.match_prefix(
+        match = self.tree_cache.match_prefix(
             RadixKey(fill_ids[: req.max_prefix_len], req.admission.extra_key)
         )
+        req.kv.prefix_indices, req.kv.last_node = match.device_indices, match.last_node
         req.prefill.extend_input_len = len(fill_ids) - len(req.kv.prefix_indices)
+        req.prefill.full_match_len = match.full_match_len
 
     def lock(self, req: Req) -> None:
         """Pin the request's matched prefix: locked slots are never evicted."""
@@ -199,7 +201,7 @@ class CacheManager:
             key, indices, req.admission.priority, chunked, swa_live_from
         )
         self.allocator.free(indices[owned_from : inserted.prefix_len])
-        new_indices, new_last_node = self.tree_cache.match_prefix(key)
+        new_indices, new_last_node, _ = self.tree_cache.match_prefix(key)
         self.req_to_token_pool.write(row, owned_from, new_indices[owned_from:])
         self.tree_cache.inc_lock_ref(new_last_node)
         req.kv.prefix_indices, req.kv.last_node = new_indices, new_last_node
@@ -251,9 +253,12 @@ class CacheManager:
 
     # ----- a hybrid model's sliding-window KV -------------------------------------------
 
-    def free_out_of_window(self, reqs: Iterable[Req]) -> None:
+    def free_out_of_window(
+        self, reqs: Iterable[Req], interval: int = SWA_EVICTION_INTERVAL
+    ) -> None:
         """Free the SWA slots of the requests' own tokens that no query will see again, in
-        one batched free, for each request only once `SWA_EVICTION_INTERVAL` are due.
+        one batched free, for each request only once `interval` are due (1: all that are,
+        when a decode step finds the SWA pool short).
 
         After a step, a request's next query (a decode, the next chunk, a verify's first
         draft) sits at `committed_len` and sees positions from `committed_len + 1 - window`
@@ -269,7 +274,7 @@ class CacheManager:
                 continue
             start = max(kv.swa_evicted_len, len(kv.prefix_indices))
             end = kv.committed_len + 1 - self.sliding_window
-            if end - start >= SWA_EVICTION_INTERVAL:
+            if end - start >= interval:
                 spans.append(table[kv.req_pool_idx, start:end])
                 kv.swa_evicted_len = end
         if spans:

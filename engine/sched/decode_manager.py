@@ -33,15 +33,15 @@ class DecodeManager:
         self.stats = stats
 
     def make_room(self, resolve_in_flight: Callable[[], None]) -> RetractResult | None:
-        """Free slots for one more token per running request: the cache evicts first; then
-        the in-flight batch is processed (nothing retracted may be in flight) and, if that
-        is still not enough, requests are retracted. The retraction, if one happened: the
-        caller queues its requests again."""
-        if self.cache_manager.make_room(len(self.running)):
+        """Free slots for one more token per running request (`has_room`); if there are
+        not enough, the in-flight batch is processed (nothing retracted may be in flight)
+        and, if that is still not enough, requests are retracted. The retraction, if one
+        happened: the caller queues its requests again."""
+        if self.has_room():
             self.ratio.on_decode_step()
             return None
         resolve_in_flight()
-        if not self.running or self.cache_manager.make_room(len(self.running)):
+        if not self.running or self.has_room():
             return None
         result = retract_decode(self.running.reqs, self.cache_manager)
         kept = {id(r) for r in result.kept}
@@ -55,3 +55,13 @@ class DecodeManager:
             self.ratio.new_token_ratio,
         )
         return result
+
+    def has_room(self) -> bool:
+        """Whether one more token per running request fits in both pools. Short of free
+        slots, the requests first free every SWA slot their windows left behind (dead KV
+        the batched frees had not reached yet, unlike the cache's live KV), then the cache
+        evicts what is still short."""
+        cache, num_tokens = self.cache_manager, len(self.running)
+        if cache.allocator.available_size() < num_tokens:
+            cache.free_out_of_window(self.running.reqs, interval=1)
+        return cache.make_room(num_tokens)

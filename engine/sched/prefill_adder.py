@@ -3,12 +3,15 @@
 Budget (`rem_total_tokens`) = free slots + evictable tree slots − what running requests
 are expected to still need. A running request reserves `min(max_new_tokens −
 len(output_ids), CLIP) × new_token_ratio`: overcommitted, because most requests stop
-early. A request being admitted must fit `extend_input_len + min(max_new_tokens, CLIP)`
-in full — the discount applies to requests already running, never to the newcomer.
+early. A request being admitted must fit `extend_input_len + min(max_new_tokens −
+len(output_ids), CLIP)` in full (a retracted request's output so far is in its extend) —
+the discount applies to requests already running, never to the newcomer.
 
 A hybrid model's SWA pool has a budget of its own (`rem_swa_tokens`), which neither may
 overdraw: a request holds SWA slots for its prompt and, as it decodes, for its window and an
-eviction interval at most (`CacheManager.swa_tokens_held_at_most`), the rest being freed.
+eviction interval at most (`CacheManager.swa_tokens_held_at_most`), the rest being freed. A
+prefill longer than the SWA pool (a retracted request's prompt and output) goes in pieces the
+SWA budget holds, as does a chunked prefill's next chunk when the budget is short.
 """
 
 from __future__ import annotations
@@ -48,11 +51,7 @@ class PrefillAdder:
             if chunked_prefill_size is None
             else chunked_prefill_size - mixed_with_decode_tokens
         )
-        reserved = [
-            min(r.sampling_params.max_new_tokens - len(r.output_ids), clip_max_new_tokens)
-            * new_token_ratio
-            for r in running_reqs
-        ]
+        reserved = [tokens_to_come(r, clip_max_new_tokens) * new_token_ratio for r in running_reqs]
         self.rem_total_token_offset = mixed_with_decode_tokens + sum(reserved)
         self.rem_swa_token_offset = mixed_with_decode_tokens + sum(
             cache_manager.swa_tokens_held_at_most(int(n)) for n in reserved
@@ -84,13 +83,31 @@ class PrefillAdder:
         )
 
     def _fits(self, req: Req, max_new_tokens: int) -> bool:
-        """Whether `req`'s prompt and `max_new_tokens` fit both budgets."""
+        """Whether `req`'s prompt and `max_new_tokens` fit both budgets; a prefill that no
+        SWA budget could hold whole fits where a piece of it does (`_swa_piece`)."""
         extend_len = req.prefill.extend_input_len
+        if extend_len + max_new_tokens > self.rem_total_tokens:
+            return False
+        piece = self._swa_piece(req, max_new_tokens)
+        swa = self.cache_manager.swa_allocator
+        if piece is None or swa is None:
+            return True
         swa_tokens = extend_len + self.cache_manager.swa_tokens_held_at_most(max_new_tokens)
-        return (
-            extend_len + max_new_tokens <= self.rem_total_tokens
-            and swa_tokens <= self.rem_swa_tokens
-        )
+        return piece > 0 and swa_tokens > swa.size_swa
+
+    def _swa_piece(self, req: Req, max_new_tokens: int) -> int | None:
+        """With a sliding window, the tokens of `req`'s prefill the SWA budget holds now,
+        when it cannot hold all of them and `max_new_tokens`' SWA share (None: it can).
+        A piece's SWA KV behind its window is the tree's to evict before the next piece,
+        so a prefill longer than the SWA pool itself (a retracted request's prompt and
+        output) goes in pieces."""
+        cache = self.cache_manager
+        if cache.swa_allocator is None:
+            return None
+        swa_tokens = req.prefill.extend_input_len + cache.swa_tokens_held_at_most(max_new_tokens)
+        if swa_tokens <= self.rem_swa_tokens:
+            return None
+        return max(0, int(self.rem_swa_tokens))
 
     def budget_exhausted(self) -> bool:
         return (
@@ -101,13 +118,18 @@ class PrefillAdder:
         )
 
     def add_chunked_req(self, req: Req) -> None:
-        """Continue a chunked prefill first, before any newcomer: it was admitted already."""
+        """Continue a chunked prefill first, before any newcomer: it was admitted already.
+        A round whose SWA budget holds none of it passes it over; it stays the chunked
+        request."""
         req.prefill.extend_input_len = len(req.all_token_ids()) - req.kv.allocated_len
+        if self._swa_piece(req, max_new_tokens=0) == 0:
+            self.new_chunked_req = req
+            return
         self._add_prefill(req, max_new_tokens=0)
 
     def add_one_req(self, req: Req) -> AddReqResult:
         """Admit `req` (matched by `CacheManager.match_req`) if it fits; lock its prefix."""
-        max_new_tokens = min(req.sampling_params.max_new_tokens, self.clip_max_new_tokens)
+        max_new_tokens = tokens_to_come(req, self.clip_max_new_tokens)
         if not self._fits(req, max_new_tokens):
             return AddReqResult.NO_TOKEN
         if req.prefill.extend_input_len > self.rem_input_tokens and self.can_run_list:
@@ -120,12 +142,12 @@ class PrefillAdder:
         return AddReqResult.CONTINUE
 
     def _add_prefill(self, req: Req, max_new_tokens: int) -> None:
-        """Admit `req`, truncated to the chunk budget if it does not fit in one piece."""
-        if (
-            self.rem_chunk_tokens is not None
-            and req.prefill.extend_input_len > self.rem_chunk_tokens
-        ):
-            req.prefill.extend_input_len = self.rem_chunk_tokens
+        """Admit `req`, truncated to the chunk budget, or the piece the SWA budget holds, if
+        it does not fit in one piece."""
+        limits = [self.rem_chunk_tokens, self._swa_piece(req, max_new_tokens)]
+        limit = min((n for n in limits if n is not None), default=None)
+        if limit is not None and req.prefill.extend_input_len > limit:
+            req.prefill.extend_input_len = limit
             req.prefill.is_chunked = True
             self.new_chunked_req = req
             max_new_tokens = 0
@@ -140,3 +162,9 @@ class PrefillAdder:
         self.rem_input_tokens -= req.prefill.extend_input_len
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= req.prefill.extend_input_len
+
+
+def tokens_to_come(req: Req, clip_max_new_tokens: int) -> int:
+    """The output tokens `req` may still generate, clipped: a retracted request prefills the
+    ones it generated again, so they count in its prompt, not here."""
+    return min(req.sampling_params.max_new_tokens - len(req.output_ids), clip_max_new_tokens)

@@ -109,6 +109,7 @@ class PrefillManager:
             if req.prefill.cached_tokens is None:  # first admission: count the radix hit once
                 req.prefill.cached_tokens = len(req.kv.prefix_indices)
                 self.stats.cache_hit_tokens += len(req.kv.prefix_indices)
+                self.stats.cache_full_hit_tokens += req.prefill.full_match_len
                 self.stats.cache_query_tokens += len(req.origin_input_ids)
                 if self.stats.observer is not None:
                     self.stats.observer.on_admit(req)

@@ -51,6 +51,9 @@ class PrefillState:
     """Its prefill was cut by --chunked-prefill-size and continues next round."""
     cached_tokens: int | None = None
     """Radix hit at first admission (None until admitted), reported as `cached_tokens`."""
+    full_match_len: int = 0
+    """Tokens of the last match whose full-attention KV the cache held (`MatchResult`): a
+    hybrid model's hit may stop short of them, where its window's SWA KV went."""
 
 
 @dataclass

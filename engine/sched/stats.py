@@ -5,7 +5,7 @@ point for the scheduler's state; and its static facts (`SchedulerInfo`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from engine.sched.req import Req
 
@@ -42,6 +42,10 @@ class SchedulerStats:
     prefill_tokens: int = 0
     """Tokens actually computed by prefill (radix hits excluded)."""
     cache_hit_tokens: int = 0
+    cache_full_hit_tokens: int = 0
+    """Of the same admissions' prompts, the tokens whose full-attention KV the tree held: a
+    hybrid model's hit (`cache_hit_tokens`) stops short of them where its window's SWA KV
+    went; elsewhere the two are equal."""
     cache_query_tokens: int = 0
     generation_tokens: int = 0
     forward_modes: dict[str, int] = field(default_factory=dict)
@@ -84,6 +88,15 @@ class SchedulerStats:
         }
 
 
+class PoolSizes(NamedTuple):
+    """A KV pool's slots at one moment: free, and held by the prefix cache unlocked
+    (evictable: given back on demand) or locked by running requests (protected)."""
+
+    free: int
+    evictable: int
+    protected: int
+
+
 @dataclass(frozen=True)
 class SchedulerSnapshot:
     """The scheduler's numbers at one moment between turns (`Scheduler.snapshot()`): what
@@ -95,6 +108,8 @@ class SchedulerSnapshot:
     running: int
     """Running requests, counting one whose prefill is still being chunked."""
     free_kv: int
+    """Free slots of the KV pool (a hybrid model's full-attention one); the prefix cache's
+    share of it follows."""
     evictable_kv: int
     protected_kv: int
     evicted_kv: int
@@ -104,6 +119,8 @@ class SchedulerSnapshot:
     """`SchedulerStats.counters()`."""
     running_lora_adapters: tuple[str, ...]
     waiting_lora_adapters: tuple[str, ...]
+    swa_kv: PoolSizes | None = None
+    """A hybrid model's sliding-window pool (None: one pool)."""
 
     def in_step(self) -> dict[str, int]:
         """The numbers two tensor-parallel ranks in step agree on after each turn's inputs."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.sched.stats import SchedulerInfo, SchedulerObserver, SchedulerSnapshot
+from engine.sched.stats import PoolSizes, SchedulerInfo, SchedulerObserver, SchedulerSnapshot
 
 if TYPE_CHECKING:
     from engine.cache.kv_events import BlockEventRecorder
@@ -52,12 +52,13 @@ class SchedulerStatus:
         running_adapters, waiting_adapters = (
             self.lora.info([*self.running, *chunked], waiting) if adapters else ([], [])
         )
-        tree = self.cache_manager.tree_cache
+        cache = self.cache_manager
+        tree, swa = cache.tree_cache, cache.swa_allocator
         return SchedulerSnapshot(
             waiting=len(self.prefill.waiting),
             compiling=len(self.grammar_queue),
             running=len(self.running) + len(chunked),
-            free_kv=self.cache_manager.allocator.available_size(),
+            free_kv=cache.full_available_size(),
             evictable_kv=tree.evictable_size(),
             protected_kv=tree.protected_size(),
             evicted_kv=tree.evicted_tokens,
@@ -65,6 +66,11 @@ class SchedulerStatus:
             counters=self.stats.counters(),
             running_lora_adapters=tuple(running_adapters),
             waiting_lora_adapters=tuple(waiting_adapters),
+            swa_kv=None
+            if swa is None
+            else PoolSizes(
+                swa.swa_available_size(), tree.swa_evictable_size(), tree.swa_protected_size()
+            ),
         )
 
     def info(self) -> SchedulerInfo:

@@ -12,7 +12,7 @@ import zmq
 from engine.kernels.cpu.isa import CpuIsa
 from engine.lora import LoRAError
 from engine.sched.scheduler import Scheduler
-from engine.sched.stats import SchedulerInfo
+from engine.sched.stats import PoolSizes, SchedulerInfo
 from observability.worker_metrics import CpuInfo
 from services.io_struct import (
     FlushCacheReqOutput,
@@ -127,6 +127,7 @@ class WorkerControlMixin(WorkerOutputMixin, WorkerMetricsMixin):
             "available_kv_tokens": now.free_kv,
             "evictable_kv_tokens": now.evictable_kv,
             "protected_kv_tokens": now.protected_kv,
+            **swa_kv_info(now.swa_kv),
             "num_running_reqs": now.running,
             "num_waiting_reqs": now.waiting,
             "new_token_ratio": now.new_token_ratio,
@@ -156,3 +157,14 @@ class WorkerControlMixin(WorkerOutputMixin, WorkerMetricsMixin):
             logger.error("radix tree integrity check failed: %s", e)
             return f"failed: {e}"
         return "ok"
+
+
+def swa_kv_info(sizes: PoolSizes | None) -> dict[str, int | None]:
+    """A hybrid model's sliding-window pool beside `available_kv_tokens` and the tree's two
+    (then the full-attention pool's); None with one pool."""
+    free, evictable, protected = (None, None, None) if sizes is None else sizes
+    return {
+        "swa_available_kv_tokens": free,
+        "swa_evictable_kv_tokens": evictable,
+        "swa_protected_kv_tokens": protected,
+    }

@@ -9,8 +9,8 @@ import time
 from engine.kernels.cpu.isa import CpuIsa, cpu_isa
 from engine.sched.req import Req
 from engine.sched.scheduler import Scheduler
-from engine.sched.stats import SchedulerInfo
-from observability.worker_metrics import CpuInfo, WorkerMetrics, WorkerSample
+from engine.sched.stats import PoolSizes, SchedulerInfo
+from observability.worker_metrics import CpuInfo, SWASample, WorkerMetrics, WorkerSample
 from services.process import Service
 from services.worker.kv_event_publisher import ZmqEventPublisher
 from services.worker.outputs import ReqState
@@ -30,6 +30,13 @@ def cpu_facts(info: SchedulerInfo) -> tuple[CpuIsa | None, CpuInfo]:
         kv_cache_dtype=info.kv_cache_dtype,
         deterministic=str(info.deterministic).lower(),
     )
+
+
+def swa_sample(sizes: PoolSizes | None, total: int | None) -> SWASample | None:
+    """A hybrid model's sliding-window pool for the metrics (None: one pool)."""
+    if sizes is None or total is None:
+        return None
+    return SWASample(total, sizes.free, sizes.evictable, sizes.protected)
 
 
 class WorkerMetricsMixin(Service):
@@ -64,6 +71,7 @@ class WorkerMetricsMixin(Service):
         return WorkerSample(
             time=time.monotonic(),
             cache_hit_tokens=stats["cache_hit_tokens"],
+            cache_full_hit_tokens=stats["cache_full_hit_tokens"],
             cache_query_tokens=stats["cache_query_tokens"],
             prompt_tokens=stats["prefill_tokens"],
             generation_tokens=stats["generation_tokens"],
@@ -87,4 +95,5 @@ class WorkerMetricsMixin(Service):
             spec_accept_lengths=tuple(sorted(stats["spec_accept_lengths"].items())),
             running_lora_adapters=now.running_lora_adapters,
             waiting_lora_adapters=now.waiting_lora_adapters,
+            swa=swa_sample(now.swa_kv, self.info.swa_max_total_tokens),
         )

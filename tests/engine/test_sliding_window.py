@@ -259,3 +259,28 @@ def test_a_second_turn_hits_the_first_turns_output_past_the_window(model_dir, re
     assert two.output_ids == hf_greedy(reference, second, 6)
     assert two.meta.cached_tokens == len(first) + new_tokens - 1 > TINY_SLIDING_WINDOW
     assert (tombstoned > 0) == hybrid, "the first turn freed SWA KV behind its window"
+
+
+@pytest.mark.timeout(300)
+def test_a_retracted_request_longer_than_the_swa_pool_is_prefilled_again_in_pieces(
+    model_dir, reference
+):
+    """Pools of 300 full and 150 SWA slots for six requests of 10 + 200 tokens: the full pool
+    overflows, and a request retracted late has more tokens to prefill again than the whole
+    SWA pool holds. It goes in pieces the SWA budget holds (not waiting for a room that never
+    comes), and every answer equals transformers'."""
+    prompts, new_tokens = [prompt(60 + i, 10) for i in range(6)], 200
+    options = {**OPTIONS, "max_total_tokens": 200, "swa_full_tokens_ratio": 0.5}
+    with Engine(str(model_dir), **options) as engine:
+        scheduler = engine.scheduler
+        allocator = scheduler.cache_manager.swa_allocator
+        assert allocator is not None and (allocator.size, allocator.size_swa) == (300, 150)
+        requeued: list[int] = []
+
+        def record() -> None:
+            requeued.extend(r.seqlen for r in scheduler.prefill.waiting if r.output_ids)
+
+        check_integrity_after_every_step(scheduler, record)
+        results = engine.generate(prompts, {**GREEDY, "max_new_tokens": new_tokens})
+    assert max(requeued) > allocator.size_swa
+    assert [r.output_ids for r in results] == [hf_greedy(reference, p, new_tokens) for p in prompts]

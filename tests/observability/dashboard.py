@@ -17,6 +17,13 @@ RULE_TESTS = OBSERVABILITY / "alerts" / "radixserve.rules.test.yaml"
 RATE_WINDOW = "5m"
 """Stands in for Grafana's $__rate_interval: longer than the whole test run."""
 METRIC_NAME = re.compile(r"\bradixserve_[a-z0-9_]+")
+SWA_METRIC = re.compile(r"\bradixserve_[a-z0-9_]*swa[a-z0-9_]*")
+"""A sliding-window series: only a hybrid model (Gemma 3) exports it."""
+
+
+def hybrid_only(expr: str) -> bool:
+    """Whether `expr` (a query or a metric name) asks for a sliding-window series."""
+    return SWA_METRIC.search(expr) is not None
 
 
 def panel_queries() -> Iterator[tuple[str, str, str]]:

@@ -18,7 +18,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.kernels.cpu.isa import ISA_FLAGS, PATHS
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.scheduler import after_turns
-from observability.worker_metrics import ROLLING_WINDOW_S, CpuInfo, WorkerMetrics, WorkerSample
+from observability.worker_metrics import (
+    ROLLING_WINDOW_S,
+    CpuInfo,
+    SWASample,
+    WorkerMetrics,
+    WorkerSample,
+)
 from services.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
 from services.settings import PORT_FIELDS, Settings
 from services.worker.metrics import METRICS_SAMPLE_INTERVAL_S
@@ -67,6 +73,29 @@ def test_kv_usage_counts_only_what_live_requests_hold():
     m.publish(sample)
     assert value(registry, "radixserve_kv_usage_ratio") == pytest.approx(0.1)
     assert value(registry, "radixserve_cache_config_info", page_size="1", num_pages="1000") == 1
+
+
+def test_a_hybrid_model_adds_its_sliding_window_pool_and_the_hits_per_pool():
+    registry, m = metrics()
+    m.publish(IDLE)
+    assert b"swa" not in generate_latest(registry), "one pool: no sliding-window series"
+    m.publish(
+        dataclasses.replace(
+            IDLE,
+            cache_hit_tokens=30,
+            cache_full_hit_tokens=50,
+            cache_query_tokens=80,
+            swa=SWASample(
+                total_tokens=300, available_tokens=100, evictable_tokens=150, protected_tokens=20
+            ),
+        )
+    )
+    assert value(registry, "radixserve_swa_kv_usage_ratio") == pytest.approx(50 / 300)
+    assert value(registry, "radixserve_swa_kv_total_tokens") == 300
+    assert value(registry, "radixserve_radix_swa_evictable_tokens") == 150
+    assert value(registry, "radixserve_radix_swa_protected_tokens") == 20
+    hits = "radixserve_swa_prefix_cache_hit_tokens_total"
+    assert (value(registry, hits, pool="full"), value(registry, hits, pool="swa")) == (50, 30)
 
 
 def test_two_worker_metric_sets_in_one_process_do_not_collide():

@@ -18,7 +18,7 @@ def test_match_diverging_mid_edge_does_not_continue_into_the_children():
     first = insert_fresh(cache, [ord(c) for c in "Hello_L.A.!"])
     insert_fresh(cache, [ord(c) for c in "Hello_L.A.!world"])
 
-    indices, last_node = cache.tree_cache.match_prefix(RadixKey([ord(c) for c in "Hello_world"]))
+    indices, last_node, _ = cache.tree_cache.match_prefix(RadixKey([ord(c) for c in "Hello_world"]))
 
     assert indices.tolist() == first[:6].tolist()
     assert last_node.key.tolist() == [ord(c) for c in "Hello_"]
@@ -30,7 +30,7 @@ def test_match_ending_inside_an_edge_splits_it_and_keeps_the_sizes():
     cache = simulated_cache()
     tree = cache.tree_cache
     slots = insert_fresh(cache, [1, 2, 3, 4, 5])
-    indices, last_node = tree.match_prefix(RadixKey([1, 2, 3, 9]))
+    indices, last_node, _ = tree.match_prefix(RadixKey([1, 2, 3, 9]))
     assert indices.tolist() == slots[:3].tolist()
     assert last_node.key.tolist() == [1, 2, 3]
     assert tree.evictable_size() == total_size(tree) == 5
@@ -56,7 +56,7 @@ def test_locking_moves_a_path_between_evictable_and_protected():
     tree = cache.tree_cache
     insert_fresh(cache, [1, 2, 3, 4])
     insert_fresh(cache, [1, 2, 7])
-    _, node = tree.match_prefix(RadixKey([1, 2, 3, 4]))
+    _, node, _ = tree.match_prefix(RadixKey([1, 2, 3, 4]))
 
     assert tree.inc_lock_ref(node) == -4
     assert (tree.evictable_size(), tree.protected_size()) == (1, 4)

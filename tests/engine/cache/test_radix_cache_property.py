@@ -69,7 +69,7 @@ class RadixCacheVersusBruteForce(RuleBasedStateMachine):
 
     @rule(ns=namespaces, seq=sequences, lock=st.booleans())
     def match(self, ns: PrefixNamespace | None, seq: list[int], lock: bool) -> None:
-        indices, last_node = self.cache.match_prefix(RadixKey(seq, ns))
+        indices, last_node, _ = self.cache.match_prefix(RadixKey(seq, ns))
         n = self.cached_len(ns, seq)
         path = [(ns, tuple(seq[: i + 1])) for i in range(n)]
         assert indices.tolist() == [self.slot_of[p] for p in path]

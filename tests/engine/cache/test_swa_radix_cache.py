@@ -39,7 +39,7 @@ def insert(
 
 
 def matched_len(tree: SWARadixCache, seq: list[int]) -> int:
-    indices, node = tree.match_prefix(RadixKey(seq))
+    indices, node, _ = tree.match_prefix(RadixKey(seq))
     assert torch.equal(node.matched_indices(), indices), "the handle's path is the match"
     return len(indices)
 
@@ -89,10 +89,20 @@ def test_a_branch_point_keeps_its_window_for_the_requests_after_the_branching_on
         assert live(tree) == (WINDOW - 1) * 2 + (2 if checkpoints else 0)
 
 
+def test_a_match_the_window_cuts_back_reports_its_full_kv_length():
+    cache, tree, allocator = hybrid()
+    insert(tree, allocator, SEQ, live_from=6)
+    cut = tree.match_prefix(RadixKey(SEQ[:8] + [99]))
+    assert (len(cut.device_indices), cut.full_match_len) == (0, 8)
+    whole = tree.match_prefix(RadixKey(SEQ + [99]))
+    assert (len(whole.device_indices), whole.full_match_len) == (10, 10)
+    cache.check_integrity()
+
+
 def test_match_ending_inside_a_tombstone_falls_back_to_the_last_live_window():
     cache, tree, allocator = hybrid()
     insert(tree, allocator, SEQ[:5])  # live [2, 5)
-    _, held = tree.match_prefix(RadixKey(SEQ[:5]))
+    _, held, _ = tree.match_prefix(RadixKey(SEQ[:5]))
     tree.inc_lock_ref(held)  # a running request reads the window before 5
     insert(tree, allocator, SEQ, live_from=8)  # [5, 8) tombstones, [8, 10) live
     assert matched_len(tree, SEQ[:7] + [99]) == 5, "ends inside [5, 8): back to 5"
@@ -143,7 +153,7 @@ def test_live_swa_over_a_tombstone_revives_it_and_the_duplicates_free_only_full_
 def test_a_lock_keeps_the_swa_of_its_window_through_others_inserts():
     cache, tree, allocator = hybrid()
     insert(tree, allocator, SEQ)
-    _, node = tree.match_prefix(RadixKey(SEQ))
+    _, node, _ = tree.match_prefix(RadixKey(SEQ))
     tree.inc_lock_ref(node)
     assert (tree.protected_size(), tree.swa_protected_size()) == (10, WINDOW - 1)
     insert(tree, allocator, SEQ + [1, 2, 3, 4, 5])  # would drop SEQ's window, but it is read

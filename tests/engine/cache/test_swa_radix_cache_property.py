@@ -115,7 +115,7 @@ class SWARadixCacheVersusBruteForce(RuleBasedStateMachine):
 
     @rule(seq=sequences, lock=st.booleans())
     def match(self, seq: list[int], lock: bool) -> None:
-        indices, last_node = self.cache.match_prefix(RadixKey(seq))
+        indices, last_node, _ = self.cache.match_prefix(RadixKey(seq))
         n = self.usable_len(seq)
         path = [tuple(seq[: i + 1]) for i in range(n)]
         assert indices.tolist() == [self.slot_of[p] for p in path]

@@ -109,3 +109,64 @@ def test_a_hybrid_models_swa_pool_is_a_budget_of_its_own():
     fits = waiting(cache, "fits", prompt_len - 1, 8 + INTERVAL, first_token=6000)
     assert adder.add_one_req(fits) is AddReqResult.CONTINUE
     assert adder.rem_swa_tokens == 0 and adder.budget_exhausted()
+
+
+def retracted(cache: CacheManager, rid: str, input_len: int, output_len: int) -> Req:
+    """A request sent back after decoding `output_len` tokens: it prefills them again."""
+    req = waiting(cache, rid, input_len, 300)
+    req.output_ids = [7] * output_len
+    cache.match_req(req)
+    return req
+
+
+def test_a_retracted_request_reserves_only_the_tokens_it_may_still_generate():
+    """Its 141 generated tokens are prefilled again: they count in its prompt, and only the
+    59 of max_new_tokens left are reserved (200 more would never fit this pool)."""
+    cache = simulated_cache(num_slots=300, max_context_len=512)
+    req = retracted(cache, "back", 10, 141)
+    req.sampling_params.max_new_tokens = 200
+    adder = make_adder(cache)
+    assert adder.add_one_req(req) is AddReqResult.CONTINUE
+    assert adder.rem_total_tokens == 300 - (151 + 59)
+
+
+def prefill_piece(cache: CacheManager, req: Req) -> None:
+    """What the batch of an admitted piece does to the pools: its slots, written, then the
+    chunk inserted into the tree (the window before its end locked)."""
+    if req.kv.req_pool_idx is None:
+        cache.alloc_row(req)
+    cache.keep_verified(req, cache.alloc_slots(req.prefill.extend_input_len))
+    cache.cache_unfinished_req(req)
+
+
+def test_a_prefill_longer_than_the_swa_pool_goes_in_pieces_the_swa_budget_holds():
+    """A retracted request's 10 prompt and 240 output tokens outgrow a 100-slot SWA pool:
+    it prefills 100 of them, then what the tree's evictable SWA KV makes room for."""
+    cache = simulated_cache(num_slots=1000, max_context_len=512, swa_slots=100, sliding_window=8)
+    req = retracted(cache, "back", 10, 240)
+    adder = make_adder(cache)
+    assert adder.add_one_req(req) is AddReqResult.CONTINUE
+    assert (req.prefill.extend_input_len, req.prefill.is_chunked) == (100, True)
+    assert adder.new_chunked_req is req and adder.rem_swa_tokens == 0
+    prefill_piece(cache, req)
+
+    adder = make_adder(cache)
+    adder.add_chunked_req(req)
+    assert adder.can_run_list == [req] and req.prefill.extend_input_len == 100 - 7
+    assert req.prefill.is_chunked and adder.new_chunked_req is req
+    cache.check_integrity([req])
+
+
+def test_a_chunk_the_swa_budget_holds_none_of_waits_and_stays_the_chunked_request():
+    cache = simulated_cache(num_slots=1000, max_context_len=512, swa_slots=100, sliding_window=8)
+    req = retracted(cache, "back", 10, 240)
+    make_adder(cache).add_one_req(req)
+    prefill_piece(cache, req)
+    # Three decodes reserve a window and an interval of SWA slots each: more than is left.
+    decoding = [Req(f"d{i}", [1], SamplingParams(max_new_tokens=100)) for i in range(3)]
+
+    adder = make_adder(cache, running=decoding, ratio=1.0)
+    adder.add_chunked_req(req)
+
+    assert adder.rem_swa_tokens <= 0
+    assert adder.can_run_list == [] and adder.new_chunked_req is req
