@@ -79,14 +79,14 @@ def test_a_decode_step_short_of_swa_slots_takes_the_requests_dead_ones_and_retra
 def test_the_requests_dead_swa_slots_go_before_the_caches_live_swa_kv():
     cache = hybrid_cache(swa_slots=3 * LIVE + 60)
     cached = prefilled(cache, "cached", list(range(1, 21)))
-    cache.cache_finished_req(cached)  # its SWA KV stays in the tree, evictable
+    cache.cache_finished_req(cached)  # its end's window of SWA KV stays in the tree, evictable
     reqs = [decoding(cache, i) for i in range(3)]
     chunked = prefilled(cache, "chunked", list(range(50, 50 + swa_free(cache) - 1)))
     tree = cache.tree_cache
-    assert swa_free(cache) == 1 and tree.swa_evictable_size() == 20
+    assert swa_free(cache) == 1 and tree.swa_evictable_size() == WINDOW - 1
 
     assert decode_manager(cache, reqs).make_room(resolve_in_flight=lambda: None) is None
-    assert tree.swa_evictable_size() == 20, "the cache kept its live SWA KV"
+    assert tree.swa_evictable_size() == WINDOW - 1, "the cache kept its live SWA KV"
     assert len(tree.match_prefix(RadixKey(list(range(1, 21)))).device_indices) == 20
     cache.check_integrity([*reqs, chunked])
 
