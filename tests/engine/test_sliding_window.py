@@ -8,12 +8,13 @@ window. The sliding layers keep their K/V in a pool of their own (`SWAKVPool`) u
 `disable_hybrid_swa_memory`; every case runs both ways, and ends with every slot of both
 pools free or the tree's.
 
-Then the other features on the same model: the deterministic mode, prompt logprobs, LoRA,
-tensor parallelism (its one KV head on both ranks)."""
+Then the other features on the same model: the deterministic mode, prompt logprobs, grammars
+with jump-forward, LoRA, tensor parallelism (its one KV head on both ranks)."""
 
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ from engine.model.attention.base import AttentionLayer
 from engine.outputs import GenerateResult
 from engine.sched.req import Req
 from engine.sched.scheduler import Scheduler
-from testing.models import TINY_SLIDING_WINDOW, tiny_hf_model
+from testing.models import TINY_SLIDING_WINDOW, save_tiny_model, tiny_hf_model
 from tests.engine.lora.conftest import ALL_TARGETS, make_adapter, peft
 
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention"]
@@ -381,6 +382,52 @@ def test_prompt_logprobs_match_transformers_past_the_window_and_after_a_radix_hi
             want = [expected[p - 1, ids[p]].item() for p in range(start, len(ids))]
             assert got == pytest.approx(want, abs=1e-4)
         check_pools_whole(engine.scheduler)
+
+
+FORCED = " the quick brown fox jumps over the lazy dog"
+FORCED_REGEX = r"[a-z]{2,5}" + FORCED + r" [a-z]{2,5}\."
+"""Two forced runs: the text above, more than a window of tokens, and the closing period,
+whose tokens merge with the letters before it (a rollback into the first run's extend)."""
+
+
+@pytest.fixture(scope="module")
+def text_model_dir(tmp_path_factory) -> Path:
+    """The tiny Gemma 3 with SmolLM2's tokenizer (and vocabulary), for grammars."""
+    path = tmp_path_factory.mktemp("gemma3-text")
+    return save_tiny_model(path, "gemma3", tokenizer="embedded", **MODEL_ARGS)
+
+
+def stream(engine: Engine, text: str, params: dict[str, Any]) -> tuple[list[int], int, str]:
+    """The output ids, the most a step appended, and the text, read as a client streams."""
+    ids: list[int] = []
+    longest, pieces = 0, []
+    for chunk in engine.generate_stream(text, params):
+        del ids[len(ids) - chunk.rollback :]
+        ids += chunk.output_ids
+        longest = max(longest, len(chunk.output_ids))
+        pieces.append(chunk.text)
+        assert chunk.meta is None or chunk.meta.finish_reason.type == "stop"
+    return ids, longest, "".join(pieces)
+
+
+def test_jump_forward_takes_a_forced_run_past_the_window_in_one_step(text_model_dir):
+    """With jump-forward, a step appends the first forced run (more than a window) and the
+    next extend computes it. Two pools give one pool's output (one pool keeps every token's
+    K/V), matching the regex, and prefill as many tokens: after each jump the request hits
+    the tree up to the tokens it kept, whose window the tree keeps live."""
+    options = {**OPTIONS, "skip_tokenizer_init": False, "enable_jump_forward": True}
+    params = {"temperature": 0, "max_new_tokens": 40, "regex": FORCED_REGEX}
+    runs = {}
+    for hybrid in (True, False):
+        with Engine(str(text_model_dir), **options, disable_hybrid_swa_memory=not hybrid) as engine:
+            check_integrity_after_every_step(engine.scheduler)
+            ids, longest, text = stream(engine, "Say it: " * 12, params)
+            stats = engine.scheduler.stats
+            runs[hybrid] = ids, stats.prefill_tokens
+            check_pools_whole(engine.scheduler)
+        assert re.fullmatch(FORCED_REGEX, text), text
+        assert stats.jump_forwards == 2 and longest > TINY_SLIDING_WINDOW
+    assert runs[True] == runs[False]
 
 
 def test_lora_on_gemmas_seven_projections_gives_the_merged_models_answers(
