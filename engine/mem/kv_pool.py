@@ -51,6 +51,10 @@ class MHATokenToKVPool:
         """None: every layer's rows are its slots (`SWAKVPool` maps its sliding layers')."""
         return None
 
+    def swa_slot_map(self) -> torch.Tensor | None:
+        """None: no layer's rows are a pool of their own (`SWAKVPool`'s sliding layers' are)."""
+        return None
+
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 

@@ -64,6 +64,10 @@ class SWAKVPool:
         sliding layer, None for a full one."""
         return self.full_to_swa_index_mapping if self.swa_layers[layer_id] else None
 
+    def swa_slot_map(self) -> torch.Tensor | None:
+        """What turns slots into the SWA pool's rows, every sliding layer's `slot_map`."""
+        return self.full_to_swa_index_mapping
+
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool = self.swa_pool if self.swa_layers[layer_id] else self.full_pool
         return pool.get_kv_buffer(self._layer_index[layer_id])

@@ -206,16 +206,20 @@ class CacheManager:
         self.tree_cache.inc_lock_ref(new_last_node)
         req.kv.prefix_indices, req.kv.last_node = new_indices, new_last_node
 
-    def cache_finished_req(self, req: Req) -> None:
+    def cache_finished_req(self, req: Req, kv_len: int | None = None) -> None:
         """Hand a finished request's KV to the cache and release its row.
 
         The request's committed tokens (input + output[:-1]: the last sampled token was
-        never forwarded, so it has no KV) are offered to the cache; slots duplicating what
+        never forwarded, so it has no KV), or the first `kv_len` of them (never fewer than
+        its prefix, which the cache holds), are offered to the cache; slots duplicating what
         it already held are freed at once, as are slots it does not keep and slots
-        allocated but never written.
+        allocated but never written. A jump-forward's request offers only what it keeps:
+        its next match ends where the cached key does, on the window a hybrid model's tree
+        keeps live there.
         """
         indices = self._row_slots(req)
-        kv_len = req.kv.committed_len
+        kv_len = req.kv.committed_len if kv_len is None else min(kv_len, req.kv.committed_len)
+        kv_len = max(kv_len, len(req.kv.prefix_indices))
         key = RadixKey(req.all_token_ids()[:kv_len], req.admission.extra_key)
         owned_from, swa_live_from = len(req.kv.prefix_indices), self._swa_live_from(req)
         self._unlock_for_insert(req)

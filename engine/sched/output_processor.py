@@ -162,7 +162,11 @@ class OutputProcessor:
             return 0
         token = result.next_token_ids[i]
         req.output_ids.append(token)
-        self.after_token(req, token, _row_logprob(result, i), processed, fresh_prefill=True)
+        # A prompt's prefill is shared at once; a retracted or jumped request's extend stays
+        # its own (over two pools an insert now would drop the SWA KV before the tokens its
+        # next jump keeps, and the match after that jump would recompute them).
+        fresh = len(req.output_ids) == 1
+        self.after_token(req, token, _row_logprob(result, i), processed, fresh_prefill=fresh)
         return 1
 
     def after_token(
@@ -265,8 +269,9 @@ class OutputProcessor:
         the forced tokens: one forward pass instead of one per token. Under the overlap
         loop nothing of it is in flight here: the scheduler resolved its last batch before
         building the next, as for every grammar request."""
-        self.cache_manager.cache_finished_req(req)
-        del req.output_ids[len(req.output_ids) - plan.rollback :]
+        kept = len(req.output_ids) - plan.rollback
+        self.cache_manager.cache_finished_req(req, len(req.origin_input_ids) + kept)
+        del req.output_ids[kept:]
         req.output_ids += plan.token_ids
         req.output.rollback = plan.rollback
         req.lifecycle.status = ReqStatus.WAITING

@@ -83,9 +83,13 @@ class ForwardMetadata:
     out_cache_loc: torch.Tensor | None = None
     """The new tokens' rows of this metadata's pool where they are not the batch's
     `out_cache_loc` (a variant over the SWA pool)."""
+    swa: ForwardMetadata | None = None
+    """This metadata with every slot translated into the SWA pool's rows (a hybrid model's
+    two pools), as the mapping stood when the slot tables were read: under the overlap
+    loop the scheduler frees and moves SWA slots of the batch's requests while it runs."""
     windows: dict[tuple[int | None, bool], ForwardMetadata] = field(default_factory=dict)
     """This batch's metadata for each (sliding window, over the SWA pool) its layers use
-    other than (None, False), built from this one at the first such layer
+    other than (None, False), built from this one (or `swa`) at the first such layer
     (`window_metadata`)."""
 
 
@@ -127,8 +131,8 @@ class TorchAttnBackend(AttentionBackend):
     take the window and skip the keys before it; the torch ops get each request's keys from
     its window's first one (`window_extend_seq`, `window_group`). No path reads a key
     before a query's window, so that KV may be freed. Where the pool keeps the layer's K/V
-    in a pool of its own (`SWAKVPool.slot_map`), the variant's slots are translated into
-    that pool's rows in the same pass.
+    in a pool of its own (`SWAKVPool.slot_map`), the variant starts from the batch's slots
+    translated into that pool's rows when its metadata was built (`ForwardMetadata.swa`).
     """
 
     batch_invariant = False
@@ -153,19 +157,28 @@ class TorchAttnBackend(AttentionBackend):
         self.graph_static_shapes = True
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        fb = forward_batch
+        self.forward_metadata = self._with_swa(self._forward_metadata(forward_batch), forward_batch)
+
+    def _with_swa(self, md: ForwardMetadata, fb: ForwardBatch) -> ForwardMetadata:
+        """`md` and, over a hybrid model's two pools, its SWA translation, made now, in the
+        same step that read the slot tables."""
+        slot_map = fb.token_to_kv_pool.swa_slot_map()
+        if slot_map is not None:
+            md.swa = translate_metadata(
+                md, slot_map, fb.out_cache_loc, self.num_heads, self.num_kv_heads
+            )
+        return md
+
+    def _forward_metadata(self, fb: ForwardBatch) -> ForwardMetadata:
         if fb.forward_mode.is_decode():  # one decode group, without a pass over the requests
             group = self._decode_group(
                 fb, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc, max(fb.seq_lens_cpu)
             )
-            self.forward_metadata = ForwardMetadata([], group)
-            return
+            return ForwardMetadata([], group)
         if fb.forward_mode.is_verify():
-            self.forward_metadata = ForwardMetadata([], self._tree_group(fb))
-            return
+            return ForwardMetadata([], self._tree_group(fb))
         if self.batch_invariant:
-            self.forward_metadata = ForwardMetadata([], self._token_group(fb))
-            return
+            return ForwardMetadata([], self._token_group(fb))
         extend_kernel = self.amx_extend and fb.token_to_kv_pool.dtype == torch.bfloat16
         extend_seqs, single, single_starts, start = [], [], [], 0
         prefix_slots: torch.Tensor | None = None
@@ -196,7 +209,7 @@ class TorchAttnBackend(AttentionBackend):
                 max(fb.seq_lens_cpu[i] for i in single),
                 token_indices,
             )
-        self.forward_metadata = ForwardMetadata(extend_seqs, decode, extend_group)
+        return ForwardMetadata(extend_seqs, decode, extend_group)
 
     def _token_group(self, fb: ForwardBatch) -> DecodeGroup:
         """Every new token of an extend batch as one row of the decode kernel: token i of
@@ -264,7 +277,7 @@ class TorchAttnBackend(AttentionBackend):
         decode = self._decode_group(
             fb, fb.req_pool_indices, fb.seq_lens, fb.out_cache_loc, self.graph_max_seq_len
         )
-        self.forward_metadata = ForwardMetadata([], decode, captured=True)
+        self.forward_metadata = self._with_swa(ForwardMetadata([], decode, captured=True), fb)
 
     def cpu_decode_inputs(
         self, layer: AttentionLayer, forward_batch: ForwardBatch
@@ -307,15 +320,15 @@ class TorchAttnBackend(AttentionBackend):
         md = self.forward_metadata
         assert md is not None, "init_forward_metadata runs before the first layer"
         window = layer.sliding_window
-        slot_map = forward_batch.token_to_kv_pool.slot_map(layer.layer_id)
-        if window is None and slot_map is None:
+        in_swa_pool = forward_batch.token_to_kv_pool.slot_map(layer.layer_id) is not None
+        if window is None and not in_swa_pool:
             return md
-        key = (window, slot_map is not None)
+        key = (window, in_swa_pool)
         variant = md.windows.get(key)
         if variant is None:
-            variant = window_metadata(
-                md, window, slot_map, forward_batch.out_cache_loc, self.num_heads, self.num_kv_heads
-            )
+            base = md.swa if in_swa_pool else md
+            assert base is not None, "an SWA pool's batch has its translation"
+            variant = window_metadata(base, window, self.num_heads, self.num_kv_heads)
             md.windows[key] = variant
         return variant
 
@@ -503,38 +516,46 @@ def group_over_slots(
 
 
 def window_metadata(
-    md: ForwardMetadata,
-    window: int | None,
-    slot_map: torch.Tensor | None,
-    out_cache_loc: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
+    md: ForwardMetadata, window: int | None, num_heads: int, num_kv_heads: int
 ) -> ForwardMetadata:
-    """`md` for a layer with a sliding `window` (None: none) whose slots `slot_map` turns
-    into rows of its pool (None: they are): the kernels' groups carry the window, the torch
-    ops' requests are cut to it; then every slot is translated, after the cut, so only
-    the keys a window holds are."""
+    """`md` for a layer with a sliding `window` (None: none, `md` itself): the kernels'
+    groups carry the window, the torch ops' requests are cut to it."""
+    if window is None:
+        return md
     extend_seqs, decode, extend_group = md.extend_seqs, md.decode, md.extend_group
-    if window is not None:
-        if extend_group is None:  # SDPA reads every key it is given
-            extend_seqs = [window_extend_seq(seq, window) for seq in extend_seqs]
-        else:
-            extend_group = replace(extend_group, window=window)
-        if decode is not None:
-            decode = window_group(decode, window, num_heads, num_kv_heads)
-    if slot_map is not None:
-        extend_seqs = [replace(seq, kv_indices=slot_map[seq.kv_indices]) for seq in extend_seqs]
-        if extend_group is not None:
-            extend_group = replace(extend_group, slots=slot_map[extend_group.slots])
-        if decode is not None:
-            decode = translate_group(decode, slot_map, num_heads, num_kv_heads)
+    if extend_group is None:  # SDPA reads every key it is given
+        extend_seqs = [window_extend_seq(seq, window) for seq in extend_seqs]
+    else:
+        extend_group = replace(extend_group, window=window)
+    if decode is not None:
+        decode = window_group(decode, window, num_heads, num_kv_heads)
     return ForwardMetadata(
         extend_seqs,
         decode,
         extend_group,
         opaque_decode=md.opaque_decode,
         captured=md.captured,
-        out_cache_loc=None if slot_map is None else slot_map[out_cache_loc],
+        out_cache_loc=md.out_cache_loc,
+    )
+
+
+def translate_metadata(
+    md: ForwardMetadata,
+    slot_map: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> ForwardMetadata:
+    """`md` over the rows `slot_map` turns its slots into (a slot out of every window,
+    whose SWA KV is gone, becomes the padding row, which no window reads)."""
+    extend_group, decode = md.extend_group, md.decode
+    return ForwardMetadata(
+        [replace(seq, kv_indices=slot_map[seq.kv_indices]) for seq in md.extend_seqs],
+        None if decode is None else translate_group(decode, slot_map, num_heads, num_kv_heads),
+        None if extend_group is None else replace(extend_group, slots=slot_map[extend_group.slots]),
+        opaque_decode=md.opaque_decode,
+        captured=md.captured,
+        out_cache_loc=slot_map[out_cache_loc],
     )
 
 

@@ -93,3 +93,28 @@ def test_evicting_a_leaf_removes_the_block_it_cut_into_and_keeps_the_one_above()
     cache.tree_cache.evict(20)  # one 20-token leaf: tokens 20..39 of its path
     apply_events(wire(recorder.take()), blocks)
     assert blocks == tree_blocks(cache.tree_cache, BLOCK) and len(blocks) == 2
+
+
+def test_a_hybrid_models_tree_publishes_its_full_kv_and_no_removal_for_a_tombstone():
+    """With two pools (a window of 4) the blocks are the tree's full KV: an insert stores
+    its full blocks, though it drops at once the SWA KV of all but its last 3 tokens;
+    dropping those too (every node an SWA tombstone) publishes nothing, as the full KV
+    stays; a full eviction removes the blocks."""
+    cache = simulated_cache(num_slots=400, swa_slots=100, sliding_window=4)
+    tree, recorder = cache.tree_cache, BlockEventRecorder(BLOCK)
+    tree.attach_kv_events(recorder)
+    tokens = list(range(100, 140))
+    insert_fresh(cache, tokens)
+    blocks: set[int] = set()
+    apply_events(wire(recorder.take()), blocks)
+    assert blocks == set(block_hashes(tokens, None)) == tree_blocks(tree, BLOCK)
+    assert len(blocks) == 2 and len(tree.cached_swa_slots()) == 3
+
+    assert tree.evict_swa(3) == 3 and len(tree.cached_swa_slots()) == 0
+    assert recorder.take() == []
+    cache.check_integrity()
+
+    tree.evict(len(tokens))
+    apply_events(wire(recorder.take()), blocks)
+    assert blocks == set() == tree_blocks(tree, BLOCK)
+    cache.check_integrity()
