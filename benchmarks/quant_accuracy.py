@@ -68,6 +68,9 @@ def runner_for(
         dtype=dtype,
         kv_cache_dtype=kv_cache_dtype,
         max_total_tokens=context + 16,
+        # The batches built here free no slot a sliding window has passed (the scheduler
+        # does): a hybrid model's sliding layers must hold the whole text too.
+        swa_full_tokens_ratio=1.0,
         max_running_requests=2,
         quantization=quantization,
         quantized_activations=activations,
