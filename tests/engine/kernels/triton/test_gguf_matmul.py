@@ -104,9 +104,7 @@ def test_every_bit_field_decodes_as_gguf_decodes_it(format):
     assert_product(gguf_matmul.gguf_linear(x.to(DEVICE), rows.to(DEVICE), int(format)), x, weights)
 
 
-@pytest.mark.parametrize(
-    ("format", "n", "k"), gguf_cases([(4, 640)]), ids=format_name
-)
+@pytest.mark.parametrize(("format", "n", "k"), gguf_cases([(4, 640)]), ids=format_name)
 def test_lookup_returns_the_rows_of_the_ids_in_their_shape(format, n, k):
     rows, _ = quantized(format, random_weight(n, k, seed=k))
     ids = torch.tensor([[n - 1, 0, 1], [1, 1, n - 1]])
