@@ -61,7 +61,8 @@ def exported() -> dict[str, set[str]]:
     """The worker's metric families, by name, with the labels of their samples."""
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, model_name="m")
-    metrics.publish(WorkerSample(**{f.name: 0 for f in fields(WorkerSample)}))
+    sample = WorkerSample(**{f.name: 0 for f in fields(WorkerSample) if f.name != "swa"})
+    metrics.publish(sample)  # a one-pool model's: no sliding-window series
     families: dict[str, set[str]] = {}
     for family in registry.collect():
         labels = families.setdefault(family.name, set())
@@ -124,7 +125,7 @@ def test_every_metric_the_router_maps_is_one_the_worker_exports(config, engine, 
 def test_the_kv_usage_the_router_reads_is_a_ratio():
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry, model_name="m")
-    sample = {f.name: 0 for f in fields(WorkerSample)}
+    sample = {f.name: 0 for f in fields(WorkerSample) if f.name != "swa"}
     metrics.publish(WorkerSample(**{**sample, "total_tokens": 100}))  # all of it held
     assert (
         registry.get_sample_value("radixserve_kv_usage_ratio", {"model_name": "m", "tp_rank": "0"})
