@@ -1,6 +1,7 @@
 """Model-runtime speed on the embedded SmolLM2-135M: radixserve's ModelRunner beside
 transformers' forward on the same weights, same dtype, same shapes, in one run; or, with
-`--baseline PATH`, beside another checkout of radixserve (a `git worktree`), interleaved.
+`--baseline PATH`, beside another checkout of radixserve (a `git worktree`), interleaved,
+on any model (`--model`).
 
 Prefill: one 512-token prompt, tokens/s. Decode: one step for a batch of requests that
 each hold `--decode-context` tokens of KV, ms/step (median). Random token ids: speed does
@@ -13,6 +14,8 @@ the batch's K/V) at that bandwidth. Results: docs/benchmarks/model.md.
     .venv/bin/python benchmarks/model_bench.py --baseline /tmp/rs-main
     .venv/bin/python benchmarks/model_bench.py --baseline /tmp/rs-main --shapes "8x200" --prefill 96
     .venv/bin/python benchmarks/model_bench.py --baseline /tmp/rs-main --background-load 20
+    .venv/bin/python benchmarks/model_bench.py --baseline /tmp/rs-main --model gemma3-270m \
+        --quantization gguf --dtypes bfloat16 --shapes "1x300"
 """
 
 from __future__ import annotations
@@ -120,12 +123,15 @@ class DecodeBench:
         shapes: list[tuple[int, int]],
         max_steps: int,
         spare_tokens: int = 0,
+        model: str = "embedded",
         **runner_options: Any,
     ):
+        tokens = sum(b * (ctx + max_steps + 2) for b, ctx in shapes) + spare_tokens
         self.runner = runner = ModelRunner(
-            "embedded",
+            model,
             dtype=dtype,
-            max_total_tokens=sum(b * (ctx + max_steps + 2) for b, ctx in shapes) + spare_tokens,
+            # a hybrid model's sliding layers get 0.8 of these slots (`swa_full_tokens_ratio`)
+            max_total_tokens=tokens * 5 // 4,
             max_running_requests=sum(b for b, _ in shapes) + 1,
             **runner_options,
         )
@@ -182,7 +188,9 @@ def decode_worker(args: argparse.Namespace) -> None:
     shapes = parse_shapes(args.shapes)
     spare = max(b for b, _ in shapes) * args.prefill
     options = {"quantization": args.quantization} if args.quantization else {}
-    bench = DecodeBench(args.dtypes[0], shapes, args.max_steps, spare_tokens=spare, **options)
+    if args.kv_cache_dtype:
+        options["kv_cache_dtype"] = args.kv_cache_dtype
+    bench = DecodeBench(args.dtypes[0], shapes, args.max_steps, spare, model=args.model, **options)
     print(json.dumps(bench.sizes()), flush=True)
     for line in sys.stdin:
         shape, steps = json.loads(line)
@@ -206,13 +214,17 @@ class Worker:
         max_steps: int,
         prefill: int,
         quantization: str | None = None,
+        model: str = "embedded",
+        kv_cache_dtype: str | None = None,
     ):
         env = {k: v for k, v in os.environ.items() if k not in engine.OPENMP_SET_HERE}
         env["PYTHONPATH"] = f"{tree}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--decode-worker", "--dtypes", dtype, "--shapes", shapes]
             + ["--max-steps", str(max_steps), "--prefill", str(prefill)]
-            + (["--quantization", quantization] if quantization else []),
+            + (["--quantization", quantization] if quantization else [])
+            + (["--kv-cache-dtype", kv_cache_dtype] if kv_cache_dtype else [])
+            + ["--model", model],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -260,7 +272,16 @@ def compare_with_baseline(args: argparse.Namespace) -> None:
     max_steps = args.rounds * (args.steps + 1)
     trees = {"this tree": REPO, "baseline": Path(args.baseline).resolve()}
     workers = {
-        name: Worker(tree, args.dtypes[0], args.shapes, max_steps, args.prefill, args.quantization)
+        name: Worker(
+            tree,
+            args.dtypes[0],
+            args.shapes,
+            max_steps,
+            args.prefill,
+            args.quantization,
+            args.model,
+            args.kv_cache_dtype,
+        )
         for name, tree in trees.items()
     }
     for worker in workers.values():
@@ -448,6 +469,14 @@ def main() -> None:
         "--quantization",
         help="with --baseline: the runners' weight format (gguf, int8; default: the bf16/float "
         "copy, which every checkout can load)",
+    )
+    parser.add_argument(
+        "--model",
+        default="embedded",
+        help="with --baseline: the model both trees run (embedded, gemma3-270m, a path)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", help="with --baseline: the runners' KV cache dtype (default: dtype)"
     )
     parser.add_argument(
         "--background-load",

@@ -30,11 +30,13 @@ from engine.distributed import get_tp_group
 from engine.model.attention.base import AttentionBackend
 from engine.model.config import ModelConfig
 from engine.model.layers.embedding import VocabParallelEmbedding
-from engine.model.layers.linear import CheckpointTensor, Linear
+from engine.model.layers.linear import CheckpointTensor, Linear, MergedColumnParallelLinear
 from engine.model.layers.quantization import (
     BLOCK,
+    WeightFormat,
     gguf_format,
     hold_blocks,
+    hold_part_blocks,
     quantize_module_int8,
 )
 from engine.model.models import get_model_class
@@ -304,29 +306,36 @@ def hold_gguf_blocks(
     tensor_types: dict[str, gguf.GGMLQuantizationType],
     activation_bits: int,
 ) -> set[str]:
-    """Switch every linear layer and embedding whose checkpoint tensors all share a format
-    the kernels serve (`quantization.gguf_format`) to hold that format's blocks; the names
-    of those tensors, which the checkpoint then yields as stored. A fused layer whose
-    parts differ in type (K-quant files mix them) stays in the model's dtype."""
-    parts: dict[str, list[tuple[str, gguf.GGMLQuantizationType]]] = {}
+    """Switch every linear layer and embedding whose checkpoint tensors all come in formats
+    the kernels serve (`quantization.gguf_format`) to hold their blocks: one format's, or
+    each part's own where a fused layer's parts differ (K-quant files mix them); the names
+    of those tensors, which the checkpoint then yields as stored. A layer with any other
+    part stays in the model's dtype."""
+    parts: dict[str, dict[str | None, tuple[str, WeightFormat | None]]] = {}  # by shard id
     for name, tensor_type in tensor_types.items():
-        for fused, original, _ in getattr(model, "stacked_params_mapping", ()):
+        name_in_model, shard_id = name, None
+        for fused, original, shard in getattr(model, "stacked_params_mapping", ()):
             if original in name:
-                name_in_model = name.replace(original, fused)
+                name_in_model, shard_id = name.replace(original, fused), shard
                 break
-        else:
-            name_in_model = name
-        parts.setdefault(name_in_model, []).append((name, tensor_type))
+        parts.setdefault(name_in_model, {})[shard_id] = (name, gguf_format(tensor_type))
     blocks: set[str] = set()
-    for param_name, tensors in parts.items():
+    for param_name, shards in parts.items():
         module_name, _, attr = param_name.rpartition(".")
-        formats = {gguf_format(tensor_type) for _, tensor_type in tensors}
-        if attr != "weight" or len(formats) != 1 or None in formats:
+        formats = {shard_id: f for shard_id, (_, f) in shards.items() if f is not None}
+        if attr != "weight" or len(formats) < len(shards):
             continue
         module = model.get_submodule(module_name)
-        if isinstance(module, (Linear, VocabParallelEmbedding)):
-            hold_blocks(module, formats.pop(), activation_bits)  # type: ignore[arg-type]
-            blocks.update(name for name, _ in tensors)
+        distinct = set(formats.values())
+        if len(distinct) == 1 and isinstance(module, (Linear, VocabParallelEmbedding)):
+            hold_blocks(module, distinct.pop(), activation_bits)
+        elif isinstance(module, MergedColumnParallelLinear) and (
+            formats.keys() == module.shards.keys()
+        ):
+            hold_part_blocks(module, formats, activation_bits)
+        else:
+            continue
+        blocks.update(name for name, _ in shards.values())
     return blocks
 
 

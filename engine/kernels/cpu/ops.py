@@ -31,10 +31,11 @@ arithmetic.
   `--enable-deterministic-inference`, each row summed in one order at any row count (with
   `quant_linear`'s `batch_invariant` for quantized ones, and `decode_attention` over every
   token of a prefill): a library GEMM's order changes with the number of rows.
-- `decode_layer` (`csrc/decode_layer.cpp`): a whole Llama layer of a decode batch, the
-  kernels above called from C++ in the modules' order: one Python dispatch per layer where
-  the modules make about fifteen, whose Python and dispatch were a large share of a small
-  batch's step on two cores (docs/benchmarks/model.md, "One op per decode layer").
+- `decode_layer` (`csrc/decode_layer.cpp`): a whole decoder layer of a decode batch (Llama's,
+  Qwen3's, Gemma 3's), the kernels above called from C++ in the modules' order: one Python
+  dispatch per layer where the modules make about fifteen, whose Python and dispatch were a
+  large share of a small batch's step on two cores (docs/benchmarks/model.md, "One op per
+  decode layer").
 """
 
 from __future__ import annotations
@@ -169,7 +170,12 @@ def linear_few_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def decode_layer(
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
-    weights: list[torch.Tensor],
+    norms: list[torch.Tensor | None],
+    projections: list[torch.Tensor],
+    formats: list[int],
+    parts: list[int],
+    activation: str,
+    activation_bits: int,
     cos_sin: torch.Tensor,
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
@@ -183,19 +189,23 @@ def decode_layer(
     num_kv_heads: int,
     scaling: float,
     eps: float,
-    formats: list[int],
-    activation_bits: int,
 ) -> torch.Tensor:
-    """One Llama layer of a decode batch (`LlamaDecoderLayer.decode_weights` lists its
-    weights and the projections' `formats`), bf16 or, over quantized projections, float32:
-    the MLP output; the attention output is added to the residual stream in place (to
-    `hidden` itself when `residual` is None), the new K/V written at `out_cache_loc`. The
-    arguments from `k_buffer` to `window` are `CpuDecodeInputs`' fields in its order
-    (`window`: the layer's sliding window, 0 for none, as `decode_attention` takes it)."""
+    """One decoder layer of a decode batch, bf16 or, over quantized projections, float32:
+    the MLP output (after the MLP-output norm where there is one); the attention output is
+    added to the residual stream in place (to `hidden` itself when `residual` is None), the
+    new K/V written at `out_cache_loc`. The arguments from `norms` to `activation_bits` are
+    `DecodeOpWeights`' fields in its order (engine/model/models/llama.py: the six norms,
+    None where the layer lacks one, and each projection's parts with their formats); those
+    from `k_buffer` to `window` are `CpuDecodeInputs`' (`window`: the layer's sliding
+    window, 0 for none, as `decode_attention` takes it)."""
     out: torch.Tensor = torch.ops.radixserve_cpu.decode_layer(
         hidden,
         residual,
-        weights,
+        norms,
+        projections,
+        formats,
+        parts,
+        activation,
         cos_sin,
         k_buffer,
         v_buffer,
@@ -207,7 +217,6 @@ def decode_layer(
         num_kv_heads,
         scaling,
         eps,
-        formats,
         activation_bits,
         FEW_ROWS,
         batch_invariant,

@@ -171,6 +171,15 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+class BlockPart(NamedTuple):
+    """Consecutive output rows of a fused layer, from row `start`, held in one block format:
+    `weight` their uint8 rows (a view of the layer's flat `weight`)."""
+
+    start: int
+    weight: torch.Tensor
+    format: int
+
+
 class Linear(nn.Module):
     """`y = x W^T + b` with this rank's weights: whole (replicated) here; the parallel
     layers below hold a slice. Packing (`pack_weight`) applies to whatever slice is held."""
@@ -178,6 +187,9 @@ class Linear(nn.Module):
     packed_weight: torch.Tensor | None = None
     quant_format: int | None = None
     """Set when `weight` holds quantized rows (`quantization.hold_blocks`)."""
+    block_parts: tuple[BlockPart, ...] = ()
+    """Set instead on a fused layer whose parts a checkpoint stores in different block
+    formats (`quantization.hold_part_blocks`): `weight` is then their bytes, flat."""
     activation_bits = 32
     batch_invariant = False
     """Set by --enable-deterministic-inference (`engine/model/batch_invariant.py`)."""
@@ -202,20 +214,24 @@ class Linear(nn.Module):
 
     def pack_weight(self) -> None:
         """Once the weights are loaded. The plain `weight` stays, for loading and inspection."""
-        if self.quant_format is None:
+        if self.quant_format is None and not self.block_parts:
             self.packed_weight = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(
-            x,
-            self.weight,
-            self.packed_weight,
-            self.bias,
-            self.quant_format,
-            self.activation_bits,
-            self.batch_invariant,
-        )
-        return self.with_lora(x, y)
+        return self.with_lora(x, self.matmul(x, self.bias))
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x W^T + bias` through `linear`; over block parts, each part's output side by side."""
+        bits, invariant = self.activation_bits, self.batch_invariant
+        if self.block_parts:
+            outputs = []
+            for part in self.block_parts:
+                rows = part.weight.shape[0]
+                part_bias = None if bias is None else bias.narrow(0, part.start, rows)
+                out = linear(x, part.weight, None, part_bias, part.format, bits, invariant)
+                outputs.append(out)
+            return torch.cat(outputs, dim=-1)
+        return linear(x, self.weight, self.packed_weight, bias, self.quant_format, bits, invariant)
 
     def with_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """`y` plus the LoRA term of `x`, when adapters target this layer."""
@@ -265,8 +281,12 @@ class MergedColumnParallelLinear(Linear):
     ) -> int:
         if shard_id is None:
             raise ValueError(f"a merged linear layer loads one of {list(self.shards)} at a time")
-        shard = self.shards[shard_id]
-        target = param.data.narrow(0, self.shard_offsets[shard_id], shard.size)
+        shard, offset = self.shards[shard_id], self.shard_offsets[shard_id]
+        if param is self.weight and self.block_parts:  # in the part that holds its rows
+            part = next(p for p in reversed(self.block_parts) if p.start <= offset)
+            target = part.weight.narrow(0, offset - part.start, shard.size)
+        else:
+            target = param.data.narrow(0, offset, shard.size)
         return copy_shard(target, loaded, 0, shard.start, shard.full_size)
 
 
@@ -313,14 +333,5 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = linear(
-            x,
-            self.weight,
-            self.packed_weight,
-            bias,
-            self.quant_format,
-            self.activation_bits,
-            self.batch_invariant,
-        )
-        partial = self.with_lora(x, y)
+        partial = self.with_lora(x, self.matmul(x, bias))
         return get_tp_group().all_reduce(partial)

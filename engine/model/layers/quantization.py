@@ -4,9 +4,10 @@
   the file's blocks, 4.5-8.5 bits a weight (a bf16 copy is 16); the embedded model's Q4_1
   layers and Q8_0 embedding are served this way by default, and a Q4_K_M file's tensors
   (Q4_K and Q6_K, with Q5_0 where a row is not a whole number of 256-weight super-blocks,
-  as in Gemma 3 270M's 640-wide rows). The Q5 formats are the Q4 ones with a fifth bit per
-  weight, and share their kernels. Other GGUF types (Q2_K, Q3_K, f16, ...) are dequantized
-  at load.
+  as in Gemma 3 270M's 640-wide rows); a fused layer whose parts differ in format (Gemma 3
+  270M's Q5_0 q and k beside a Q8_0 v) keeps each part's blocks. The Q5 formats are the
+  Q4 ones with a fifth bit per weight, and share their kernels. Other GGUF types (Q2_K,
+  Q3_K, f16, ...) are dequantized at load.
 - `int8`: float checkpoints quantized at load to int8 rows, one float scale per output row
   (`w ~ s * q`, `s = max|w| / 127`).
 
@@ -20,6 +21,7 @@ tensor-parallel shard of a row-parallel layer would split blocks.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import IntEnum
 
 import gguf
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from engine.model.layers.embedding import VocabParallelEmbedding
-from engine.model.layers.linear import Linear
+from engine.model.layers.linear import BlockPart, Linear, MergedColumnParallelLinear
 
 BLOCK = 32
 
@@ -93,17 +95,46 @@ def hold_blocks(
     weight loader: the checkpoint's blocks are then copied in row by row. Decode rows are
     rounded to `activation_bits` per block of 32 first (`--quantized-activations`; 32:
     kept float)."""
+    rows, in_features = module.weight.shape
+    _hold_bytes(module, (rows, row_bytes(format, in_features)))
+    module.quant_format = format
+    module.activation_bits = activation_bits
+
+
+def hold_part_blocks(
+    module: MergedColumnParallelLinear,
+    formats: Mapping[str | None, WeightFormat],
+    activation_bits: int,
+) -> None:
+    """`hold_blocks` for a fused layer whose parts (`formats`, by shard id) come in different
+    formats: each run of consecutive parts of one format becomes a `BlockPart` (one matmul),
+    its rows a view of `weight`, now all the parts' bytes one after another."""
+    runs: list[tuple[WeightFormat, int, int]] = []  # (format, first row, rows)
+    for shard_id, rows in module.output_sizes.items():
+        format = formats[shard_id]
+        if runs and runs[-1][0] == format:
+            runs[-1] = (format, runs[-1][1], runs[-1][2] + rows)
+        else:
+            runs.append((format, module.shard_offsets[shard_id], rows))
+    sizes = [rows * row_bytes(format, module.input_size) for format, _, rows in runs]
+    flat = _hold_bytes(module, (sum(sizes),))
+    module.block_parts = tuple(
+        BlockPart(start, part.view(rows, -1), format)
+        for (format, start, rows), part in zip(runs, flat.split(sizes))
+    )
+    module.activation_bits = activation_bits
+
+
+def _hold_bytes(module: Linear | VocabParallelEmbedding, shape: tuple[int, ...]) -> torch.Tensor:
+    """Replace `module.weight` by uint8 bytes of `shape`, keeping its weight loader."""
     old = module.weight
-    rows, in_features = old.shape
     new = nn.Parameter(
-        torch.empty(rows, row_bytes(format, in_features), dtype=torch.uint8, device=old.device),
-        requires_grad=False,
+        torch.empty(shape, dtype=torch.uint8, device=old.device), requires_grad=False
     )
     if hasattr(old, "weight_loader"):
         vars(new)["weight_loader"] = old.weight_loader
     module.weight = new
-    module.quant_format = format
-    module.activation_bits = activation_bits
+    return new.data
 
 
 def quantize_module_int8(module: Linear, activation_bits: int) -> None:
@@ -117,11 +148,12 @@ def weights_format(model: nn.Module, dtype: torch.dtype) -> str:
     """How the model's matmul weights are held, as `/get_server_info` shows it: the dtype's
     name, or the quantized formats (`gguf:Q4_1,Q8_0`; plus the dtype where some layers kept
     it)."""
-    held = {
-        getattr(module, "quant_format", None)
-        for module in model.modules()
-        if hasattr(module, "quant_format")
-    }
+    held: set[int | None] = set()
+    for module in model.modules():
+        if isinstance(module, Linear) and module.block_parts:
+            held.update(part.format for part in module.block_parts)
+        elif isinstance(module, (Linear, VocabParallelEmbedding)):
+            held.add(module.quant_format)
     formats = sorted(WeightFormat(f) for f in held if f is not None)
     dtype_name = str(dtype).removeprefix("torch.")
     if not formats:

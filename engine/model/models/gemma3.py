@@ -15,7 +15,6 @@ import torch
 
 from engine.model.attention.base import AttentionBackend
 from engine.model.config import ModelConfig
-from engine.model.forward_batch import ForwardBatch
 from engine.model.layers.linear import CheckpointTensor
 from engine.model.layers.norm import RMSNorm
 from engine.model.layers.rotary_embedding import RotaryEmbedding
@@ -30,8 +29,8 @@ VISION_TENSORS = ("vision_tower", "multi_modal_projector")
 
 class Gemma3DecoderLayer(LlamaDecoderLayer):
     """The Llama layer with two more norms: after the attention and after the MLP, each
-    before its residual add. It has no one-op decode path (`decode_weights` finds q/k
-    norms and declines)."""
+    before its residual add. A decode batch runs as the same one op as Llama's
+    (`decode_norms` gives it the four norms and the q/k norms)."""
 
     def __init__(
         self,
@@ -44,25 +43,23 @@ class Gemma3DecoderLayer(LlamaDecoderLayer):
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self,
-        cos_sin: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        forward_batch: ForwardBatch,
+    def feed_forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `LlamaDecoderLayer.forward`: (this layer's output, the residual stream before
-        it), which the next norm adds."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(cos_sin, hidden_states, forward_batch)
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
-        hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
-        return hidden_states, residual
+        return self.post_feedforward_layernorm(self.mlp(hidden_states)), residual
+
+    def decode_norms(self) -> list[RMSNorm | None]:
+        attn = self.self_attn
+        return [
+            self.input_layernorm,
+            attn.q_norm,
+            attn.k_norm,
+            self.post_attention_layernorm,
+            self.pre_feedforward_layernorm,
+            self.post_feedforward_layernorm,
+        ]
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

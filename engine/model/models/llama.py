@@ -19,7 +19,7 @@ from engine.kernels.custom_op import cpu_kernels_on
 from engine.model.attention.base import AttentionBackend, AttentionLayer, CpuDecodeInputs
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import ForwardBatch
-from engine.model.layers.activation import GATED_ACTIVATIONS
+from engine.model.layers.activation import GATED_ACTIVATIONS, GeluAndMul, SiluAndMul
 from engine.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.model.layers.linear import (
     CheckpointTensor,
@@ -36,12 +36,22 @@ from engine.model.layers.rotary_embedding import RotaryEmbedding
 
 
 class DecodeOpWeights(NamedTuple):
-    """A layer's weights as `cpu_ops.decode_layer` takes them, and each projection's
-    format: a quantized one (`quantization.WeightFormat`), or -1 for bf16 packed for AMX."""
+    """A layer's weights as `cpu_ops.decode_layer` takes them: its six norms (`decode_norms`,
+    None where it has none), each projection as parts of its output rows (a weight and its
+    AMX-packed copy, or the quantized weight twice, for each part), each part's format (a
+    quantized one, `quantization.WeightFormat`, or -1 for bf16), how many parts each of the
+    four projections has, and its gated activation (`DECODE_OP_ACTIVATIONS`)."""
 
-    tensors: list[torch.Tensor]
+    norms: list[torch.Tensor | None]
+    projections: list[torch.Tensor]
     formats: list[int]
+    parts: list[int]
+    activation: str
     activation_bits: int
+
+
+DECODE_OP_ACTIVATIONS: dict[type[nn.Module], str] = {SiluAndMul: "silu", GeluAndMul: "gelu_tanh"}
+"""The gated activations `cpu_ops.decode_layer` runs, by the name it takes."""
 
 
 class LlamaMLP(nn.Module):
@@ -136,7 +146,8 @@ class LlamaDecoderLayer(nn.Module):
         forward_batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, the residual stream before it); the next
-        layer's norm adds the two (in place into the residual)."""
+        layer's norm adds the two (in place into the residual). A CPU decode batch runs as
+        one op where it can (`decode_weights`), else the modules run it."""
         weights = self.decode_weights(hidden_states.dtype)
         inputs = None if weights is None else self.self_attn.attn.cpu_decode_inputs(forward_batch)
         if weights is not None and inputs is not None:
@@ -147,15 +158,35 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
         hidden_states = self.self_attn(cos_sin, hidden_states, forward_batch)
+        return self.feed_forward(hidden_states, residual)
+
+    def feed_forward(
+        self, hidden_states: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the attention's output: the residual add and norm, the MLP."""
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+    def decode_norms(self) -> list[RMSNorm | None]:
+        """The norms `cpu_ops.decode_layer` applies, in its order: the input norm, the q and
+        k norms, the attention-output norm, the residual-add norm before the MLP and the
+        MLP-output norm; None where this layer has none."""
+        attn = self.self_attn
+        return [
+            self.input_layernorm,
+            attn.q_norm,
+            attn.k_norm,
+            None,
+            self.post_attention_layernorm,
+            None,
+        ]
 
     def decode_weights(self, dtype: torch.dtype) -> DecodeOpWeights | None:
         """This layer's weights in `cpu_ops.decode_layer`'s order, where that op can run
         the layer's `dtype` hidden states: eagerly on a CPU with the kernels, each projection
-        quantized, or bf16 packed for AMX (as the runner packs them after loading) under
-        bf16 hidden states; without biases, q/k norms or LoRA, on one rank. Anything else,
-        the modules run it."""
+        quantized (whole or in block parts), or bf16 packed for AMX (as the runner packs them
+        after loading) under bf16 hidden states; without biases or LoRA, with a gated
+        activation the op knows, on one rank. Anything else, the modules run it."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not cpu_kernels_on(attn.qkv_proj.weight) or any(p.lora is not None for p in projections):
@@ -169,32 +200,28 @@ class LlamaDecoderLayer(nn.Module):
         return weights if dtype in (torch.bfloat16, torch.float32) else None
 
     def _decode_op_weights(self, projections: tuple[Linear, ...]) -> DecodeOpWeights | None:
-        if self.self_attn.q_norm is not None or get_tp_group().size != 1:
+        activation = DECODE_OP_ACTIVATIONS.get(type(self.mlp.act_fn))
+        norms = self.decode_norms()
+        if activation is None or len({n.variance_epsilon for n in norms if n is not None}) != 1:
+            return None  # the op takes one epsilon
+        if get_tp_group().size != 1:
             return None
-        weights: list[torch.Tensor] = []
+        tensors: list[torch.Tensor] = []
         formats: list[int] = []
+        parts: list[int] = []
         activation_bits = 32
         for p in projections:
-            packed = p.packed_weight
-            if p.bias is not None:
+            held = None if p.bias is not None else decode_op_parts(p)
+            if held is None:
                 return None
-            if p.quant_format is not None:
-                weights += [p.weight, p.weight]
-                formats.append(p.quant_format)
+            for weight, packed, format in held:
+                tensors += [weight, packed]
+                formats.append(format)
+            parts.append(len(held))
+            if p.quant_format is not None or p.block_parts:
                 activation_bits = p.activation_bits
-            elif (
-                p.weight.dtype == torch.bfloat16
-                and packed is not None
-                and cpu_ops.is_amx_packed(packed)
-            ):
-                weights += [p.weight, packed]
-                formats.append(-1)
-            else:
-                return None
-        qkv, o, gate_up, down = (weights[i : i + 2] for i in range(0, 8, 2))
-        norms = self.input_layernorm.weight, self.post_attention_layernorm.weight
-        tensors = [norms[0], *qkv, *o, norms[1], *gate_up, *down]
-        return DecodeOpWeights(tensors, formats, activation_bits)
+        norm_weights: list[torch.Tensor | None] = [n if n is None else n.weight for n in norms]
+        return DecodeOpWeights(norm_weights, tensors, formats, parts, activation, activation_bits)
 
     def _forward_decode_op(
         self,
@@ -210,17 +237,34 @@ class LlamaDecoderLayer(nn.Module):
         out = cpu_ops.decode_layer(
             hidden_states,
             residual,
-            weights.tensors,
+            weights.norms,
+            weights.projections,
+            weights.formats,
+            weights.parts,
+            weights.activation,
+            weights.activation_bits,
             cos_sin,
             *inputs,
             attn.num_heads,
             attn.num_kv_heads,
             attn.scaling,
             self.input_layernorm.variance_epsilon,
-            weights.formats,
-            weights.activation_bits,
         )
         return out, hidden_states if residual is None else residual
+
+
+def decode_op_parts(p: Linear) -> list[tuple[torch.Tensor, torch.Tensor, int]] | None:
+    """`p`'s weight as `cpu_ops.decode_layer` takes a projection: (weight, packed copy,
+    format) for each part of its output rows (block parts, or the whole weight); None where
+    the op cannot read it (a bf16 weight not packed for AMX, a float one)."""
+    if p.block_parts:
+        return [(part.weight, part.weight, part.format) for part in p.block_parts]
+    if p.quant_format is not None:
+        return [(p.weight, p.weight, p.quant_format)]
+    packed = p.packed_weight
+    if p.weight.dtype == torch.bfloat16 and packed is not None and cpu_ops.is_amx_packed(packed):
+        return [(p.weight, packed, -1)]
+    return None
 
 
 class LlamaModel(nn.Module):

@@ -129,6 +129,57 @@ def test_fused_layers_of_one_format_hold_blocks_and_mixed_ones_stay_float(
         assert (logits - expected).abs().max() <= tolerance
 
 
+def assert_prefill_and_decode_logits(runner, hf_model, hf_logits, prompts) -> None:
+    """Logits as transformers' over the weights the blocks hold: the prefill's (float rows)
+    within float roundings, the decode step's (x rounded to int16 per block) within 1e-3 of
+    the largest."""
+    for prompt in prompts:
+        greedy = run_greedy(runner, [prompt], 2)
+        expected = hf_logits(hf_model, prompt)
+        assert (greedy.logits[0][0] - expected).abs().max() <= 1e-3
+        assert greedy.tokens[0][0] == int(expected.argmax())
+        decoded = hf_logits(hf_model, [*prompt, greedy.tokens[0][0]])
+        largest = decoded.abs().max().item()
+        assert (greedy.logits[0][1] - decoded).abs().max() <= 1e-3 * largest
+
+
+MIXED_PARTS = {
+    ".q_proj.": Q.Q5_0,
+    ".k_proj.": Q.Q5_0,
+    ".v_proj.": Q.Q8_0,
+    ".o_proj.": Q.Q8_0,
+    ".gate_proj.": Q.Q4_0,
+    ".up_proj.": Q.Q8_0,
+    ".down_proj.": Q.Q4_1,
+}
+"""Fused layers whose parts differ in block format: q and k in Q5_0 beside a Q8_0 v, as in
+Gemma 3 270M's file, and a Q4_0 gate beside a Q8_0 up."""
+
+
+def test_fused_layers_of_mixed_formats_hold_each_parts_blocks(
+    tmp_path, hf_model_factory, hf_logits, runner_factory, prompts_factory
+):
+    """Each run of parts in one format is one part held in its blocks (q and k together);
+    logits as transformers' over the weights those blocks hold."""
+    hf_model = hf_model_factory("qwen3")
+    path = tmp_path / "mixed_parts.gguf"
+    write_gguf(hf_model, path, quantize=MIXED_PARTS)
+    runner = runner_factory(path, dtype="float32", quantization="gguf")
+    attn, mlp = runner.model.model.layers[0].self_attn, runner.model.model.layers[0].mlp
+    q_rows, kv_rows, inter = attn.qkv_proj.q_size, attn.qkv_proj.kv_size, 96
+    assert [(p.start, len(p.weight), p.format) for p in attn.qkv_proj.block_parts] == [
+        (0, q_rows + kv_rows, WeightFormat.Q5_0),
+        (q_rows + kv_rows, kv_rows, WeightFormat.Q8_0),
+    ]
+    assert [(p.start, len(p.weight), p.format) for p in mlp.gate_up_proj.block_parts] == [
+        (0, inter, WeightFormat.Q4_0),
+        (inter, inter, WeightFormat.Q8_0),
+    ]
+    assert attn.qkv_proj.quant_format is None and attn.qkv_proj.weight.dtype == torch.uint8
+    assert runner.weights_format == "gguf:Q4_0,Q4_1,Q5_0,Q8_0"
+    assert_prefill_and_decode_logits(runner, hf_model.float(), hf_logits, prompts_factory([9, 30]))
+
+
 def test_k_quant_layers_are_served_from_their_super_blocks(
     tmp_path, hf_model_factory, hf_logits, runner_factory, prompts_factory
 ):
@@ -201,15 +252,7 @@ def test_q5_layers_and_embedding_are_served_from_their_blocks(
     assert embed.quant_format == WeightFormat(int(kinds["embed_tokens"]))
     assert runner.model.lm_head is embed and embed.weight.dtype == torch.uint8
     assert runner.weights_format == formats
-    hf_model = hf_model.float()
-    for prompt in prompts_factory([9, 30]):
-        greedy = run_greedy(runner, [prompt], 2)
-        expected = hf_logits(hf_model, prompt)
-        assert (greedy.logits[0][0] - expected).abs().max() <= 1e-3
-        assert greedy.tokens[0][0] == int(expected.argmax())
-        decoded = hf_logits(hf_model, [*prompt, greedy.tokens[0][0]])
-        largest = decoded.abs().max().item()
-        assert (greedy.logits[0][1] - decoded).abs().max() <= 1e-3 * largest
+    assert_prefill_and_decode_logits(runner, hf_model.float(), hf_logits, prompts_factory([9, 30]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

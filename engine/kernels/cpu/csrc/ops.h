@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string_view>
 #include <vector>
 
 namespace radixserve {
@@ -55,14 +56,17 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
 at::Tensor quant_dequantize(const at::Tensor& weight, int64_t format, int64_t k_size);
 std::vector<int64_t> quant_format_table();
 
-// decode_layer.cpp: a whole Llama decoder layer of a decode batch, as one op.
+// decode_layer.cpp: a whole decoder layer of a decode batch (Llama's, with Qwen3's q/k norms
+// or Gemma 3's four norms and GELU), as one op.
 at::Tensor decode_layer(const at::Tensor& hidden, const std::optional<at::Tensor>& residual,
-                        at::TensorList weights, const at::Tensor& cos_sin,
-                        const at::Tensor& k_buffer, const at::Tensor& v_buffer,
-                        const at::Tensor& out_cache_loc, const at::Tensor& slots,
-                        const at::Tensor& seq_lens, const std::optional<at::Tensor>& slot_index,
-                        int64_t num_heads, int64_t num_kv_heads, double scaling, double eps,
-                        at::IntArrayRef formats, int64_t activation_bits, int64_t few_rows,
-                        bool batch_invariant, int64_t window);
+                        const c10::List<std::optional<at::Tensor>>& norms,
+                        at::TensorList projection_tensors, at::IntArrayRef formats,
+                        at::IntArrayRef parts, std::string_view activation,
+                        const at::Tensor& cos_sin, const at::Tensor& k_buffer,
+                        const at::Tensor& v_buffer, const at::Tensor& out_cache_loc,
+                        const at::Tensor& slots, const at::Tensor& seq_lens,
+                        const std::optional<at::Tensor>& slot_index, int64_t num_heads,
+                        int64_t num_kv_heads, double scaling, double eps, int64_t activation_bits,
+                        int64_t few_rows, bool batch_invariant, int64_t window);
 
 }  // namespace radixserve

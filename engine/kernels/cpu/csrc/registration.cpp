@@ -29,11 +29,12 @@ TORCH_LIBRARY(radixserve_cpu, m) {
   m.def("quant_dequantize(Tensor weight, int format, int k_size) -> Tensor");
   m.def("quant_format_table() -> int[]");
   m.def(
-      "decode_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor[] weights, Tensor cos_sin, "
+      "decode_layer(Tensor(a!) hidden, Tensor(b!)? residual, Tensor?[] norms, "
+      "Tensor[] projections, int[] formats, int[] parts, str activation, Tensor cos_sin, "
       "Tensor(c!) k_buffer, Tensor(d!) v_buffer, Tensor out_cache_loc, Tensor slots, "
       "Tensor seq_lens, Tensor? slot_index, int num_heads, int num_kv_heads, float scaling, "
-      "float eps, int[] formats, int activation_bits, int few_rows, bool batch_invariant, "
-      "int window=0) -> Tensor");
+      "float eps, int activation_bits, int few_rows, bool batch_invariant, int window=0) "
+      "-> Tensor");
 }
 
 // Ops without tensors (what this build and CPU can do) dispatch on no device.

@@ -310,8 +310,8 @@ def test_the_one_op_decode_layer_attends_over_the_window():
         for name, (n, k) in sizes.items()
     }
     norm = torch.ones(hidden_size)
-    weights = [norm, *[projections["qkv"]] * 2, *[projections["o"]] * 2, norm]
-    weights += [*[projections["gate_up"]] * 2, *[projections["down"]] * 2]
+    norms = [norm, None, None, None, norm, None]
+    weights = [weight for weight in projections.values() for weight in (weight, weight)]
     lens = [3, 12, 30]
     pool = sum(lens) + 1
     k_buffer, v_buffer = (torch.randn(pool, kv_heads, head_dim, generator=gen) for _ in range(2))
@@ -328,7 +328,12 @@ def test_the_one_op_decode_layer_attends_over_the_window():
         return cpu_ops.decode_layer(
             hidden.clone(),
             None,
+            norms,
             weights,
+            [int(WeightFormat.Q8_0)] * 4,
+            [1] * 4,
+            "silu",
+            32,
             cos_sin,
             k_buffer,
             v_buffer,
@@ -342,8 +347,6 @@ def test_the_one_op_decode_layer_attends_over_the_window():
             kv_heads,
             head_dim**-0.5,
             1e-6,
-            [int(WeightFormat.Q8_0)] * 4,
-            32,
         )
 
     windowed = layer(slots, seq_lens, WINDOW)

@@ -19,6 +19,9 @@ from engine.model.layers.radix_attention import RadixAttention
 from engine.model.models.llama import LlamaDecoderLayer
 from engine.model.runner import ModelRunner
 from testing.batches import ExtendInput, build_forward_batch
+from tests.engine.model.conftest import GreedyResult, run_greedy
+from tests.engine.model.test_loader import write_gguf
+from tests.engine.model.test_quantization import MIXED_PARTS
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -98,37 +101,51 @@ def count_decode_layer_calls(monkeypatch) -> list[int]:
     return calls
 
 
+def greedy_as_the_modules(
+    runner: ModelRunner, prompts: list[list[int]], monkeypatch, tolerance: float = 0.0
+) -> GreedyResult:
+    """Four greedy tokens of `prompts`, every decode layer run as one op, checked against
+    the modules alone: the same tokens, each step's logits within `tolerance` (0: bit for
+    bit; the K/V the op writes is what later steps attend to). Returns the op's run."""
+    calls = count_decode_layer_calls(monkeypatch)
+    ours = run_greedy(runner, prompts, 4)
+    assert calls == [len(prompts)] * 3 * runner.model_config.num_hidden_layers  # 3 decode steps
+    with monkeypatch.context() as modules_only:
+        modules_only.setattr(LlamaDecoderLayer, "decode_weights", lambda self, dtype: None)
+        theirs = run_greedy(runner, prompts, 4)
+    assert ours.tokens == theirs.tokens
+    for our_steps, their_steps in zip(ours.logits, theirs.logits, strict=True):
+        for a, b in zip(our_steps, their_steps, strict=True):
+            torch.testing.assert_close(a, b, atol=tolerance, rtol=tolerance)
+    return ours
+
+
+ONE_OP_ARCHS = ["llama", "qwen3", "gemma3"]
+"""Llama's layer, Qwen3's q/k norms, Gemma 3's four norms, q/k norms, GELU and window."""
+
+
 @one_op_layers
+@pytest.mark.parametrize("arch", ONE_OP_ARCHS)
 def test_a_bf16_decode_layer_runs_as_one_op_with_the_modules_results(
-    hf_model_factory, runner_factory, prompts_factory, greedy, tmp_path, monkeypatch
+    arch, hf_model_factory, runner_factory, prompts_factory, tmp_path, monkeypatch
 ):
     """Same kernels in the same order: greedy tokens and every step's logits are equal,
-    bit for bit, to the modules' (the K/V the op writes is what later steps attend to);
-    batch 1 takes the few-rows matmul, batch 3 the AMX one."""
-    hf_model_factory("llama").save_pretrained(tmp_path)
+    bit for bit, to the modules'; batch 1 takes the few-rows matmul, batch 3 the AMX one.
+    Gemma 3's contexts outgrow its sliding layer's window of 8."""
+    hf_model_factory(arch).save_pretrained(tmp_path)
     runner = runner_factory(tmp_path, dtype="bfloat16")
-    calls = count_decode_layer_calls(monkeypatch)
-    layers_per_step = runner.model_config.num_hidden_layers
     for prompts in (prompts_factory([7]), prompts_factory([6, 1, 9])):
-        calls.clear()
-        ours = greedy(runner, prompts, 4)
-        assert calls == [len(prompts)] * 3 * layers_per_step  # the three decode steps
-        with monkeypatch.context() as modules_only:
-            modules_only.setattr(LlamaDecoderLayer, "decode_weights", lambda self, dtype: None)
-            theirs = greedy(runner, prompts, 4)
-        assert ours.tokens == theirs.tokens
-        for our_steps, their_steps in zip(ours.logits, theirs.logits, strict=True):
-            assert all(torch.equal(a, b) for a, b in zip(our_steps, their_steps, strict=True))
+        greedy_as_the_modules(runner, prompts, monkeypatch)
 
 
 @one_op_layers
 def test_the_modules_run_what_the_one_op_layer_does_not_cover(
     hf_model_factory, runner_factory, prompts_factory, tmp_path, monkeypatch
 ):
-    """Prefill and mixed batches, q/k norms (Qwen3), projection biases (Qwen2), float32 and
-    layers with LoRA go through the modules."""
+    """Prefill and mixed batches, projection biases (Qwen2), float32 and layers with LoRA
+    go through the modules."""
     calls = count_decode_layer_calls(monkeypatch)
-    for arch, dtype in (("qwen3", "bfloat16"), ("qwen2", "bfloat16"), ("llama", "float32")):
+    for arch, dtype in (("qwen2", "bfloat16"), ("llama", "float32")):
         path = tmp_path / f"{arch}-{dtype}"
         hf_model_factory(arch).save_pretrained(path)
         prefill_then_decode(runner_factory(path, dtype=dtype), prompts_factory([6, 1]))
@@ -149,30 +166,38 @@ def test_the_modules_run_what_the_one_op_layer_does_not_cover(
     assert layer.decode_weights(torch.bfloat16) is None
 
 
+@pytest.mark.parametrize("arch", ONE_OP_ARCHS)
 def test_a_float32_quantized_decode_layer_writes_and_reads_a_float16_pool(
-    hf_model_factory, runner_factory, prompts_factory, greedy, tmp_path, monkeypatch
+    arch, hf_model_factory, runner_factory, prompts_factory, tmp_path, monkeypatch
 ):
     """`--kv-cache-dtype float16` under float32 (the AVX2 default over quantized weights):
     the one-op layer rounds the new K/V to half as the modules do, so tokens are theirs and
     logits within float32 rounding of theirs (as over a float32 pool: the modules' float32
-    norms are torch's), and within half's rounding of a float32 pool's."""
-    hf_model_factory("llama").save_pretrained(tmp_path)
+    norms and GELU are torch's), and within half's rounding of a float32 pool's."""
+    hf_model_factory(arch).save_pretrained(tmp_path)
     runner = runner_factory(
         tmp_path, dtype="float32", quantization="int8", kv_cache_dtype="float16"
     )
     assert runner.token_to_kv_pool.dtype == torch.float16
-    calls = count_decode_layer_calls(monkeypatch)
     prompts = prompts_factory([6, 1, 9])
-    ours = greedy(runner, prompts, 4)
-    assert calls == [len(prompts)] * 3 * runner.model_config.num_hidden_layers
-    with monkeypatch.context() as modules_only:
-        modules_only.setattr(LlamaDecoderLayer, "decode_weights", lambda self, dtype: None)
-        theirs = greedy(runner, prompts, 4)
-    assert ours.tokens == theirs.tokens
-    for our_steps, their_steps in zip(ours.logits, theirs.logits, strict=True):
-        for a, b in zip(our_steps, their_steps, strict=True):
-            torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
-    full = greedy(runner_factory(tmp_path, dtype="float32", quantization="int8"), prompts, 4)
+    ours = greedy_as_the_modules(runner, prompts, monkeypatch, tolerance=2e-5)
+    full = run_greedy(runner_factory(tmp_path, dtype="float32", quantization="int8"), prompts, 4)
     for our_steps, full_steps in zip(ours.logits, full.logits, strict=True):
         for a, b in zip(our_steps, full_steps, strict=True):
             torch.testing.assert_close(a, b, atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_decode_layer_over_block_parts_runs_as_one_op_with_the_modules_results(
+    dtype, hf_model_factory, runner_factory, prompts_factory, tmp_path, monkeypatch
+):
+    """Fused projections held as parts in different block formats (`MIXED_PARTS`): the op
+    multiplies each part as the module does, so tokens are the modules' and logits equal to
+    theirs bit for bit under bf16 (every kernel is the same), within float32 rounding under
+    float32 (the modules' float32 norms are torch's). Every kernel path runs it."""
+    path = tmp_path / "mixed_parts.gguf"
+    write_gguf(hf_model_factory("qwen3"), path, quantize=MIXED_PARTS)
+    runner = runner_factory(path, dtype=dtype, quantization="gguf")
+    assert runner.model.model.layers[0].self_attn.qkv_proj.block_parts
+    tolerance = 0.0 if dtype == "bfloat16" else 2e-5
+    greedy_as_the_modules(runner, prompts_factory([6, 1, 9]), monkeypatch, tolerance)
