@@ -83,10 +83,6 @@ constexpr bool has_offset(int64_t format) {
   return is_nibble_block(format) || is_k_nibble(format);
 }
 
-// Formats the integer-activation paths multiply (Q6_K's scales cover 16 weights, half a
-// block of x: its rows are widened to floats).
-constexpr bool has_integer_path(int64_t format) { return format != kQ6_K; }
-
 constexpr int64_t block_weights(int64_t format) {
   return is_k_quant(format) ? kSuperBlock : kBlock;
 }

@@ -110,13 +110,11 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
   with_format(format, [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
 #if defined(RADIXSERVE_SIMD)
-    if constexpr (has_integer_path(F)) {  // else floats (gemv_widened)
-      if (m_size <= kIntegerRows && activation_bits != 32) {
-        const auto integer = activation_bits == 16 ? &gemv_integer<F, int16_t>
-                                                   : &gemv_integer<F, int8_t>;
-        integer(x_ptr, m_size, k_size, w_ptr, n_size, y_ptr);
-        return;
-      }
+    if (m_size <= kIntegerRows && activation_bits != 32) {
+      const auto integer = activation_bits == 16 ? &gemv_integer<F, int16_t>
+                                                 : &gemv_integer<F, int8_t>;
+      integer(x_ptr, m_size, k_size, w_ptr, n_size, y_ptr);
+      return;
     }
 #endif
     gemv<F>(x_ptr, m_size, k_size, w_ptr, n_size, y_ptr, batch_invariant);

@@ -27,6 +27,12 @@ GEMV_ROWS = 16
 """Up to this many rows of x the kernel's register path runs (kGemvRows), beyond, the bands."""
 
 
+def largest_integer(format: WeightFormat, bits: int) -> int:
+    """What a block of x rounds to at `bits`: Q6_K's int16 keeps one bit less, so that its
+    products times its 8-bit sub-block scales still sum exactly in int32."""
+    return 2**14 - 1 if format == WeightFormat.Q6_K and bits == 16 else 2 ** (bits - 1) - 1
+
+
 @pytest.fixture(autouse=True)
 def kernels_built() -> None:
     assert cpu_build.available(), "the suite's machines have a compiler"
@@ -65,16 +71,16 @@ def test_float_activations_match_float64(format, rows, n, k):
     ("format", "n", "k"), cases([(33, 32), (200, 576), (9, 1536), (18, 64), (6, 512)])
 )
 def test_integer_activations_are_within_their_rounding_of_float64(format, bits, rows, n, k):
-    """Each block of 32 values of x rounds to integers with step max|x| / (2^(bits-1) - 1):
-    the result may move by half a step times the block's |w| sums, and no more (the
-    Q6_K's super-blocks multiply floats, well within it)."""
+    """Each block of 32 values of x rounds to integers with step max|x| / its largest integer
+    (2^(bits-1) - 1, Q6_K's int16 2^14 - 1): the result may move by half a step times the
+    block's |w| sums, and no more."""
     weight, reference = quantized(format, random_weight(n, k, seed=rows + n * k))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k))
     x[0, :5] = torch.tensor([0.0, -0.0, 1e-30, -7.5, 3e-39])  # zeros, a denormal, a large one
     expected = x.double() @ reference.T
     out = cpu_ops.quant_linear(x, weight, int(format), None, bits)
     blocks = x.double().view(rows, k // 32, 32)
-    half_step = blocks.abs().amax(dim=2) / (2 ** (bits - 1) - 1) / 2  # [rows, blocks]
+    half_step = blocks.abs().amax(dim=2) / largest_integer(format, bits) / 2  # [rows, blocks]
     w_sums = reference.abs().view(n, k // 32, 32).sum(dim=2)  # [n, blocks]
     bound = half_step @ w_sums.T * (1 + 1e-5) + k * 2.0**-22 * (
         x.double().abs() @ reference.abs().T
@@ -152,7 +158,7 @@ def test_gemma_shapes_match_float64_on_every_route(format, n, k, rows, bits, dty
     magnitude = xd.abs() @ reference.abs().T
     bound = k * 2.0**-22 * magnitude
     if bits != 32:
-        half_step = xd.view(rows, k // 32, 32).abs().amax(dim=2) / (2 ** (bits - 1) - 1) / 2
+        half_step = xd.view(rows, k // 32, 32).abs().amax(dim=2) / largest_integer(format, bits) / 2
         bound += half_step @ reference.abs().view(n, k // 32, 32).sum(dim=2).T * (1 + 1e-5)
     if dtype == torch.bfloat16:
         bound += 2.0**-8 * (magnitude + expected.abs() + bound)

@@ -34,9 +34,16 @@ struct IntegerRows {
   std::vector<float> scales, sums;  // [rows, K / 32]: the scale, and it times the block's sum
 };
 
+// The largest integer a block of x rounds to for weights of format F: the type's, but for
+// Q6_K at int16 one bit less, since its products take their 8-bit sub-block scales before a
+// block's 32 are summed in int32 (32 x 32 x 128 x 16383 < 2^31).
+template <int64_t F, typename A>
+constexpr float largest_integer() {
+  return F == kQ6_K && std::is_same_v<A, int16_t> ? 16383.0f : std::numeric_limits<A>::max();
+}
+
 template <typename A>
-inline IntegerRows<A> round_rows(const float* x, int64_t m_size, int64_t k_size) {
-  constexpr float kLargest = std::numeric_limits<A>::max();
+inline IntegerRows<A> round_rows(const float* x, int64_t m_size, int64_t k_size, float largest) {
   const int64_t blocks = m_size * k_size / kBlock;
   IntegerRows<A> q{std::vector<A>(m_size * k_size), std::vector<float>(blocks),
                    std::vector<float>(blocks)};
@@ -54,8 +61,8 @@ inline IntegerRows<A> round_rows(const float* x, int64_t m_size, int64_t k_size)
     const float max_abs = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
     // a NaN in the block makes its scale NaN, so that it reaches every output of the row
     const float scale = _mm256_movemask_ps(nan) != 0 ? std::numeric_limits<float>::quiet_NaN()
-                                                     : max_abs / kLargest;
-    const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? kLargest / max_abs : 0.0f);
+                                                     : max_abs / largest;
+    const __m256 inverse = _mm256_set1_ps(max_abs > 0.0f ? largest / max_abs : 0.0f);
     __m256i ints[4];
     for (int i = 0; i < 4; ++i) ints[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
     const __m256i total = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]),
@@ -99,6 +106,9 @@ inline IntegerRows<A> round_rows(const float* x, int64_t m_size, int64_t k_size)
 //   nibble block's 64-bit lanes shifted by 0 (low nibbles) or 4 (high ones). The Q5
 //   formats then OR in their fifth bits, 32 bytes of 0 or 0x10 in weight order
 //   (`BlockIntegers::fifth`): as they are for int8, their even and odd bytes for int16.
+//   Q6_K's 32 weights are assembled as signed bytes (`q6k_weights`), then taken as a byte
+//   format; its two scales of 16 weights each multiply the lanes of their half
+//   (`BlockOperand::lane_scales`), so that a block still sums to one int32 per row.
 // - A row's block against a block of x gives 8 int32 lanes; the 8 rows' lanes are summed
 //   into one vector, one int32 per row (exact: at most 32 x 32767 x 128), converted to float
 //   once and scaled by the 8 rows' block scales as a vector, loaded from the 8 block headers
@@ -107,8 +117,8 @@ constexpr int64_t kIntegerTileRows = 8;
 constexpr int64_t kPrefetchTiles = 2;  // a tile's block steps prefetch the tile this far ahead
 
 // Where block b of a weight row keeps its integers: its nibbles or int8 weights (Q4_K/Q5_K:
-// 32 bytes whose nibbles at `shift` they are), and the Q5 formats' fifth bits as bytes of 0
-// or 0x10 in weight order (zero for the others).
+// 32 bytes whose nibbles at `shift` they are; Q6_K: its super-block, `shift` the sub-block),
+// and the Q5 formats' fifth bits as bytes of 0 or 0x10 in weight order (zero for the others).
 struct BlockIntegers {
   const uint8_t* qs;
   int shift = 0;
@@ -128,6 +138,8 @@ inline BlockIntegers block_integers(const uint8_t* row, int64_t b) {
           _mm256_set1_epi8(0x10));
     }
     return block;
+  } else if constexpr (F == kQ6_K) {
+    return {row + b / 8 * block_bytes(F), static_cast<int>(b % 8)};
   } else {
     const uint8_t* block = row + b * block_bytes(F);
     if constexpr (has_fifth_bit(F)) {
@@ -137,18 +149,49 @@ inline BlockIntegers block_integers(const uint8_t* row, int64_t b) {
   }
 }
 
+// Sub-block j of a Q6_K super-block as 32 signed bytes q - 32: run j % 4 of half j / 4, whose
+// low 4 bits are nibbles of 32 bytes at 0 (runs 0, 1) or 32 (runs 2, 3) of the half's 64 and
+// high 2 bits are bits 2 (j % 4) of the half's 32 bytes after the 128 of nibbles.
+inline __m256i q6k_weights(const uint8_t* super_block, int j) {
+  const int half = j / 4, run = j % 4;
+  const __m256i low_bytes = _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(super_block + half * 64 + run % 2 * 32));
+  const __m256i high_bytes =
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(super_block + 128 + half * 32));
+  const __m256i low = _mm256_and_si256(
+      _mm256_srl_epi16(low_bytes, _mm_cvtsi32_si128(run / 2 * 4)), _mm256_set1_epi8(0x0F));
+  const __m256i high = _mm256_slli_epi16(
+      _mm256_and_si256(_mm256_srl_epi16(high_bytes, _mm_cvtsi32_si128(2 * run)),
+                       _mm256_set1_epi8(0x03)),
+      4);
+  return _mm256_sub_epi8(_mm256_or_si256(low, high), _mm256_set1_epi8(32));
+}
+
+// The int8 scales of sub-block j's two halves as int32 lanes [s0 x 4 | s1 x 4]: a block's dot
+// lanes 0-3 hold its first 16 products, lanes 4-7 the others.
+inline __m256i q6k_lane_scales(const uint8_t* super_block, int j) {
+  const __m128i pair = _mm_cvtsi32_si128(load_u16(super_block + 192 + 2 * j));
+  return _mm256_cvtepi8_epi32(
+      _mm_shuffle_epi8(pair, _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)));
+}
+
 // One weight row's block, unpacked for blocks of x of type A; `dot` gives its products with
-// one, as 8 int32 lanes to be summed.
+// one, as 8 int32 lanes to be summed (Q6_K's already times their scales).
 template <int64_t F, typename A>
 struct BlockOperand;
 
 template <int64_t F>
 struct BlockOperand<F, int16_t> {
-  __m256i even, odd;
+  __m256i even, odd, lane_scales;
 
   explicit BlockOperand(const BlockIntegers& block) {
     const __m256i low4 = _mm256_set1_epi16(0x000F);
-    if constexpr (is_nibble_block(F)) {
+    if constexpr (F == kQ6_K) {
+      const __m256i bytes = q6k_weights(block.qs, block.shift);
+      even = _mm256_srai_epi16(_mm256_slli_epi16(bytes, 8), 8);
+      odd = _mm256_srai_epi16(bytes, 8);
+      lane_scales = q6k_lane_scales(block.qs, block.shift);
+    } else if constexpr (is_nibble_block(F)) {
       const __m256i bytes = _mm256_broadcastsi128_si256(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.qs)));
       even = _mm256_and_si256(
@@ -174,8 +217,10 @@ struct BlockOperand<F, int16_t> {
 
   __m256i dot(const int16_t* x) const {  // 2 x 32767 x 128 at most per product pair
     const __m256i* xs = reinterpret_cast<const __m256i*>(x);
-    return _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xs)),
-                            _mm256_madd_epi16(odd, _mm256_loadu_si256(xs + 1)));
+    const __m256i lanes = _mm256_add_epi32(_mm256_madd_epi16(even, _mm256_loadu_si256(xs)),
+                                           _mm256_madd_epi16(odd, _mm256_loadu_si256(xs + 1)));
+    if constexpr (F == kQ6_K) return _mm256_mullo_epi32(lanes, lane_scales);
+    return lanes;
   }
 };
 
@@ -183,11 +228,14 @@ struct BlockOperand<F, int16_t> {
 // are; signed weights as their magnitudes, x then taking their signs.
 template <int64_t F>
 struct BlockOperand<F, int8_t> {
-  __m256i weights, magnitudes;
+  __m256i weights, magnitudes, lane_scales;
 
   explicit BlockOperand(const BlockIntegers& block) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    if constexpr (is_nibble_block(F)) {
+    if constexpr (F == kQ6_K) {
+      weights = q6k_weights(block.qs, block.shift);
+      lane_scales = q6k_lane_scales(block.qs, block.shift);
+    } else if constexpr (is_nibble_block(F)) {
       const __m256i bytes = _mm256_broadcastsi128_si256(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(block.qs)));
       weights = _mm256_and_si256(_mm256_srlv_epi64(bytes, _mm256_setr_epi64x(0, 0, 4, 4)), low4);
@@ -209,14 +257,17 @@ struct BlockOperand<F, int8_t> {
 
   __m256i dot(const int8_t* x) const {
     __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-    if constexpr (F == kQ8_0 || F == kInt8Rows) v = _mm256_sign_epi8(v, weights);
+    if constexpr (!has_offset(F)) v = _mm256_sign_epi8(v, weights);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitudes, v);
+    const __m256i lanes = _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitudes, v);
 #elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), magnitudes, v);
+    const __m256i lanes = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), magnitudes, v);
 #else  // pairs first: 2 x 31 x 127 (nibbles, fifth bits) or 2 x 128 x 127 (int8) fit int16
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, v), _mm256_set1_epi16(1));
+    const __m256i lanes =
+        _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, v), _mm256_set1_epi16(1));
 #endif
+    if constexpr (F == kQ6_K) return _mm256_mullo_epi32(lanes, lane_scales);
+    return lanes;
   }
 };
 
@@ -245,6 +296,12 @@ inline void block_factors8(const uint8_t* const* rows, int64_t b, __m256& d, __m
             : is_nibble_block(F) ? _mm256_mul_ps(d, _mm256_set1_ps(-zero_point(F)))
                                  : _mm256_setzero_ps();
   } else if constexpr (F == kInt8Rows) {
+    shift = _mm256_setzero_ps();
+  } else if constexpr (F == kQ6_K) {  // the super-blocks' d (the sub-blocks' scales: lanes)
+    const int64_t at = b / 8 * block_bytes(F) + 208;
+    const auto half = [&](int j) { return static_cast<int16_t>(load_u16(rows[j] + at)); };
+    d = _mm256_cvtph_ps(
+        _mm_setr_epi16(half(0), half(1), half(2), half(3), half(4), half(5), half(6), half(7)));
     shift = _mm256_setzero_ps();
   } else {  // Q4_K, Q5_K: the sub-blocks' factors of 6 bits
     alignas(32) float ds[8], shifts[8];
@@ -317,7 +374,7 @@ inline void dot_rows8(const IntegerRows<A>& xq, int64_t m, int64_t k_size,
 template <int64_t F, typename A>
 inline void gemv_integer(const float* x, int64_t m_size, int64_t k_size, const uint8_t* weight,
                   int64_t n_size, float* y) {
-  const IntegerRows<A> xq = round_rows<A>(x, m_size, k_size);
+  const IntegerRows<A> xq = round_rows<A>(x, m_size, k_size, largest_integer<F, A>());
   const int64_t stride = row_bytes(F, k_size);
   const int64_t tiles = (n_size + kIntegerTileRows - 1) / kIntegerTileRows;
   radixserve::parallel_claim(tiles, radixserve::chunk_for(tiles), [&](auto& queue) {
