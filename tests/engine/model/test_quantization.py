@@ -129,6 +129,11 @@ def test_fused_layers_of_one_format_hold_blocks_and_mixed_ones_stay_float(
         assert (logits - expected).abs().max() <= tolerance
 
 
+PREFILL_ROWS = 17
+"""A prompt long enough that its rows multiply floats over every format (integer activations
+take up to 16 rows of x over the K-quants)."""
+
+
 def assert_prefill_and_decode_logits(runner, hf_model, hf_logits, prompts) -> None:
     """Logits as transformers' over the weights the blocks hold: the prefill's (float rows)
     within float roundings, the decode step's (x rounded to int16 per block) within 1e-3 of
@@ -206,7 +211,7 @@ def test_k_quant_layers_are_served_from_their_super_blocks(
     assert layer.mlp.down_proj.weight.shape == (256, 256 // 256 * 210)
     assert runner.weights_format == "gguf:Q8_0,Q4_K,Q6_K"  # by GGML type id
     hf_model = hf_model.float()
-    for prompt in prompts_factory([9, 30]):
+    for prompt in prompts_factory([PREFILL_ROWS, 30]):
         greedy = run_greedy(runner, [prompt], 2)
         expected = hf_logits(hf_model, prompt)
         assert (greedy.logits[0][0] - expected).abs().max() <= 1e-3
@@ -252,7 +257,7 @@ def test_q5_layers_and_embedding_are_served_from_their_blocks(
     assert embed.quant_format == WeightFormat(int(kinds["embed_tokens"]))
     assert runner.model.lm_head is embed and embed.weight.dtype == torch.uint8
     assert runner.weights_format == formats
-    assert_prefill_and_decode_logits(runner, hf_model.float(), hf_logits, prompts_factory([9, 30]))
+    assert_prefill_and_decode_logits(runner, hf_model.float(), hf_logits, prompts_factory([PREFILL_ROWS, 30]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

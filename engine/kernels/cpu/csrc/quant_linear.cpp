@@ -25,10 +25,12 @@ namespace {
 
 using namespace radixserve::quant;
 
-// Up to this many rows of x, integer activations where asked for; beyond, a block widened
-// once to floats for four rows of x costs less than the integer products' per-block scaling
-// (docs/benchmarks/quantization.md).
-constexpr int64_t kIntegerRows = 2;
+// Up to this many rows of x, integer activations where asked for (the integer tiles take up
+// to four rows of x per pass over eight weight rows); beyond, a block widened once to floats
+// for four rows of x costs less than the integer products' per-block scaling, except for the
+// K-quants, whose 6-bit factors make widening the dearer of the two at every row count of
+// the register path (docs/benchmarks/gemma3.md).
+constexpr int64_t integer_rows(int64_t format) { return is_k_quant(format) ? kGemvRows : 4; }
 
 template <int64_t F>
 void widen_rows(const uint8_t* weight, int64_t k_size, int64_t n_begin, int64_t n_end,
@@ -110,7 +112,7 @@ at::Tensor quant_linear(const at::Tensor& input, const at::Tensor& weight, int64
   with_format(format, [&](auto f) {
     constexpr int64_t F = decltype(f)::value;
 #if defined(RADIXSERVE_SIMD)
-    if (m_size <= kIntegerRows && activation_bits != 32) {
+    if (m_size <= integer_rows(F) && activation_bits != 32) {
       const auto integer = activation_bits == 16 ? &gemv_integer<F, int16_t>
                                                  : &gemv_integer<F, int8_t>;
       integer(x_ptr, m_size, k_size, w_ptr, n_size, y_ptr);

@@ -173,15 +173,23 @@ def test_a_float32_quantized_decode_layer_writes_and_reads_a_float16_pool(
     """`--kv-cache-dtype float16` under float32 (the AVX2 default over quantized weights):
     the one-op layer rounds the new K/V to half as the modules do, so tokens are theirs and
     logits within float32 rounding of theirs (as over a float32 pool: the modules' float32
-    norms and GELU are torch's), and within half's rounding of a float32 pool's."""
+    norms and GELU are torch's), and within half's rounding of a float32 pool's. Float
+    activations: rounded to integers, x's last-bit differences could move a whole step."""
     hf_model_factory(arch).save_pretrained(tmp_path)
     runner = runner_factory(
-        tmp_path, dtype="float32", quantization="int8", kv_cache_dtype="float16"
+        tmp_path,
+        dtype="float32",
+        quantization="int8",
+        quantized_activations="float",
+        kv_cache_dtype="float16",
     )
     assert runner.token_to_kv_pool.dtype == torch.float16
     prompts = prompts_factory([6, 1, 9])
     ours = greedy_as_the_modules(runner, prompts, monkeypatch, tolerance=2e-5)
-    full = run_greedy(runner_factory(tmp_path, dtype="float32", quantization="int8"), prompts, 4)
+    full_pool = runner_factory(
+        tmp_path, dtype="float32", quantization="int8", quantized_activations="float"
+    )
+    full = run_greedy(full_pool, prompts, 4)
     for our_steps, full_steps in zip(ours.logits, full.logits, strict=True):
         for a, b in zip(our_steps, full_steps, strict=True):
             torch.testing.assert_close(a, b, atol=5e-3, rtol=5e-3)

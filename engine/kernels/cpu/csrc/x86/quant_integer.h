@@ -392,13 +392,18 @@ inline void gemv_integer(const float* x, int64_t m_size, int64_t k_size, const u
         // The pointers stay in memory, each loaded where it is used: GCC otherwise holds
         // them in one vector register, and extracts each one again at every block.
         asm volatile("" : : "r"(rows) : "memory");
-        for (int64_t m = 0; m < m_size; m += 2) {  // the tile's rows stay in L1
+        // the tile's rows stay in L1 while the rows of x pass, up to four at a time
+        for (int64_t m = 0; m < m_size;) {
           const uint8_t* first_ahead = m == 0 ? ahead : nullptr;
-          if (m + 1 == m_size) {
-            dot_rows8<F, A, 1>(xq, m, k_size, rows, first_ahead, y + n, n_size, count);
-          } else {
+          const int64_t step = m_size - m >= 4 ? 4 : m_size - m >= 2 ? 2 : 1;
+          if (step == 4) {
+            dot_rows8<F, A, 4>(xq, m, k_size, rows, first_ahead, y + n, n_size, count);
+          } else if (step == 2) {
             dot_rows8<F, A, 2>(xq, m, k_size, rows, first_ahead, y + n, n_size, count);
+          } else {
+            dot_rows8<F, A, 1>(xq, m, k_size, rows, first_ahead, y + n, n_size, count);
           }
+          m += step;
         }
       }
     }
