@@ -257,7 +257,9 @@ def test_q5_layers_and_embedding_are_served_from_their_blocks(
     assert embed.quant_format == WeightFormat(int(kinds["embed_tokens"]))
     assert runner.model.lm_head is embed and embed.weight.dtype == torch.uint8
     assert runner.weights_format == formats
-    assert_prefill_and_decode_logits(runner, hf_model.float(), hf_logits, prompts_factory([PREFILL_ROWS, 30]))
+    assert_prefill_and_decode_logits(
+        runner, hf_model.float(), hf_logits, prompts_factory([PREFILL_ROWS, 30])
+    )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -141,7 +141,17 @@ def gemma_weight(format: WeightFormat, n: int, k: int) -> tuple[torch.Tensor, to
 # float register path, the prefill bands
 @pytest.mark.parametrize(
     ("rows", "bits"),
-    [(1, 32), (1, 16), (1, 8), (2, 16), (2, 8), (4, 16), (GEMV_ROWS, 32), (GEMV_ROWS, 16), (40, 32)],
+    [
+        (1, 32),
+        (1, 16),
+        (1, 8),
+        (2, 16),
+        (2, 8),
+        (4, 16),
+        (GEMV_ROWS, 32),
+        (GEMV_ROWS, 16),
+        (40, 32),
+    ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("format", "n", "k"), cases(GEMMA_SHAPES))
