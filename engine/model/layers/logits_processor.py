@@ -70,7 +70,11 @@ class LogitsProcessor(nn.Module):
         self, hidden_states: torch.Tensor, lm_head: VocabParallelEmbedding
     ) -> torch.Tensor:
         """Every rank's slice of the logits, gathered along the vocabulary, without the
-        padding rows of a vocabulary that does not split evenly."""
+        padding rows of a vocabulary that does not split evenly. A quantized head sums in
+        float32 whatever its rows' dtype: float32 rows keep its logits as they are summed,
+        not rounded to the model's dtype and widened again."""
+        if lm_head.quant_format is not None:
+            hidden_states = hidden_states.float()
         logits = linear(
             hidden_states,
             lm_head.weight,
