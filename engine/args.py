@@ -184,7 +184,9 @@ class EngineArgs:
     )
     grammar_backend: str = _opt(
         "xgrammar",
-        "structured output backend; none refuses json_schema, regex and ebnf with a 400",
+        "structured output: xgrammar, llguidance, auto (per grammar, llguidance where it "
+        "enforces the grammar, else xgrammar where it does, else a 400 naming the keyword), or "
+        "none (json_schema, regex and ebnf refused with a 400)",
         choices=constants.GRAMMAR_BACKENDS,
     )
     grammar_compile_workers: int = _opt(2, "threads compiling json_schema / regex / ebnf grammars")

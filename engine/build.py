@@ -275,12 +275,13 @@ def _model_runner(args: EngineArgs, device: str) -> ModelRunner:
 def _grammar_backend(
     args: EngineArgs, model_runner: ModelRunner, tokenizer: PreTrainedTokenizerBase | None
 ) -> GrammarBackend | None:
-    if tokenizer is None or args.grammar_backend != "xgrammar":
+    if tokenizer is None or args.grammar_backend == "none":
         return None
     model_config = model_runner.model_config
     return GrammarBackend(
         tokenizer,
         model_config.vocab_size,
+        backend=args.grammar_backend,
         stop_token_ids=model_config.eos_token_ids,
         max_workers=args.grammar_compile_workers,
         compile_timeout_s=args.grammar_compile_timeout,

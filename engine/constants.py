@@ -49,8 +49,9 @@ KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "priority", "routing-key")
 """Queue orders of engine/sched/policy.py."""
-GRAMMAR_BACKENDS = ("xgrammar", "none")
-"""Structured output: xgrammar, or none (json_schema, regex and ebnf refused)."""
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance", "auto", "none")
+"""Structured output: a library, auto (per grammar, the library that enforces it:
+engine/grammar/validate.py), or none (json_schema, regex and ebnf refused)."""
 
 LPM_MAX_QUEUE_LEN: int = _env("LPM_MAX_QUEUE_LEN", 128)
 """Above this many waiting requests lpm falls back to fcfs: matching them all costs too much."""

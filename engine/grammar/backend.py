@@ -1,4 +1,6 @@
-"""The xgrammar backend: compile grammars on a small thread pool, one matcher per request."""
+"""Grammar compiles off the scheduler loop and one matcher per request, over the library
+`--grammar-backend` names: xgrammar, llguidance, or auto (per grammar, the one that
+enforces it: `choose_backend`)."""
 
 from __future__ import annotations
 
@@ -6,16 +8,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
 
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from engine.grammar import llguidance_backend, xgrammar_backend
 from engine.grammar.limits import GrammarError, check_grammar_limits
 from engine.grammar.matcher import GrammarMatcher
 from engine.grammar.reasoning import ReasoningGrammarMatcher
-from engine.grammar.strict_json import json_schema_grammar
-from engine.grammar.validate import grammar_error
+from engine.grammar.validate import choose_backend
 
 __all__ = [
     "GrammarBackend",
@@ -26,16 +29,30 @@ __all__ = [
 ]
 
 
-class PendingGrammar:
-    """A compile a request waits for in the grammar queue, with its deadline."""
+class GrammarCompiler(Protocol):
+    """One library's compiles for one vocabulary (`xgrammar_backend`, `llguidance_backend`)."""
 
-    def __init__(self, kind: str, future: Future[xgr.CompiledGrammar], timeout_s: float):
+    name: str
+
+    def compile(self, kind: str, source: str) -> Any:
+        """The compiled grammar; GrammarError for one the client must fix."""
+
+    def new_matcher(self, compiled: Any) -> GrammarMatcher:
+        """A matcher at the start of `compiled`."""
+
+
+class PendingGrammar:
+    """A compile a request waits for in the grammar queue, with its deadline and the
+    library that compiles it."""
+
+    def __init__(self, kind: str, future: Future[Any], timeout_s: float, backend: str = ""):
         self.kind = kind
         self.future = future
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
+        self.backend = backend
 
-    def result(self) -> xgr.CompiledGrammar | None:
+    def result(self) -> Any | None:
         """The compiled grammar, None while compiling; GrammarError on a failure or once
         the deadline has passed (the compile itself runs on and may still fill the cache)."""
         if self.future.done():
@@ -46,14 +63,14 @@ class PendingGrammar:
 
 
 class GrammarBackend:
-    """Compiles `json_schema`, `regex` and `ebnf` with xgrammar on `max_workers` threads.
+    """Compiles `json_schema`, `regex` and `ebnf` on `max_workers` threads with the library
+    each grammar is served by.
 
-    The cache is ours: an LRU of compile futures keyed by (kind, text), so concurrent
-    requests with one grammar share a single compile; xgrammar's own cache is off so a
-    grammar is held once. A failed compile is cached too: the same bad grammar sent again
-    fails at once instead of taking a worker. JSON schemas compile without
-    free whitespace: a small model given the choice loops on whitespace until max_tokens;
-    and with every string strict JSON (`strict_json`), as tool-call arguments are parsed.
+    The cache is ours: an LRU of compile futures keyed by (library, kind, text), so
+    concurrent requests with one grammar share a single compile; a failed compile is cached
+    too, so the same bad grammar sent again fails at once instead of taking a worker. The
+    worker compiles what the tokenizer let through (which refused, per library, what would
+    not be enforced) or what the offline Engine was given as it is: best effort.
     """
 
     def __init__(
@@ -61,6 +78,7 @@ class GrammarBackend:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         *,
+        backend: str = xgrammar_backend.NAME,
         stop_token_ids: Sequence[int] | None = None,
         max_workers: int = 2,
         compile_timeout_s: float = 30.0,
@@ -69,21 +87,28 @@ class GrammarBackend:
         cache_size: int = 128,
         think_end_token: str | None = None,
     ):
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer,
-            vocab_size=vocab_size,
-            stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
-        )
+        self.name = backend
+        """`--grammar-backend`: a library, or auto."""
         self.tokenizer = tokenizer
         """Also what jump-forward re-encodes forced text with."""
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(info, max_threads=max_workers, cache_enabled=False)
+        self.compilers: dict[str, GrammarCompiler] = {}
+        if backend in (xgrammar_backend.NAME, "auto"):
+            self.compilers[xgrammar_backend.NAME] = xgrammar_backend.XGrammarCompiler(
+                tokenizer, vocab_size, stop_token_ids, max_workers
+            )
+        if backend in (llguidance_backend.NAME, "auto"):
+            self.compilers[llguidance_backend.NAME] = llguidance_backend.LLGuidanceCompiler(
+                tokenizer, vocab_size, stop_token_ids
+            )
+        if not self.compilers:
+            raise ValueError(f"unknown grammar backend {backend!r}")
         self.executor = ThreadPoolExecutor(max_workers, thread_name_prefix="grammar")
         self.compile_timeout_s = compile_timeout_s
         self.max_grammar_bytes = max_grammar_bytes
         self.max_nesting_depth = max_nesting_depth
         self.cache_size = cache_size
-        self.cache: OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = OrderedDict()
+        self.cache: OrderedDict[tuple[str, str, str], Future[Any]] = OrderedDict()
         self.on_compile: Callable[[float | None], None] | None = None
         """Hears the seconds of each compile, or None for each grammar refused (the worker's
         metrics); called on the compile threads. Cache hits are not compiles."""
@@ -92,33 +117,41 @@ class GrammarBackend:
         )
         """The token that closes a reasoning section (the reasoning parser's), if any."""
 
+    def library_for(self, kind: str, source: str) -> str:
+        """The library that serves this grammar: the one configured, or auto's choice."""
+        if self.name != "auto":
+            return self.name
+        return choose_backend(kind, source, self.max_grammar_bytes, self.max_nesting_depth)
+
     def submit(self, kind: str, source: str) -> PendingGrammar:
         """Start compiling (or reuse the cached compile of) `source`; never blocks. A
         grammar over the limits comes back as an already failed compile."""
-        key = (kind, source)
-        future = self.cache.get(key)
-        if future is not None:
+        try:
+            check_grammar_limits(kind, source, self.max_grammar_bytes, self.max_nesting_depth)
+            library = self.library_for(kind, source)
+        except GrammarError as e:
+            self._report(None)
+            future: Future[Any] = Future()
+            future.set_exception(e)
+            return PendingGrammar(kind, future, self.compile_timeout_s)
+        key = (library, kind, source)
+        cached = self.cache.get(key)
+        if cached is not None:
             self.cache.move_to_end(key)
-        else:
-            try:
-                check_grammar_limits(kind, source, self.max_grammar_bytes, self.max_nesting_depth)
-            except GrammarError as e:
-                self._report(None)
-                future = Future()
-                future.set_exception(e)
-                return PendingGrammar(kind, future, self.compile_timeout_s)
-            future = self.executor.submit(self._compile, kind, source)
-            self.cache[key] = future
-            while len(self.cache) > self.cache_size:
-                self.cache.popitem(last=False)
-        return PendingGrammar(kind, future, self.compile_timeout_s)
+            return PendingGrammar(kind, cached, self.compile_timeout_s, library)
+        future = self.executor.submit(self._compile, self.compilers[library], kind, source)
+        self.cache[key] = future
+        while len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        return PendingGrammar(kind, future, self.compile_timeout_s, library)
 
     def new_matcher(
-        self, compiled: xgr.CompiledGrammar, reasoning: bool
+        self, pending: PendingGrammar, reasoning: bool
     ) -> GrammarMatcher | ReasoningGrammarMatcher:
-        """A request's matcher; with `reasoning` (its output opens with a reasoning section)
-        and a think-end token, one that constrains only what follows that token."""
-        matcher = GrammarMatcher(compiled)
+        """A request's matcher for the grammar `pending` compiled (it has); with `reasoning`
+        (its output opens with a reasoning section) and a think-end token, one that
+        constrains only what follows that token."""
+        matcher = self.compilers[pending.backend].new_matcher(pending.future.result())
         if reasoning and self.think_end_token_id is not None:
             return ReasoningGrammarMatcher(matcher, self.think_end_token_id)
         return matcher
@@ -126,10 +159,10 @@ class GrammarBackend:
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
+    def _compile(self, compiler: GrammarCompiler, kind: str, source: str) -> Any:
         start = time.perf_counter()
         try:
-            compiled = self._run_compiler(kind, source)
+            compiled = compiler.compile(kind, source)
         except GrammarError:
             self._report(None)
             raise
@@ -139,18 +172,6 @@ class GrammarBackend:
     def _report(self, seconds: float | None) -> None:
         if self.on_compile is not None:
             self.on_compile(seconds)
-
-    def _run_compiler(self, kind: str, source: str) -> xgr.CompiledGrammar:
-        try:
-            if kind == "json_schema":
-                return self.compiler.compile_grammar(json_schema_grammar(source))
-            if kind == "regex":
-                return self.compiler.compile_regex(source)
-            if kind == "ebnf":
-                return self.compiler.compile_grammar(source)
-        except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses for bad input
-            raise grammar_error(kind, e) from None
-        raise GrammarError(f"unknown grammar kind {kind!r}")
 
 
 def _token_id(tokenizer: PreTrainedTokenizerBase, token: str, vocab_size: int) -> int:

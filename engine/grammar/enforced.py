@@ -81,14 +81,27 @@ _NUMBER_TYPES = frozenset({"integer", "number"})
 
 
 def check_enforced(schema: Any) -> None:
-    """Raise GrammarError naming the first keyword of `schema` the grammar would not
-    enforce, with its JSON pointer."""
+    """Raise GrammarError naming the first keyword of `schema` xgrammar would not enforce,
+    with its JSON pointer."""
     for keyword, path, why in unenforced_keywords(schema):
-        raise GrammarError(
-            f"json_schema uses {keyword!r} at {path}{why}, which the grammar backend does not "
-            "enforce: the answer could break it. Remove it, or send "
-            '"json_schema_best_effort": true to be served without it'
-        )
+        raise _refusal(keyword, path, why)
+
+
+def check_one_of(schema: Any) -> None:
+    """Raise GrammarError naming the first `oneOf` of `schema` whose branches are not
+    provably disjoint: llguidance, which refuses what else it does not implement, reads a
+    `oneOf` as `anyOf` when asked to, which is exact only for disjoint branches."""
+    for keyword, path, why in unenforced_keywords(schema):
+        if keyword == "oneOf":
+            raise _refusal(keyword, path, why)
+
+
+def _refusal(keyword: str, path: str, why: str) -> GrammarError:
+    return GrammarError(
+        f"json_schema uses {keyword!r} at {path}{why}, which the grammar backend does not "
+        "enforce: the answer could break it. Remove it, or send "
+        '"json_schema_best_effort": true to be served without it'
+    )
 
 
 def unenforced_keywords(node: Any, path: str = "#") -> Iterator[tuple[str, str, str]]:

@@ -1,55 +1,70 @@
-"""What a grammar must pass before it is compiled: size, nesting, syntax, and for a JSON
-schema that the grammar enforces every keyword it uses (`enforced`) unless the client asked
-for best effort.
+"""Which library serves a grammar, and the tokenizer's check that it can: `--grammar-backend
+auto` takes xgrammar where it enforces the grammar (its masks are the cheaper for ordinary
+schemas, and its JSON strings are made strict: `strict_json`), else llguidance where it
+does (`allOf`, and what else it implements that xgrammar skips), else refuses the grammar
+with llguidance's reason; a best-effort JSON schema goes to llguidance, which then skips
+what it does not implement.
 
 The tokenizer runs this to answer a bad grammar with a 400 before the request is queued
-(and before SSE headers go out). Parsing with xgrammar needs no vocabulary and takes about
-a millisecond where compiling the token masks takes far longer, so the worker's compile
-only fails on what a parse cannot see, or on its timeout.
+(and before SSE headers go out), and the worker to pick the same library: both parse
+without a vocabulary, in about a millisecond.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
-from collections.abc import Callable
 
-import xgrammar as xgr
-
+from engine.grammar import llguidance_backend, xgrammar_backend
 from engine.grammar.enforced import check_enforced
 from engine.grammar.limits import GrammarError, check_grammar_limits
-from engine.grammar.strict_json import json_schema_grammar
 
-_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-"""xgrammar's messages start with "[time] source.cc:line: ", which tells a client nothing."""
-
-_PARSERS: dict[str, Callable[[str], xgr.Grammar]] = {
-    "json_schema": json_schema_grammar,
-    "regex": xgr.Grammar.from_regex,
-    "ebnf": xgr.Grammar.from_ebnf,
-}
+BACKENDS = (xgrammar_backend.NAME, llguidance_backend.NAME)
 
 
-def grammar_error(kind: str, exc: Exception) -> GrammarError:
-    """xgrammar's complaint about a `kind` grammar, in words for the client."""
-    return GrammarError(f"invalid {kind}: {_XGRAMMAR_LOG_PREFIX.sub('', str(exc)).strip()}")
+def check_library(library: str, kind: str, source: str, best_effort: bool = False) -> None:
+    """Raise GrammarError unless `library` parses `source` and (without `best_effort`)
+    enforces every keyword of a JSON schema."""
+    if library == llguidance_backend.NAME:
+        llguidance_backend.check(kind, source, best_effort)
+        return
+    if kind == "json_schema" and not best_effort:
+        check_enforced(json.loads(source))
+    xgrammar_backend.parse(kind, source)
+
+
+@functools.lru_cache(maxsize=256)
+def choose_backend(kind: str, source: str, max_bytes: int, max_depth: int) -> str:
+    """auto's library for a grammar within the limits: the first of xgrammar and llguidance
+    that enforces it, else llguidance (best effort). Cached: clients repeat one schema."""
+    check_grammar_limits(kind, source, max_bytes, max_depth)
+    for library in (xgrammar_backend.NAME, llguidance_backend.NAME):
+        try:
+            check_library(library, kind, source)
+        except GrammarError:
+            continue
+        return library
+    return llguidance_backend.NAME
 
 
 @functools.lru_cache(maxsize=256)
 def validate_grammar(
-    kind: str, source: str, max_bytes: int, max_depth: int, best_effort: bool = False
-) -> None:
-    """Raise GrammarError if `source` is over the limits, does not parse as a `kind`, or
-    (without `best_effort`) is a JSON schema using a keyword the grammar would not enforce.
-    Cached: clients repeat one schema across requests (failures are not cached)."""
+    kind: str,
+    source: str,
+    max_bytes: int,
+    max_depth: int,
+    best_effort: bool = False,
+    backend: str = xgrammar_backend.NAME,
+) -> str:
+    """The library that will serve `source`, or GrammarError if it is over the limits,
+    does not parse, or (without `best_effort`) uses a JSON-schema keyword no allowed
+    library enforces (auto: llguidance's reason). Cached (failures are not)."""
     check_grammar_limits(kind, source, max_bytes, max_depth)
-    parse = _PARSERS.get(kind)
-    if parse is None:
+    if kind not in ("json_schema", "regex", "ebnf"):
         raise GrammarError(f"unknown grammar kind {kind!r}")
-    if kind == "json_schema" and not best_effort:
-        check_enforced(json.loads(source))
-    try:
-        parse(source)
-    except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses for bad input
-        raise grammar_error(kind, e) from None
+    if backend != "auto":
+        check_library(backend, kind, source, best_effort)
+        return backend
+    library = choose_backend(kind, source, max_bytes, max_depth)
+    check_library(library, kind, source, best_effort)
+    return library

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from engine.grammar import GrammarBackend, GrammarError, PendingGrammar
 from engine.sched.output_processor import OutputProcessor
@@ -66,7 +66,7 @@ class GrammarQueue:
             else:
                 if compiled is None:
                     still_compiling.append(req)
-                elif self._give_matcher(req, compiled):
+                elif self._give_matcher(req):
                     done.ready.append(req)
                     done.ready_rids.append(req.rid)
                 continue
@@ -86,20 +86,15 @@ class GrammarQueue:
         taken = []
         for rid in ready:
             req = by_rid[rid]
-            try:
-                compiled = _pending_grammar(req).future.result()
-            except Exception as e:
-                self.outputs.fail(req, "compiling its grammar", e)
-                continue
-            if self._give_matcher(req, compiled):
+            if self._give_matcher(req):
                 taken.append(req)
         return taken
 
-    def _give_matcher(self, req: Req, compiled: Any) -> bool:
-        """Give `req` its matcher; False if making the matcher failed it."""
+    def _give_matcher(self, req: Req) -> bool:
+        """Give `req` the matcher of its finished compile; False if that failed it."""
         try:
             req.grammar.matcher = self._backend().new_matcher(
-                compiled, req.sampling_params.reasoning
+                _pending_grammar(req), req.sampling_params.reasoning
             )
         except Exception as e:
             self.outputs.fail(req, "compiling its grammar", e)

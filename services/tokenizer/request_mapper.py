@@ -162,6 +162,7 @@ def to_sampling_params(
     grammar_max_bytes: int,
     grammar_max_nesting_depth: int,
     limits: RequestLimits,
+    grammar_backend: str = "xgrammar",
 ) -> SamplingParams:
     """Map a request onto the engine's `SamplingParams` and check it, for a prompt of
     `prompt_len` tokens (one call per prompt of a batch: each has its own room).
@@ -224,6 +225,7 @@ def to_sampling_params(
             grammar_max_bytes,
             grammar_max_nesting_depth,
             best_effort=request.json_schema_best_effort,
+            backend=grammar_backend,
         )
     return params
 
@@ -234,12 +236,18 @@ def _check_grammar(
     max_bytes: int,
     max_nesting_depth: int,
     best_effort: bool,
+    backend: str,
 ) -> None:
-    """The grammar checked against the limits and parsed, so that a bad one is a 400 naming
-    the request's field before the request is queued."""
+    """The grammar checked against the limits and parsed by the library that will serve it
+    (`--grammar-backend`), so that a bad one is a 400 naming the request's field before the
+    request is queued."""
     kind, source = grammar
+    if backend == "none":
+        return  # refused as a whole where the request reaches the worker
     try:
-        validate_grammar(kind, source, max_bytes, max_nesting_depth, best_effort=best_effort)
+        validate_grammar(
+            kind, source, max_bytes, max_nesting_depth, best_effort=best_effort, backend=backend
+        )
     except GrammarError as exc:
         param = param_of(kind)
         raise RequestError(str(exc).replace(kind, param, 1), param=param) from None

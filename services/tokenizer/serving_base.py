@@ -134,6 +134,7 @@ class AppState:
             grammar_max_bytes=self.settings.grammar_max_bytes,
             grammar_max_nesting_depth=self.settings.grammar_max_nesting_depth,
             limits=self.settings,
+            grammar_backend=self.settings.grammar_backend,
         )
         if turn_end_ids and not params.ignore_eos:
             stops = list(dict.fromkeys([*params.stop_token_ids, *turn_end_ids]))

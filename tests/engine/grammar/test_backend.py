@@ -1,4 +1,5 @@
-"""The xgrammar backend: compile off the caller's thread, cache, clear errors, matchers."""
+"""The grammar backend over each library: compile off the caller's thread, cache, clear
+errors, matchers; auto's choice of library per grammar."""
 
 import time
 from concurrent.futures import Future
@@ -6,13 +7,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from engine.grammar import (
-    GrammarBackend,
-    GrammarError,
-    GrammarMatcher,
-    PendingGrammar,
-    allocate_vocab_mask,
-)
+from engine.grammar import GrammarBackend, GrammarError, PendingGrammar, allocate_vocab_mask
 from engine.model.tokenizer_cache import load_tokenizer
 from engine.sampling.vocab_mask import apply_vocab_mask
 
@@ -25,17 +20,37 @@ def tokenizer():
     return load_tokenizer("embedded")
 
 
-@pytest.fixture(scope="module")
-def backend(tokenizer):
-    backend = GrammarBackend(tokenizer, VOCAB, stop_token_ids=[EOS], max_nesting_depth=8)
+def make_backend(tokenizer, library: str) -> GrammarBackend:
+    return GrammarBackend(
+        tokenizer, VOCAB, backend=library, stop_token_ids=[EOS], max_nesting_depth=8
+    )
+
+
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance", "auto"])
+def backend(request, tokenizer):
+    backend = make_backend(tokenizer, request.param)
     yield backend
     backend.shutdown()
 
 
-def compiled(pending: PendingGrammar):
-    while (result := pending.result()) is None:
+@pytest.fixture(scope="module")
+def xgrammar(tokenizer):
+    backend = make_backend(tokenizer, "xgrammar")
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llguidance(tokenizer):
+    backend = make_backend(tokenizer, "llguidance")
+    yield backend
+    backend.shutdown()
+
+
+def compiled(pending: PendingGrammar) -> PendingGrammar:
+    while pending.result() is None:
         time.sleep(0.005)
-    return result
+    return pending
 
 
 def test_the_same_grammar_text_shares_one_cached_compile(backend):
@@ -44,7 +59,8 @@ def test_the_same_grammar_text_shares_one_cached_compile(backend):
     assert backend.submit("ebnf", "[ab]{2}").future is not first.future  # keyed by kind too
 
 
-def test_compile_errors_read_without_xgrammars_log_prefix(backend):
+def test_compile_errors_read_without_xgrammars_log_prefix(xgrammar):
+    backend = xgrammar
     with pytest.raises(GrammarError) as e:
         compiled(backend.submit("regex", "(abc"))
     assert (
@@ -69,8 +85,15 @@ def test_a_compile_past_its_deadline_fails_with_a_timeout():
         PendingGrammar("ebnf", never, timeout_s=0).result()
 
 
+def test_llguidance_compile_errors_name_the_grammar_and_the_fault(llguidance):
+    with pytest.raises(GrammarError, match=r"(?s)^invalid regex: .*unclosed group"):
+        compiled(llguidance.submit("regex", "(abc"))
+    with pytest.raises(GrammarError, match=r"^invalid ebnf: "):
+        compiled(llguidance.submit("ebnf", 'root ::= "a'))
+
+
 def test_matcher_masks_accepts_and_terminates_on_the_stop_token(backend, tokenizer):
-    matcher = GrammarMatcher(compiled(backend.submit("regex", "yes|no")))
+    matcher = backend.new_matcher(compiled(backend.submit("regex", "yes|no")), reasoning=False)
     vocab_mask = allocate_vocab_mask(2, VOCAB)
     matcher.fill_vocab_mask(vocab_mask, 1)
     logits = torch.zeros(2, VOCAB)
@@ -85,3 +108,36 @@ def test_matcher_masks_accepts_and_terminates_on_the_stop_token(backend, tokeniz
         assert matcher.accept_token(token)
     assert not matcher.is_terminated()
     assert matcher.accept_token(EOS) and matcher.is_terminated()
+
+
+def test_a_matcher_ended_by_its_stop_token_rolls_back_to_before_it(backend, tokenizer):
+    """llguidance stops by itself after "yes" (nothing can follow) and refuses the stop
+    token; the matcher takes it, and a rollback undoes it as for xgrammar."""
+    matcher = backend.new_matcher(compiled(backend.submit("regex", "yes|no")), reasoning=False)
+    for token in tokenizer.encode("yes"):
+        assert matcher.accept_token(token)
+    assert matcher.accept_token(EOS) and matcher.is_terminated()
+    assert not matcher.accept_token(EOS)
+    matcher.rollback(1)
+    assert not matcher.is_terminated()
+    matcher.rollback(len(tokenizer.encode("yes")))
+    assert matcher.find_jump_forward_string() == ""  # "yes" or "no": a choice
+    assert matcher.accept_token(tokenizer.encode("no")[0])
+
+
+def test_jump_forward_strings_are_the_text_the_grammar_forces(backend):
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    matcher = backend.new_matcher(compiled(backend.submit("json_schema", schema)), False)
+    assert matcher.find_jump_forward_string() == '{"a": '
+
+
+def test_auto_serves_each_grammar_with_a_library_that_enforces_it(tokenizer):
+    """xgrammar where it enforces the grammar; a schema only llguidance enforces (an
+    `allOf` of two schemas) goes to llguidance."""
+    backend = make_backend(tokenizer, "auto")
+    all_of = '{"allOf": [{"required": ["a"]}, {"required": ["b"]}], "type": "object"}'
+    try:
+        assert compiled(backend.submit("regex", "a+")).backend == "xgrammar"
+        assert compiled(backend.submit("json_schema", all_of)).backend == "llguidance"
+    finally:
+        backend.shutdown()

@@ -1,4 +1,5 @@
-"""Constrained decoding end to end through the offline Engine on the embedded model."""
+"""Constrained decoding end to end through the offline Engine on the embedded model, with
+each grammar library."""
 
 import json
 import re
@@ -23,9 +24,14 @@ op ::= "+" | "-" | "*"
 GREEDY = {"temperature": 0, "max_new_tokens": 64}
 
 
-@pytest.fixture(scope="module")
-def engine():
-    with Engine(dtype="float32", max_total_tokens=4096, disable_overlap_schedule=True) as engine:
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def engine(request):
+    with Engine(
+        dtype="float32",
+        max_total_tokens=4096,
+        disable_overlap_schedule=True,
+        grammar_backend=request.param,
+    ) as engine:
         yield engine
 
 
@@ -79,7 +85,10 @@ def test_overlap_and_normal_loops_give_the_same_constrained_outputs(engine):
     ]
     normal = engine.generate(prompts, params)
     with Engine(
-        dtype="float32", max_total_tokens=4096, disable_overlap_schedule=False
+        dtype="float32",
+        max_total_tokens=4096,
+        disable_overlap_schedule=False,
+        grammar_backend=engine.args.grammar_backend,
     ) as overlap_engine:
         assert overlap_engine.scheduler.overlap
         overlapped = overlap_engine.generate(prompts, params)
@@ -100,11 +109,13 @@ def test_bad_grammars_fail_alone_with_400_while_a_plain_request_finishes(engine)
             {"max_new_tokens": 4, "ignore_eos": True},
         ],
     )
+    regex_error = {"xgrammar": "Regex parsing error", "llguidance": "unclosed group"}
     messages = [
         "json_schema is not valid JSON",
-        "invalid regex: Regex parsing error",
+        regex_error[engine.args.grammar_backend],
         "json_schema nests 81 levels deep",
     ]
+    assert results[1].meta.finish_reason.message.startswith("invalid regex: ")
     for result, message in zip(results, messages):
         reason = result.meta.finish_reason
         assert reason.type == "abort" and reason.status_code == 400 and message in reason.message

@@ -7,12 +7,7 @@ import time
 import pytest
 import torch
 
-from engine.grammar import (
-    GrammarBackend,
-    GrammarMatcher,
-    ReasoningGrammarMatcher,
-    allocate_vocab_mask,
-)
+from engine.grammar import GrammarBackend, ReasoningGrammarMatcher, allocate_vocab_mask
 from engine.model.tokenizer_cache import load_tokenizer
 
 EOS = 2
@@ -32,10 +27,12 @@ def tokenizer():
     return tokenizer
 
 
-@pytest.fixture(scope="module")
-def backend(tokenizer):
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def backend(request, tokenizer):
     assert len(tokenizer) == VOCAB
-    backend = GrammarBackend(tokenizer, VOCAB, stop_token_ids=[EOS], think_end_token="</think>")
+    backend = GrammarBackend(
+        tokenizer, VOCAB, backend=request.param, stop_token_ids=[EOS], think_end_token="</think>"
+    )
     yield backend
     backend.shutdown()
 
@@ -43,9 +40,9 @@ def backend(tokenizer):
 @pytest.fixture(scope="module")
 def grammar(backend):
     pending = backend.submit("json_schema", SCHEMA)
-    while (result := pending.result()) is None:
+    while pending.result() is None:
         time.sleep(0.005)
-    return result
+    return pending
 
 
 @pytest.fixture
@@ -75,18 +72,18 @@ def test_the_think_end_token_is_resolved_from_the_vocabulary(backend, tokenizer)
 def test_reasoning_applies_only_when_asked_and_the_backend_has_a_think_end_token(
     backend, grammar, tokenizer
 ):
-    assert type(backend.new_matcher(grammar, reasoning=False)) is GrammarMatcher
-    plain = GrammarBackend(tokenizer, VOCAB, stop_token_ids=[EOS])
+    assert not isinstance(backend.new_matcher(grammar, reasoning=False), ReasoningGrammarMatcher)
+    plain = GrammarBackend(tokenizer, VOCAB, backend=backend.name, stop_token_ids=[EOS])
     try:
-        assert type(plain.new_matcher(grammar, reasoning=True)) is GrammarMatcher
+        assert not isinstance(plain.new_matcher(grammar, reasoning=True), ReasoningGrammarMatcher)
     finally:
         plain.shutdown()
 
 
 def test_everything_is_allowed_and_nothing_forced_until_the_think_end_token(
-    matcher, tokenizer, grammar
+    backend, matcher, tokenizer, grammar
 ):
-    constrained = GrammarMatcher(grammar)
+    constrained = backend.new_matcher(grammar, reasoning=False)
     assert constrained.find_jump_forward_string()  # the schema forces its opening text
     for token in ids(tokenizer, "<think>Let me see: {} ] yes") + [EOS]:
         assert (mask_of(matcher) == -1).all()

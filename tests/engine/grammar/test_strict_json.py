@@ -1,6 +1,8 @@
-"""JSON-schema grammars admit only strict JSON: no raw control character inside a string,
-length bounds counted in JSON characters, patterns xgrammar would expand unfiltered refused."""
+"""JSON-schema grammars admit only strict JSON, with either library: no raw control
+character inside a string, length bounds counted in JSON characters; with xgrammar,
+patterns it would expand unfiltered refused, and no byte sequence that is not UTF-8."""
 
+import functools
 import json
 import random
 import re
@@ -13,7 +15,13 @@ import xgrammar as xgr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.grammar import GrammarBackend, GrammarError, GrammarMatcher, allocate_vocab_mask
+from engine.grammar import (
+    GrammarBackend,
+    GrammarError,
+    GrammarMatcher,
+    PendingGrammar,
+    allocate_vocab_mask,
+)
 from engine.grammar.validate import validate_grammar
 from engine.model.tokenizer_cache import load_tokenizer
 
@@ -131,37 +139,82 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def backend():
-    backend = GrammarBackend(load_tokenizer("embedded"), VOCAB, stop_token_ids=[EOS])
+def tokenizer():
+    return load_tokenizer("embedded")
+
+
+def make_backend(tokenizer, library: str) -> GrammarBackend:
+    return GrammarBackend(tokenizer, VOCAB, backend=library, stop_token_ids=[EOS])
+
+
+@pytest.fixture(scope="module")
+def xgrammar_backend(tokenizer):
+    backend = make_backend(tokenizer, "xgrammar")
     yield backend
     backend.shutdown()
 
 
-def compiled(backend: GrammarBackend, schema: dict) -> xgr.CompiledGrammar:
+@pytest.fixture(scope="module")
+def llguidance_backend(tokenizer):
+    backend = make_backend(tokenizer, "llguidance")
+    yield backend
+    backend.shutdown()
+
+
+def compiled(backend: GrammarBackend, schema: dict) -> PendingGrammar:
     pending = backend.submit("json_schema", json.dumps(schema))
-    while (result := pending.result()) is None:
+    while pending.result() is None:
         time.sleep(0.005)
-    return result
+    return pending
 
 
-def accepts(grammar: xgr.CompiledGrammar, text: str) -> bool:
-    matcher = xgr.GrammarMatcher(grammar, terminate_without_stop_token=True)
-    return matcher.accept_string(text) and matcher.is_terminated()
+@functools.cache
+def byte_tokens() -> dict[int, int]:
+    """The vocabulary's one-byte tokens by byte: text spelled byte by byte, as it is (the
+    tokenizer's encode may normalise a control character away)."""
+    vocab = xgr.TokenizerInfo.from_huggingface(load_tokenizer("embedded"), vocab_size=VOCAB)
+    return {b[0]: i for i, b in enumerate(vocab.decoded_vocab) if len(b) == 1}
+
+
+def accepts(backend: GrammarBackend, grammar: PendingGrammar, text: str) -> bool:
+    """Whether the grammar takes the bytes of `text`, and then ends (False for a byte no
+    token spells: no output can hold it)."""
+    matcher = backend.new_matcher(grammar, reasoning=False)
+    data = text.encode()
+    if any(b not in byte_tokens() for b in data):
+        return False
+    tokens = [byte_tokens()[b] for b in data]
+    return all(matcher.accept_token(t) for t in [*tokens, EOS]) and matcher.is_terminated()
+
+
+@pytest.mark.parametrize(
+    ("schema", "valid", "invalid", "raw_template"), [c for c in CASES if c.values[3] is not None]
+)
+def test_llguidance_refuses_raw_control_characters_too(
+    llguidance_backend, schema, valid, invalid, raw_template
+):
+    """Its counts of escapes and its patterns over escaped text differ from JSON Schema's
+    (the counts and patterns `strict_json` makes xgrammar keep): auto serves a schema with
+    xgrammar wherever xgrammar enforces it."""
+    grammar = compiled(llguidance_backend, schema)
+    for char in CONTROL_CHARS:
+        assert not accepts(llguidance_backend, grammar, raw_template.format(char)), repr(char)
 
 
 @pytest.mark.parametrize(("schema", "valid", "invalid", "raw_template"), CASES)
 def test_the_grammar_refuses_raw_control_characters_and_keeps_the_bounds(
-    backend, schema, valid, invalid, raw_template
+    xgrammar_backend, schema, valid, invalid, raw_template
 ):
+    backend = xgrammar_backend
     grammar = compiled(backend, schema)
     for text in valid:
         jsonschema.validate(json.loads(text), schema)  # the case itself is right
-        assert accepts(grammar, text), text
+        assert accepts(backend, grammar, text), text
     for text in invalid:
-        assert not accepts(grammar, text), text
+        assert not accepts(backend, grammar, text), text
     if raw_template is not None:  # where the schema allows a character, none may be raw
         for char in CONTROL_CHARS:
-            assert not accepts(grammar, raw_template.format(char)), repr(char)
+            assert not accepts(backend, grammar, raw_template.format(char)), repr(char)
 
 
 @pytest.mark.parametrize(
@@ -169,7 +222,7 @@ def test_the_grammar_refuses_raw_control_characters_and_keeps_the_bounds(
     ['^a"$', r"^a\n$", r"^C:\\.*$", "^[\\x00-\\x1f]$", "^a\x01$"],
 )
 def test_a_pattern_only_an_unescaped_string_matches_is_refused_before_and_at_compile(
-    backend, pattern
+    xgrammar_backend, pattern
 ):
     schema = json.dumps(
         {"type": "object", "properties": {"p": {"type": "string", "pattern": pattern}}}
@@ -178,7 +231,7 @@ def test_a_pattern_only_an_unescaped_string_matches_is_refused_before_and_at_com
     with pytest.raises(GrammarError, match=f"^invalid json_schema: {message}"):
         validate_grammar("json_schema", schema, 65536, 64)
     with pytest.raises(GrammarError, match=message):
-        compiled(backend, json.loads(schema))
+        compiled(xgrammar_backend, json.loads(schema))
 
 
 @pytest.mark.parametrize("max_length", [3, 64, 32767], ids=["unrolled", "ebnf", "counted"])
@@ -188,10 +241,10 @@ def test_a_pattern_only_an_unescaped_string_matches_is_refused_before_and_at_com
     ids=["surrogate", "overlong-3", "overlong-4", "above-U+10FFFF"],
 )
 def test_a_length_bounded_string_refuses_bytes_that_are_not_utf8(
-    backend, max_length, lead, refused, accepted
+    xgrammar_backend, max_length, lead, refused, accepted
 ):
     """Byte tokens spell what no text can: U+D800, or U+0800 in four bytes, is not UTF-8."""
-    grammar = compiled(backend, {"type": "string", "maxLength": max_length})
+    grammar = compiled(xgrammar_backend, {"type": "string", "maxLength": max_length}).result()
     byte_token = {
         b[0]: i for i, b in enumerate(grammar.tokenizer_info.decoded_vocab) if len(b) == 1
     }
@@ -201,8 +254,9 @@ def test_a_length_bounded_string_refuses_bytes_that_are_not_utf8(
     assert matcher.accept_token(byte_token[accepted])
 
 
-def test_a_pattern_on_a_schema_that_is_not_a_string_is_left_to_xgrammar(backend):
-    assert accepts(compiled(backend, {"type": "integer", "pattern": '^a"$'}), "12")
+def test_a_pattern_on_a_schema_that_is_not_a_string_is_left_to_xgrammar(xgrammar_backend):
+    grammar = compiled(xgrammar_backend, {"type": "integer", "pattern": '^a"$'})
+    assert accepts(xgrammar_backend, grammar, "12")
 
 
 WALK_SCHEMAS = [
@@ -224,13 +278,13 @@ WALK_SCHEMAS = [
 
 
 @pytest.fixture(scope="module")
-def walk_grammars(backend):
-    return [compiled(backend, schema) for schema in WALK_SCHEMAS]
+def walk_grammars(xgrammar_backend):
+    return [compiled(xgrammar_backend, schema) for schema in WALK_SCHEMAS]
 
 
 @pytest.fixture(scope="module")
-def token_bytes(walk_grammars):
-    return walk_grammars[0].tokenizer_info.decoded_vocab
+def token_bytes(tokenizer):
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=VOCAB).decoded_vocab
 
 
 @pytest.fixture(scope="module")
@@ -256,10 +310,10 @@ def allowed_tokens(matcher: GrammarMatcher) -> torch.Tensor:
 @settings(max_examples=60)
 @given(schema_index=st.integers(0, len(WALK_SCHEMAS) - 1), seed=st.integers(0, 2**32 - 1))
 def test_random_token_walks_under_the_grammar_give_strict_valid_json(
-    backend, walk_grammars, token_bytes, escape_prone, schema_index, seed
+    xgrammar_backend, walk_grammars, token_bytes, escape_prone, schema_index, seed
 ):
     rng = random.Random(seed)
-    matcher = backend.new_matcher(walk_grammars[schema_index], reasoning=False)
+    matcher = xgrammar_backend.new_matcher(walk_grammars[schema_index], reasoning=False)
     tokens: list[int] = []
     while not matcher.is_terminated():
         assert len(tokens) < 200, b"".join(token_bytes[t] for t in tokens)

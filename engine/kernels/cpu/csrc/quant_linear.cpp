@@ -27,10 +27,10 @@ using namespace radixserve::quant;
 
 // Up to this many rows of x, integer activations where asked for (the integer tiles take up
 // to four rows of x per pass over eight weight rows); beyond, a block widened once to floats
-// for four rows of x costs less than the integer products' per-block scaling, except for the
-// K-quants, whose 6-bit factors make widening the dearer of the two at every row count of
-// the register path (docs/benchmarks/gemma3.md).
-constexpr int64_t integer_rows(int64_t format) { return is_k_quant(format) ? kGemvRows : 4; }
+// for four rows of x costs about as much as the integer products' per-block scaling, except
+// for the K-quants, whose 6-bit factors make widening the dearer of the two at every row
+// count of the register path (docs/benchmarks/gemma3.md).
+constexpr int64_t integer_rows(int64_t format) { return is_k_quant(format) ? kGemvRows : 2; }
 
 template <int64_t F>
 void widen_rows(const uint8_t* weight, int64_t k_size, int64_t n_begin, int64_t n_end,

@@ -137,8 +137,8 @@ def gemma_weight(format: WeightFormat, n: int, k: int) -> tuple[torch.Tensor, to
     return quantized(format, random_weight(n, k, seed=n + k))
 
 
-# (rows, activation bits): the integer tiles (one, two and four rows; K-quants up to 16), the
-# float register path, the prefill bands
+# (rows, activation bits): the integer tiles (one and two rows; the K-quants' up to 16, four
+# rows a pass), the float register path, the prefill bands
 @pytest.mark.parametrize(
     ("rows", "bits"),
     [
