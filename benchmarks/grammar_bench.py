@@ -13,11 +13,12 @@ Mask overhead per token: every constrained output is replayed through a fresh ma
 timing the bitmask fill, the token accept, and applying the bitmask to a logits row.
 
 Length-bounded strings (`--length-bounds`): mask time per token inside a string with
-minLength 50 and maxLength 64, 1,024 and 32,767, next to xgrammar's own rule for the same
-schema (which lets raw control characters through), over the first and the last 10 tokens
-of a 40-token string body; then one request of 40 tokens under maxLength 32,767 against the
-same schema without bounds. `--base DIR` runs the same measurement on the checkout in DIR
-(a `git worktree` of the commit before) first, in a subprocess, so both print side by side.
+minLength 50 and maxLength 64, 1,024 and 32,767, with each library (xgrammar with the strict
+JSON strings of engine/grammar/strict_json.py, and llguidance), over the first and the last
+10 tokens of a 40-token string body, and the p99 over all; then one request of 40 tokens
+under maxLength 32,767 against the same schema without bounds, per library. `--base DIR`
+runs the same measurement on the checkout in DIR (a `git worktree` of the commit before)
+first, in a subprocess, so both print side by side.
 
 Run from the repository root: .venv/bin/python -m benchmarks.grammar_bench [--dtype bfloat16]
 [--length-bounds [--base /tmp/base]]
@@ -38,10 +39,11 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
-import xgrammar as xgr
 
 from engine.api import Engine
+from engine.grammar import GrammarBackend, allocate_vocab_mask
 from engine.outputs import GenerateResult
+from engine.sampling.vocab_mask import apply_vocab_mask
 from testing.grammar_schemas import SCHEMAS
 
 MODES = {
@@ -76,40 +78,56 @@ def run(engine: Engine, prompts: list[str], params: list[dict], one_by_one: bool
     )
 
 
+def replay_us(
+    backend: GrammarBackend, kind: str, source: str, ids: list[int]
+) -> tuple[list[float], list[float], list[float]]:
+    """Microseconds of the mask fill, the mask applied to a logits row, and the token
+    accepted, per token of `ids` replayed through a fresh matcher of `source`."""
+    pending = backend.submit(kind, source)
+    pending.future.result()
+    matcher = backend.new_matcher(pending, reasoning=False)
+    logits = torch.zeros(1, backend.vocab_size)
+    mask = allocate_vocab_mask(1, backend.vocab_size)
+    fill, apply, accept = [], [], []
+    for token in ids:
+        t0 = time.perf_counter()
+        matcher.fill_vocab_mask(mask, 0)
+        t1 = time.perf_counter()
+        apply_vocab_mask(logits, mask)
+        t2 = time.perf_counter()
+        assert matcher.accept_token(token), (backend.name, token)
+        t3 = time.perf_counter()
+        fill.append((t1 - t0) * 1e6)
+        apply.append((t2 - t1) * 1e6)
+        accept.append((t3 - t2) * 1e6)
+    return fill, apply, accept
+
+
 def mask_overhead_us(
     engine: Engine, outputs: list[list[int]], schemas: list[dict]
 ) -> dict[str, float]:
-    """Per-token microseconds of fill, accept and apply, replaying the constrained outputs."""
+    """Per-token microseconds of fill, accept and apply, replaying the constrained outputs
+    with the library that served them."""
     backend = engine.scheduler.grammar_backend
-    vocab = backend.vocab_size
-    logits = torch.zeros(1, vocab)
-    mask = xgr.allocate_token_bitmask(1, vocab)
-    fill = accept = apply = 0.0
-    tokens = 0
+    assert backend is not None, "the embedded model has a tokenizer"
+    fill: list[float] = []
+    apply: list[float] = []
+    accept: list[float] = []
     for ids, schema in zip(outputs, schemas):
-        compiled = backend.submit("json_schema", json.dumps(schema)).future.result()
-        matcher = xgr.GrammarMatcher(compiled)
-        for token in ids:
-            t0 = time.perf_counter()
-            matcher.fill_next_token_bitmask(mask, 0)
-            t1 = time.perf_counter()
-            xgr.apply_token_bitmask_inplace(logits, mask)
-            t2 = time.perf_counter()
-            matcher.accept_token(token)
-            t3 = time.perf_counter()
-            fill, apply, accept = fill + t1 - t0, apply + t2 - t1, accept + t3 - t2
-            tokens += 1
-    scale = 1e6 / tokens
+        times = replay_us(backend, "json_schema", json.dumps(schema), ids)
+        for total, part in zip((fill, apply, accept), times):
+            total.extend(part)
     return {
-        "tokens": tokens,
-        "fill": fill * scale,
-        "apply": apply * scale,
-        "accept": accept * scale,
+        "tokens": len(fill),
+        "fill": statistics.mean(fill),
+        "apply": statistics.mean(apply),
+        "accept": statistics.mean(accept),
     }
 
 
 LENGTH_BOUNDS = (64, 1024, 32767)
 BODY = "The quick brown fox jumps over the lazy dog, and then it runs away. " * 40
+LIBRARIES = ("xgrammar", "llguidance")
 
 
 def bounded_schema(max_length: int | None) -> dict:
@@ -119,54 +137,56 @@ def bounded_schema(max_length: int | None) -> dict:
     return {"type": "object", "properties": {"a": string}, "required": ["a"]}
 
 
-def length_bound_masks(dtype: str) -> None:
-    """Mask time per token in a length-bounded string, ours against xgrammar's own rule;
-    then one request's end-to-end time with and without the bounds."""
-    from engine.grammar.strict_json import json_schema_grammar
+def p99(values: list[float]) -> float:
+    return sorted(values)[min(len(values) - 1, int(0.99 * len(values)))]
 
-    engine = Engine(dtype=dtype, max_total_tokens=4096, disable_overlap_schedule=True)
-    backend = engine.scheduler.grammar_backend
-    assert backend is not None, "the embedded model has a tokenizer"
-    tokenizer = backend.tokenizer
-    all_ids = tokenizer.encode('{"a": "' + BODY, add_special_tokens=False)
-    mask = xgr.allocate_token_bitmask(1, backend.vocab_size)
-    print("| maxLength | rule | compile ms | tokens in the string | mask ms, first 10 | last 10 |")
-    print("|---:|---|---:|---:|---:|---:|")
+
+def length_bound_masks(dtype: str) -> None:
+    """Mask time per token in a length-bounded string with each library (xgrammar with
+    radixserve's strict JSON strings); then one request's end-to-end time with and
+    without the bounds, per library."""
+    engines = {
+        library: Engine(
+            dtype=dtype,
+            max_total_tokens=4096,
+            disable_overlap_schedule=True,
+            grammar_backend=library,
+        )
+        for library in LIBRARIES
+    }
+    columns = ["maxLength", "library", "compile ms", "tokens in the string"]
+    print("| " + " | ".join([*columns, "mask ms, first 10", "last 10", "p99"]) + " |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for max_length in LENGTH_BOUNDS:
-        ids = all_ids[:44]  # '{"a": "' is 4 tokens, then up to 40 inside the string
-        while len(tokenizer.decode(ids[4:])) > max_length:
-            ids = ids[:-1]
-        source = json.dumps(bounded_schema(max_length))
-        grammars = {
-            "radixserve": json_schema_grammar(source),
-            "xgrammar's own": xgr.Grammar.from_json_schema(source, any_whitespace=False),
-        }
-        for rule, grammar in grammars.items():
+        for library, engine in engines.items():
+            backend = engine.scheduler.grammar_backend
+            assert backend is not None, "the embedded model has a tokenizer"
+            ids = backend.tokenizer.encode('{"a": "' + BODY, add_special_tokens=False)[:44]
+            while len(backend.tokenizer.decode(ids[4:])) > max_length:
+                ids = ids[:-1]  # '{"a": "' is 4 tokens, then up to 40 inside the string
+            source = json.dumps(bounded_schema(max_length))
             start = time.perf_counter()
-            compiled = backend.compiler.compile_grammar(grammar)
+            backend.submit("json_schema", source).future.result()
             compile_ms = (time.perf_counter() - start) * 1e3
-            matcher = xgr.GrammarMatcher(compiled)
-            times = []
-            for token in ids:
-                t0 = time.perf_counter()
-                matcher.fill_next_token_bitmask(mask, 0)
-                times.append(time.perf_counter() - t0)
-                assert matcher.accept_token(token)
-            first, last = (statistics.mean(t) * 1e3 for t in (times[4:14], times[-10:]))
+            fill, _, _ = replay_us(backend, "json_schema", source, ids)
+            first, last = (statistics.mean(t) / 1e3 for t in (fill[4:14], fill[-10:]))
             print(
-                f"| {max_length} | {rule} | {compile_ms:.0f} | {len(ids) - 4} | "
-                f"{first:.2f} | {last:.2f} |"
+                f"| {max_length} | {library} | {compile_ms:.0f} | {len(ids) - 4} | "
+                f"{first:.3f} | {last:.3f} | {p99(fill) / 1e3:.3f} |"
             )
-    print("\n| schema | output tokens | seconds |")
-    print("|---|---:|---:|")
+    print("\n| schema | library | output tokens | seconds |")
+    print("|---|---|---:|---:|")
     for bound in (32767, None):
-        params = {"temperature": 0, "max_new_tokens": 40, "json_schema": bounded_schema(bound)}
-        engine.generate("Write a long sentence as JSON.", params)  # compile and warm up
-        start = time.perf_counter()
-        result = engine.generate("Write a long sentence as JSON.", params)[0]
-        label = "no bounds" if bound is None else f"minLength 50, maxLength {bound}"
-        print(f"| {label} | {len(result.output_ids)} | {time.perf_counter() - start:.2f} |")
-    engine.shutdown()
+        for library, engine in engines.items():
+            params = {"temperature": 0, "max_new_tokens": 40, "json_schema": bounded_schema(bound)}
+            engine.generate("Write a long sentence as JSON.", params)  # compile and warm up
+            start = time.perf_counter()
+            result = engine.generate("Write a long sentence as JSON.", params)[0]
+            label = "no bounds" if bound is None else f"minLength 50, maxLength {bound}"
+            seconds = time.perf_counter() - start
+            print(f"| {label} | {library} | {len(result.output_ids)} | {seconds:.2f} |")
+    for engine in engines.values():
+        engine.shutdown()
 
 
 def main() -> None:

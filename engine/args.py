@@ -183,7 +183,7 @@ class EngineArgs:
         "text that does not repeat itself pays almost nothing for speculation",
     )
     grammar_backend: str = _opt(
-        "xgrammar",
+        "auto",
         "structured output: xgrammar, llguidance, auto (per grammar, llguidance where it "
         "enforces the grammar, else xgrammar where it does, else a 400 naming the keyword), or "
         "none (json_schema, regex and ebnf refused with a 400)",

@@ -78,7 +78,7 @@ class GrammarBackend:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         *,
-        backend: str = xgrammar_backend.NAME,
+        backend: str = "auto",
         stop_token_ids: Sequence[int] | None = None,
         max_workers: int = 2,
         compile_timeout_s: float = 30.0,

@@ -54,11 +54,12 @@ def validate_grammar(
     max_bytes: int,
     max_depth: int,
     best_effort: bool = False,
-    backend: str = xgrammar_backend.NAME,
+    backend: str = "auto",
 ) -> str:
     """The library that will serve `source`, or GrammarError if it is over the limits,
     does not parse, or (without `best_effort`) uses a JSON-schema keyword no allowed
-    library enforces (auto: llguidance's reason). Cached (failures are not)."""
+    library enforces (auto: xgrammar's reason, then llguidance's). Cached (failures are
+    not)."""
     check_grammar_limits(kind, source, max_bytes, max_depth)
     if kind not in ("json_schema", "regex", "ebnf"):
         raise GrammarError(f"unknown grammar kind {kind!r}")
@@ -66,5 +67,12 @@ def validate_grammar(
         check_library(backend, kind, source, best_effort)
         return backend
     library = choose_backend(kind, source, max_bytes, max_depth)
-    check_library(library, kind, source, best_effort)
+    try:
+        check_library(library, kind, source, best_effort)
+    except GrammarError as e:
+        try:  # xgrammar's reason names the keyword and where it is
+            check_library(xgrammar_backend.NAME, kind, source, best_effort)
+        except GrammarError as preferred:
+            raise GrammarError(f"{preferred} (llguidance: {e})") from None
+        return xgrammar_backend.NAME
     return library

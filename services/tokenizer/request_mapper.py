@@ -162,7 +162,7 @@ def to_sampling_params(
     grammar_max_bytes: int,
     grammar_max_nesting_depth: int,
     limits: RequestLimits,
-    grammar_backend: str = "xgrammar",
+    grammar_backend: str = "auto",
 ) -> SamplingParams:
     """Map a request onto the engine's `SamplingParams` and check it, for a prompt of
     `prompt_len` tokens (one call per prompt of a batch: each has its own room).

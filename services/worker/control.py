@@ -135,6 +135,7 @@ class WorkerControlMixin(WorkerOutputMixin, WorkerMetricsMixin):
             "lora_adapters": self.scheduler.lora_adapters(),
             "cpu_isa": self.cpu_info.isa,
             "enable_deterministic_inference": info.deterministic,
+            "grammar_backend": self.settings.grammar_backend,
             "speculative_algorithm": self.settings.speculative_algorithm,
             "speculative_num_draft_tokens": self.settings.speculative_num_draft_tokens,
             "cpu_flags": [] if self.cpu_isa is None else list(self.cpu_isa.flags),

@@ -287,8 +287,19 @@ def test_an_unenforced_keyword_is_refused_on_every_path_unless_best_effort(
             "properties": {"choice": {"oneOf": [{"type": "integer"}, {"type": "null"}]}},
             "required": ["choice"],
         },
+        {  # xgrammar does not enforce it: auto serves it with llguidance, which merges it
+            "allOf": [
+                {
+                    "type": "object",
+                    "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+                    "additionalProperties": False,
+                    "required": ["n"],
+                },
+                {"required": ["ok"]},
+            ]
+        },
     ],
-    ids=["minItems without items", "oneOf of disjoint types"],
+    ids=["minItems without items", "oneOf of disjoint types", "allOf of two schemas"],
 )
 def test_satisfiable_schemas_of_enforced_keywords_are_served_and_validate(
     client: openai.OpenAI, schema

@@ -204,8 +204,8 @@ def test_what_the_combinators_refuse_the_grammar_would_break(compiler, schema, i
 def test_an_unenforced_keyword_is_refused_with_its_path_unless_best_effort(schema, message):
     source = json.dumps(schema)
     with pytest.raises(GrammarError, match="^json_schema uses " + re.escape(message)):
-        validate_grammar("json_schema", source, 65536, 64)
-    validate_grammar("json_schema", source, 65536, 64, best_effort=True)
+        validate_grammar("json_schema", source, 65536, 64, backend="xgrammar")
+    validate_grammar("json_schema", source, 65536, 64, best_effort=True, backend="xgrammar")
 
 
 @pytest.mark.parametrize(
@@ -228,7 +228,7 @@ def test_an_unenforced_keyword_is_refused_with_its_path_unless_best_effort(schem
     ],
 )
 def test_schemas_with_only_enforced_keywords_pass(schema):
-    validate_grammar("json_schema", json.dumps(schema), 65536, 64)
+    validate_grammar("json_schema", json.dumps(schema), 65536, 64, backend="xgrammar")
 
 
 @pytest.mark.parametrize(
@@ -240,7 +240,7 @@ def test_schemas_with_only_enforced_keywords_pass(schema):
     ],
 )
 def test_arrays_with_min_items_and_no_items_are_served_with_any_items(compiler, schema):
-    validate_grammar("json_schema", json.dumps(schema), 65536, 64)
+    validate_grammar("json_schema", json.dumps(schema), 65536, 64, backend="xgrammar")
     assert admits(compiler, schema, [1, "x", None][: schema["minItems"]])
     assert not admits(compiler, schema, [])
 
@@ -248,4 +248,4 @@ def test_arrays_with_min_items_and_no_items_are_served_with_any_items(compiler, 
 def test_draft7_tuple_items_with_additional_items_are_refused():
     schema = {"type": "array", "items": [INT], "additionalItems": False}
     with pytest.raises(GrammarError, match="items must be a boolean or an object"):
-        validate_grammar("json_schema", json.dumps(schema), 65536, 64)
+        validate_grammar("json_schema", json.dumps(schema), 65536, 64, backend="xgrammar")

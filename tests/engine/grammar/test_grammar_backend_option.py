@@ -21,6 +21,8 @@ def test_grammar_backend_none_refuses_grammars_and_serves_plain_requests(tiny_ll
         assert len(engine.generate("Pick:", plain)[0].output_ids) == 3
 
 
-def test_grammar_backend_xgrammar_is_the_default(tiny_llama_dir: Path):
+def test_grammar_backend_auto_is_the_default_with_both_libraries(tiny_llama_dir: Path):
     with tiny_engine(tiny_llama_dir) as engine:
-        assert engine.scheduler.grammar_backend is not None
+        backend = engine.scheduler.grammar_backend
+        assert backend is not None and backend.name == "auto"
+        assert sorted(backend.compilers) == ["llguidance", "xgrammar"]
