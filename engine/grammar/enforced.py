@@ -104,12 +104,15 @@ def _refusal(keyword: str, path: str, why: str) -> GrammarError:
     )
 
 
-def unenforced_keywords(node: Any, path: str = "#") -> Iterator[tuple[str, str, str]]:
+def unenforced_keywords(
+    node: Any, path: str = "#", root: Any = None
+) -> Iterator[tuple[str, str, str]]:
     """(keyword, JSON pointer, reason) for each keyword of the schema `node` the grammar
-    would not enforce, depth first."""
+    would not enforce, depth first; `root` is the whole schema, which local `$ref`s read."""
+    root = node if root is None else root
     if isinstance(node, list):
         for i, item in enumerate(node):
-            yield from unenforced_keywords(item, f"{path}/{i}")
+            yield from unenforced_keywords(item, f"{path}/{i}", root)
         return
     if not isinstance(node, dict):
         return
@@ -121,31 +124,89 @@ def unenforced_keywords(node: Any, path: str = "#") -> Iterator[tuple[str, str, 
             yield key, where, ""
         elif key == "allOf" and isinstance(value, list) and len(value) > 1:
             yield key, where, " (more than one schema)"
-        elif key == "oneOf" and isinstance(value, list) and not _disjoint(value):
+        elif key == "oneOf" and isinstance(value, list) and not _disjoint(value, root):
             yield key, where, " (branches not provably disjoint: it would be served as anyOf)"
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
-                yield from unenforced_keywords(sub, f"{where}/{_escape(name)}")
+                yield from unenforced_keywords(sub, f"{where}/{_escape(name)}", root)
         else:
-            yield from unenforced_keywords(value, where)
+            yield from unenforced_keywords(value, where, root)
 
 
-def _disjoint(branches: list[Any]) -> bool:
-    """No instance can match two of `branches`: their declared types, or their constant
-    values, are pairwise disjoint (integer counting as a number)."""
-    seen_types: set[str] = set()
-    seen_values: list[Any] = []
-    by_type = by_value = True
-    for branch in branches:
-        if not isinstance(branch, dict):
-            return False
-        types = _types(branch)
-        by_type = by_type and types is not None and not (types & seen_types)
-        seen_types |= types or set()
-        values = _values(branch)
-        by_value = by_value and values is not None and not any(v in seen_values for v in values)
-        seen_values.extend(values or [])
-    return by_type or by_value
+def _disjoint(branches: list[Any], root: Any) -> bool:
+    """No instance can match two of `branches`: each pair is told apart by its declared
+    types (integer counting as a number), its constant values, or a key one requires of
+    an object and the other forbids. A branch that is a local `$ref` is read where it
+    points."""
+    resolved = [_resolve(branch, root) for branch in branches]
+    if not all(isinstance(branch, dict) for branch in resolved):
+        return False
+    return all(_apart(a, b) for i, a in enumerate(resolved) for b in resolved[i + 1 :])
+
+
+def _apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    types_a, types_b = _types(a), _types(b)
+    if types_a is not None and types_b is not None and not types_a & types_b:
+        return True
+    values_a, values_b = _values(a), _values(b)
+    if values_a is not None and values_b is not None:
+        if not any(v in values_b for v in values_a):
+            return True
+    objects_only = types_a == {"object"} or types_b == {"object"}
+    return objects_only and (_forbids_a_required_key(a, b) or _forbids_a_required_key(b, a))
+
+
+def _forbids_a_required_key(requiring: dict[str, Any], forbidding: dict[str, Any]) -> bool:
+    """`forbidding` admits no other properties than its own, and `requiring` requires one
+    of those others: an object matching one cannot match the other."""
+    required = requiring.get("required")
+    properties = forbidding.get("properties", {})
+    if (
+        forbidding.get("additionalProperties") is not False
+        or forbidding.get("patternProperties")
+        or not isinstance(required, list)
+        or not isinstance(properties, dict)
+    ):
+        return False
+    return any(isinstance(key, str) and key not in properties for key in required)
+
+
+_MAX_REF_HOPS = 16
+"""A chain of `$ref`s longer than this (or a cycle) is not followed."""
+
+
+def _resolve(branch: Any, root: Any) -> Any:
+    """`branch`, or where its local `$ref` points when it is nothing else (a title or a
+    description beside it aside); the branch itself where the pointer does not resolve."""
+    node = branch
+    for _ in range(_MAX_REF_HOPS):
+        if not isinstance(node, dict) or not isinstance(node.get("$ref"), str):
+            return node
+        if set(node) - {"$ref", "title", "description", "$comment"}:
+            return node
+        target = _pointer(root, node["$ref"])
+        if target is None:
+            return node
+        node = target
+    return branch
+
+
+def _pointer(root: Any, ref: str) -> Any:
+    """The node at local JSON pointer `ref` ("#/definitions/x"), or None."""
+    if ref == "#":
+        return root
+    if not ref.startswith("#/"):
+        return None
+    node = root
+    for token in ref[2:].split("/"):
+        token = token.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and token in node:
+            node = node[token]
+        elif isinstance(node, list) and token.isdigit() and int(token) < len(node):
+            node = node[int(token)]
+        else:
+            return None
+    return node
 
 
 def _types(branch: dict[str, Any]) -> set[str] | None:

@@ -199,6 +199,18 @@ def test_what_the_combinators_refuse_the_grammar_would_break(compiler, schema, i
             {"oneOf": [INT, {"type": "number"}]},
             "'oneOf' at #/oneOf (branches not provably disjoint",
         ),
+        (  # an object may hold both keys
+            {"oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
+            "'oneOf' at #/oneOf (branches not provably disjoint",
+        ),
+        (  # "x" is not an object: both branches admit it
+            {"oneOf": [{"required": ["a"]}, {"properties": {}, "additionalProperties": False}]},
+            "'oneOf' at #/oneOf (branches not provably disjoint",
+        ),
+        (
+            {"$defs": {"n": INT}, "oneOf": [{"$ref": "#/$defs/n"}, {"type": "number"}]},
+            "'oneOf' at #/oneOf (branches not provably disjoint",
+        ),
     ],
 )
 def test_an_unenforced_keyword_is_refused_with_its_path_unless_best_effort(schema, message):
@@ -217,6 +229,24 @@ def test_an_unenforced_keyword_is_refused_with_its_path_unless_best_effort(schem
         {"oneOf": [{"type": "string"}, INT, {"type": "null"}]},
         {"oneOf": [{"const": "a"}, {"enum": ["b", "c"]}]},
         {"anyOf": [INT, {"type": "number"}]},
+        {
+            "definitions": {"path": {"type": "string"}, "list": {"$ref": "#/definitions/l"}},
+            "$defs": {},
+            "oneOf": [{"$ref": "#/definitions/path"}, {"type": "null"}, {"$ref": "#/x"}],
+            "x": {"type": "array"},
+        },
+        {
+            "oneOf": [
+                {"type": "object", "required": ["a"], "properties": {"a": INT}},
+                {
+                    "type": "object",
+                    "properties": {"b": INT},
+                    "additionalProperties": False,
+                    "required": ["b"],
+                },
+                {"type": "string"},
+            ]
+        },
     ],
     ids=[
         "keywords as property names",
@@ -225,6 +255,8 @@ def test_an_unenforced_keyword_is_refused_with_its_path_unless_best_effort(schem
         "oneOf by type",
         "oneOf by value",
         "anyOf overlapping",
+        "oneOf by the types $refs point to",
+        "oneOf by a required key the other forbids",
     ],
 )
 def test_schemas_with_only_enforced_keywords_pass(schema):
