@@ -14,7 +14,8 @@ import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
-from engine.grammar import llguidance_backend, xgrammar_backend
+import engine.grammar.llguidance_backend as llguidance_backend
+import engine.grammar.xgrammar_backend as xgrammar_backend
 from engine.grammar.limits import GrammarError, check_grammar_limits
 from engine.grammar.matcher import GrammarMatcher
 from engine.grammar.reasoning import ReasoningGrammarMatcher

@@ -15,7 +15,8 @@ from __future__ import annotations
 import functools
 import json
 
-from engine.grammar import llguidance_backend, xgrammar_backend
+import engine.grammar.llguidance_backend as llguidance_backend
+import engine.grammar.xgrammar_backend as xgrammar_backend
 from engine.grammar.enforced import check_enforced
 from engine.grammar.limits import GrammarError, check_grammar_limits
 

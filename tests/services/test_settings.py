@@ -27,7 +27,7 @@ def test_defaults_without_flags_or_environment():
     ) == ("0.0.0.0", 30000, None, None, None, None)  # ipc:// sockets in --ipc-dir
     assert (s.worker_metrics_port, s.detokenizer_metrics_port) == (None, None)  # chosen free
     assert (s.grammar_backend, s.log_level, s.heartbeat_interval, s.api_key) == (
-        "xgrammar",
+        "auto",
         "info",
         1.0,
         None,

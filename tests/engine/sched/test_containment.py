@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from engine.api import Engine
-from engine.grammar import GrammarMatcher, PendingGrammar
+from engine.grammar import PendingGrammar
+from engine.grammar.xgrammar_backend import XGrammarMatcher
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.req import Req
 
@@ -30,12 +31,17 @@ def _boom(*args: object, **kwargs: object) -> None:
 
 FAULTS = {
     "grammar compile": (PendingGrammar, "result", "compiling its grammar"),
-    "grammar mask": (GrammarMatcher, "fill_vocab_mask", "masking its grammar's tokens"),
-    "grammar accept": (GrammarMatcher, "accept_token", "processing its sampled token"),
-    "jump-forward": (GrammarMatcher, "find_jump_forward_string", "processing its sampled token"),
+    "grammar mask": (XGrammarMatcher, "fill_vocab_mask", "masking its grammar's tokens"),
+    "grammar accept": (XGrammarMatcher, "accept_token", "processing its sampled token"),
+    "jump-forward": (
+        XGrammarMatcher,
+        "find_jump_forward_string",
+        "processing its sampled token",
+    ),
 }
 """Where the constrained request raises: (class, method made to raise, the stage its error
-names). Only it has a grammar, so only it meets the raising method."""
+names). Only it has a grammar, so only it meets the raising method; auto serves its regex
+with xgrammar."""
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["normal", "overlap"])
