@@ -184,9 +184,10 @@ class EngineArgs:
     )
     grammar_backend: str = _opt(
         "auto",
-        "structured output: xgrammar, llguidance, auto (per grammar, llguidance where it "
-        "enforces the grammar, else xgrammar where it does, else a 400 naming the keyword), or "
-        "none (json_schema, regex and ebnf refused with a 400)",
+        "structured output: xgrammar, llguidance, auto (per grammar, xgrammar where it "
+        "enforces the grammar, else llguidance where it does, else a 400 naming the keyword; "
+        "llguidance first for a JSON schema with a length-bounded string), or none "
+        "(json_schema, regex and ebnf refused with a 400)",
         choices=constants.GRAMMAR_BACKENDS,
     )
     grammar_compile_workers: int = _opt(2, "threads compiling json_schema / regex / ebnf grammars")

@@ -2,8 +2,10 @@
 auto` takes xgrammar where it enforces the grammar (its masks are the cheaper for ordinary
 schemas, and its JSON strings are made strict: `strict_json`), else llguidance where it
 does (`allOf`, and what else it implements that xgrammar skips), else refuses the grammar
-with llguidance's reason; a best-effort JSON schema goes to llguidance, which then skips
-what it does not implement.
+with xgrammar's reason and llguidance's; a best-effort JSON schema goes to llguidance,
+which then skips what it does not implement. A JSON schema with a length-bounded string
+goes to llguidance first: xgrammar's masks inside one cost 10-20 ms a token, llguidance's
+well under one (docs/benchmarks/grammar.md).
 
 The tokenizer runs this to answer a bad grammar with a 400 before the request is queued
 (and before SSE headers go out), and the worker to pick the same library: both parse
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
+from typing import Any
 
 import engine.grammar.llguidance_backend as llguidance_backend
 import engine.grammar.xgrammar_backend as xgrammar_backend
@@ -37,15 +40,33 @@ def check_library(library: str, kind: str, source: str, best_effort: bool = Fals
 @functools.lru_cache(maxsize=256)
 def choose_backend(kind: str, source: str, max_bytes: int, max_depth: int) -> str:
     """auto's library for a grammar within the limits: the first of xgrammar and llguidance
-    that enforces it, else llguidance (best effort). Cached: clients repeat one schema."""
+    (llguidance and xgrammar for a schema with a length-bounded string) that enforces it,
+    else llguidance (best effort). Cached: clients repeat one schema."""
     check_grammar_limits(kind, source, max_bytes, max_depth)
-    for library in (xgrammar_backend.NAME, llguidance_backend.NAME):
+    order = [xgrammar_backend.NAME, llguidance_backend.NAME]
+    if kind == "json_schema" and _bounds_a_length(json.loads(source)):
+        order.reverse()
+    for library in order:
         try:
             check_library(library, kind, source)
         except GrammarError:
             continue
         return library
     return llguidance_backend.NAME
+
+
+def _bounds_a_length(node: Any) -> bool:
+    """Whether a schema holds `minLength` or `maxLength` anywhere (as a keyword or not: a
+    property of that name only costs a string the faster library)."""
+    if isinstance(node, dict):
+        return (
+            "minLength" in node
+            or "maxLength" in node
+            or any(_bounds_a_length(value) for value in node.values())
+        )
+    if isinstance(node, list):
+        return any(_bounds_a_length(item) for item in node)
+    return False
 
 
 @functools.lru_cache(maxsize=256)

@@ -56,3 +56,11 @@ def test_auto_prefers_xgrammar_and_falls_back_to_llguidance():
     assert choose_backend("ebnf", 'root ::= Regex("[a-z]+")', *LIMITS) == "xgrammar"
     assert choose_backend("json_schema", json.dumps(ALL_OF), *LIMITS) == "llguidance"
     assert choose_backend("json_schema", json.dumps(NOT), *LIMITS) == "llguidance"  # best effort
+
+
+def test_auto_sends_length_bounded_strings_to_llguidance_where_it_enforces_them():
+    bounded = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 64}}}
+    assert choose_backend("json_schema", json.dumps(bounded), *LIMITS) == "llguidance"
+    unknown_format = {"type": "string", "maxLength": 8, "format": "year"}  # llguidance refuses it
+    assert choose_backend("json_schema", json.dumps(unknown_format), *LIMITS) == "xgrammar"
+    assert check({"type": "string", "format": "date"}, "auto") == "xgrammar"
