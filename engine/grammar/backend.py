@@ -126,25 +126,33 @@ class GrammarBackend:
 
     def submit(self, kind: str, source: str) -> PendingGrammar:
         """Start compiling (or reuse the cached compile of) `source`; never blocks. A
-        grammar over the limits comes back as an already failed compile."""
+        grammar over the limits comes back as an already failed compile; the limits are
+        checked once per grammar text, on a miss (auto's cached choice checks them too)."""
         try:
-            check_grammar_limits(kind, source, self.max_grammar_bytes, self.max_nesting_depth)
             library = self.library_for(kind, source)
         except GrammarError as e:
-            self._report(None)
-            future: Future[Any] = Future()
-            future.set_exception(e)
-            return PendingGrammar(kind, future, self.compile_timeout_s)
+            return self._refused(kind, e)
         key = (library, kind, source)
         cached = self.cache.get(key)
         if cached is not None:
             self.cache.move_to_end(key)
             return PendingGrammar(kind, cached, self.compile_timeout_s, library)
+        try:
+            check_grammar_limits(kind, source, self.max_grammar_bytes, self.max_nesting_depth)
+        except GrammarError as e:
+            return self._refused(kind, e)
         future = self.executor.submit(self._compile, self.compilers[library], kind, source)
         self.cache[key] = future
         while len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
         return PendingGrammar(kind, future, self.compile_timeout_s, library)
+
+    def _refused(self, kind: str, error: GrammarError) -> PendingGrammar:
+        """An already failed compile: the grammar is over the limits."""
+        self._report(None)
+        future: Future[Any] = Future()
+        future.set_exception(error)
+        return PendingGrammar(kind, future, self.compile_timeout_s)
 
     def new_matcher(
         self, pending: PendingGrammar, reasoning: bool
