@@ -20,8 +20,13 @@ under maxLength 32,767 against the same schema without bounds, per library. `--b
 runs the same measurement on the checkout in DIR (a `git worktree` of the commit before)
 first, in a subprocess, so both print side by side.
 
+Mask table (`--mask-table`): mask time per token (mean and p99) under xgrammar, llguidance
+and auto's choice, replaying a matching text through a fresh matcher: an ordinary schema,
+strings bounded to maxLength 64 / 1,024 / 32,767, an enum of 2,000 values and the schema a
+`tool_choice: "required"` over three tools builds.
+
 Run from the repository root: .venv/bin/python -m benchmarks.grammar_bench [--dtype bfloat16]
-[--length-bounds [--base /tmp/base]]
+[--length-bounds [--base /tmp/base]] [--mask-table]
 Results are recorded in docs/benchmarks/grammar.md.
 """
 
@@ -189,12 +194,97 @@ def length_bound_masks(dtype: str) -> None:
         engine.shutdown()
 
 
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                },
+                "required": ["city", "unit"],
+            },
+        },
+    }
+    for name in ("get_weather", "get_forecast", "get_air_quality")
+]
+ENUM_VALUES = [f"value-{i:04d}" for i in range(2000)]
+
+
+def mask_table_rows() -> dict[str, tuple[dict, str]]:
+    """Each row's schema and a text it matches, replayed token by token."""
+    from services.tokenizer.parsers import required_tools_schema, tool_specs
+
+    ordinary = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["name", "age", "tags"],
+    }
+    rows = {
+        "ordinary schema": (ordinary, '{"name": "Ada Lovelace", "age": 36, "tags": ["math"]}'),
+        "large enum (2,000 values)": ({"enum": ENUM_VALUES}, '"value-1777"'),
+        "tool call (3 tools, tool_choice required)": (
+            required_tools_schema(tool_specs(WEATHER_TOOLS), parallel_tool_calls=True),
+            '[{"name": "get_forecast", "parameters": {"city": "Paris", "unit": "celsius", '
+            '"days": 3}}]',
+        ),
+    }
+    for max_length in LENGTH_BOUNDS:
+        body = BODY[: min(max_length, 160)]
+        rows[f"maxLength {max_length}"] = (bounded_schema(max_length), f'{{"a": "{body}"}}')
+    return rows
+
+
+def mask_table() -> None:
+    """Mask time per token, mean and p99, for each row under xgrammar, llguidance and
+    auto's choice: the fill of the bitmask only (what a step waits for)."""
+    from engine.model.tokenizer_cache import load_tokenizer
+
+    tokenizer = load_tokenizer("embedded")
+    vocab = len(tokenizer)
+    backends = {
+        name: GrammarBackend(tokenizer, vocab, backend=name, stop_token_ids=[2])
+        for name in (*LIBRARIES, "auto")
+    }
+    print("| grammar | tokens | xgrammar mean / p99 ms | llguidance mean / p99 ms | auto |")
+    print("|---|---:|---:|---:|---|")
+    for name, (schema, text) in mask_table_rows().items():
+        source = json.dumps(schema)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        cells = {}
+        for library, backend in backends.items():
+            fill = [us / 1e3 for us in replay_us(backend, "json_schema", source, ids)[0]]
+            cells[library] = (statistics.mean(fill), p99(fill))
+        chosen = backends["auto"].library_for("json_schema", source)
+        mean, worst = cells["auto"]
+        print(
+            f"| {name} | {len(ids)} | "
+            + " | ".join(f"{cells[lib][0]:.3f} / {cells[lib][1]:.3f}" for lib in LIBRARIES)
+            + f" | {chosen}: p99 {worst:.3f} |"
+        )
+    for backend in backends.values():
+        backend.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--length-bounds", action="store_true", help="mask cost in length-bounded strings"
     )
     parser.add_argument("--base", help="with --length-bounds: also measure this checkout, first")
+    parser.add_argument(
+        "--mask-table",
+        action="store_true",
+        help="mask time per token per library: ordinary schema, length bounds, enum, tool call",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument(
@@ -204,7 +294,9 @@ def main() -> None:
         "--overlap", action="store_true", help="overlap loop (default: the normal loop)"
     )
     args = parser.parse_args()
-    if args.length_bounds:
+    if args.mask_table:
+        mask_table()
+    elif args.length_bounds:
         if args.base:
             print(f"## before: {args.base}", flush=True)
             env = {**os.environ, "PYTHONPATH": os.path.abspath(args.base)}

@@ -190,9 +190,21 @@ class EngineArgs:
         "(json_schema, regex and ebnf refused with a 400)",
         choices=constants.GRAMMAR_BACKENDS,
     )
-    grammar_compile_workers: int = _opt(2, "threads compiling json_schema / regex / ebnf grammars")
+    grammar_compile_workers: int = _opt(
+        2, "threads compiling json_schema / regex / ebnf grammars (and xgrammar's processes)"
+    )
     grammar_compile_timeout: float = _opt(
-        30.0, "seconds a request waits for its grammar to compile before a 400"
+        10.0,
+        "seconds a grammar may take to compile (xgrammar's compile is then killed) or to "
+        "wait for a free compile worker, before its request gets a 400",
+    )
+    grammar_compile_memory_mb: int = _opt(
+        2048, "resident memory an xgrammar compile process may reach before it is killed"
+    )
+    grammar_mask_timeout_ms: float = _opt(
+        100.0,
+        "milliseconds one request's token mask may take in a step (filled while the forward "
+        "runs) before the request ends with a 400 naming its grammar's cost (tp 1 only)",
     )
     grammar_max_bytes: int = _opt(65536, "largest json_schema / regex / ebnf accepted, in bytes")
     grammar_max_nesting_depth: int = _opt(

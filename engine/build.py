@@ -48,6 +48,7 @@ from engine.sched.decode_manager import DecodeManager
 from engine.sched.grammar_queue import GrammarQueue
 from engine.sched.lora_slots import LoRASlots
 from engine.sched.managers import Managers
+from engine.sched.mask_filler import MaskFiller
 from engine.sched.output_processor import OutputProcessor
 from engine.sched.prefill_manager import PrefillManager
 from engine.sched.request_limits import RequestLimits
@@ -177,8 +178,18 @@ def build_scheduler(
         swa_max_total_tokens=model_runner.swa_max_total_num_tokens,
         swa_decode_tokens=cache_manager.swa_tokens_held_at_most(args.clip_max_new_tokens),
     )
+    # Every rank must end the same requests: a deadline would be met or missed per rank.
+    grammar_step_timeout_s = (
+        args.grammar_mask_timeout_ms / 1000 if get_tp_group().size == 1 else None
+    )
     outputs = OutputProcessor(
-        cache_manager, stats, context_len, stop_strings, grammar_backend, args.enable_jump_forward
+        cache_manager,
+        stats,
+        context_len,
+        stop_strings,
+        grammar_backend,
+        args.enable_jump_forward,
+        grammar_step_timeout_s,
     )
     decode = DecodeManager(
         config.vocab_size, device, cache_manager, stats, args.schedule_conservativeness
@@ -200,6 +211,7 @@ def build_scheduler(
         outputs,
         GrammarQueue(grammar_backend, outputs),
         grammar_backend,
+        MaskFiller(grammar_step_timeout_s, stats.observe_grammar_mask),
         decode,
         prefill,
         lora,
@@ -285,6 +297,7 @@ def _grammar_backend(
         stop_token_ids=model_config.eos_token_ids,
         max_workers=args.grammar_compile_workers,
         compile_timeout_s=args.grammar_compile_timeout,
+        compile_memory_bytes=args.grammar_compile_memory_mb << 20,
         max_grammar_bytes=args.grammar_max_bytes,
         max_nesting_depth=args.grammar_max_nesting_depth,
         think_end_token=constants.REASONING_PARSERS.get(args.reasoning_parser or ""),

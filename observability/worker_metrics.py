@@ -76,6 +76,21 @@ FORWARD_TIME_BUCKETS = (
 GPU (docs/benchmarks/serving-gpu.md): the serving benchmark reads ITL minus the forward p50
 from this histogram, which coarser buckets could not resolve (docs/benchmarks/serving.md)."""
 COMPILE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30)
+GRAMMAR_LIBRARIES = ("xgrammar", "llguidance")
+GRAMMAR_REFUSAL_REASONS = ("limits", "invalid", "compile_budget", "mask_budget")
+MASK_TIME_BUCKETS = (
+    0.00001,
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.1,
+)
 SPEC_ACCEPT_LENGTH_BUCKETS = tuple(range(1, 17))
 """Tokens a request takes from one speculative verify pass (1 + drafts accepted): one
 bucket per length up to 16; longer passes (more draft tokens) land in +Inf only."""
@@ -244,17 +259,37 @@ class WorkerMetrics(Collector):
         )
         self.grammar_compile_time = Histogram(
             "radixserve_grammar_compile_time_seconds",
-            "Seconds to compile a grammar (cache hits excluded)",
-            names,
+            "Seconds to compile a grammar (cache hits excluded), by library",
+            [*names, "backend"],
             registry=registry,
             buckets=COMPILE_TIME_BUCKETS,
-        ).labels(*values)
-        self.grammar_compile_failures = Counter(
-            "radixserve_grammar_compile_failures",
-            "Grammars refused: invalid, or over the size and nesting limits",
-            names,
+        )
+        self.grammar_mask_time = Histogram(
+            "radixserve_grammar_mask_time_seconds",
+            "Seconds to fill one request's token mask for one step, by library",
+            [*names, "backend"],
             registry=registry,
-        ).labels(*values)
+            buckets=MASK_TIME_BUCKETS,
+        )
+        self.grammar_cache_hits = Counter(
+            "radixserve_grammar_cache_hits",
+            "Grammar requests served by a compile already made or under way, by library",
+            [*names, "backend"],
+            registry=registry,
+        )
+        self.grammar_refusals = Counter(
+            "radixserve_grammar_refusals",
+            "Grammar requests failed in the worker, by library and reason: limits, invalid, "
+            "compile_budget (a compile killed at its time or memory budget, or left waiting "
+            "past it), mask_budget (a step's mask past --grammar-mask-timeout-ms, or over "
+            "llguidance's per-token budget)",
+            [*names, "backend", "reason"],
+            registry=registry,
+        )
+        for library in GRAMMAR_LIBRARIES:  # zeros from the start, so rate() has series
+            self.grammar_cache_hits.labels(*values, library)
+            for reason in GRAMMAR_REFUSAL_REASONS:
+                self.grammar_refusals.labels(*values, library, reason)
         self.lora_requests = Counter(
             "radixserve_lora_requests",
             "Requests submitted with a LoRA adapter, by adapter",
@@ -280,12 +315,17 @@ class WorkerMetrics(Collector):
         self.batch_size.labels(*values).observe(batch_size)
         self.forward_time.labels(*values).observe(seconds)
 
-    def observe_grammar_compile(self, seconds: float | None) -> None:
-        """`seconds` of a finished compile, or None for a refused grammar."""
-        if seconds is None:
-            self.grammar_compile_failures.inc()
-        else:
-            self.grammar_compile_time.observe(seconds)
+    def observe_grammar_compile(self, library: str, seconds: float) -> None:
+        self.grammar_compile_time.labels(*self.labels.values(), library).observe(seconds)
+
+    def observe_grammar_mask(self, library: str, seconds: float) -> None:
+        self.grammar_mask_time.labels(*self.labels.values(), library).observe(seconds)
+
+    def count_grammar_cache_hit(self, library: str) -> None:
+        self.grammar_cache_hits.labels(*self.labels.values(), library).inc()
+
+    def count_grammar_refusal(self, library: str, reason: str) -> None:
+        self.grammar_refusals.labels(*self.labels.values(), library, reason).inc()
 
     # ----- the scrape -------------------------------------------------------------------
 

@@ -1,9 +1,11 @@
-"""Constrained decoding: xgrammar compiles json_schema / regex / ebnf off the scheduler
-loop; each constrained request carries a matcher that masks the vocabulary per step."""
+"""Constrained decoding: json_schema / regex / ebnf compiled off the scheduler loop by
+xgrammar (in killable processes) or llguidance; each constrained request carries a matcher
+that masks the vocabulary per step."""
 
 from engine.grammar.backend import (
     GrammarBackend,
     GrammarError,
+    GrammarObserver,
     PendingGrammar,
     allocate_vocab_mask,
 )
@@ -15,6 +17,7 @@ __all__ = [
     "GrammarBackend",
     "GrammarError",
     "GrammarMatcher",
+    "GrammarObserver",
     "PendingGrammar",
     "ReasoningGrammarMatcher",
     "allocate_vocab_mask",

@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 import engine.grammar.llguidance_backend as llguidance_backend
 import engine.grammar.xgrammar_backend as xgrammar_backend
+from engine.grammar.compile_process import CompileBudget, CompileKilled
 from engine.grammar.limits import GrammarError, check_grammar_limits
 from engine.grammar.matcher import GrammarMatcher
 from engine.grammar.reasoning import ReasoningGrammarMatcher
@@ -25,6 +26,7 @@ __all__ = [
     "GrammarBackend",
     "GrammarError",
     "GrammarMatcher",
+    "GrammarObserver",
     "PendingGrammar",
     "allocate_vocab_mask",
 ]
@@ -35,31 +37,74 @@ class GrammarCompiler(Protocol):
 
     name: str
 
-    def compile(self, kind: str, source: str) -> Any:
-        """The compiled grammar; GrammarError for one the client must fix."""
+    def compile(self, kind: str, source: str, on_start: Callable[[], None]) -> Any:
+        """The compiled grammar; GrammarError for one the client must fix. `on_start` is
+        called when the budgeted work starts (after any wait for a compile worker)."""
 
     def new_matcher(self, compiled: Any) -> GrammarMatcher:
         """A matcher at the start of `compiled`."""
 
+    def close(self) -> None:
+        """Stop what the compiler runs besides this process."""
+
+
+class GrammarObserver(Protocol):
+    """Hears the grammar events the worker's metrics count, per library; on the compile
+    threads for compiles, the scheduler's thread for cache hits and refusals."""
+
+    def on_grammar_compile(self, library: str, seconds: float) -> None:
+        """A compile of `library` ended after `seconds` (cache hits are not compiles)."""
+
+    def on_grammar_cache_hit(self, library: str) -> None:
+        """A request's grammar was compiled already (or is compiling)."""
+
+    def on_grammar_refused(self, library: str, reason: str) -> None:
+        """A request's grammar failed: `GrammarError.reason`."""
+
+
+GRACE_S = 0.5
+"""A request waits this much longer than the compile budget, so that a compile stopped at
+its budget is reported as that."""
+
+
+class CompileJob:
+    """One compile, shared by every request with its grammar: its future, and when its
+    budgeted work started (None while it waits for a compile worker)."""
+
+    def __init__(self, future: Future[Any] | None = None):
+        self.future: Future[Any] = future if future is not None else Future()
+        self.started: float | None = None
+
+    def mark_started(self) -> None:
+        self.started = time.monotonic()
+
 
 class PendingGrammar:
-    """A compile a request waits for in the grammar queue, with its deadline and the
-    library that compiles it."""
+    """A compile a request waits for in the grammar queue, and the library that compiles
+    it. Its wait is bounded by the compile's budget from when the compile starts: a wait
+    for a busy compile worker before that is the queue's, not the grammar's cost."""
 
-    def __init__(self, kind: str, future: Future[Any], timeout_s: float, backend: str = ""):
+    def __init__(self, kind: str, job: CompileJob, timeout_s: float, backend: str = ""):
         self.kind = kind
-        self.future = future
+        self.job = job
         self.timeout_s = timeout_s
-        self.deadline = time.monotonic() + timeout_s
         self.backend = backend
 
+    @property
+    def future(self) -> Future[Any]:
+        return self.job.future
+
     def result(self) -> Any | None:
-        """The compiled grammar, None while compiling; GrammarError on a failure or once
-        the deadline has passed (the compile itself runs on and may still fill the cache)."""
+        """The compiled grammar, None while compiling; GrammarError on a failure, or once
+        the compile has run past its budget (xgrammar's is stopped there itself)."""
         if self.future.done():
             return self.future.result()
-        if time.monotonic() >= self.deadline:
-            raise GrammarError(f"compiling the {self.kind} took longer than {self.timeout_s:g} s")
+        started = self.job.started
+        if started is not None and time.monotonic() >= started + self.timeout_s + GRACE_S:
+            raise CompileKilled(
+                f"compiling the {self.kind} took longer than {self.timeout_s:g} s "
+                "(--grammar-compile-timeout)"
+            )
         return None
 
 
@@ -82,7 +127,8 @@ class GrammarBackend:
         backend: str = "auto",
         stop_token_ids: Sequence[int] | None = None,
         max_workers: int = 2,
-        compile_timeout_s: float = 30.0,
+        compile_timeout_s: float = 10.0,
+        compile_memory_bytes: int = 2 << 30,
         max_grammar_bytes: int = 65536,
         max_nesting_depth: int = 64,
         cache_size: int = 128,
@@ -96,7 +142,11 @@ class GrammarBackend:
         self.compilers: dict[str, GrammarCompiler] = {}
         if backend in (xgrammar_backend.NAME, "auto"):
             self.compilers[xgrammar_backend.NAME] = xgrammar_backend.XGrammarCompiler(
-                tokenizer, vocab_size, stop_token_ids, max_workers
+                tokenizer,
+                vocab_size,
+                stop_token_ids,
+                max_workers,
+                CompileBudget(compile_timeout_s, compile_memory_bytes),
             )
         if backend in (llguidance_backend.NAME, "auto"):
             self.compilers[llguidance_backend.NAME] = llguidance_backend.LLGuidanceCompiler(
@@ -109,10 +159,8 @@ class GrammarBackend:
         self.max_grammar_bytes = max_grammar_bytes
         self.max_nesting_depth = max_nesting_depth
         self.cache_size = cache_size
-        self.cache: OrderedDict[tuple[str, str, str], Future[Any]] = OrderedDict()
-        self.on_compile: Callable[[float | None], None] | None = None
-        """Hears the seconds of each compile, or None for each grammar refused (the worker's
-        metrics); called on the compile threads. Cache hits are not compiles."""
+        self.cache: OrderedDict[tuple[str, str, str], CompileJob] = OrderedDict()
+        self.observer: GrammarObserver | None = None
         self.think_end_token_id = (
             None if think_end_token is None else _token_id(tokenizer, think_end_token, vocab_size)
         )
@@ -131,28 +179,36 @@ class GrammarBackend:
         try:
             library = self.library_for(kind, source)
         except GrammarError as e:
-            return self._refused(kind, e)
+            return self._refused(self.name, kind, e)
         key = (library, kind, source)
         cached = self.cache.get(key)
         if cached is not None:
             self.cache.move_to_end(key)
+            if self.observer is not None:
+                self.observer.on_grammar_cache_hit(library)
             return PendingGrammar(kind, cached, self.compile_timeout_s, library)
         try:
             check_grammar_limits(kind, source, self.max_grammar_bytes, self.max_nesting_depth)
         except GrammarError as e:
-            return self._refused(kind, e)
-        future = self.executor.submit(self._compile, self.compilers[library], kind, source)
-        self.cache[key] = future
+            return self._refused(library, kind, e)
+        job = CompileJob()
+        job.future = self.executor.submit(self._compile, self.compilers[library], kind, source, job)
+        self.cache[key] = job
         while len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)
-        return PendingGrammar(kind, future, self.compile_timeout_s, library)
+        return PendingGrammar(kind, job, self.compile_timeout_s, library)
 
-    def _refused(self, kind: str, error: GrammarError) -> PendingGrammar:
+    def _refused(self, library: str, kind: str, error: GrammarError) -> PendingGrammar:
         """An already failed compile: the grammar is over the limits."""
-        self._report(None)
-        future: Future[Any] = Future()
-        future.set_exception(error)
-        return PendingGrammar(kind, future, self.compile_timeout_s)
+        self.report_refused(library, error)
+        job = CompileJob()
+        job.future.set_exception(error)
+        return PendingGrammar(kind, job, self.compile_timeout_s, library)
+
+    def report_refused(self, library: str, error: GrammarError) -> None:
+        """Tell the observer a request's grammar failed (here, or at run time)."""
+        if self.observer is not None:
+            self.observer.on_grammar_refused(library, error.reason)
 
     def new_matcher(
         self, pending: PendingGrammar, reasoning: bool
@@ -167,20 +223,17 @@ class GrammarBackend:
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
+        for compiler in self.compilers.values():
+            compiler.close()
 
-    def _compile(self, compiler: GrammarCompiler, kind: str, source: str) -> Any:
+    def _compile(self, compiler: GrammarCompiler, kind: str, source: str, job: CompileJob) -> Any:
+        """On a compile thread. A failure is reported where a request takes it
+        (`GrammarQueue`), once per request."""
         start = time.perf_counter()
-        try:
-            compiled = compiler.compile(kind, source)
-        except GrammarError:
-            self._report(None)
-            raise
-        self._report(time.perf_counter() - start)
+        compiled = compiler.compile(kind, source, job.mark_started)
+        if self.observer is not None:
+            self.observer.on_grammar_compile(compiler.name, time.perf_counter() - start)
         return compiled
-
-    def _report(self, seconds: float | None) -> None:
-        if self.on_compile is not None:
-            self.on_compile(seconds)
 
 
 def _token_id(tokenizer: PreTrainedTokenizerBase, token: str, vocab_size: int) -> int:

@@ -1,8 +1,8 @@
 """Size and nesting limits checked before a grammar reaches the compiler.
 
-A compile runs on a worker thread that cannot be cancelled, and xgrammar recurses
-natively over nested rules, so a very large or deeply nested grammar could hold a worker
-for long or exhaust its stack. These checks are cheap and run before any compile.
+The tokenizer parses every grammar on its event loop, and xgrammar recurses natively over
+nested rules, so a very large or deeply nested grammar could hold that loop for long or
+exhaust its stack. These checks are cheap and run before any parse or compile.
 """
 
 from __future__ import annotations
@@ -15,13 +15,22 @@ from typing import Any
 class GrammarError(ValueError):
     """A grammar the client must fix: becomes that request's 400, never a server error."""
 
+    reason = "invalid"
+    """Why, in a word for the refusals metric (subclasses say otherwise)."""
+
+
+class GrammarLimitError(GrammarError):
+    """Over the size or nesting limits."""
+
+    reason = "limits"
+
 
 def check_grammar_limits(kind: str, source: str, max_bytes: int, max_depth: int) -> None:
     """Raise GrammarError if `source` is larger than `max_bytes` (UTF-8) or nests deeper
     than `max_depth`: JSON containers for a json_schema, brackets for a regex or an ebnf."""
     size = len(source.encode())
     if size > max_bytes:
-        raise GrammarError(f"{kind} is {size} bytes; the limit is {max_bytes}")
+        raise GrammarLimitError(f"{kind} is {size} bytes; the limit is {max_bytes}")
     if kind == "json_schema":
         try:
             depth = json_depth(json.loads(source))
@@ -30,7 +39,7 @@ def check_grammar_limits(kind: str, source: str, max_bytes: int, max_depth: int)
     else:
         depth = bracket_depth(source, quoted_strings=kind == "ebnf")
     if depth > max_depth:
-        raise GrammarError(f"{kind} nests {depth} levels deep; the limit is {max_depth}")
+        raise GrammarLimitError(f"{kind} nests {depth} levels deep; the limit is {max_depth}")
 
 
 def json_depth(value: Any) -> int:

@@ -13,7 +13,8 @@ items and keys.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import llguidance
@@ -23,6 +24,7 @@ import torch
 from llguidance import LLMatcher
 from transformers import PreTrainedTokenizerBase
 
+from engine.grammar.cost import GrammarCostError
 from engine.grammar.enforced import check_one_of
 from engine.grammar.limits import GrammarError
 
@@ -39,6 +41,10 @@ _JSON_OPTIONS: JsonCompileOptions = {
 }
 """`coerce_one_of`: reached only by a schema whose every `oneOf` is disjoint (checked first),
 or one sent for best effort."""
+_COST_STOPS = frozenset({"LexerTooComplex", "ParserTooComplex"})
+_COST_WORDS = re.compile(r"too many|too complex|fuel")
+"""llguidance's stop reasons for a grammar over its per-token budget, and the words of
+its messages for one (a lexer over its budget stops as an "InternalError")."""
 _OPEN_KEYWORDS = frozenset({"additionalProperties", "patternProperties", "unevaluatedProperties"})
 """Keywords that say what an object's other properties may be."""
 _DATA_KEYWORDS = frozenset({"const", "default", "enum", "examples"})
@@ -94,7 +100,8 @@ def check(kind: str, source: str, best_effort: bool = False) -> str:
 
 class LLGuidanceCompiler:
     """Grammars for one vocabulary: a compile builds a matcher at the grammar's start,
-    which each request copies."""
+    which each request copies. It runs on the backend's threads: llguidance bounds the
+    work of building a grammar (its parser limits) before it starts."""
 
     name = NAME
 
@@ -114,9 +121,10 @@ class LLGuidanceCompiler:
         self._stop_token_ids = frozenset(stops or [self._tokenizer.eos_token])
         self._vocab_size = vocab_size
 
-    def compile(self, kind: str, source: str) -> LLMatcher:
+    def compile(self, kind: str, source: str, on_start: Callable[[], None]) -> LLMatcher:
         """Best effort, as the worker serves every grammar: the tokenizer has refused what
         would not be enforced, unless the client asked for best effort."""
+        on_start()
         matcher = LLMatcher(self._tokenizer, check(kind, source, best_effort=True))
         if matcher.is_error():
             raise GrammarError(f"invalid {kind}: {matcher.get_error()}")
@@ -124,6 +132,9 @@ class LLGuidanceCompiler:
 
     def new_matcher(self, compiled: LLMatcher) -> LLGuidanceMatcher:
         return LLGuidanceMatcher(compiled.deep_copy(), self._stop_token_ids, self._vocab_size)
+
+    def close(self) -> None:
+        """Nothing runs besides: compiles are bounded by llguidance's limits, on threads."""
 
 
 class LLGuidanceMatcher:
@@ -140,7 +151,15 @@ class LLGuidanceMatcher:
         """The terminating stop token was taken here, not by llguidance."""
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, row: int) -> None:
+        """GrammarCostError once llguidance stopped on its per-token budget (a token it
+        refused shows at `accept_token` instead)."""
         llguidance.torch.fill_next_token_bitmask(self._matcher, vocab_mask, row)
+        if not self._matcher.is_error():
+            return
+        reason = self._matcher.get_error().splitlines()[0]
+        if self._matcher.stop_reason() in _COST_STOPS or _COST_WORDS.search(reason):
+            raise GrammarCostError(f"the grammar is too costly to follow here ({reason})")
+        raise RuntimeError(f"llguidance: {reason}")
 
     def accept_token(self, token: int) -> bool:
         if self._terminated:

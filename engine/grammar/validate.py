@@ -5,7 +5,9 @@ does (`allOf`, and what else it implements that xgrammar skips), else refuses th
 with xgrammar's reason and llguidance's; a best-effort JSON schema goes to llguidance,
 which then skips what it does not implement. A JSON schema with a length-bounded string
 goes to llguidance first: xgrammar's masks inside one cost 10-20 ms a token, llguidance's
-well under one (docs/benchmarks/grammar.md).
+well under one (docs/benchmarks/grammar.md). A regex or EBNF whose nested counted repeats
+would make xgrammar's masks grow with every token (`cost`) goes to llguidance, whose lexer
+works on a fixed budget per token.
 
 The tokenizer runs this to answer a bad grammar with a 400 before the request is queued
 (and before SSE headers go out), and the worker to pick the same library: both parse
@@ -20,6 +22,7 @@ from typing import Any
 
 import engine.grammar.llguidance_backend as llguidance_backend
 import engine.grammar.xgrammar_backend as xgrammar_backend
+from engine.grammar.cost import check_mask_cost
 from engine.grammar.enforced import check_enforced
 from engine.grammar.limits import GrammarError, check_grammar_limits
 
@@ -35,6 +38,7 @@ def check_library(library: str, kind: str, source: str, best_effort: bool = Fals
     if kind == "json_schema" and not best_effort:
         check_enforced(json.loads(source))
     xgrammar_backend.parse(kind, source)
+    check_mask_cost(kind, source)
 
 
 @functools.lru_cache(maxsize=256)

@@ -3,31 +3,24 @@ its parse for the tokenizer's checks, and its matcher."""
 
 from __future__ import annotations
 
-import re
+import queue
 from collections.abc import Callable, Sequence
 
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
 
+from engine.grammar.compile_process import CompileBudget, CompileProcess, grammar_error
 from engine.grammar.limits import GrammarError
 from engine.grammar.strict_json import json_schema_grammar
 
 NAME = "xgrammar"
-
-_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
-"""xgrammar's messages start with "[time] source.cc:line: ", which tells a client nothing."""
 
 _PARSERS: dict[str, Callable[[str], xgr.Grammar]] = {
     "json_schema": json_schema_grammar,
     "regex": xgr.Grammar.from_regex,
     "ebnf": xgr.Grammar.from_ebnf,
 }
-
-
-def grammar_error(kind: str, exc: Exception) -> GrammarError:
-    """xgrammar's complaint about a `kind` grammar, in words for the client."""
-    return GrammarError(f"invalid {kind}: {_LOG_PREFIX.sub('', str(exc)).strip()}")
 
 
 def parse(kind: str, source: str) -> xgr.Grammar:
@@ -42,10 +35,11 @@ def parse(kind: str, source: str) -> xgr.Grammar:
 
 
 class XGrammarCompiler:
-    """Token masks for a vocabulary: xgrammar's compiler, its own cache off (the backend's
-    holds each grammar once). JSON schemas compile without free whitespace: a small model
-    given the choice loops on whitespace until max_tokens; and with every string strict
-    JSON (`strict_json`), as tool-call arguments are parsed."""
+    """Token masks for a vocabulary: xgrammar's compiler in `num_processes` children that a
+    compile past its budget is killed with (`compile_process`); its own cache off (the
+    backend's holds each grammar once). JSON schemas compile without free whitespace: a
+    small model given the choice loops on whitespace until max_tokens; and with every
+    string strict JSON (`strict_json`), as tool-call arguments are parsed."""
 
     name = NAME
 
@@ -54,24 +48,35 @@ class XGrammarCompiler:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         stop_token_ids: Sequence[int] | None,
-        max_threads: int,
+        num_processes: int,
+        budget: CompileBudget,
     ):
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer,
             vocab_size=vocab_size,
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
         )
-        self._compiler = xgr.GrammarCompiler(info, max_threads=max_threads, cache_enabled=False)
+        self._processes: queue.SimpleQueue[CompileProcess] = queue.SimpleQueue()
+        self._all = [CompileProcess(info, budget) for _ in range(num_processes)]
+        for process in self._all:
+            self._processes.put(process)
 
-    def compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
-        grammar = parse(kind, source)
+    def compile(self, kind: str, source: str, on_start: Callable[[], None]) -> xgr.CompiledGrammar:
+        """On a compile thread: parse here (a millisecond, the tokenizer's own check) and
+        compile the grammar's EBNF in a child, waiting for a free one."""
+        ebnf = str(parse(kind, source))
+        process = self._processes.get()
         try:
-            return self._compiler.compile_grammar(grammar)
-        except Exception as e:
-            raise grammar_error(kind, e) from None
+            return process.compile(kind, ebnf, on_start)
+        finally:
+            self._processes.put(process)
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(compiled)
+
+    def close(self) -> None:
+        for process in self._all:
+            process.close()
 
 
 class XGrammarMatcher:

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
-from engine.grammar import allocate_vocab_mask
 from engine.mem.swa_kv_pool import KVPool
 from engine.model.forward_batch import ForwardBatch, ForwardMode, PromptLogprobsInput
 from engine.sampling.sampling_batch_info import SamplingBatchInfo, SamplingRows
 from engine.sched.cache_manager import CacheManager, req_row
+from engine.sched.mask_filler import MaskFiller, MaskRow, PendingMask
 from engine.sched.req import Req
 from engine.sched.running_batch import RunningBatch
 from engine.speculative.draft_tree import DraftTree
@@ -32,14 +31,25 @@ class ScheduleBatch:
     forward_batch: ForwardBatch
     sampling_info: SamplingBatchInfo
     faults: list[tuple[Req, Exception]] = field(default_factory=list)
-    """Requests whose grammar raised while masking this batch's row, with the error: the
-    scheduler fails each alone when it processes the batch (its sampled token is void)."""
+    """Requests whose grammar raised or ran over its budget while masking this batch's row,
+    with the error: the scheduler fails each alone when it processes the batch (its
+    sampled token is void)."""
+    pending_mask: PendingMask | None = None
+    """The grammar bitmask, filling beside the forward until `resolve_vocab_mask`."""
     trees: list[DraftTree] | None = None
     """TARGET_VERIFY: each request's draft tree, whose nodes are its rows."""
 
     @property
     def forward_mode(self) -> ForwardMode:
         return self.forward_batch.forward_mode
+
+    def resolve_vocab_mask(self) -> None:
+        """Wait for the grammar bitmask (the sampler's input) and take its faults."""
+        if self.pending_mask is None:
+            return
+        self.sampling_info.vocab_mask, faults = self.pending_mask.result()
+        self.faults += faults
+        self.pending_mask = None
 
     @classmethod
     def prepare(
@@ -50,6 +60,7 @@ class ScheduleBatch:
         token_to_kv_pool: KVPool,
         vocab_size: int,
         eos_token_ids: Collection[int],
+        mask_filler: MaskFiller,
     ) -> ScheduleBatch:
         """Allocate rows and KV slots and lay the batch out: `extend_reqs`, then a decode
         step of every request of `decodes` (the running batch, whose lengths advance).
@@ -60,7 +71,7 @@ class ScheduleBatch:
         """
         if not extend_reqs:
             assert decodes, "a batch needs requests"
-            return cls._decode(decodes, cache_manager, token_to_kv_pool, eos_token_ids)
+            return cls._decode(decodes, cache_manager, token_to_kv_pool, eos_token_ids, mask_filler)
         input_ids: list[int] = []
         prefix_lens: list[int] = []
         extend_lens: list[int] = []
@@ -111,7 +122,6 @@ class ScheduleBatch:
         if bool(sampling_rows.needs_req_state.any()):
             sampling_info.add_req_state(reqs, sampling_rows, eos_token_ids)
         chunked = frozenset(id(r) for r in extend_reqs if r.prefill.is_chunked)
-        sampling_info.vocab_mask, faults = build_vocab_mask(reqs, chunked, vocab_size, device)
         return cls(
             reqs,
             batch_extend_lens,
@@ -119,7 +129,7 @@ class ScheduleBatch:
             chunked,
             forward_batch,
             sampling_info,
-            faults,
+            pending_mask=start_vocab_mask(reqs, chunked, vocab_size, device, mask_filler),
         )
 
     @classmethod
@@ -129,12 +139,13 @@ class ScheduleBatch:
         cache_manager: CacheManager,
         token_to_kv_pool: KVPool,
         eos_token_ids: Collection[int],
+        mask_filler: MaskFiller,
     ) -> ScheduleBatch:
         """A decode step from the running batch's arrays: no pass over the requests but the
         one that counts their new KV slot, and the sampling state of the last step reused
         unless some request's sampling reads its tokens."""
         reqs = decodes.reqs
-        faults: list[tuple[Req, Exception]] = []
+        pending_mask = None
         forward_batch = ForwardBatch.from_host(
             ForwardMode.DECODE,
             decodes.futures,
@@ -152,12 +163,20 @@ class ScheduleBatch:
             rows = decodes.sampling_rows
             sampling_info = SamplingBatchInfo.from_rows(rows, decodes.vocab_size, device)
             sampling_info.add_req_state(reqs, rows, eos_token_ids)
-            sampling_info.vocab_mask, faults = build_vocab_mask(
-                reqs, frozenset(), decodes.vocab_size, device
+            pending_mask = start_vocab_mask(
+                reqs, frozenset(), decodes.vocab_size, device, mask_filler
             )
         else:
             sampling_info = decodes.sampling_info()
-        return cls(reqs, decodes.ones_list, 0, frozenset(), forward_batch, sampling_info, faults)
+        return cls(
+            reqs,
+            decodes.ones_list,
+            0,
+            frozenset(),
+            forward_batch,
+            sampling_info,
+            pending_mask=pending_mask,
+        )
 
 
 def _ints(values: list[int]) -> torch.Tensor:
@@ -205,34 +224,22 @@ def prompt_logprobs_input(
     )
 
 
-class VocabMask(NamedTuple):
-    mask: torch.Tensor | None
-    """The batch's grammar bitmask on the device; None when no request has a grammar."""
-    faults: list[tuple[Req, Exception]]
-    """Requests whose matcher raised while filling its row (left all-allowed), and why."""
-
-
-def build_vocab_mask(
-    reqs: list[Req], chunked: frozenset[int], vocab_size: int, device: torch.device
-) -> VocabMask:
-    """The grammar bitmask of a batch. Each grammar row is filled by its matcher in one
-    native call; other rows, and chunked prefills (which sample nothing), stay all-allowed.
-    A matcher that raises costs its own request only: its row is reset to all-allowed and
-    the request is reported in `faults`. The matchers must already have accepted every
-    token sampled so far: the scheduler resolves the in-flight batch first."""
+def start_vocab_mask(
+    reqs: list[Req],
+    chunked: frozenset[int],
+    vocab_size: int,
+    device: torch.device,
+    mask_filler: MaskFiller,
+) -> PendingMask | None:
+    """Start filling the grammar bitmask of a batch (`MaskFiller`): each grammar row by its
+    matcher; other rows, and chunked prefills (which sample nothing), stay all-allowed. The
+    matchers must already have accepted every token sampled so far: the scheduler resolves
+    the in-flight batch first."""
     rows = [
-        (i, r, grammar)
+        MaskRow(i, r, grammar)
         for i, r in enumerate(reqs)
         if (grammar := r.grammar.matcher) is not None and id(r) not in chunked
     ]
-    faults: list[tuple[Req, Exception]] = []
     if not rows:
-        return VocabMask(None, faults)
-    vocab_mask = allocate_vocab_mask(len(reqs), vocab_size)
-    for i, req, grammar in rows:
-        try:
-            grammar.fill_vocab_mask(vocab_mask, i)
-        except Exception as e:
-            vocab_mask[i] = -1  # all allowed: whatever the row samples is discarded
-            faults.append((req, e))
-    return VocabMask(vocab_mask.to(device, non_blocking=True), faults)
+        return None
+    return mask_filler.start(rows, len(reqs), vocab_size, device)

@@ -74,6 +74,7 @@ class BatchRunner:
             logits_output = self.model_runner.forward_output(
                 forward_batch, resolve_input_ids=self.future_map.resolve
             )
+        batch.resolve_vocab_mask()  # filled on the mask thread while the forward ran
         out = self._agree_on_tokens(
             batch, self.sampler(logits_output.next_token_logits, batch.sampling_info)
         )

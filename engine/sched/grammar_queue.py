@@ -60,6 +60,7 @@ class GrammarQueue:
             try:
                 compiled = _pending_grammar(req).result()
             except GrammarError as e:
+                self._backend().report_refused(_pending_grammar(req).backend, e)
                 self.outputs.finish(req, FinishReason("abort", message=str(e), status_code=400))
             except Exception as e:
                 self.outputs.fail(req, "compiling its grammar", e)
@@ -92,14 +93,16 @@ class GrammarQueue:
 
     def _give_matcher(self, req: Req) -> bool:
         """Give `req` the matcher of its finished compile; False if that failed it."""
+        pending = _pending_grammar(req)
         try:
             req.grammar.matcher = self._backend().new_matcher(
-                _pending_grammar(req), req.sampling_params.reasoning
+                pending, req.sampling_params.reasoning
             )
         except Exception as e:
             self.outputs.fail(req, "compiling its grammar", e)
             return False
         req.grammar.pending = None
+        req.grammar.library = pending.backend
         return True
 
     def _backend(self) -> GrammarBackend:

@@ -11,6 +11,7 @@ from engine.sched.cache_manager import CacheManager
 from engine.sched.decode_manager import DecodeManager
 from engine.sched.grammar_queue import GrammarQueue
 from engine.sched.lora_slots import LoRASlots
+from engine.sched.mask_filler import MaskFiller
 from engine.sched.output_processor import OutputProcessor
 from engine.sched.prefill_manager import PrefillManager
 from engine.sched.request_limits import RequestLimits
@@ -27,6 +28,7 @@ class Managers:
     output_processor: OutputProcessor
     grammar_queue: GrammarQueue
     grammar_backend: GrammarBackend | None
+    mask_filler: MaskFiller
     decode: DecodeManager
     prefill: PrefillManager
     lora: LoRASlots

@@ -12,12 +12,14 @@ decoding's `process_verify` (engine/speculative/verify_output.py).
 from __future__ import annotations
 
 import logging
+import time
 from typing import NamedTuple
 
 from transformers import PreTrainedTokenizerBase
 
 from engine.detokenize import StopStringMatcher
 from engine.grammar import GrammarBackend, GrammarMatcher, ReasoningGrammarMatcher
+from engine.grammar.cost import GrammarCostError
 from engine.grammar.jump_forward import JumpForward, decodes_concatenatively, plan_jump_forward
 from engine.sched.batch import ScheduleBatch
 from engine.sched.batch_result import BatchResult
@@ -50,6 +52,7 @@ class OutputProcessor:
         stop_strings: StopStringMatcher | None,
         grammar_backend: GrammarBackend | None,
         enable_jump_forward: bool,
+        grammar_step_timeout_s: float | None = None,
     ):
         self.cache_manager = cache_manager
         self.stats = stats
@@ -57,6 +60,10 @@ class OutputProcessor:
         self.stop_strings = stop_strings
         """None without a tokenizer: stop strings are then refused at submission."""
         self.grammar_backend = grammar_backend
+        self.grammar_step_timeout_s = grammar_step_timeout_s
+        """A request whose grammar took longer than this to accept its token (and plan a
+        jump-forward) ends with a cost error: the time is spent on the scheduler's thread,
+        and an Earley state that grew this large grows on. None: no limit (tp > 1)."""
         self.jump_forward = False
         """Grammar-forced text is taken in one extend (`--enable-jump-forward`), where the
         tokenizer's pieces decode independently."""
@@ -94,12 +101,20 @@ class OutputProcessor:
         return True
 
     def fail_faults(self, batch: ScheduleBatch) -> Processed:
-        """Fail each request whose grammar raised while masking its row: its row sampled
-        unconstrained, so the token is void. The batch's `Processed`, to fill on."""
+        """Fail each request whose grammar raised while masking its row, or ran over its
+        mask budget (a 400 that names the cost): its row sampled unconstrained, so the
+        token is void. The batch's `Processed`, to fill on."""
         processed = Processed([], [])
         for req, error in batch.faults:
-            if not req.finished:
-                processed.leaving.append(req)
+            if req.finished:
+                continue
+            processed.leaving.append(req)
+            if isinstance(error, GrammarCostError):
+                self._backend().report_refused(req.grammar.library, error)
+                if req.kv.req_pool_idx is not None:  # its token is void: nothing to cache
+                    release_req(req, self.cache_manager)
+                self.finish(req, FinishReason("abort", message=str(error), status_code=400))
+            else:
                 self.fail(req, "masking its grammar's tokens", error)
         return processed
 
@@ -184,6 +199,7 @@ class OutputProcessor:
         contained: an error there fails this request alone (`fail`) and the batch goes on.
         The KV hand-overs stay outside the guard: an error in them is the scheduler's own."""
         grammar = req.grammar.matcher
+        started = time.perf_counter()
         try:
             reason = self.advance(req, token, logprob)
             plan = (
@@ -195,6 +211,8 @@ class OutputProcessor:
             processed.leaving.append(req)
             self.fail(req, "processing its sampled token", e)
             return
+        if reason is None and grammar is not None:
+            reason = self._over_step_budget(req, time.perf_counter() - started)
         if reason is not None:
             self.cache_manager.cache_finished_req(req)
             self.finish(req, reason)
@@ -207,6 +225,19 @@ class OutputProcessor:
             self._jump_forward(req, plan)
             processed.leaving.append(req)
             processed.requeued.append(req)
+
+    def _over_step_budget(self, req: Req, seconds: float) -> FinishReason | None:
+        """The cost error that ends `req` if its grammar's step took `seconds`, too long."""
+        budget = self.grammar_step_timeout_s
+        if budget is None or seconds <= budget:
+            return None
+        error = GrammarCostError(
+            f"the grammar is too costly to follow here: accepting a token took "
+            f"{seconds * 1000:.0f} ms, longer than {budget * 1000:g} ms "
+            "(--grammar-mask-timeout-ms)"
+        )
+        self._backend().report_refused(req.grammar.library, error)
+        return FinishReason("abort", message=str(error), status_code=400)
 
     def advance(self, req: Req, token: int, logprob: TokenLogprob) -> FinishReason | None:
         """Record the logprobs of the token just appended and advance the grammar; why the
@@ -287,10 +318,14 @@ class OutputProcessor:
         return hit is not None
 
     def _tokenizer(self) -> PreTrainedTokenizerBase:
-        """The grammar backend's tokenizer: there whenever a request has a grammar."""
+        """The grammar backend's tokenizer."""
+        return self._backend().tokenizer
+
+    def _backend(self) -> GrammarBackend:
+        """The grammar backend: there whenever a request has a grammar."""
         if self.grammar_backend is None:
             raise RuntimeError("a grammar request reached a scheduler without a grammar backend")
-        return self.grammar_backend.tokenizer
+        return self.grammar_backend
 
 
 class TokenLogprob(NamedTuple):

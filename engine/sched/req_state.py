@@ -79,6 +79,8 @@ class GrammarState:
 
     pending: PendingGrammar | None = None
     matcher: GrammarMatcher | ReasoningGrammarMatcher | None = None
+    library: str = ""
+    """The library that serves it (`--grammar-backend`, or auto's choice), once compiled."""
 
 
 class OutputRead(NamedTuple):

@@ -72,6 +72,7 @@ class Scheduler(SchedulerStatus):
         self.cache_manager, self.limits, self.stats = m.cache_manager, m.limits, m.stats
         self.output_processor, self.grammar_queue = m.output_processor, m.grammar_queue
         self.grammar_backend, self.lora, self.prefill = m.grammar_backend, m.lora, m.prefill
+        self.mask_filler = m.mask_filler
         self.decode, self.batch_runner, self.overlap = m.decode, m.batch_runner, m.overlap
         self.running, self.ratio = self.decode.running, self.decode.ratio
         """The decode manager's, read here as often as its own."""
@@ -283,6 +284,7 @@ class Scheduler(SchedulerStatus):
         if self.input_sync is not None:
             self.input_sync.stop()
         self.batch_runner.shutdown()
+        self.mask_filler.shutdown()
         if self.grammar_backend is not None:
             self.grammar_backend.shutdown()
 
@@ -351,6 +353,7 @@ class Scheduler(SchedulerStatus):
             self.model_runner.token_to_kv_pool,
             self.model_config.vocab_size,
             self.model_config.eos_token_ids,
+            self.mask_filler,
         )
         self.lora.assign(batch)
         self.stats.count_batch(batch.forward_mode.name.lower())

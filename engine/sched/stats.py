@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from engine.grammar import GrammarObserver
 from engine.sched.req import Req
 
 if TYPE_CHECKING:
     from engine.model.runner import ModelRunner
 
 
-class SchedulerObserver(Protocol):
+class SchedulerObserver(GrammarObserver, Protocol):
     """Hears the per-request and per-batch events that counters cannot carry (the worker
     turns them into histograms and trace spans)."""
 
@@ -27,9 +28,8 @@ class SchedulerObserver(Protocol):
         """A prefill's forward finished one more layer: the loop computes, it is not stuck
         (heard on the forward's thread; decode steps, short, report nothing)."""
 
-    def on_grammar_compile(self, seconds: float | None) -> None:
-        """A grammar compile took `seconds`, or was refused (None); heard on a compile
-        thread."""
+    def on_grammar_mask(self, library: str, seconds: float) -> None:
+        """One request's token mask took `seconds`; heard on the mask thread."""
 
 
 @dataclass
@@ -62,6 +62,11 @@ class SchedulerStats:
     spec_accept_lengths: dict[int, int] = field(default_factory=dict)
     """Tokens a request took from one verify pass (1 + drafts accepted) → how often."""
     observer: SchedulerObserver | None = field(default=None, repr=False, compare=False)
+
+    def observe_grammar_mask(self, library: str, seconds: float) -> None:
+        """Tell the observer, if any, of one request's mask (`MaskFiller`)."""
+        if self.observer is not None:
+            self.observer.on_grammar_mask(library, seconds)
 
     def count_batch(self, mode: str) -> None:
         """A batch of forward mode `mode` (its name, lower case) was built."""

@@ -44,7 +44,7 @@ class SchedulerStatus:
         """Tell `observer` the events counters cannot carry, grammar compiles included."""
         self.stats.observer = observer
         if self.grammar_backend is not None:
-            self.grammar_backend.on_compile = observer.on_grammar_compile
+            self.grammar_backend.observer = observer
 
     def snapshot(self, adapters: bool = True) -> SchedulerSnapshot:
         """The one read point for status and metrics; `adapters=False` reads no request."""

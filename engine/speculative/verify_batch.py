@@ -11,8 +11,9 @@ from engine.grammar import allocate_vocab_mask
 from engine.mem.swa_kv_pool import KVPool
 from engine.model.forward_batch import ForwardBatch, ForwardMode
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
-from engine.sched.batch import ScheduleBatch, VocabMask
+from engine.sched.batch import ScheduleBatch
 from engine.sched.cache_manager import CacheManager
+from engine.sched.mask_filler import VocabMask
 from engine.sched.req import Req
 from engine.sched.running_batch import RunningBatch
 from engine.speculative.draft_tree import DraftTree
@@ -63,7 +64,9 @@ def prepare_verify(
         sampling_info.vocab_mask, faults = build_tree_vocab_mask(
             reqs, trees, decodes.vocab_size, device
         )
-    return ScheduleBatch(reqs, sizes, 0, frozenset(), forward_batch, sampling_info, faults, trees)
+    return ScheduleBatch(
+        reqs, sizes, 0, frozenset(), forward_batch, sampling_info, faults, trees=trees
+    )
 
 
 def _ancestor_table(trees: list[DraftTree]) -> torch.Tensor:
@@ -87,8 +90,9 @@ def _ints(values: list[int]) -> torch.Tensor:
 def build_tree_vocab_mask(
     reqs: list[Req], trees: list[DraftTree], vocab_size: int, device: torch.device
 ) -> VocabMask:
-    """`build_vocab_mask` for a verify batch: each grammar request's rows are its tree's
-    nodes, each masked with the grammar's state after the node's path."""
+    """The grammar bitmask of a verify batch, filled at once (the drafts are walked on the
+    matchers): each grammar request's rows are its tree's nodes, each masked with the
+    grammar's state after the node's path."""
     if all(r.grammar.matcher is None for r in reqs):
         return VocabMask(None, [])
     vocab_mask = allocate_vocab_mask(sum(len(tree) for tree in trees), vocab_size)

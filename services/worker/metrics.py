@@ -61,8 +61,17 @@ class WorkerMetricsMixin(Service):
     def on_progress(self) -> None:
         self.mark_progress()
 
-    def on_grammar_compile(self, seconds: float | None) -> None:
-        self.metrics.observe_grammar_compile(seconds)
+    def on_grammar_compile(self, library: str, seconds: float) -> None:
+        self.metrics.observe_grammar_compile(library, seconds)
+
+    def on_grammar_cache_hit(self, library: str) -> None:
+        self.metrics.count_grammar_cache_hit(library)
+
+    def on_grammar_refused(self, library: str, reason: str) -> None:
+        self.metrics.count_grammar_refusal(library, reason)
+
+    def on_grammar_mask(self, library: str, seconds: float) -> None:
+        self.metrics.observe_grammar_mask(library, seconds)
 
     def sample(self) -> WorkerSample:
         """The scheduler's counters and sizes now, for the metrics (taken between turns)."""

@@ -70,6 +70,7 @@ def test_the_cache_scheduler_and_latency_metrics_are_exported_with_their_types(s
         "batch_size",
         "forward_time_seconds",
         "grammar_compile_time_seconds",
+        "grammar_mask_time_seconds",
         "spec_accept_length",
     )
     expected = {

@@ -146,12 +146,20 @@ def test_rolling_gauges_follow_the_last_window_while_counters_keep_everything():
     assert value(registry, "radixserve_prefix_cache_query_tokens_total") == 300
 
 
-def test_grammar_compiles_and_refusals_are_counted_apart():
+def test_grammar_compiles_masks_hits_and_refusals_are_counted_per_library():
     registry, m = metrics()
-    m.observe_grammar_compile(0.02)
-    m.observe_grammar_compile(None)
-    assert value(registry, "radixserve_grammar_compile_time_seconds_count") == 1
-    assert value(registry, "radixserve_grammar_compile_failures_total") == 1
+    m.observe_grammar_compile("xgrammar", 0.02)
+    m.observe_grammar_mask("llguidance", 0.0002)
+    m.observe_grammar_mask("llguidance", 0.0004)
+    m.count_grammar_cache_hit("xgrammar")
+    m.count_grammar_refusal("xgrammar", "compile_budget")
+    m.count_grammar_refusal("llguidance", "mask_budget")
+    assert value(registry, "radixserve_grammar_compile_time_seconds_count", backend="xgrammar") == 1
+    assert value(registry, "radixserve_grammar_mask_time_seconds_count", backend="llguidance") == 2
+    assert value(registry, "radixserve_grammar_cache_hits_total", backend="xgrammar") == 1
+    refusals = "radixserve_grammar_refusals_total"
+    assert value(registry, refusals, backend="xgrammar", reason="compile_budget") == 1
+    assert value(registry, refusals, backend="llguidance", reason="mask_budget") == 1
 
 
 def test_spec_counters_and_the_accept_length_histogram_come_from_the_sample():
@@ -350,7 +358,9 @@ def test_worker_counts_a_refused_grammar(worker: Worker):
         worker,
         TokenizedGenerateReqInput(rid="bad-grammar", input_ids=[1, 2, 3], sampling_params=params),
     )
-    assert value(worker.registry, "radixserve_grammar_compile_failures_total") == 1
+    refusals = "radixserve_grammar_refusals_total"
+    # auto: neither library parses it, so it goes to llguidance, which refuses it
+    assert value(worker.registry, refusals, backend="llguidance", reason="invalid") == 1
 
 
 def test_worker_serves_metrics_and_a_healthz_that_fails_when_the_loop_stalls(worker: Worker):

@@ -2,12 +2,12 @@
 errors, matchers; auto's choice of library per grammar."""
 
 import time
-from concurrent.futures import Future
 
 import pytest
 import torch
 
 from engine.grammar import GrammarBackend, GrammarError, PendingGrammar, allocate_vocab_mask
+from engine.grammar.backend import GRACE_S, CompileJob
 from engine.model.tokenizer_cache import load_tokenizer
 from engine.sampling.vocab_mask import apply_vocab_mask
 
@@ -78,11 +78,17 @@ def test_a_grammar_over_the_limits_fails_without_compiling(backend):
         pending.result()
 
 
-def test_a_compile_past_its_deadline_fails_with_a_timeout():
-    never: Future = Future()
-    assert PendingGrammar("ebnf", never, timeout_s=60).result() is None
+def test_a_compile_past_its_budget_fails_the_wait_and_a_queued_one_waits_on():
+    queued = PendingGrammar("ebnf", CompileJob(), timeout_s=0)
+    time.sleep(GRACE_S)
+    assert queued.result() is None  # not started: waiting for a compile worker
+    started = CompileJob()
+    started.mark_started()
+    running = PendingGrammar("ebnf", started, timeout_s=0)
+    assert running.result() is None  # the grace for a compile stopped at its budget
+    time.sleep(GRACE_S)
     with pytest.raises(GrammarError, match="compiling the ebnf took longer than 0 s"):
-        PendingGrammar("ebnf", never, timeout_s=0).result()
+        running.result()
 
 
 def test_llguidance_compile_errors_name_the_grammar_and_the_fault(llguidance):
