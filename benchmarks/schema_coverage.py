@@ -15,12 +15,13 @@ import collections
 import re
 from pathlib import Path
 
+from engine.args import EngineArgs
 from engine.grammar import GrammarError
 from engine.grammar.validate import validate_grammar
 
 BACKENDS = ("xgrammar", "llguidance", "auto")
 DEFAULT_DIR = Path(__file__).resolve().parents[2] / "shared" / "jsonschemabench-dev"
-LIMITS = (65536, 64)  # --grammar-max-bytes, --grammar-max-nesting-depth
+LIMITS = (EngineArgs.grammar_max_bytes, EngineArgs.grammar_max_nesting_depth)  # the defaults
 
 
 def reason(error: GrammarError) -> str:

@@ -206,7 +206,9 @@ class EngineArgs:
         "milliseconds one request's token mask may take in a step (filled while the forward "
         "runs) before the request ends with a 400 naming its grammar's cost (tp 1 only)",
     )
-    grammar_max_bytes: int = _opt(65536, "largest json_schema / regex / ebnf accepted, in bytes")
+    grammar_max_bytes: int = _opt(
+        262144, "largest json_schema / regex / ebnf accepted, in bytes (UTF-8)"
+    )
     grammar_max_nesting_depth: int = _opt(
         64,
         "deepest nesting accepted: JSON containers of a schema, brackets "

@@ -129,7 +129,7 @@ class GrammarBackend:
         max_workers: int = 2,
         compile_timeout_s: float = 10.0,
         compile_memory_bytes: int = 2 << 30,
-        max_grammar_bytes: int = 65536,
+        max_grammar_bytes: int = 262144,
         max_nesting_depth: int = 64,
         cache_size: int = 128,
         think_end_token: str | None = None,

@@ -124,7 +124,7 @@ def unenforced_keywords(
             yield key, where, ""
         elif key == "allOf" and isinstance(value, list) and len(value) > 1:
             yield key, where, " (more than one schema)"
-        elif key == "oneOf" and isinstance(value, list) and not _disjoint(value, root):
+        elif key == "oneOf" and isinstance(value, list) and not _disjoint(value, root, node):
             yield key, where, " (branches not provably disjoint: it would be served as anyOf)"
         if key in _SCHEMA_MAPS and isinstance(value, dict):
             for name, sub in value.items():
@@ -133,18 +133,20 @@ def unenforced_keywords(
             yield from unenforced_keywords(value, where, root)
 
 
-def _disjoint(branches: list[Any], root: Any) -> bool:
+def _disjoint(branches: list[Any], root: Any, parent: dict[str, Any]) -> bool:
     """No instance can match two of `branches`: each pair is told apart by its declared
     types (integer counting as a number), its constant values, or a key one requires of
-    an object and the other forbids. A branch that is a local `$ref` is read where it
+    an object and the other forbids (where one branch, or the `parent` schema holding the
+    `oneOf`, admits objects only). A branch that is a local `$ref` is read where it
     points."""
     resolved = [_resolve(branch, root) for branch in branches]
     if not all(isinstance(branch, dict) for branch in resolved):
         return False
-    return all(_apart(a, b) for i, a in enumerate(resolved) for b in resolved[i + 1 :])
+    objects = _types(parent) == {"object"}
+    return all(_apart(a, b, objects) for i, a in enumerate(resolved) for b in resolved[i + 1 :])
 
 
-def _apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def _apart(a: dict[str, Any], b: dict[str, Any], objects: bool) -> bool:
     types_a, types_b = _types(a), _types(b)
     if types_a is not None and types_b is not None and not types_a & types_b:
         return True
@@ -152,7 +154,7 @@ def _apart(a: dict[str, Any], b: dict[str, Any]) -> bool:
     if values_a is not None and values_b is not None:
         if not any(v in values_b for v in values_a):
             return True
-    objects_only = types_a == {"object"} or types_b == {"object"}
+    objects_only = objects or types_a == {"object"} or types_b == {"object"}
     return objects_only and (_forbids_a_required_key(a, b) or _forbids_a_required_key(b, a))
 
 

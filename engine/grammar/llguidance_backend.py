@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.grammar.cost import GrammarCostError
 from engine.grammar.enforced import check_one_of
+from engine.grammar.exact import without_nothing
 from engine.grammar.limits import GrammarError
 
 if TYPE_CHECKING:
@@ -73,7 +74,8 @@ def grammar_text(kind: str, source: str, best_effort: bool = False) -> str:
     """llguidance's grammar for a `kind` grammar (not yet checked). With `best_effort`, a
     JSON schema's unimplemented keywords are skipped and every `oneOf` read as `anyOf`."""
     if kind == "json_schema":
-        source = json.dumps(_closed_objects(json.loads(source)))
+        schema = without_nothing(json.loads(source), drop_forbidden=False)
+        source = json.dumps(_closed_objects(schema))
         if not best_effort:
             check_one_of(json.loads(source))
         options: JsonCompileOptions = {**_JSON_OPTIONS, "lenient": best_effort}

@@ -35,6 +35,7 @@ from typing import Any
 
 import xgrammar as xgr
 
+from engine.grammar.exact import without_nothing
 from engine.grammar.limits import GrammarError
 
 _LENGTH_BOUNDED_CLASS = r"[^\"\\\r\n]"
@@ -81,7 +82,7 @@ def json_schema_grammar(source: str) -> xgr.Grammar:
     all strict JSON. GrammarError for a pattern only an unescaped string could match;
     xgrammar's own errors for an invalid schema or regex."""
     schema = json.loads(source)
-    rewritten = _rewrite(schema)
+    rewritten = _rewrite(without_nothing(schema, drop_forbidden=True))
     if rewritten != schema:
         source = json.dumps(rewritten)
     ebnf = str(xgr.Grammar.from_json_schema(source, any_whitespace=False))

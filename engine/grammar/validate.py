@@ -24,6 +24,7 @@ import engine.grammar.llguidance_backend as llguidance_backend
 import engine.grammar.xgrammar_backend as xgrammar_backend
 from engine.grammar.cost import check_mask_cost
 from engine.grammar.enforced import check_enforced
+from engine.grammar.exact import without_nothing
 from engine.grammar.limits import GrammarError, check_grammar_limits
 
 BACKENDS = (xgrammar_backend.NAME, llguidance_backend.NAME)
@@ -36,7 +37,7 @@ def check_library(library: str, kind: str, source: str, best_effort: bool = Fals
         llguidance_backend.check(kind, source, best_effort)
         return
     if kind == "json_schema" and not best_effort:
-        check_enforced(json.loads(source))
+        check_enforced(without_nothing(json.loads(source), drop_forbidden=True))
     xgrammar_backend.parse(kind, source)
     check_mask_cost(kind, source)
 

@@ -19,15 +19,17 @@ from engine.grammar.validate import validate_grammar
 from engine.model.tokenizer_cache import load_tokenizer
 
 INT = {"type": "integer"}
+OPEN_AB = {"type": "object", "properties": {"a": INT, "b": INT}, "additionalProperties": True}
+"""Dependencies of an open object: a closed one's are rewritten into cases (`exact`)."""
 OBJ_AB = {"type": "object", "properties": {"a": INT, "b": INT}}
 PROBES: dict[str, tuple[dict, object]] = {
     "if": ({**OBJ_AB, "if": {"required": ["a"]}, "then": {"required": ["b"]}}, {"a": 1}),
     "then": ({**OBJ_AB, "if": {"required": ["a"]}, "then": {"required": ["b"]}}, {"a": 1}),
     "else": ({**OBJ_AB, "if": {"required": ["a"]}, "else": {"required": ["b"]}}, {}),
     "not": ({"type": "integer", "not": {"const": 1}}, 1),
-    "dependentSchemas": ({**OBJ_AB, "dependentSchemas": {"a": {"required": ["b"]}}}, {"a": 1}),
-    "dependentRequired": ({**OBJ_AB, "dependentRequired": {"a": ["b"]}}, {"a": 1}),
-    "dependencies": ({**OBJ_AB, "dependencies": {"a": ["b"]}}, {"a": 1}),
+    "dependentSchemas": ({**OPEN_AB, "dependentSchemas": {"a": {"required": ["b"]}}}, {"a": 1}),
+    "dependentRequired": ({**OPEN_AB, "dependentRequired": {"a": ["b"]}}, {"a": 1}),
+    "dependencies": ({**OPEN_AB, "dependencies": {"a": ["b"]}}, {"a": 1}),
     "unevaluatedProperties": (
         {"type": "object", "properties": {"a": INT}, "unevaluatedProperties": {"type": "string"}},
         {"a": 1, "b": 2},
@@ -247,6 +249,17 @@ def test_an_unenforced_keyword_is_refused_with_its_path_unless_best_effort(schem
                 {"type": "string"},
             ]
         },
+        {  # untyped branches under an object-only parent (WashingtonPost's distributor)
+            "type": "object",
+            "oneOf": [
+                {"properties": {"mode": {"enum": ["custom"]}}, "additionalProperties": False},
+                {
+                    "properties": {"mode": {"enum": ["reference"]}, "id": INT},
+                    "additionalProperties": False,
+                    "required": ["id", "mode"],
+                },
+            ],
+        },
     ],
     ids=[
         "keywords as property names",
@@ -257,6 +270,7 @@ def test_an_unenforced_keyword_is_refused_with_its_path_unless_best_effort(schem
         "anyOf overlapping",
         "oneOf by the types $refs point to",
         "oneOf by a required key the other forbids",
+        "oneOf by a required key, objects by the parent's type",
     ],
 )
 def test_schemas_with_only_enforced_keywords_pass(schema):
