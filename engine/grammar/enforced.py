@@ -135,18 +135,20 @@ def unenforced_keywords(
 
 def _disjoint(branches: list[Any], root: Any, parent: dict[str, Any]) -> bool:
     """No instance can match two of `branches`: each pair is told apart by its declared
-    types (integer counting as a number), its constant values, or a key one requires of
-    an object and the other forbids (where one branch, or the `parent` schema holding the
-    `oneOf`, admits objects only). A branch that is a local `$ref` is read where it
-    points."""
+    types (integer counting as a number), its constant values, or, where one branch or the
+    `parent` schema holding the `oneOf` admits objects only, a key one requires and the
+    other forbids, or a key one requires whose schemas in the two are apart. A branch
+    that is a local `$ref` is read where it points."""
     resolved = [_resolve(branch, root) for branch in branches]
     if not all(isinstance(branch, dict) for branch in resolved):
         return False
     objects = _types(parent) == {"object"}
-    return all(_apart(a, b, objects) for i, a in enumerate(resolved) for b in resolved[i + 1 :])
+    return all(
+        _apart(a, b, objects, root) for i, a in enumerate(resolved) for b in resolved[i + 1 :]
+    )
 
 
-def _apart(a: dict[str, Any], b: dict[str, Any], objects: bool) -> bool:
+def _apart(a: dict[str, Any], b: dict[str, Any], objects: bool, root: Any, depth: int = 0) -> bool:
     types_a, types_b = _types(a), _types(b)
     if types_a is not None and types_b is not None and not types_a & types_b:
         return True
@@ -155,7 +157,37 @@ def _apart(a: dict[str, Any], b: dict[str, Any], objects: bool) -> bool:
         if not any(v in values_b for v in values_a):
             return True
     objects_only = objects or types_a == {"object"} or types_b == {"object"}
-    return objects_only and (_forbids_a_required_key(a, b) or _forbids_a_required_key(b, a))
+    return objects_only and (
+        _forbids_a_required_key(a, b)
+        or _forbids_a_required_key(b, a)
+        or (depth < _MAX_PROPERTY_DEPTH and _discriminated(a, b, root, depth + 1))
+    )
+
+
+def _discriminated(a: dict[str, Any], b: dict[str, Any], root: Any, depth: int) -> bool:
+    """One requires a key whose schema and the other's schema for that key are apart
+    (`"Type": {"enum": ["Form"]}` against `{"enum": ["Http"]}`, or `"val"` a number
+    against a string): an object matching one has a value there the other refuses."""
+    return _requires_apart(a, b, root, depth) or _requires_apart(b, a, root, depth)
+
+
+def _requires_apart(
+    requiring: dict[str, Any], other: dict[str, Any], root: Any, depth: int
+) -> bool:
+    required = requiring.get("required")
+    props, other_props = requiring.get("properties"), other.get("properties")
+    if not (
+        isinstance(required, list) and isinstance(props, dict) and isinstance(other_props, dict)
+    ):
+        return False
+    for key in required:
+        if not isinstance(key, str) or key not in props or key not in other_props:
+            continue
+        mine, theirs = _resolve(props[key], root), _resolve(other_props[key], root)
+        if isinstance(mine, dict) and isinstance(theirs, dict):
+            if _apart(mine, theirs, objects=False, root=root, depth=depth):
+                return True
+    return False
 
 
 def _forbids_a_required_key(requiring: dict[str, Any], forbidding: dict[str, Any]) -> bool:
@@ -173,6 +205,9 @@ def _forbids_a_required_key(requiring: dict[str, Any], forbidding: dict[str, Any
     return any(isinstance(key, str) and key not in properties for key in required)
 
 
+_MAX_PROPERTY_DEPTH = 8
+"""Required properties looked into, nested, to tell two branches apart (a recursive schema
+would otherwise be followed without end)."""
 _MAX_REF_HOPS = 16
 """A chain of `$ref`s longer than this (or a cycle) is not followed."""
 

@@ -7,6 +7,7 @@ so that a schema using them is served rather than refused.
   schemas forbid keys so). llguidance reads `false` itself; xgrammar refuses it, so for
   xgrammar the property is left out of an object closed to other keys instead, which
   forbids it as well.
+- An `enum` beside a `type` keeps the values of that type only (`false` if none).
 - `dependencies` (draft 7; `dependentRequired` and `dependentSchemas` since 2019-09) of a
   closed object with a few optional keys: each key is either absent (forbidden, as above)
   or present with what it demands (keys made required; a schema's `properties` and
@@ -46,6 +47,34 @@ def matches_nothing(node: Any) -> bool:
     return False
 
 
+def _enum_of_its_type(node: dict[str, Any]) -> dict[str, Any] | bool:
+    """An `enum` beside a `type` keeps only the values of that type (both must hold; the
+    libraries read one or the other), and is `false` when none is left."""
+    values, types = node.get("enum"), node.get("type")
+    if not isinstance(values, list) or types is None:
+        return node
+    names = {types} if isinstance(types, str) else set(types)
+    kept = [v for v in values if _json_type(v) & names]
+    if not kept:
+        return False
+    return node if len(kept) == len(values) else {**node, "enum": kept}
+
+
+def _json_type(value: Any) -> set[str]:
+    """The JSON Schema types `value` has ("integer" is a "number" too)."""
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"number"}
+    if isinstance(value, str):
+        return {"string"}
+    return {"array"} if isinstance(value, list) else {"object"}
+
+
 def without_nothing(node: Any, drop_forbidden: bool) -> Any:
     """`node` with every schema that matches nothing written `false`; with
     `drop_forbidden`, a property whose schema is `false` left out of an object closed to
@@ -56,6 +85,9 @@ def without_nothing(node: Any, drop_forbidden: bool) -> Any:
     if not isinstance(node, dict):
         return node
     if matches_nothing(node):
+        return False
+    node = _enum_of_its_type(node)
+    if node is False:
         return False
     expanded = _expand_dependencies(node)
     if expanded is not None:

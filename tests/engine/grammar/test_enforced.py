@@ -260,6 +260,21 @@ def test_an_unenforced_keyword_is_refused_with_its_path_unless_best_effort(schem
                 },
             ],
         },
+        {  # objects told apart by a required key's value (hayson's number / numberSpecial)
+            "oneOf": [
+                {
+                    "type": "object",
+                    "required": ["kind", "val"],
+                    "properties": {"kind": {"enum": ["number"]}, "val": {"type": "number"}},
+                },
+                {
+                    "type": "object",
+                    "required": ["kind", "val"],
+                    "properties": {"kind": {"enum": ["number"]}, "val": {"type": "string"}},
+                },
+                {"type": "object", "properties": {"kind": {"enum": ["dict"]}}},
+            ]
+        },
     ],
     ids=[
         "keywords as property names",
@@ -271,6 +286,7 @@ def test_an_unenforced_keyword_is_refused_with_its_path_unless_best_effort(schem
         "oneOf by the types $refs point to",
         "oneOf by a required key the other forbids",
         "oneOf by a required key, objects by the parent's type",
+        "oneOf by a required key's value",
     ],
 )
 def test_schemas_with_only_enforced_keywords_pass(schema):
@@ -294,4 +310,11 @@ def test_arrays_with_min_items_and_no_items_are_served_with_any_items(compiler, 
 def test_draft7_tuple_items_with_additional_items_are_refused():
     schema = {"type": "array", "items": [INT], "additionalItems": False}
     with pytest.raises(GrammarError, match="items must be a boolean or an object"):
+        validate_grammar("json_schema", json.dumps(schema), 65536, 64, backend="xgrammar")
+
+
+def test_a_oneof_of_a_recursive_schema_is_judged_in_bounded_time():
+    node = {"type": "object", "required": ["next"], "properties": {"next": {"$ref": "#"}}}
+    schema = {**node, "oneOf": [node, node]}  # the same branch twice: never apart
+    with pytest.raises(GrammarError, match="oneOf"):
         validate_grammar("json_schema", json.dumps(schema), 65536, 64, backend="xgrammar")

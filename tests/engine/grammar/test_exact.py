@@ -104,3 +104,21 @@ def test_dependencies_stay_refused_where_the_cases_would_not_be_exact():
         assert without_nothing(schema, drop_forbidden=True)["dependencies"]
         with pytest.raises(ValueError, match="dependencies"):
             validate_grammar("json_schema", json.dumps(schema), 65536, 64)
+
+
+def test_an_enum_beside_a_type_keeps_the_values_of_that_type():
+    mixed = {"enum": ["a", 1, 2.5, None], "type": ["integer", "null"]}
+    assert without_nothing(mixed, drop_forbidden=True) == {**mixed, "enum": [1, None]}
+    none_left = {  # a property no value can have: forbidden, and refused where required
+        "type": "object",
+        "properties": {"builtin": {"enum": ["MODIFIABLE"], "type": "object"}},
+        "additionalProperties": False,
+    }
+    assert without_nothing(none_left, drop_forbidden=True)["properties"] == {}
+    instances = [{}, {"builtin": "MODIFIABLE"}, {"builtin": {}}]
+    rewritten = without_nothing(none_left, drop_forbidden=False)
+    assert verdicts(rewritten, instances) == verdicts(none_left, instances)
+    with pytest.raises(ValueError):
+        validate_grammar(
+            "json_schema", json.dumps({**none_left, "required": ["builtin"]}), 65536, 64
+        )
