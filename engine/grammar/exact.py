@@ -8,6 +8,7 @@ so that a schema using them is served rather than refused.
   xgrammar the property is left out of an object closed to other keys instead, which
   forbids it as well.
 - An `enum` beside a `type` keeps the values of that type only (`false` if none).
+- A required key an open object does not list in `properties` is listed, as any value.
 - `dependencies` (draft 7; `dependentRequired` and `dependentSchemas` since 2019-09) of a
   closed object with a few optional keys: each key is either absent (forbidden, as above)
   or present with what it demands (keys made required; a schema's `properties` and
@@ -45,6 +46,21 @@ def matches_nothing(node: Any) -> bool:
         types = inner["type"]
         return _EVERY_TYPE <= ({types} if isinstance(types, str) else set(types))
     return False
+
+
+def _declare_required(node: dict[str, Any]) -> None:
+    """A required key that `properties` does not list, in an object open to other keys,
+    may hold any value: it is listed as `{}`, since both libraries close an object that
+    says nothing of other keys and would then drop the requirement or the key."""
+    required = node.get("required")
+    if not isinstance(required, list) or node.get("additionalProperties", True) is False:
+        return
+    properties = node.get("properties", {})
+    if not isinstance(properties, dict) or "patternProperties" in node:
+        return
+    missing = [k for k in required if isinstance(k, str) and k not in properties]
+    if missing:
+        node["properties"] = {**properties, **{k: {} for k in missing}}
 
 
 def _enum_of_its_type(node: dict[str, Any]) -> dict[str, Any] | bool:
@@ -96,6 +112,7 @@ def without_nothing(node: Any, drop_forbidden: bool) -> Any:
         key: value if key in _DATA_KEYWORDS else without_nothing(value, drop_forbidden)
         for key, value in node.items()
     }
+    _declare_required(rewritten)
     for key in ("anyOf", "oneOf"):  # a branch that matches nothing adds nothing
         branches = rewritten.get(key)
         if (

@@ -122,3 +122,13 @@ def test_an_enum_beside_a_type_keeps_the_values_of_that_type():
         validate_grammar(
             "json_schema", json.dumps({**none_left, "required": ["builtin"]}), 65536, 64
         )
+
+
+def test_a_required_key_an_open_object_does_not_list_is_listed_as_any_value():
+    schema = {"required": ["batch"], "batch": {"type": "object"}}  # a misplaced schema
+    rewritten = without_nothing(schema, drop_forbidden=True)
+    assert rewritten["properties"] == {"batch": {}}
+    instances = [{}, {"batch": 1}, {"other": 1}, {"batch": {}, "x": 2}]
+    assert verdicts(rewritten, instances) == verdicts(schema, instances)
+    closed = {"required": ["batch"], "additionalProperties": False}  # nothing matches
+    assert "properties" not in without_nothing(closed, drop_forbidden=True)
