@@ -1,8 +1,9 @@
-"""xgrammar compiles in a child process that can be killed: a compile is native code that
-cannot be interrupted, so one past its time or memory budget would otherwise hold a core
-(and its memory) until it ends. The child (`compile_child`) sends the compiled grammar
-back serialized (xgrammar's JSON). llguidance needs none of this: its own limits bound a
-compile's work before it starts.
+"""xgrammar compiles tried first in a child process that can be killed: a compile is
+native code that cannot be interrupted, so one past its time or memory budget would
+otherwise hold a core (and its memory) until it ends. The child (`compile_child`) says
+whether the grammar compiled within the budget; only then does the worker compile it
+itself, a compile now known to end. llguidance needs none of this: its own limits bound
+a compile's work before it starts.
 """
 
 from __future__ import annotations
@@ -52,7 +53,6 @@ class CompileProcess:
     wait, and only then closes the connection (whose descriptor a new one may reuse)."""
 
     def __init__(self, tokenizer_info: xgr.TokenizerInfo, budget: CompileBudget):
-        self._info = tokenizer_info
         self._info_json = tokenizer_info.serialize_json()
         self._budget = budget
         self._lock = threading.RLock()
@@ -86,9 +86,7 @@ class CompileProcess:
         self._sender.start()
         self._ready = False
 
-    def compile(
-        self, kind: str, ebnf: str, on_start: Callable[[], None] = lambda: None
-    ) -> xgr.CompiledGrammar:
+    def check(self, kind: str, ebnf: str, on_start: Callable[[], None] = lambda: None) -> None:
         """Compile a `kind` grammar, given as xgrammar's EBNF, in the child; GrammarError
         for one xgrammar refuses, or past the budget (the child is then killed and a
         fresh one started). `on_start` hears the start of the budget: after the child's
@@ -100,7 +98,7 @@ class CompileProcess:
                 if not self._ready:
                     self._wait_ready()
                 on_start()
-                return self._compile(kind, ebnf)
+                self._compile(kind, ebnf)
             except (EOFError, OSError):  # the child died, or `close` killed it
                 self._kill()
                 if not self._closed:
@@ -116,7 +114,7 @@ class CompileProcess:
         self._conn.recv()
         self._ready = True
 
-    def _compile(self, kind: str, ebnf: str) -> xgr.CompiledGrammar:
+    def _compile(self, kind: str, ebnf: str) -> None:
         assert self._conn is not None and self._process is not None, "started"
         self._conn.send(ebnf)
         deadline = time.monotonic() + self._budget.timeout_s
@@ -134,10 +132,9 @@ class CompileProcess:
                     f"{self._budget.max_memory_bytes >> 20} MiB (--grammar-compile-memory-mb); "
                     "the compile was stopped"
                 )
-        ok, payload = self._conn.recv()
+        ok, message = self._conn.recv()
         if not ok:
-            raise grammar_error(kind, RuntimeError(payload))
-        return xgr.CompiledGrammar.deserialize_json(payload, self._info)
+            raise grammar_error(kind, RuntimeError(message))
 
     def _restart(self) -> None:
         self._kill()

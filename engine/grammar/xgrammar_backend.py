@@ -35,11 +35,11 @@ def parse(kind: str, source: str) -> xgr.Grammar:
 
 
 class XGrammarCompiler:
-    """Token masks for a vocabulary: xgrammar's compiler in `num_processes` children that a
-    compile past its budget is killed with (`compile_process`); its own cache off (the
-    backend's holds each grammar once). JSON schemas compile without free whitespace: a
-    small model given the choice loops on whitespace until max_tokens; and with every
-    string strict JSON (`strict_json`), as tool-call arguments are parsed."""
+    """Token masks for a vocabulary: each grammar compiled first in one of `num_processes`
+    children, killed past its budget (`compile_process`), then here; xgrammar's own cache
+    off (the backend's holds each grammar once). JSON schemas compile without free
+    whitespace: a small model given the choice loops on whitespace until max_tokens; and
+    with every string strict JSON (`strict_json`), as tool-call arguments are parsed."""
 
     name = NAME
 
@@ -56,20 +56,25 @@ class XGrammarCompiler:
             vocab_size=vocab_size,
             stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
         )
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._processes: queue.SimpleQueue[CompileProcess] = queue.SimpleQueue()
         self._all = [CompileProcess(info, budget) for _ in range(num_processes)]
         for process in self._all:
             self._processes.put(process)
 
     def compile(self, kind: str, source: str, on_start: Callable[[], None]) -> xgr.CompiledGrammar:
-        """On a compile thread: parse here (a millisecond, the tokenizer's own check) and
-        compile the grammar's EBNF in a child, waiting for a free one."""
-        ebnf = str(parse(kind, source))
+        """On a compile thread: parse here (a millisecond, the tokenizer's own check),
+        compile in a free child within the budget, then here."""
+        grammar = parse(kind, source)
         process = self._processes.get()
         try:
-            return process.compile(kind, ebnf, on_start)
+            process.check(kind, str(grammar), on_start)
         finally:
             self._processes.put(process)
+        try:
+            return self._compiler.compile_grammar(grammar)
+        except Exception as e:
+            raise grammar_error(kind, e) from None
 
     def new_matcher(self, compiled: xgr.CompiledGrammar) -> XGrammarMatcher:
         return XGrammarMatcher(compiled)
