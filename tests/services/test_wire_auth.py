@@ -34,11 +34,12 @@ from testing.net import all_kv_free, server_info, wait_until
 from tests.services.conftest import keys_env
 
 STREAMS = 8
-MAX_TOKENS = 3072
+MAX_TOKENS = 4096
 """Long enough that the streams still flow once every attack was refused (256 let them finish
 first on an AMX Xeon about one run in three, 1,024 once in a whole suite there, about 4.5 s
-of streams against the attacks' handshakes)."""
-POOL_TOKENS = 32768
+of streams against the attacks' handshakes; 3,072 once in a suite whose servers also start
+xgrammar's compile processes)."""
+POOL_TOKENS = 40960
 """The KV pool: every stream's prompt and tokens at once, so none is retracted."""
 PORTS = {  # ZMQ port flag → the role that legitimately connects to it
     "worker-port": "tokenizer",
